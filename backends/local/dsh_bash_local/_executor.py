@@ -1,0 +1,103 @@
+"""The local backend: commands run as local subprocesses of this process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from typing import Any, Self
+
+from pydantic import ValidationError
+
+from dsh_bash import BashExecutor, BashInfrastructureError, CommandProcess, Killable, Launch, SpillFile
+from dsh_bash._config import config_error_from
+
+from ._config import LocalConfig
+from ._procscan import ProcScanner, signal_marked
+from ._process import spawn_local
+from ._spill import LocalSpillDir
+
+__all__ = ["LocalBashExecutor"]
+
+
+class _Leftovers:
+    """Every live process carrying any marker of one executor."""
+
+    def __init__(self, scanner: ProcScanner) -> None:
+        self._scanner = scanner
+
+    async def signal_all(self, sig: int) -> None:
+        import anyio.to_thread
+
+        for entry in await self._scanner.entries():
+            if entry.alive and entry.marker is not None:
+                await anyio.to_thread.run_sync(signal_marked, entry.pid, self._scanner.prefix, sig, False)
+        self._scanner.invalidate()
+
+    async def remaining(self) -> list[str]:
+        return [str(e.pid) for e in await self._scanner.entries() if e.alive and e.marker is not None]
+
+
+class LocalBashExecutor(BashExecutor):
+    """Runs each command as ``bash --noprofile --norc -c COMMAND`` in a new session on this host."""
+
+    def __init__(self, config: LocalConfig | None = None) -> None:
+        config = config if config is not None else LocalConfig()
+        if config.cwd is None:
+            config = config.model_copy(update={"cwd": os.getcwd()})
+        super().__init__(config)
+        self._local_config = config
+        self._scanner = ProcScanner(self._token)
+        self._spill_dir: LocalSpillDir | None = None
+        self._bash: str | None = None
+
+    @classmethod
+    def from_fields(cls, **fields: Any) -> Self:
+        """Build from plain config fields (the entry point ``local`` resolves to this)."""
+        try:
+            config = LocalConfig(**fields)
+        except ValidationError as exc:
+            raise config_error_from(exc, "local backend config") from None
+        return cls(config)
+
+    @property
+    def config(self) -> LocalConfig:
+        assert isinstance(self._config, LocalConfig)
+        return self._config
+
+    async def _open(self) -> None:
+        self._spill_dir = LocalSpillDir(self._local_config.spill_dir)
+        self._bash = shutil.which(self._local_config.bash)
+
+    async def _release(self) -> None:
+        if self._spill_dir is not None:
+            self._spill_dir.remove()
+            self._spill_dir = None
+
+    def _default_cwd(self) -> str:
+        cwd = self._config.cwd
+        assert cwd is not None
+        return cwd
+
+    def _ambient_env(self) -> Mapping[str, str]:
+        return os.environ
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        if self._bash is None:
+            raise BashInfrastructureError(f"bash not found: {self._local_config.bash!r} is not on PATH")
+        assert self._spill_dir is not None
+        return await spawn_local(
+            launch,
+            bash=self._bash,
+            spill_dir=self._spill_dir,
+            scanner=self._scanner,
+            start_helper=self._start_helper,
+        )
+
+    def _open_spill(self, command_marker: str, stream: str) -> SpillFile:
+        if self._spill_dir is None:
+            raise OSError("the spill directory is gone")
+        return self._spill_dir.new_file(stream)
+
+    def _leftovers(self) -> Killable:
+        return _Leftovers(self._scanner)

@@ -1,0 +1,291 @@
+"""One local command: a fresh bash in a session of its own, read through non-blocking pipes."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import subprocess
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+
+from dsh_bash import BashInfrastructureError, CommandProcess, ExitStatus, Launch, OutputStream
+
+from ._procscan import ProcScanner, signal_marked
+from ._spill import LocalSpillDir
+
+__all__ = ["LocalProcess", "spawn_local"]
+
+# execve refuses a single argument over 128 KiB (MAX_ARG_STRLEN): longer commands go through a file.
+_MAX_INLINE_COMMAND = 100_000
+_FIRST_READ = 64 * 1024
+_BIG_READ = 1024 * 1024
+
+StartHelper = Callable[..., None]
+
+
+def _set_nonblocking(fd: int) -> None:
+    os.set_blocking(fd, False)
+
+
+class LocalProcess(CommandProcess):
+    """The process group ``pgid`` (our unreaped child leads it) plus every process carrying the marker."""
+
+    def __init__(
+        self,
+        popen: subprocess.Popen[bytes],
+        launch: Launch,
+        stdout_fd: int,
+        stderr_fd: int,
+        stdin_fd: int | None,
+        scanner: ProcScanner,
+        start_helper: StartHelper,
+        script: tuple[LocalSpillDir, str] | None,
+    ) -> None:
+        self._popen = popen
+        self._pid = popen.pid
+        self._launch = launch
+        self._fds: dict[int, bool] = {stdout_fd: False, stderr_fd: False}  # fd -> reached EOF
+        self._stdout_fd = stdout_fd
+        self._stderr_fd = stderr_fd
+        self._stdin_fd = stdin_fd
+        self._scanner = scanner
+        self._start_helper = start_helper
+        self._script = script
+        self._reaped = False
+        self._pidfd: int | None
+        try:
+            self._pidfd = os.pidfd_open(self._pid)
+        except OSError:
+            self._pidfd = None
+
+    # -- exit ------------------------------------------------------------------------------------
+
+    def _peek_exit(self) -> ExitStatus | None:
+        """The leader's exit status, leaving it a zombie so its group id stays reserved for us."""
+        result = os.waitid(os.P_PID, self._pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if result is None:
+            return None
+        if result.si_code == os.CLD_EXITED:
+            return ExitStatus(code=result.si_status)
+        return ExitStatus(code=None, signal=result.si_status)
+
+    async def wait(self) -> ExitStatus:
+        if self._pidfd is not None:
+            await anyio.wait_readable(self._pidfd)
+        delay = 0.002
+        while (status := self._peek_exit()) is None:
+            # Without pidfd (old kernels) this polls; with it, a spurious wake-up is all it handles.
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return status
+
+    # -- output ----------------------------------------------------------------------------------
+
+    async def pump_output(self) -> None:
+        async with anyio.create_task_group() as tg:
+            if self._stdin_fd is not None:
+                tg.start_soon(self._write_stdin, self._stdin_fd)
+            tg.start_soon(self._read, self._stdout_fd, self._launch.stdout)
+            await self._read(self._stderr_fd, self._launch.stderr)
+        # The stdin writer may still wait on a reader that never reads; pumping is done either way.
+
+    async def _read(self, fd: int, stream: OutputStream) -> None:
+        size = _FIRST_READ
+        buffer: bytearray | None = None
+        while True:
+            try:
+                if buffer is None:
+                    data: bytes | memoryview = os.read(fd, size)
+                    count = len(data)
+                    if count == _FIRST_READ:
+                        # A heavy stream: switch to one reused large buffer.
+                        buffer = bytearray(_BIG_READ)
+                else:
+                    count = os.readv(fd, [buffer])
+                    data = memoryview(buffer)[:count]
+            except BlockingIOError:
+                await anyio.wait_readable(fd)
+                continue
+            if not count:
+                self._fds[fd] = True
+                return
+            stream.feed(data)
+            # Always yield: a stream that never blocks must not starve timers and other tasks.
+            await anyio.lowlevel.checkpoint()
+
+    async def _write_stdin(self, fd: int) -> None:
+        data = self._launch.spec.stdin
+        assert data is not None
+        view = memoryview(data.encode() if isinstance(data, str) else data)
+        try:
+            while view:
+                try:
+                    written = os.write(fd, view)
+                except BlockingIOError:
+                    await anyio.wait_writable(fd)
+                    continue
+                view = view[written:]
+        except OSError as exc:
+            if exc.errno not in (errno.EPIPE, errno.EBADF):
+                raise
+        finally:
+            self._stdin_fd = None
+            os.close(fd)
+
+    # -- kill ------------------------------------------------------------------------------------
+
+    async def _members(self) -> tuple[bool, list[int]]:
+        """(whether the group is verifiably ours, live marked pids outside the group)."""
+        entries = await self._scanner.entries()
+        marker = self._launch.marker
+        pgid = self._pid
+        group_ours = not self._reaped or any(e.marker == marker and e.pgrp == pgid for e in entries)
+        outside = [e.pid for e in entries if e.alive and e.marker == marker and e.pgrp != pgid]
+        return group_ours, outside
+
+    async def signal_all(self, sig: int) -> None:
+        group_ours, outside = await self._members()
+        if group_ours:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._pid, sig)
+        marker = self._launch.marker
+        for pid in outside:
+            await anyio.to_thread.run_sync(signal_marked, pid, marker, sig, True)
+        self._scanner.invalidate()
+
+    async def remaining(self) -> list[str]:
+        entries = await self._scanner.entries()
+        marker = self._launch.marker
+        pgid = self._pid
+        group_ours = not self._reaped or any(e.marker == marker and e.pgrp == pgid for e in entries)
+        return [
+            str(e.pid)
+            for e in entries
+            if e.alive and (e.marker == marker or (group_ours and e.pgrp == pgid))
+        ]
+
+    # -- release ---------------------------------------------------------------------------------
+
+    async def release(self) -> None:
+        if self._stdin_fd is not None:
+            os.close(self._stdin_fd)
+            self._stdin_fd = None
+        for fd, at_eof in self._fds.items():
+            if at_eof:
+                os.close(fd)
+            else:
+                # Descendants still hold the pipe: keep draining it into the void so their writes
+                # neither block nor die of SIGPIPE, until they close it or the executor closes.
+                self._start_helper(_discard_until_eof, fd)
+        self._fds = {}
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        if self._peek_exit() is not None:
+            os.waitpid(self._pid, 0)
+            self._reaped = True
+            # Tell Popen the child is reaped, so it never waits on a recycled pid.
+            self._popen.returncode = 0
+        if self._script is not None:
+            directory, name = self._script
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=directory.fd)
+
+
+async def _discard_until_eof(fd: int) -> None:
+    try:
+        while True:
+            try:
+                if not os.read(fd, _BIG_READ):
+                    return
+            except BlockingIOError:
+                await anyio.wait_readable(fd)
+    finally:
+        os.close(fd)
+
+
+def _workdir_problem(workdir: str) -> str | None:
+    try:
+        st = os.stat(workdir)
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as exc:
+        return f"cannot be examined: {exc.strerror}"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if not os.access(workdir, os.X_OK):
+        return "cannot be entered (permission denied)"
+    return None
+
+
+async def spawn_local(
+    launch: Launch,
+    *,
+    bash: str,
+    spill_dir: LocalSpillDir,
+    scanner: ProcScanner,
+    start_helper: StartHelper,
+) -> LocalProcess:
+    spec = launch.spec
+    problem = _workdir_problem(spec.workdir)
+    if problem is not None:
+        raise BashInfrastructureError(f"workdir {spec.workdir!r} {problem}")
+    script: tuple[LocalSpillDir, str] | None = None
+    encoded = spec.command.encode("utf-8", "surrogateescape")
+    if len(encoded) > _MAX_INLINE_COMMAND:
+        script_file = spill_dir.new_file("sh")
+        script_file.write(encoded)
+        script_file.close()
+        script = (spill_dir, os.path.basename(script_file.path))
+        argv = [bash, "--noprofile", "--norc", script_file.path]
+    else:
+        argv = [bash, "--noprofile", "--norc", "-c", spec.command]
+
+    opened: list[int] = []
+    try:
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        opened += [out_r, out_w]
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        opened += [err_r, err_w]
+        stdin: Any = subprocess.DEVNULL
+        in_w: int | None = None
+        if spec.stdin is not None:
+            in_r, in_w = os.pipe2(os.O_CLOEXEC)
+            opened += [in_r, in_w]
+            stdin = in_r
+        try:
+            popen = subprocess.Popen(
+                argv,
+                stdin=stdin,
+                stdout=out_w,
+                stderr=err_w,
+                cwd=spec.workdir,
+                env=launch.env,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            raise BashInfrastructureError(
+                f"cannot start {bash!r} in {spec.workdir!r}: {exc.strerror or exc}"
+            ) from exc
+        # The child holds its own copies now; ours must go, or EOF would never come.
+        for fd in (out_w, err_w) + ((stdin,) if in_w is not None else ()):
+            os.close(fd)
+            opened.remove(fd)
+        for fd in (out_r, err_r) + ((in_w,) if in_w is not None else ()):
+            _set_nonblocking(fd)
+    except BaseException:
+        for fd in opened:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if script is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(script[1], dir_fd=spill_dir.fd)
+        raise
+    return LocalProcess(popen, launch, out_r, err_r, in_w, scanner, start_helper, script)
+

@@ -1,0 +1,58 @@
+"""Private spill files on the local filesystem."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import tempfile
+
+__all__ = ["LocalSpillDir", "LocalSpillFile"]
+
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class LocalSpillFile:
+    """One spill file, created 0600 and exclusively inside the 0700 directory (never via a link)."""
+
+    __slots__ = ("_dir", "_fd", "_name", "path")
+
+    def __init__(self, directory: LocalSpillDir, name: str) -> None:
+        self._dir = directory
+        self._name = name
+        self._fd: int | None = os.open(name, _CREATE_FLAGS, 0o600, dir_fd=directory.fd)
+        self.path = os.path.join(directory.path, name)
+
+    def write(self, data: bytes | memoryview) -> None:
+        assert self._fd is not None
+        view = memoryview(data)
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def delete(self) -> None:
+        self.close()
+        try:
+            os.unlink(self._name, dir_fd=self._dir.fd)
+        except FileNotFoundError:
+            pass
+
+
+class LocalSpillDir:
+    """A directory only the owner can enter, under a name nobody can predict; removed at close."""
+
+    def __init__(self, parent: str | None) -> None:
+        self.path = tempfile.mkdtemp(prefix="dsh-bash-", dir=parent)
+        self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+    def new_file(self, suffix: str) -> LocalSpillFile:
+        return LocalSpillFile(self, f"{secrets.token_hex(12)}.{suffix}")
+
+    def remove(self) -> None:
+        os.close(self.fd)
+        shutil.rmtree(self.path, ignore_errors=True)

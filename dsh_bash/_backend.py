@@ -1,0 +1,133 @@
+"""What a backend brings: its own process, kill and spill mechanics, and nothing else.
+
+The executor base class (:class:`dsh_bash.BashExecutor`) owns timeouts, aborts, cancellation,
+outcome classification, output accounting, the environment policy, task bookkeeping and
+listeners. A backend implements the few hooks of the base class and one :class:`CommandProcess`
+per spawned command.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal as _signal
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import anyio
+
+from ._output import OutputStream
+from ._types import BashExecSpec
+
+__all__ = [
+    "MARKER_VAR",
+    "CommandProcess",
+    "ExitStatus",
+    "Killable",
+    "Launch",
+    "kill_sequence",
+    "signal_name",
+]
+
+log = logging.getLogger("dsh_bash")
+
+#: Every command's environment carries ``MARKER_VAR=<executor token>-<command number>``; its
+#: descendants inherit it, so a backend can find them again after they left the process group.
+MARKER_VAR = "DSH_BASH_MARK"
+
+
+@dataclass(frozen=True, slots=True)
+class ExitStatus:
+    """How the command's shell ended: an exit code, or the number of the signal that killed it."""
+
+    code: int | None
+    signal: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """Everything a backend needs to start one command, already decided by the executor."""
+
+    spec: BashExecSpec
+    env: dict[str, str]
+    marker: str
+    stdout: OutputStream
+    stderr: OutputStream
+    background: bool
+
+
+class Killable(Protocol):
+    """A set of processes the kill sequence can signal and watch."""
+
+    async def signal_all(self, sig: int) -> None:
+        """Send ``sig`` to every process of the set that still exists, verifying each belongs to it."""
+
+    async def remaining(self) -> list[str]:
+        """Descriptions (pids) of the processes of the set still alive; empty once all are gone."""
+
+
+class CommandProcess(ABC):
+    """One spawned command, as its backend runs it."""
+
+    #: True for backends that observe a signal death only as exit code 128+n (Docker): the
+    #: executor then reports a signal for 128+n only when it sent signal n itself.
+    signals_as_exit_codes: ClassVar[bool] = False
+
+    @abstractmethod
+    async def wait(self) -> ExitStatus:
+        """Return once the command's shell has exited. Raise BashInfrastructureError if the backend lost it."""
+
+    @abstractmethod
+    async def pump_output(self) -> None:
+        """Feed the launch's stdout and stderr streams until both reach end of file.
+
+        Cancelled by the executor once the drain bound after the shell's exit has passed.
+        """
+
+    @abstractmethod
+    async def signal_all(self, sig: int) -> None:
+        """Send ``sig`` to every process of the command: its group, and those that left it."""
+
+    @abstractmethod
+    async def remaining(self) -> list[str]:
+        """Descriptions of the command's processes still alive (zombies excluded)."""
+
+    async def release(self) -> None:  # noqa: B027 - optional hook: most backends hold something
+        """Free what the command holds (file descriptors, channels). Called once, after it ended."""
+
+
+def signal_name(number: int) -> str:
+    """Python's name for a signal number (``15`` -> ``"SIGTERM"``)."""
+    try:
+        return _signal.Signals(number).name
+    except ValueError:
+        return f"SIG{number}"
+
+
+async def kill_sequence(
+    target: Killable, grace_s: float, what: str, sent: set[int] | None = None
+) -> list[str]:
+    """SIGTERM, then SIGKILL after ``grace_s`` to whatever is left; bounded by about twice ``grace_s``.
+
+    Returns the survivors (logged by pid), which are never waited for any longer.
+    """
+    poll = min(0.05, max(0.005, grace_s / 20))
+    if sent is not None:
+        sent.add(_signal.SIGTERM)
+    await target.signal_all(_signal.SIGTERM)
+    with anyio.move_on_after(grace_s):
+        while await target.remaining():
+            await anyio.sleep(poll)
+        return []
+    if sent is not None:
+        sent.add(_signal.SIGKILL)
+    survivors: list[str] = []
+    with anyio.move_on_after(grace_s):
+        while True:
+            await target.signal_all(_signal.SIGKILL)
+            survivors = await target.remaining()
+            if not survivors:
+                return []
+            await anyio.sleep(poll)
+    log.warning("%s: processes survived SIGKILL and are left behind: %s", what, ", ".join(survivors))
+    return survivors

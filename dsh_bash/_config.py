@@ -1,0 +1,110 @@
+"""Budgets and environment policy fields that every backend's config carries."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Self
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from ._errors import ConfigError
+
+__all__ = ["DEFAULT_ENV_SCRUB", "BudgetConfig", "config_error_from"]
+
+DEFAULT_ENV_SCRUB: tuple[str, ...] = (
+    "*KEY*",
+    "*SECRET*",
+    "*TOKEN*",
+    "*PASSWORD*",
+    "*PASSWD*",
+    "*CREDENTIAL*",
+    "DSH_*",
+)
+
+# The fields that ``reconfigure`` may change on an open executor.
+BUDGET_FIELDS: frozenset[str] = frozenset(
+    {
+        "timeout_ms",
+        "max_timeout_ms",
+        "max_output_bytes",
+        "max_spill_bytes",
+        "max_spill_total_bytes",
+        "grace_ms",
+        "env_scrub",
+        "env_allow",
+    }
+)
+
+
+class BudgetConfig(BaseModel):
+    """Shared budgets (all positive and finite; ``timeout_ms <= max_timeout_ms``) and env policy."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    timeout_ms: float = 120_000
+    max_timeout_ms: float = 600_000
+    max_output_bytes: int = 64_000
+    max_spill_bytes: int = 64 * 1024 * 1024
+    max_spill_total_bytes: int = 1024 * 1024 * 1024
+    grace_ms: float = 3_000
+    cwd: str | None = None
+    env_scrub: tuple[str, ...] = DEFAULT_ENV_SCRUB
+    env_allow: tuple[str, ...] = ()
+
+    @field_validator(
+        "timeout_ms",
+        "max_timeout_ms",
+        "max_output_bytes",
+        "max_spill_bytes",
+        "max_spill_total_bytes",
+        "grace_ms",
+        mode="before",
+    )
+    @classmethod
+    def _positive_finite(cls, value: object) -> object:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"must be a positive finite number, got {value!r}")
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"must be a positive finite number, got {value!r}")
+        return value
+
+    @field_validator("env_scrub", "env_allow", mode="before")
+    @classmethod
+    def _patterns(cls, value: object) -> object:
+        if isinstance(value, str):
+            raise ValueError("must be a list of glob patterns, not a single string")
+        return value
+
+    @field_validator("cwd", mode="after")
+    @classmethod
+    def _cwd(cls, value: str | None) -> str | None:
+        if value is not None and "\x00" in value:
+            raise ValueError("must not contain a NUL character")
+        return value
+
+    @model_validator(mode="after")
+    def _timeout_within_max(self) -> Self:
+        if self.timeout_ms > self.max_timeout_ms:
+            raise ValueError(
+                f"timeout_ms ({self.timeout_ms:g}) must not exceed max_timeout_ms ({self.max_timeout_ms:g})"
+            )
+        return self
+
+    def with_changes(self, **fields: Any) -> Self:
+        """A validated copy with ``fields`` replaced; raises :class:`ConfigError` naming the field."""
+        unknown = sorted(set(fields) - set(type(self).model_fields))
+        if unknown:
+            raise ConfigError(f"{type(self).__name__}: unknown field(s) {', '.join(unknown)}")
+        try:
+            return type(self).model_validate({**self.model_dump(), **fields})
+        except ValidationError as exc:
+            raise config_error_from(exc, type(self).__name__) from None
+
+
+def config_error_from(exc: ValidationError, where: str) -> ConfigError:
+    """Turn pydantic's error into one :class:`ConfigError` that names each bad field and why."""
+    problems = []
+    for error in exc.errors():
+        field = ".".join(str(part) for part in error["loc"]) or "(config)"
+        problems.append(f"{field}: {error['msg']}")
+    return ConfigError(f"{where}: " + "; ".join(problems))

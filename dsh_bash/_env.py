@@ -1,0 +1,64 @@
+"""The environment policy, written once: every backend calls :func:`build_command_env`."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable, Mapping
+from functools import lru_cache
+
+__all__ = ["MODEL_FRIENDLY_ENV", "RC_FILE_VARIABLES", "build_command_env", "is_scrubbed"]
+
+MODEL_FRIENDLY_ENV: Mapping[str, str] = {
+    "NO_COLOR": "1",
+    "TERM": "dumb",
+    "PAGER": "cat",
+    "GIT_PAGER": "cat",
+    "MANPAGER": "cat",
+    "GIT_EDITOR": "true",
+    "GIT_TERMINAL_PROMPT": "0",
+    "DEBIAN_FRONTEND": "noninteractive",
+}
+
+# Non-interactive bash sources $BASH_ENV (and sh-mode bash $ENV): an ambient value would make
+# every command read an rc file, so they are dropped from the ambient set (explicit env may set them).
+RC_FILE_VARIABLES: frozenset[str] = frozenset({"BASH_ENV", "ENV"})
+
+
+@lru_cache(maxsize=64)
+def _compile(patterns: tuple[str, ...]) -> re.Pattern[str] | None:
+    if not patterns:
+        return None
+    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns), re.IGNORECASE)
+
+
+def is_scrubbed(name: str, scrub: Iterable[str], allow: Iterable[str] = ()) -> bool:
+    """True when ``name`` matches a scrub glob (case-insensitively) and no allow glob."""
+    scrub_re = _compile(tuple(scrub))
+    if scrub_re is None or not scrub_re.match(name):
+        return False
+    allow_re = _compile(tuple(allow))
+    return allow_re is None or not allow_re.match(name)
+
+
+def build_command_env(
+    ambient: Mapping[str, str],
+    *,
+    scrub: Iterable[str],
+    allow: Iterable[str] = (),
+    explicit: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The command's environment: scrubbed ambient, then the model-friendly set, then ``explicit``."""
+    scrub_re = _compile(tuple(scrub))
+    allow_re = _compile(tuple(allow))
+    env: dict[str, str] = {}
+    for name, value in ambient.items():
+        if name in RC_FILE_VARIABLES:
+            continue
+        if scrub_re is not None and scrub_re.match(name) and (allow_re is None or not allow_re.match(name)):
+            continue
+        env[name] = value
+    env.update(MODEL_FRIENDLY_ENV)
+    if explicit:
+        env.update(explicit)
+    return env

@@ -1,0 +1,563 @@
+"""The abstract executor: every rule of the contract that is not process mechanics lives here."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import posixpath
+import secrets
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
+from types import TracebackType
+from typing import Any, Literal, Self
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+
+from ._backend import MARKER_VAR, CommandProcess, ExitStatus, Killable, Launch, kill_sequence, signal_name
+from ._config import BUDGET_FIELDS, BudgetConfig
+from ._env import build_command_env
+from ._errors import BashInfrastructureError, ConfigError, ExecutorClosedError, UnknownTaskError
+from ._output import OutputStream, SpillBudget, SpillFile, StreamName, merge_streams
+from ._types import (
+    BashExecRequest,
+    BashExecSpec,
+    BashRunResult,
+    BashTask,
+    BashTaskId,
+    BashTaskRead,
+    EndCause,
+    OwnerToken,
+)
+
+__all__ = ["BashExecutor", "TaskListener"]
+
+log = logging.getLogger("dsh_bash")
+
+TaskListener = Callable[[BashTask], None]
+_KillCause = Literal["timeout", "aborted", "killed", "closed", "cancelled", "lost"]
+_State = Literal["new", "open", "closing", "closed"]
+
+
+class _Command:
+    """Bookkeeping of one spawned command, foreground or background."""
+
+    __slots__ = (
+        "exit",
+        "failure",
+        "finalized",
+        "finished",
+        "finishing",
+        "kill_cause",
+        "kill_done",
+        "launch",
+        "leader_exited",
+        "output_done",
+        "process",
+        "sent_signals",
+        "started_at",
+        "task",
+        "tg",
+        "watch_scope",
+    )
+
+    def __init__(self, launch: Launch, process: CommandProcess, task: BashTask | None, started_at: float):
+        self.launch = launch
+        self.process = process
+        self.task = task
+        self.started_at = started_at
+        self.exit: ExitStatus | None = None
+        self.failure: BashInfrastructureError | None = None
+        self.kill_cause: _KillCause | None = None
+        self.kill_done: anyio.Event | None = None
+        self.sent_signals: set[int] = set()
+        self.leader_exited = False
+        self.finishing = False
+        self.finalized = False
+        self.finished = anyio.Event()
+        self.output_done = anyio.Event()
+        self.watch_scope = anyio.CancelScope()
+        self.tg: anyio.abc.TaskGroup | None = None
+
+    @property
+    def spec(self) -> BashExecSpec:
+        return self.launch.spec
+
+    def classify_exit(self) -> tuple[int | None, str | None]:
+        status = self.exit
+        if status is None:
+            return None, None
+        if status.signal is not None:
+            return None, signal_name(status.signal)
+        code = status.code
+        if (
+            code is not None
+            and code > 128
+            and self.process.signals_as_exit_codes
+            and (code - 128) in self.sent_signals
+        ):
+            return None, signal_name(code - 128)
+        return code, None
+
+
+class BashExecutor(ABC):
+    """An async shell executor. Use as ``async with Executor(config) as ex: ...``.
+
+    Subclasses (backends) implement the hooks below; the public methods are the contract's.
+    """
+
+    def __init__(self, config: BudgetConfig) -> None:
+        self._config = config
+        self._state: _State = "new"
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._closed_event: anyio.Event | None = None
+        self._token = secrets.token_hex(8)
+        self._command_numbers = itertools.count(1)
+        self._task_numbers = itertools.count(1)
+        self._tasks: dict[BashTaskId, _Command] = {}
+        self._live: set[_Command] = set()
+        self._listeners: list[TaskListener] = []
+        self._spill_budget = SpillBudget(config.max_spill_total_bytes)
+        self._helper_scopes: set[anyio.CancelScope] = set()
+
+    # -- hooks a backend implements --------------------------------------------------------------
+
+    @abstractmethod
+    async def _open(self) -> None:
+        """Acquire what the backend needs (connection, container, spill directory)."""
+
+    @abstractmethod
+    async def _release(self) -> None:
+        """Release everything ``_open`` acquired. Called once, after every command was killed."""
+
+    @abstractmethod
+    def _default_cwd(self) -> str:
+        """The working directory of a request without one (may use what ``_open`` learned)."""
+
+    @abstractmethod
+    def _ambient_env(self) -> Mapping[str, str]:
+        """The environment commands would inherit, before the policy scrubs it."""
+
+    @abstractmethod
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        """Start the command; return once it runs. Raise BashInfrastructureError when it cannot start."""
+
+    @abstractmethod
+    def _open_spill(self, command_marker: str, stream: StreamName) -> SpillFile:
+        """Create a new private spill file where commands run. Raise OSError on failure."""
+
+    @abstractmethod
+    def _leftovers(self) -> Killable:
+        """Every process any command of this executor left behind, for the sweep at ``aclose``."""
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> BudgetConfig:
+        return self._config
+
+    async def __aenter__(self) -> Self:
+        if self._state != "new":
+            raise ExecutorClosedError("an executor can be entered only once; create a new one")
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        self._closed_event = anyio.Event()
+        try:
+            await self._open()
+        except BaseException as exc:
+            self._state = "closed"
+            self._closed_event.set()
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(None, None, None)
+            if isinstance(exc, Exception) and not isinstance(exc, BashInfrastructureError | ConfigError):
+                raise BashInfrastructureError(f"{type(self).__name__} could not open: {exc}") from exc
+            raise
+        self._state = "open"
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        try:
+            with anyio.CancelScope(shield=True):
+                await self.aclose()
+        finally:
+            tg, self._tg = self._tg, None
+            if tg is not None:
+                tg.cancel_scope.cancel()
+                # The children are gone; passing the body's exception on would let the task group
+                # wrap it in an ExceptionGroup, so it is left to propagate by itself.
+                await tg.__aexit__(None, None, None)
+        return None
+
+    async def aclose(self) -> None:
+        """Kill everything, wait (bounded), release the backend. Idempotent; callable from any task."""
+        if self._state == "new":
+            self._state = "closed"
+            return
+        if self._state in ("closing", "closed"):
+            assert self._closed_event is not None
+            await self._closed_event.wait()
+            return
+        self._state = "closing"
+        grace_s = self._config.grace_ms / 1000
+        with anyio.CancelScope(shield=True):
+            try:
+                for command in list(self._live):
+                    self._request_kill(command, "closed")
+                with anyio.move_on_after(2 * grace_s + 0.5):
+                    await kill_sequence(self._leftovers(), grace_s, f"{type(self).__name__} leftovers")
+                    for command in list(self._live):
+                        await command.finished.wait()
+                for command in list(self._live):
+                    log.warning("command %s did not finish within the close bound", command.launch.marker)
+                    await self._finalize(command)
+                for scope in list(self._helper_scopes):
+                    scope.cancel()
+                try:
+                    await self._release()
+                except Exception:
+                    log.exception("%s: releasing the backend failed", type(self).__name__)
+            finally:
+                self._state = "closed"
+                assert self._closed_event is not None
+                self._closed_event.set()
+
+    def _ensure_open(self) -> None:
+        if self._state != "open":
+            what = "not entered yet" if self._state == "new" else "closed"
+            raise ExecutorClosedError(f"{type(self).__name__} is {what}")
+
+    def reconfigure(self, **fields: Any) -> None:
+        """Validate new budget values and apply them from the next command on."""
+        not_budget = sorted(set(fields) - BUDGET_FIELDS)
+        if not_budget:
+            raise ConfigError(
+                f"reconfigure: {', '.join(not_budget)} cannot change on a live executor "
+                f"(changeable: {', '.join(sorted(BUDGET_FIELDS))})"
+            )
+        self._config = self._config.with_changes(**fields)
+        self._spill_budget.limit = self._config.max_spill_total_bytes
+
+    # -- the contract's methods -------------------------------------------------------------------
+
+    def resolve(self, request: BashExecRequest) -> BashExecSpec:
+        self._ensure_open()
+        config = self._config
+        cwd = self._default_cwd()
+        workdir = request.workdir
+        if workdir is None:
+            workdir = cwd
+        elif not posixpath.isabs(workdir):
+            workdir = posixpath.join(cwd, workdir)
+        timeout_ms = config.timeout_ms if request.timeout_ms is None else request.timeout_ms
+        return BashExecSpec.model_construct(
+            command=request.command,
+            workdir=workdir,
+            timeout_ms=float(min(timeout_ms, config.max_timeout_ms)),
+            owner=request.owner,
+            signal=request.signal,
+            stdin=request.stdin,
+            env=request.env,
+        )
+
+    async def exec(self, command: str, **request_fields: Any) -> BashRunResult:
+        return await self.run(self.resolve(BashExecRequest(command=command, **request_fields)))
+
+    async def run(self, spec: BashExecSpec) -> BashRunResult:
+        command = await self._launch(spec, background=False)
+        try:
+            await self._supervise(command, spec.timeout_ms / 1000)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._kill_now(command, "cancelled")
+                await self._finalize(command)
+            raise
+        await self._finalize(command)
+        return self._result(command)
+
+    async def start(self, spec: BashExecSpec) -> BashTask:
+        command = await self._launch(spec, background=True)
+        assert command.task is not None and self._tg is not None
+        self._tasks[command.task.id] = command
+        self._tg.start_soon(self._run_background, command)
+        return command.task
+
+    def owner_of(self, task_id: BashTaskId) -> OwnerToken | None:
+        self._ensure_open()
+        command = self._tasks.get(task_id)
+        return None if command is None or command.task is None else command.task.owner
+
+    async def read_output(self, task_id: BashTaskId) -> BashTaskRead:
+        self._ensure_open()
+        command = self._command_for(task_id)
+        await anyio.lowlevel.checkpoint()
+        assert command.task is not None
+        launch = command.launch
+        out_text, out_dropped = launch.stdout.read()
+        err_text, err_dropped = launch.stderr.read()
+        dropped = out_dropped + err_dropped
+        return BashTaskRead.model_construct(
+            task=command.task,
+            delta=merge_streams(out_text, err_text),
+            lossy=dropped > 0,
+            dropped_bytes=dropped,
+            stdout_spill_path=launch.stdout.spill_path,
+            stderr_spill_path=launch.stderr.spill_path,
+        )
+
+    async def kill(self, task_id: BashTaskId) -> bool:
+        self._ensure_open()
+        command = self._command_for(task_id)
+        await anyio.lowlevel.checkpoint()
+        if self._request_kill(command, "killed"):
+            return True
+        # Already ended: what its shell left behind still gets the kill sequence.
+        self._start_helper(
+            kill_sequence, command.process, self._config.grace_ms / 1000, f"leftovers of {task_id}"
+        )
+        return False
+
+    def on_task_done(self, listener: TaskListener) -> Callable[[], None]:
+        self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return unsubscribe
+
+    # -- helpers for backends ----------------------------------------------------------------------
+
+    def _start_helper(self, func: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Run ``func(*args)`` in the executor's task group until it ends or the executor closes."""
+        if self._tg is None:
+            return
+        self._tg.start_soon(self._helper, func, args)
+
+    async def _helper(self, func: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
+        scope = anyio.CancelScope()
+        self._helper_scopes.add(scope)
+        try:
+            with scope:
+                await func(*args)
+        except Exception:
+            log.exception("%s: background helper %s failed", type(self).__name__, func)
+        finally:
+            self._helper_scopes.discard(scope)
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _command_for(self, task_id: BashTaskId) -> _Command:
+        command = self._tasks.get(task_id)
+        if command is None:
+            raise UnknownTaskError(f'unknown bash task "{task_id}"')
+        return command
+
+    async def _launch(self, spec: BashExecSpec, *, background: bool) -> _Command:
+        self._ensure_open()
+        if not isinstance(spec, BashExecSpec):
+            raise TypeError(f"expected a BashExecSpec (resolve a request first), got {type(spec).__name__}")
+        if spec.signal is not None and spec.signal.aborted:
+            raise BashInfrastructureError("the command's abort signal was already aborted; nothing was started")
+        config = self._config
+        marker = f"{self._token}-{next(self._command_numbers)}"
+        env = build_command_env(
+            self._ambient_env(), scrub=config.env_scrub, allow=config.env_allow, explicit=spec.env
+        )
+        env[MARKER_VAR] = marker
+        streams = [
+            OutputStream(
+                name,
+                max_bytes=config.max_output_bytes,
+                max_spill_bytes=config.max_spill_bytes,
+                budget=self._spill_budget,
+                open_spill=partial(self._open_spill, marker, name),
+            )
+            for name in ("stdout", "stderr")
+        ]
+        launch = Launch(
+            spec=spec, env=env, marker=marker, stdout=streams[0], stderr=streams[1], background=background
+        )
+        started_at = time.monotonic()
+        try:
+            process = await self._spawn(launch)
+        except BashInfrastructureError:
+            raise
+        except Exception as exc:
+            raise BashInfrastructureError(f"could not start the command: {exc}") from exc
+        task = None
+        if background:
+            task = BashTask(BashTaskId(f"bash-{next(self._task_numbers)}"), spec.command, spec.owner)
+        command = _Command(launch, process, task, started_at)
+        if self._state != "open":
+            # aclose began while the backend was starting it.
+            with anyio.CancelScope(shield=True):
+                await self._kill_now(command, "closed")
+                await self._finalize(command)
+            raise ExecutorClosedError(f"{type(self).__name__} closed while the command was starting")
+        self._live.add(command)
+        return command
+
+    async def _supervise(self, command: _Command, timeout_s: float | None) -> None:
+        """Run one command to its end: exit, timeout, abort or kill, then the bounded drain."""
+        grace_s = self._config.grace_ms / 1000
+        async with anyio.create_task_group() as tg:
+            command.tg = tg
+            tg.start_soon(self._pump, command)
+            if timeout_s is not None or command.spec.signal is not None:
+                tg.start_soon(self._watch, command, timeout_s)
+            try:
+                command.exit = await command.process.wait()
+            except BashInfrastructureError as exc:
+                command.failure = exc
+            except Exception as exc:
+                command.failure = BashInfrastructureError(f"the backend lost the command: {exc!r}")
+            command.watch_scope.cancel()
+            command.leader_exited = True
+            if command.failure is not None:
+                self._request_kill(command, "lost")
+            if command.kill_done is not None:
+                await command.kill_done.wait()
+            with anyio.move_on_after(grace_s):
+                await command.output_done.wait()
+            command.finishing = True
+            if command.kill_done is not None:
+                await command.kill_done.wait()
+            tg.cancel_scope.cancel()
+
+    async def _pump(self, command: _Command) -> None:
+        try:
+            await command.process.pump_output()
+        except Exception:
+            log.exception("reading the output of command %s failed", command.launch.marker)
+        finally:
+            command.output_done.set()
+
+    async def _watch(self, command: _Command, timeout_s: float | None) -> None:
+        signal = command.spec.signal
+        with command.watch_scope:
+            with anyio.move_on_after(math.inf if timeout_s is None else timeout_s):
+                if signal is None:
+                    await anyio.sleep_forever()
+                else:
+                    await signal.wait()
+                    self._request_kill(command, "aborted")
+                    return
+            self._request_kill(command, "timeout")
+
+    def _request_kill(self, command: _Command, cause: _KillCause) -> bool:
+        """Start the kill sequence unless the command is ending anyway. True if it was still running."""
+        if command.finishing or command.finalized:
+            return False
+        if command.kill_cause is not None:
+            return True
+        command.kill_cause = cause
+        command.kill_done = anyio.Event()
+        tg = command.tg if command.tg is not None else self._tg
+        assert tg is not None
+        tg.start_soon(self._kill_task, command)
+        return True
+
+    async def _kill_task(self, command: _Command) -> None:
+        assert command.kill_done is not None
+        try:
+            await kill_sequence(
+                command.process, self._config.grace_ms / 1000, command.launch.marker, command.sent_signals
+            )
+        except Exception:
+            log.exception("killing command %s failed", command.launch.marker)
+        finally:
+            command.kill_done.set()
+
+    async def _kill_now(self, command: _Command, cause: _KillCause) -> None:
+        """Kill inline (the caller is being cancelled, or the executor closed under a start)."""
+        if command.finalized:
+            return
+        if command.kill_cause is None:
+            command.kill_cause = cause
+        try:
+            with anyio.move_on_after(2 * self._config.grace_ms / 1000 + 0.5):
+                await kill_sequence(
+                    command.process, self._config.grace_ms / 1000, command.launch.marker, command.sent_signals
+                )
+        except Exception:
+            log.exception("killing command %s failed", command.launch.marker)
+
+    async def _run_background(self, command: _Command) -> None:
+        try:
+            await self._supervise(command, None)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._kill_now(command, "closed")
+                await self._finalize(command)
+            raise
+        await self._finalize(command)
+
+    async def _finalize(self, command: _Command) -> None:
+        if command.finalized:
+            return
+        command.finalized = True
+        command.finishing = True
+        with anyio.CancelScope(shield=True):
+            try:
+                await command.process.release()
+            except Exception:
+                log.exception("releasing command %s failed", command.launch.marker)
+        command.launch.stdout.close()
+        command.launch.stderr.close()
+        self._live.discard(command)
+        task = command.task
+        if task is not None:
+            exit_code, signal = command.classify_exit()
+            cause = command.kill_cause
+            end_cause: EndCause
+            if command.failure is not None:
+                end_cause = "lost"
+            elif cause in ("killed", "aborted", "closed"):
+                end_cause = cause
+            elif cause == "cancelled":
+                end_cause = "closed"
+            elif signal is not None:
+                end_cause = "signaled"
+            else:
+                end_cause = "exited"
+            status = "completed" if end_cause in ("exited", "signaled") else "killed"
+            task._finish(status, exit_code, signal, end_cause)
+        command.finished.set()
+        if task is not None and self._state == "open":
+            self._notify(task)
+
+    def _notify(self, task: BashTask) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(task)
+            except Exception:
+                log.exception("a task-done listener raised for %s; ignored", task.id)
+
+    def _result(self, command: _Command) -> BashRunResult:
+        cause = command.kill_cause
+        if cause == "closed":
+            raise ExecutorClosedError(f"{type(self).__name__} closed while the command ran")
+        if command.failure is not None:
+            raise command.failure
+        exit_code, signal = command.classify_exit()
+        launch = command.launch
+        return BashRunResult.model_construct(
+            exit_code=exit_code,
+            signal=signal,
+            timed_out=cause == "timeout",
+            aborted=cause == "aborted",
+            timeout_ms=command.spec.timeout_ms,
+            duration_ms=(time.monotonic() - command.started_at) * 1000,
+            stdout=launch.stdout.collected(),
+            stderr=launch.stderr.collected(),
+        )

@@ -1,0 +1,240 @@
+"""Output accounting, written once for every backend.
+
+A backend pushes raw chunks into an :class:`OutputStream`; the stream keeps the tail in memory,
+counts every byte, decides when a spill file is needed and when it must be given up, and serves
+consuming reads that never split a UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import codecs
+import logging
+from collections.abc import Callable
+from typing import Literal, Protocol
+
+from ._types import CollectedOutput
+
+__all__ = ["OutputStream", "SpillBudget", "SpillFile", "merge_streams"]
+
+log = logging.getLogger("dsh_bash")
+
+StreamName = Literal["stdout", "stderr"]
+
+
+class SpillFile(Protocol):
+    """A file holding a whole stream, where the backend's commands run.
+
+    ``write`` appends (a backend whose commands write the file themselves may make it a no-op);
+    ``close`` ends writing and keeps the file; ``delete`` removes it. Errors are ``OSError``.
+    """
+
+    @property
+    def path(self) -> str: ...
+
+    def write(self, data: bytes | memoryview) -> None: ...
+
+    def close(self) -> None: ...
+
+    def delete(self) -> None: ...
+
+
+class SpillBudget:
+    """The executor-wide cap on bytes held in spill files (``max_spill_total_bytes``)."""
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def reserve(self, size: int) -> bool:
+        if self.used + size > self.limit:
+            return False
+        self.used += size
+        return True
+
+    def release(self, size: int) -> None:
+        self.used = max(0, self.used - size)
+
+
+def _skip_continuation(buffer: bytearray | bytes, start: int) -> int:
+    """Index of the first byte at or after ``start`` that does not continue a UTF-8 sequence."""
+    end = min(len(buffer), start + 3)
+    index = start
+    while index < end and (buffer[index] & 0xC0) == 0x80:
+        index += 1
+    return index
+
+
+class OutputStream:
+    """One stream of one command: bounded tail, exact counts, spill policy and a read cursor."""
+
+    __slots__ = (
+        "_budget",
+        "_decoder",
+        "_open_spill",
+        "_read_pos",
+        "_spill",
+        "_spill_reserved",
+        "_spill_state",
+        "_tail",
+        "closed",
+        "max_bytes",
+        "max_spill_bytes",
+        "name",
+        "total_bytes",
+    )
+
+    def __init__(
+        self,
+        name: StreamName,
+        *,
+        max_bytes: int,
+        max_spill_bytes: int,
+        budget: SpillBudget,
+        open_spill: Callable[[], SpillFile],
+    ) -> None:
+        self.name: StreamName = name
+        self.max_bytes = max_bytes
+        self.max_spill_bytes = max_spill_bytes
+        self.total_bytes = 0
+        self.closed = False
+        self._budget = budget
+        self._open_spill = open_spill
+        self._tail = bytearray()
+        self._spill: SpillFile | None = None
+        self._spill_reserved = 0
+        # "none": not needed yet; "active": holds the whole stream; "lost": deleted or refused, for good.
+        self._spill_state: Literal["none", "active", "lost"] = "none"
+        self._read_pos = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Account for one chunk. The chunk may be a view into a reused buffer: it is copied."""
+        size = len(data)
+        if not size:
+            return
+        self.total_bytes += size
+        if self._spill_state == "active":
+            self._spill_append(data, size)
+        elif self._spill_state == "none" and self.total_bytes > self.max_bytes:
+            # First overflow: nothing was dropped yet, so the tail plus this chunk is the whole stream.
+            self._spill_begin(data)
+        tail = self._tail
+        if size >= self.max_bytes:
+            tail[:] = data[size - self.max_bytes :]
+        else:
+            tail += data
+            excess = len(tail) - self.max_bytes
+            if excess > 0:
+                del tail[:excess]
+
+    def close(self) -> None:
+        """The stream ended (EOF, or the drain bound passed): no more chunks will come."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._spill is not None:
+            try:
+                self._spill.close()
+            except OSError as exc:
+                log.warning("closing %s spill file %s failed: %s", self.name, self._spill.path, exc)
+                self._lose_spill()
+
+    def _spill_begin(self, data: bytes | bytearray | memoryview) -> None:
+        if self.total_bytes > self.max_spill_bytes or not self._budget.reserve(self.total_bytes):
+            self._spill_state = "lost"
+            return
+        self._spill_reserved = self.total_bytes
+        try:
+            spill = self._open_spill()
+        except OSError as exc:
+            log.warning("cannot create a spill file for %s: %s", self.name, exc)
+            self._budget.release(self._spill_reserved)
+            self._spill_reserved = 0
+            self._spill_state = "lost"
+            return
+        self._spill = spill
+        self._spill_state = "active"
+        try:
+            if self._tail:
+                spill.write(self._tail)
+            spill.write(data)
+        except OSError as exc:
+            log.warning("writing %s spill file %s failed: %s", self.name, spill.path, exc)
+            self._lose_spill()
+
+    def _spill_append(self, data: bytes | bytearray | memoryview, size: int) -> None:
+        if self.total_bytes > self.max_spill_bytes or not self._budget.reserve(size):
+            self._lose_spill()
+            return
+        self._spill_reserved += size
+        assert self._spill is not None
+        try:
+            self._spill.write(data)
+        except OSError as exc:
+            log.warning("writing %s spill file %s failed: %s", self.name, self._spill.path, exc)
+            self._lose_spill()
+
+    def _lose_spill(self) -> None:
+        spill, self._spill = self._spill, None
+        self._spill_state = "lost"
+        self._budget.release(self._spill_reserved)
+        self._spill_reserved = 0
+        if spill is not None:
+            try:
+                spill.delete()
+            except OSError as exc:
+                log.warning("deleting %s spill file %s failed: %s", self.name, spill.path, exc)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    @property
+    def truncated(self) -> bool:
+        return self.total_bytes > self.max_bytes
+
+    @property
+    def spill_path(self) -> str | None:
+        """The whole stream's file, once the tail no longer holds it all and while the file exists."""
+        if self._spill_state == "active" and self._spill is not None:
+            return self._spill.path
+        return None
+
+    def collected(self) -> CollectedOutput:
+        """The foreground view: the whole kept tail, decoded."""
+        tail = self._tail
+        start = _skip_continuation(tail, 0) if self.truncated else 0
+        return CollectedOutput(
+            text=bytes(tail[start:]).decode("utf-8", errors="replace"),
+            truncated=self.truncated,
+            spill_path=self.spill_path,
+            total_bytes=self.total_bytes,
+        )
+
+    def read(self) -> tuple[str, int]:
+        """Consume what arrived since the previous read: (text, bytes lost from memory unread)."""
+        tail = self._tail
+        tail_start = self.total_bytes - len(tail)
+        dropped = 0
+        if self._read_pos < tail_start:
+            # A gap: unread bytes left memory. Bytes the decoder held back belong to a character
+            # whose end is gone, so they are lost too; resume at a character boundary.
+            pending = len(self._decoder.getstate()[0])
+            self._decoder.reset()
+            resume = _skip_continuation(tail, 0)
+            dropped = tail_start - self._read_pos + pending + resume
+            self._read_pos = tail_start + resume
+        chunk = bytes(tail[self._read_pos - tail_start :])
+        self._read_pos = self.total_bytes
+        text = self._decoder.decode(chunk, final=self.closed)
+        return text, dropped
+
+
+def merge_streams(stdout_delta: str, stderr_delta: str) -> str:
+    """The background read's one text: stdout, then a ``[stderr]`` line and stderr if it said anything."""
+    if not stderr_delta:
+        return stdout_delta
+    separator = "\n" if stdout_delta and not stdout_delta.endswith("\n") else ""
+    return f"{stdout_delta}{separator}[stderr]\n{stderr_delta}"

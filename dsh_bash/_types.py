@@ -1,0 +1,242 @@
+"""The vocabulary of the seam: requests, specs, results and the live task handle."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any, Literal, NewType
+
+import anyio
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ._abort import AbortSignal
+
+__all__ = [
+    "BashExecRequest",
+    "BashExecSpec",
+    "BashRunResult",
+    "BashTask",
+    "BashTaskId",
+    "BashTaskRead",
+    "BashTaskStatus",
+    "CollectedOutput",
+    "EndCause",
+    "OwnerToken",
+]
+
+BashTaskId = NewType("BashTaskId", str)
+OwnerToken = NewType("OwnerToken", str)
+
+BashTaskStatus = Literal["running", "completed", "killed"]
+EndCause = Literal["exited", "signaled", "killed", "aborted", "closed", "lost"]
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _no_nul(value: str | None, field: str) -> str | None:
+    if value is not None and "\x00" in value:
+        raise ValueError(f"{field} must not contain a NUL character")
+    return value
+
+
+def _check_timeout(value: object) -> float | None:
+    if value is None:
+        return None
+    # bool is an int subclass: refuse it explicitly, as strings are refused.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"timeout_ms must be a positive finite number of milliseconds, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"timeout_ms must be a positive finite number of milliseconds, got {value!r}")
+    return float(value)
+
+
+def _check_env(value: object) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"env must be a mapping of names to strings, got {type(value).__name__}")
+    checked: dict[str, str] = {}
+    for name, item in value.items():
+        if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
+            raise ValueError(f"env name {name!r} is not a shell identifier ([A-Za-z_][A-Za-z0-9_]*)")
+        if not isinstance(item, str):
+            raise ValueError(f"env value of {name} must be a string, got {type(item).__name__}")
+        if "\x00" in item:
+            raise ValueError(f"env value of {name} must not contain a NUL character")
+        checked[name] = item
+    return checked
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True, extra="forbid")
+
+
+class BashExecRequest(_Frozen):
+    """What a caller asks for; optional fields are filled by :meth:`BashExecutor.resolve`."""
+
+    command: str
+    workdir: str | None = None
+    timeout_ms: float | None = None
+    signal: AbortSignal | None = None
+    stdin: str | bytes | None = None
+    env: dict[str, str] | None = None
+    owner: OwnerToken | None = None
+
+    @field_validator("command", mode="after")
+    @classmethod
+    def _command(cls, value: str) -> str:
+        _no_nul(value, "command")
+        return value
+
+    @field_validator("workdir", mode="after")
+    @classmethod
+    def _workdir(cls, value: str | None) -> str | None:
+        return _no_nul(value, "workdir")
+
+    @field_validator("timeout_ms", mode="before")
+    @classmethod
+    def _timeout(cls, value: object) -> float | None:
+        return _check_timeout(value)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, value: object) -> dict[str, str] | None:
+        return _check_env(value)
+
+
+class BashExecSpec(_Frozen):
+    """What the executor acts on: every choice made explicit. ``start`` ignores ``timeout_ms``."""
+
+    command: str
+    workdir: str
+    timeout_ms: float
+    owner: OwnerToken | None
+    signal: AbortSignal | None = None
+    stdin: str | bytes | None = None
+    env: dict[str, str] | None = None
+
+    @field_validator("command", mode="after")
+    @classmethod
+    def _command(cls, value: str) -> str:
+        _no_nul(value, "command")
+        return value
+
+    @field_validator("workdir", mode="after")
+    @classmethod
+    def _workdir(cls, value: str) -> str:
+        _no_nul(value, "workdir")
+        return value
+
+    @field_validator("timeout_ms", mode="before")
+    @classmethod
+    def _timeout(cls, value: object) -> float:
+        checked = _check_timeout(value)
+        if checked is None:
+            raise ValueError("timeout_ms is required on a spec")
+        return checked
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, value: object) -> dict[str, str] | None:
+        return _check_env(value)
+
+
+class CollectedOutput(_Frozen):
+    """One stream of a foreground run: the kept tail as text, and where the whole stream is."""
+
+    text: str
+    truncated: bool
+    spill_path: str | None
+    total_bytes: int = Field(ge=0)
+
+
+class BashRunResult(_Frozen):
+    """The outcome of one foreground run. Each cause is its own field; the first cause wins."""
+
+    exit_code: int | None
+    signal: str | None
+    timed_out: bool
+    aborted: bool
+    timeout_ms: float
+    duration_ms: float
+    stdout: CollectedOutput
+    stderr: CollectedOutput
+
+
+class BashTask:
+    """Live handle of a background task; its fields change once, when the task ends."""
+
+    __slots__ = ("_command", "_done", "_end_cause", "_exit_code", "_id", "_owner", "_signal", "_status")
+
+    def __init__(self, task_id: BashTaskId, command: str, owner: OwnerToken | None) -> None:
+        self._id = task_id
+        self._command = command
+        self._owner = owner
+        self._status: BashTaskStatus = "running"
+        self._exit_code: int | None = None
+        self._signal: str | None = None
+        self._end_cause: EndCause | None = None
+        self._done = anyio.Event()
+
+    @property
+    def id(self) -> BashTaskId:
+        return self._id
+
+    @property
+    def command(self) -> str:
+        return self._command
+
+    @property
+    def owner(self) -> OwnerToken | None:
+        return self._owner
+
+    @property
+    def status(self) -> BashTaskStatus:
+        return self._status
+
+    @property
+    def exit_code(self) -> int | None:
+        return self._exit_code
+
+    @property
+    def signal(self) -> str | None:
+        return self._signal
+
+    @property
+    def end_cause(self) -> EndCause | None:
+        return self._end_cause
+
+    async def wait(self) -> None:
+        """Return once the task has ended; never raises but for the caller's own cancellation."""
+        await self._done.wait()
+
+    def _finish(
+        self, status: BashTaskStatus, exit_code: int | None, signal: str | None, end_cause: EndCause
+    ) -> None:
+        self._status = status
+        self._exit_code = exit_code
+        self._signal = signal
+        self._end_cause = end_cause
+        self._done.set()
+
+    def __repr__(self) -> str:
+        return (
+            f"BashTask(id={self._id!r}, status={self._status!r}, exit_code={self._exit_code!r}, "
+            f"signal={self._signal!r}, end_cause={self._end_cause!r})"
+        )
+
+
+class BashTaskRead(_Frozen):
+    """What one ``read_output`` delivered: output since the previous read, and what was lost."""
+
+    task: BashTask
+    delta: str
+    lossy: bool
+    dropped_bytes: int = Field(ge=0)
+    stdout_spill_path: str | None
+    stderr_spill_path: str | None
+
+    def model_post_init(self, context: Any, /) -> None:
+        if self.lossy != (self.dropped_bytes > 0):
+            raise ValueError("lossy must be true exactly when dropped_bytes > 0")
