@@ -75,7 +75,7 @@ class CommandProcess(ABC):
 
     @abstractmethod
     async def wait(self) -> ExitStatus:
-        """Return once the command's shell has exited. Raise BashInfrastructureError if the backend lost it."""
+        """Return once the shell has exited; raise BashInfrastructureError if the backend lost it."""
 
     @abstractmethod
     async def pump_output(self) -> None:
@@ -116,7 +116,7 @@ async def kill_sequence(
         sent.add(_signal.SIGTERM)
     await target.signal_all(_signal.SIGTERM)
     with anyio.move_on_after(grace_s):
-        while await target.remaining():
+        while await target.remaining():  # noqa: ASYNC110 - processes are polled: nothing notifies their end
             await anyio.sleep(poll)
         return []
     if sent is not None:

@@ -30,6 +30,7 @@ from ._types import (
     BashTask,
     BashTaskId,
     BashTaskRead,
+    BashTaskStatus,
     EndCause,
     OwnerToken,
 )
@@ -345,6 +346,9 @@ class BashExecutor(ABC):
 
     async def _helper(self, func: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
         scope = anyio.CancelScope()
+        if self._state != "open":
+            # Started while closing: run it cancelled, so it only cleans up (its finally blocks).
+            scope.cancel()
         self._helper_scopes.add(scope)
         try:
             with scope:
@@ -367,7 +371,7 @@ class BashExecutor(ABC):
         if not isinstance(spec, BashExecSpec):
             raise TypeError(f"expected a BashExecSpec (resolve a request first), got {type(spec).__name__}")
         if spec.signal is not None and spec.signal.aborted:
-            raise BashInfrastructureError("the command's abort signal was already aborted; nothing was started")
+            raise BashInfrastructureError("the abort signal was already aborted; nothing was started")
         config = self._config
         marker = f"{self._token}-{next(self._command_numbers)}"
         env = build_command_env(
@@ -530,7 +534,7 @@ class BashExecutor(ABC):
                 end_cause = "signaled"
             else:
                 end_cause = "exited"
-            status = "completed" if end_cause in ("exited", "signaled") else "killed"
+            status: BashTaskStatus = "completed" if end_cause in ("exited", "signaled") else "killed"
             task._finish(status, exit_code, signal, end_cause)
         command.finished.set()
         if task is not None and self._state == "open":

@@ -7,14 +7,15 @@ import shutil
 from collections.abc import Mapping
 from typing import Any, Self
 
+import anyio.to_thread
 from pydantic import ValidationError
 
 from dsh_bash import BashExecutor, BashInfrastructureError, CommandProcess, Killable, Launch, SpillFile
 from dsh_bash._config import config_error_from
 
 from ._config import LocalConfig
-from ._procscan import ProcScanner, signal_marked
 from ._process import spawn_local
+from ._procscan import ProcScanner, signal_marked
 from ._spill import LocalSpillDir
 
 __all__ = ["LocalBashExecutor"]
@@ -27,8 +28,6 @@ class _Leftovers:
         self._scanner = scanner
 
     async def signal_all(self, sig: int) -> None:
-        import anyio.to_thread
-
         for entry in await self._scanner.entries():
             if entry.alive and entry.marker is not None:
                 await anyio.to_thread.run_sync(signal_marked, entry.pid, self._scanner.prefix, sig, False)

@@ -39,6 +39,7 @@ class LocalProcess(CommandProcess):
         self,
         popen: subprocess.Popen[bytes],
         launch: Launch,
+        *,
         stdout_fd: int,
         stderr_fd: int,
         stdin_fd: int | None,
@@ -187,7 +188,7 @@ class LocalProcess(CommandProcess):
             os.close(self._pidfd)
             self._pidfd = None
         if self._peek_exit() is not None:
-            os.waitpid(self._pid, 0)
+            os.waitpid(self._pid, 0)  # noqa: ASYNC222 - it has exited: this reaps, it does not wait
             self._reaped = True
             # Tell Popen the child is reaped, so it never waits on a recycled pid.
             self._popen.returncode = 0
@@ -259,7 +260,8 @@ async def spawn_local(
             opened += [in_r, in_w]
             stdin = in_r
         try:
-            popen = subprocess.Popen(
+            # Popen forks (vfork) and execs in the calling thread, as asyncio's own subprocess does.
+            popen = subprocess.Popen(  # noqa: ASYNC220
                 argv,
                 stdin=stdin,
                 stdout=out_w,
@@ -287,5 +289,14 @@ async def spawn_local(
             with contextlib.suppress(OSError):
                 os.unlink(script[1], dir_fd=spill_dir.fd)
         raise
-    return LocalProcess(popen, launch, out_r, err_r, in_w, scanner, start_helper, script)
+    return LocalProcess(
+        popen,
+        launch,
+        stdout_fd=out_r,
+        stderr_fd=err_r,
+        stdin_fd=in_w,
+        scanner=scanner,
+        start_helper=start_helper,
+        script=script,
+    )
 

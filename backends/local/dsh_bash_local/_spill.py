@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -23,7 +24,7 @@ class LocalSpillFile:
         self._fd: int | None = os.open(name, _CREATE_FLAGS, 0o600, dir_fd=directory.fd)
         self.path = os.path.join(directory.path, name)
 
-    def write(self, data: bytes | memoryview) -> None:
+    def write(self, data: bytes | bytearray | memoryview) -> None:
         assert self._fd is not None
         view = memoryview(data)
         while view:
@@ -37,10 +38,8 @@ class LocalSpillFile:
 
     def delete(self) -> None:
         self.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self._name, dir_fd=self._dir.fd)
-        except FileNotFoundError:
-            pass
 
 
 class LocalSpillDir:
