@@ -64,7 +64,11 @@ class BudgetConfig(BaseModel):
     def _positive_finite(cls, value: object) -> object:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"must be a positive finite number, got {value!r}")
-        if not math.isfinite(value) or value <= 0:
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an int too large for a float
+            finite = False
+        if not finite or value <= 0:
             raise ValueError(f"must be a positive finite number, got {value!r}")
         return value
 

@@ -6,10 +6,11 @@ import fnmatch
 import re
 from collections.abc import Iterable, Mapping
 from functools import lru_cache
+from types import MappingProxyType
 
 __all__ = ["MODEL_FRIENDLY_ENV", "RC_FILE_VARIABLES", "build_command_env", "is_scrubbed"]
 
-MODEL_FRIENDLY_ENV: Mapping[str, str] = {
+MODEL_FRIENDLY_ENV: Mapping[str, str] = MappingProxyType({
     "NO_COLOR": "1",
     "TERM": "dumb",
     "PAGER": "cat",
@@ -18,7 +19,7 @@ MODEL_FRIENDLY_ENV: Mapping[str, str] = {
     "GIT_EDITOR": "true",
     "GIT_TERMINAL_PROMPT": "0",
     "DEBIAN_FRONTEND": "noninteractive",
-}
+})
 
 # Non-interactive bash sources $BASH_ENV (and sh-mode bash $ENV): an ambient value would make
 # every command read an rc file, so they are dropped from the ambient set (explicit env may set them).

@@ -57,9 +57,9 @@ class SpillBudget:
         self.used = max(0, self.used - size)
 
 
-def _skip_continuation(buffer: bytearray | bytes, start: int) -> int:
+def _skip_continuation(buffer: bytearray | bytes, start: int, limit: int = 3) -> int:
     """Index of the first byte at or after ``start`` that does not continue a UTF-8 sequence."""
-    end = min(len(buffer), start + 3)
+    end = min(len(buffer), start + limit)
     index = start
     while index < end and (buffer[index] & 0xC0) == 0x80:
         index += 1
@@ -74,6 +74,7 @@ class OutputStream:
         "_decoder",
         "_open_spill",
         "_read_pos",
+        "_skip_left",
         "_spill",
         "_spill_reserved",
         "_spill_state",
@@ -107,6 +108,9 @@ class OutputStream:
         # "none": not needed yet; "active": holds the whole stream; "lost": deleted or refused, for good.
         self._spill_state: Literal["none", "active", "lost"] = "none"
         self._read_pos = 0
+        # After a gap the reader resumes at a character boundary; when the kept tail ended inside
+        # the character's continuation bytes, this many more may still have to be skipped.
+        self._skip_left = 0
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     # -- writing -----------------------------------------------------------------------------
@@ -220,12 +224,19 @@ class OutputStream:
         dropped = 0
         if self._read_pos < tail_start:
             # A gap: unread bytes left memory. Bytes the decoder held back belong to a character
-            # whose end is gone, so they are lost too; resume at a character boundary.
-            pending = len(self._decoder.getstate()[0])
+            # whose remaining bytes are gone, so they are lost too; resume at a character boundary.
+            dropped = tail_start - self._read_pos + len(self._decoder.getstate()[0])
             self._decoder.reset()
-            resume = _skip_continuation(tail, 0)
-            dropped = tail_start - self._read_pos + pending + resume
-            self._read_pos = tail_start + resume
+            self._read_pos = tail_start
+            self._skip_left = 3
+        if self._skip_left:
+            offset = self._read_pos - tail_start
+            resume = _skip_continuation(tail, offset, self._skip_left)
+            skipped = resume - offset
+            dropped += skipped
+            self._read_pos += skipped
+            reached_end = resume == len(tail)
+            self._skip_left = self._skip_left - skipped if reached_end and skipped < self._skip_left else 0
         chunk = bytes(tail[self._read_pos - tail_start :])
         self._read_pos = self.total_bytes
         text = self._decoder.decode(chunk, final=self.closed)

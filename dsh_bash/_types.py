@@ -46,9 +46,13 @@ def _check_timeout(value: object) -> float | None:
     # bool is an int subclass: refuse it explicitly, as strings are refused.
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"timeout_ms must be a positive finite number of milliseconds, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        number = math.inf
+    if not math.isfinite(number) or number <= 0:
         raise ValueError(f"timeout_ms must be a positive finite number of milliseconds, got {value!r}")
-    return float(value)
+    return number
 
 
 def _check_env(value: object) -> dict[str, str] | None:
