@@ -1,0 +1,156 @@
+"""Local-backend behaviour the conformance kit cannot see from outside."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import anyio
+import pytest
+from dsh_bash_local import LocalBashExecutor, LocalConfig
+
+from dsh_bash import BashExecRequest, BashInfrastructureError, ConfigError, ExecutorClosedError
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _alive(marker: str) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as fh:
+                cmdline = fh.read()
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in cmdline and state != b"Z":
+            found.append(int(name))
+    return found
+
+
+@pytest.fixture
+def marker() -> Iterator[str]:
+    value = f"localtest-{os.urandom(6).hex()}"
+    yield value
+    for pid in _alive(value):  # never leave a process behind, even when a test fails
+        os.kill(pid, 9)
+
+
+def _executor(**fields: object) -> LocalBashExecutor:
+    return LocalBashExecutor(LocalConfig(grace_ms=300, **fields))  # type: ignore[arg-type]
+
+
+async def test_leftover_holding_the_pipe_keeps_running_and_can_keep_writing(marker: str) -> None:
+    # The leftover writes after the drain bound: the executor keeps draining, so no SIGPIPE kills it.
+    command = f"bash -c 'for i in $(seq 40); do echo tick; sleep 0.02; done; while :; do sleep 0.05; done' {marker} & echo started"
+    async with _executor() as ex:
+        started = time.monotonic()
+        result = await ex.exec(command)
+        assert time.monotonic() - started < 1.0  # the drain bound, not the leftover's life
+        assert result.stdout.text.startswith("started\n")
+        await anyio.sleep(1.2)  # past the ticks: a SIGPIPE would have killed it by now
+        assert _alive(marker), "the leftover died although nobody killed it"
+    assert not _alive(marker), "aclose left the leftover running"
+
+
+async def test_spill_directory_is_private_and_removed_at_close() -> None:
+    async with _executor(max_output_bytes=10) as ex:
+        result = await ex.exec("printf '%050d' 0")
+        path = result.stdout.spill_path
+        assert path is not None
+        directory = os.path.dirname(path)
+        assert os.stat(directory).st_mode & 0o777 == 0o700
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        with open(path, "rb") as fh:
+            assert fh.read() == b"0" * 50
+    assert not os.path.exists(directory)
+
+
+async def test_spill_dir_config_sets_the_parent(tmp_path: os.PathLike[str]) -> None:
+    async with _executor(spill_dir=str(tmp_path), max_output_bytes=10) as ex:
+        result = await ex.exec("printf '%050d' 0")
+        assert result.stdout.spill_path is not None
+        assert os.path.dirname(os.path.dirname(result.stdout.spill_path)) == str(tmp_path)
+
+
+async def test_long_command_script_file_is_removed_after_the_run() -> None:
+    async with _executor() as ex:
+        result = await ex.exec(": " + "x" * 150_000 + "\necho \"$0\"")
+        script = result.stdout.text.strip()
+        assert result.exit_code == 0
+        assert script.endswith(".sh")
+        assert not os.path.exists(script)
+
+
+async def test_missing_bash_is_an_infrastructure_error() -> None:
+    async with _executor(bash="no-such-shell-anywhere") as ex:
+        with pytest.raises(BashInfrastructureError, match="no-such-shell-anywhere"):
+            await ex.exec("true")
+
+
+async def test_reconfigure_applies_from_the_next_command_and_refuses_bad_values() -> None:
+    async with _executor() as ex:
+        ex.reconfigure(max_output_bytes=5)
+        result = await ex.exec("printf 0123456789")
+        assert result.stdout.text == "56789"
+        assert result.stdout.truncated
+        with pytest.raises(ConfigError, match="grace_ms"):
+            ex.reconfigure(grace_ms=-1)
+        with pytest.raises(ConfigError, match="timeout_ms"):
+            ex.reconfigure(timeout_ms=10**9)  # above max_timeout_ms
+        with pytest.raises(ConfigError, match="cwd"):
+            ex.reconfigure(cwd="/")
+        assert ex.config.max_output_bytes == 5
+        assert ex.config.grace_ms == 300
+
+
+def test_from_fields_names_the_bad_field() -> None:
+    with pytest.raises(ConfigError, match="max_output_bytes"):
+        LocalBashExecutor.from_fields(max_output_bytes=0)
+    with pytest.raises(ConfigError, match="no_such_field"):
+        LocalBashExecutor.from_fields(no_such_field=1)
+
+
+def test_executor_made_outside_a_loop_works_in_one() -> None:
+    ex = _executor()
+
+    async def use() -> str:
+        async with ex:
+            return (await ex.exec("echo ok")).stdout.text
+
+    assert anyio.run(use) == "ok\n"
+
+
+async def test_cwd_defaults_to_the_working_directory_when_made() -> None:
+    ex = _executor()
+    async with ex:
+        spec = ex.resolve(BashExecRequest(command="pwd"))
+        assert spec.workdir == os.getcwd()
+
+
+async def test_entering_twice_is_refused() -> None:
+    ex = _executor()
+    async with ex:
+        pass
+    with pytest.raises(ExecutorClosedError):
+        async with ex:
+            pass
+
+
+async def test_foreground_true_has_no_process_scan_cost() -> None:
+    # The fast path must not scan /proc: 50 runs of `true` well under the cost of 50 scans.
+    async with _executor() as ex:
+        started = time.monotonic()
+        for _ in range(50):
+            assert (await ex.exec("true")).exit_code == 0
+        assert ex._scanner._taken_at < 0  # never scanned
+        assert time.monotonic() - started < 10
