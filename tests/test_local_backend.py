@@ -51,7 +51,8 @@ def _executor(**fields: object) -> LocalBashExecutor:
 
 async def test_leftover_holding_the_pipe_keeps_running_and_can_keep_writing(marker: str) -> None:
     # The leftover writes after the drain bound: the executor keeps draining, so no SIGPIPE kills it.
-    command = f"bash -c 'for i in $(seq 40); do echo tick; sleep 0.02; done; while :; do sleep 0.05; done' {marker} & echo started"
+    ticks = "for i in $(seq 40); do echo tick; sleep 0.02; done"
+    command = f"bash -c '{ticks}; while :; do sleep 0.05; done' {marker} & echo started"
     async with _executor() as ex:
         started = time.monotonic()
         result = await ex.exec(command)
