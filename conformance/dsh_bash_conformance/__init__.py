@@ -1,0 +1,60 @@
+"""dsh_bash_conformance: one suite of checks, written against the executor contract, for any backend.
+
+Describe the backend as a :class:`KitTarget` and call :func:`run_kit`::
+
+    from dsh_bash_conformance import KitTarget, run_kit
+    report = run_kit(KitTarget(name="mine", make_executor=lambda **cfg: MyExecutor(MyConfig(**cfg))))
+    print(report.summary())
+
+Checks are registered with :func:`check` into :data:`CHECKS` (in definition order); each is an
+``async def fn(ctx: CheckContext) -> None`` that raises :class:`CheckFailed` on a violation.
+"""
+
+import importlib
+
+from ._host import find_host_processes, patch_os_environ
+from ._kit import (
+    CHECKS,
+    Check,
+    CheckContext,
+    CheckFailed,
+    CheckKind,
+    CheckOutcome,
+    CheckResult,
+    KitReport,
+    KitTarget,
+    check,
+    run_kit,
+)
+
+# Importing the check modules registers their checks, in this order.
+for _module in (
+    "_checks_outcome",
+    "_checks_processes",
+    "_checks_tasks",
+    "_checks_reads",
+    "_checks_output",
+    "_checks_env",
+    "_checks_listeners",
+    "_checks_closed",
+    "_checks_beyond",
+):
+    importlib.import_module(f"{__name__}.{_module}")
+del _module
+
+
+__all__ = [
+    "CHECKS",
+    "Check",
+    "CheckContext",
+    "CheckFailed",
+    "CheckKind",
+    "CheckOutcome",
+    "CheckResult",
+    "KitReport",
+    "KitTarget",
+    "check",
+    "find_host_processes",
+    "patch_os_environ",
+    "run_kit",
+]

@@ -1,0 +1,177 @@
+"""Checks of the executor's lifecycle: calls outside the block, aclose from anywhere, bounded close."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from functools import partial
+
+import anyio
+
+from dsh_bash import (
+    BashExecRequest,
+    BashExecSpec,
+    BashExecutor,
+    BashInfrastructureError,
+    BashTaskId,
+    DshBashError,
+    ExecutorClosedError,
+    UnknownTaskError,
+)
+
+from ._kit import CheckContext, check
+from ._support import (
+    SLACK_S,
+    Box,
+    alive,
+    elapsed,
+    expect_raises,
+    expect_raises_sync,
+    gone,
+    loop,
+    sh,
+    spawn,
+    wait_task,
+)
+
+GRACE_S = 0.3
+
+
+async def _all_refused(
+    ctx: CheckContext, ex: BashExecutor, spec: BashExecSpec, task_id: BashTaskId, when: str
+) -> None:
+    """Every method of a closed (or never opened) executor raises ExecutorClosedError."""
+    expect_raises_sync(
+        ExecutorClosedError, partial(ex.resolve, BashExecRequest(command="true")), f"resolve {when}"
+    )
+    expect_raises_sync(ExecutorClosedError, partial(ex.owner_of, task_id), f"owner_of {when}")
+    await expect_raises(ExecutorClosedError, partial(ex.run, spec), f"run {when}")
+    await expect_raises(ExecutorClosedError, partial(ex.exec, spec.command), f"exec {when}")
+    await expect_raises(ExecutorClosedError, partial(ex.start, spec), f"start {when}")
+    await expect_raises(ExecutorClosedError, partial(ex.read_output, task_id), f"read_output {when}")
+    await expect_raises(ExecutorClosedError, partial(ex.kill, task_id), f"kill {when}")
+
+
+@check(
+    "closed-executor-refuses-calls",
+    kind="contract",
+    rule="Calls before the block is entered or after the executor closed raise ExecutorClosedError.",
+)
+async def closed_refuses(ctx: CheckContext) -> None:
+    witness = f"/tmp/kit-closed-{secrets.token_hex(8)}"
+    spec = BashExecSpec(command=f"printf x >> {witness}", workdir="/", timeout_ms=5000.0, owner=None)
+    ex = ctx.executor()
+    await _all_refused(ctx, ex, spec, BashTaskId("kit-no-such-task"), "before the block was entered")
+    async with ex:
+        task = await ex.start(ex.resolve(BashExecRequest(command="printf hi")))
+        await wait_task(task, SLACK_S)
+        await ex.aclose()
+        await _all_refused(ctx, ex, spec, task.id, "after aclose, inside the block")
+    await _all_refused(ctx, ex, spec, task.id, "after the block")
+    async with ctx.executor() as probe:
+        state = await sh(probe, f"if [ -e {witness} ]; then echo ran; rm -f {witness}; else echo none; fi")
+    ctx.expect(state == "none\n", "a command given to a closed executor ran anyway")
+
+
+@check(
+    "closed-error-is-infrastructure-error",
+    kind="contract",
+    rule="ExecutorClosedError is a BashInfrastructureError (a DshBashError); UnknownTaskError is a "
+    "DshBashError and a LookupError.",
+)
+async def closed_error_type(ctx: CheckContext) -> None:
+    ex = ctx.executor()
+    error = await expect_raises(ExecutorClosedError, partial(ex.exec, "true"), "exec before the block")
+    ctx.expect(
+        isinstance(error, BashInfrastructureError) and isinstance(error, DshBashError),
+        f"the closed-executor error {type(error).__mro__} is not a BashInfrastructureError",
+    )
+    async with ex:
+        unknown = await expect_raises(
+            UnknownTaskError, partial(ex.kill, BashTaskId("kit-no-such-task")), "kill of an unknown id"
+        )
+        ctx.expect(
+            isinstance(unknown, LookupError) and isinstance(unknown, DshBashError),
+            f"the unknown-task error {type(unknown).__mro__} is not a LookupError and DshBashError",
+        )
+
+
+@check(
+    "aclose-idempotent-from-any-task",
+    kind="contract",
+    rule="`aclose()` may be called from any task, any number of times, also while the block still runs; "
+    "leaving the block afterwards finishes the close.",
+)
+async def aclose_idempotent(ctx: CheckContext) -> None:
+    ex = ctx.executor()
+    mark = ctx.marker()
+    async with ex:
+        task = await ex.start(ex.resolve(BashExecRequest(command=loop(mark, trap_term=True))))
+        await anyio.sleep(0.1)
+        boxes: list[Box[None]] = []
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                boxes.append(spawn(tg, ex.aclose))
+            with anyio.move_on_after(2 * GRACE_S + SLACK_S + 1.0):
+                for box in boxes:
+                    await box.done.wait()
+        for i, box in enumerate(boxes):
+            ctx.expect(
+                box.done.is_set() and box.error is None, f"aclose call {i} from another task {box.describe()}"
+            )
+        await ex.aclose()
+        await expect_raises(ExecutorClosedError, partial(ex.exec, "true"), "exec after aclose")
+        await wait_task(task, SLACK_S, "a task running at aclose")
+    await ex.aclose()
+    await gone(ctx, mark, 0.25, "after aclose, a running task's process")
+
+
+@check(
+    "aclose-bounded",
+    kind="contract",
+    rule="aclose kills every running task and leftover process and waits for them, bounded by about "
+    "twice `grace_ms`.",
+)
+async def aclose_bounded(ctx: CheckContext) -> None:
+    grace_s = 1.0
+    ex = ctx.executor(grace_ms=grace_s * 1000)
+    marks = [ctx.marker() for _ in range(6)]
+    async with ex:
+        for mark in marks[:5]:
+            await ex.start(ex.resolve(BashExecRequest(command=f"{loop(mark, trap_term=True)} & wait")))
+        await ex.exec(f"{loop(marks[5], trap_term=True)} >/dev/null 2>&1 &")
+        await anyio.sleep(0.2)
+        for mark in marks:
+            await alive(ctx, mark, "before aclose, a TERM-ignoring process")
+        started = time.monotonic()
+        await ex.aclose()
+        took = elapsed(started)
+    # Five TERM-ignoring tasks and a leftover, killed one after the other, would take 6 graces.
+    bound = 2 * grace_s + SLACK_S
+    ctx.expect(took <= bound, f"aclose with TERM-ignoring processes took {took:.2f} s (bound {bound:g} s)")
+    for mark in marks:
+        await gone(ctx, mark, 0.25, "right after aclose, a TERM-ignoring process")
+
+
+@check(
+    "aclose-spares-other-executors",
+    kind="contract",
+    rule="aclose kills what this executor's commands started, not the tasks and leftovers of another "
+    "executor.",
+)
+async def aclose_spares_others(ctx: CheckContext) -> None:
+    async with ctx.executor() as keeper:
+        running, leftover, doomed = ctx.marker(), ctx.marker(), ctx.marker()
+        task = await keeper.start(keeper.resolve(BashExecRequest(command=loop(running))))
+        await keeper.exec(f"{loop(leftover)} >/dev/null 2>&1 &")
+        closer = ctx.executor()
+        async with closer:
+            await closer.exec(f"{loop(doomed)} >/dev/null 2>&1 &")
+            await alive(ctx, doomed, "the closing executor's leftover")
+        await gone(ctx, doomed, 0.5, "after aclose, its own leftover")
+        await anyio.sleep(0.1)
+        ctx.expect(task.end_cause is None, f"another executor's aclose ended this task: {task!r}")
+        await alive(ctx, running, "after another executor's aclose, this executor's running task")
+        await alive(ctx, leftover, "after another executor's aclose, this executor's leftover")
+        ok = await sh(keeper, "printf ok")
+        ctx.expect(ok == "ok", f"after another executor's aclose, this one printed {ok!r}")

@@ -1,0 +1,538 @@
+"""Checks of foreground outcomes: exit codes, timeouts, aborts, cancellation, resolve."""
+
+from __future__ import annotations
+
+import inspect
+import posixpath
+import time
+from functools import partial
+
+import anyio
+
+from dsh_bash import (
+    AbortController,
+    BashExecRequest,
+    BashExecSpec,
+    BashExecutor,
+    BashInfrastructureError,
+    BashRunResult,
+    ExecutorClosedError,
+    OwnerToken,
+)
+
+from ._kit import CheckContext, check
+from ._support import (
+    SLACK_S,
+    elapsed,
+    expect_raises,
+    loop,
+    sh,
+    show,
+    spawn,
+    touch,
+    wait_files,
+)
+
+GRACE_S = 0.3  # the kit's default grace_ms, in seconds
+
+
+async def _abort_after(controller: AbortController, delay_s: float) -> None:
+    await anyio.sleep(delay_s)
+    controller.abort("kit")
+
+
+@check(
+    "exit-code-reported",
+    kind="contract",
+    rule="A non-zero exit returns a result; `signal` names the terminating signal and then `exit_code` is "
+    "None, and a plain exit code above 128 is reported as it is.",
+)
+async def exit_code_reported(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        for code in (3, 0, 143):
+            result = await ex.exec(f"exit {code}")
+            ctx.expect(
+                result.exit_code == code
+                and result.signal is None
+                and not result.timed_out
+                and not result.aborted,
+                f"`exit {code}` should report exit_code={code}, signal=None, no flags; got {show(result)}",
+            )
+
+
+@check(
+    "timeout-classified",
+    kind="contract",
+    rule="`timed_out` is true only when the executor's own timeout killed the command; the result "
+    "carries the effective `timeout_ms` and the output produced before the kill.",
+)
+async def timeout_classified(ctx: CheckContext) -> None:
+    async with ctx.executor(timeout_ms=300) as ex:
+        mark = ctx.marker()
+        started = time.monotonic()
+        result = await ex.exec(f"printf 'before\\n'; {loop(mark)}")
+        took = elapsed(started)
+        ctx.expect(
+            result.timed_out, f"a looping command under a 300 ms timeout was not timed out: {show(result)}"
+        )
+        ctx.expect(not result.aborted, f"a timeout kill reported aborted=True: {show(result)}")
+        ctx.expect(
+            result.signal == "SIGTERM" and result.exit_code is None,
+            f"the timed-out shell died of SIGTERM; expected signal='SIGTERM', exit_code=None: {show(result)}",
+        )
+        ctx.expect(
+            result.timeout_ms == 300, f"timeout_ms should be the effective 300, got {result.timeout_ms!r}"
+        )
+        ctx.expect(
+            result.stdout.text == "before\n",
+            f"output printed before the timeout was lost: stdout={result.stdout.text!r}",
+        )
+        ctx.expect(took >= 0.28, f"the command was killed after {took:.3f} s, before its 300 ms timeout")
+        bound = 0.3 + 2 * GRACE_S + SLACK_S
+        ctx.expect(took <= bound, f"the timed-out run returned after {took:.2f} s (bound {bound:.2f} s)")
+        survivors = await ctx.wait_gone(mark, 0.5)
+        ctx.expect(not survivors, f"processes of the timed-out command survive: {survivors}")
+
+
+@check(
+    "timeout-clamped-to-max",
+    kind="contract",
+    rule="resolve fills `timeout_ms` from config and clamps it to `max_timeout_ms`; the run is killed at "
+    "the clamped timeout and reports it.",
+)
+async def timeout_clamped(ctx: CheckContext) -> None:
+    async with ctx.executor(max_timeout_ms=400) as ex:
+        mark = ctx.marker()
+        started = time.monotonic()
+        result = await ex.exec(loop(mark), timeout_ms=60_000)
+        took = elapsed(started)
+        ctx.expect(
+            result.timed_out, f"a 60 s request under max_timeout_ms=400 was not timed out: {show(result)}"
+        )
+        ctx.expect(
+            result.timeout_ms == 400, f"timeout_ms should be the clamped 400, got {result.timeout_ms!r}"
+        )
+        bound = 0.4 + 2 * GRACE_S + SLACK_S
+        ctx.expect(
+            0.38 <= took <= bound, f"the clamped run returned after {took:.2f} s (expected 0.4..{bound:.1f})"
+        )
+
+
+@check(
+    "abort-classified",
+    kind="contract",
+    rule="`aborted` is true only when the spec's signal killed the command.",
+)
+async def abort_classified(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        mark = ctx.marker()
+        controller = AbortController()
+        started = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_abort_after, controller, 0.3)
+            result = await ex.exec(loop(mark), signal=controller.signal)
+        took = elapsed(started)
+        ctx.expect(
+            result.aborted and not result.timed_out,
+            f"an aborted run should report aborted=True, timed_out=False: {show(result)}",
+        )
+        ctx.expect(
+            result.signal == "SIGTERM" and result.exit_code is None,
+            f"the aborted shell died of SIGTERM; expected signal='SIGTERM', exit_code=None: {show(result)}",
+        )
+        ctx.expect(result.timeout_ms == 10_000, f"timeout_ms should be 10000, got {result.timeout_ms!r}")
+        bound = 0.3 + 2 * GRACE_S + SLACK_S
+        ctx.expect(0.28 <= took <= bound, f"the aborted run returned after {took:.2f} s (abort at 0.3 s)")
+        survivors = await ctx.wait_gone(mark, 0.5)
+        ctx.expect(not survivors, f"processes of the aborted command survive: {survivors}")
+
+
+@check(
+    "abort-then-timeout-first-cause-wins",
+    kind="contract",
+    rule="Never both `timed_out` and `aborted`: the first cause wins (an abort, then the timeout expiring "
+    "during the kill's grace).",
+)
+async def abort_then_timeout(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        mark = ctx.marker()
+        controller = AbortController()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_abort_after, controller, 0.1)
+            # Both the shell and its child ignore SIGTERM: the kill lasts the whole grace (0.1..0.4 s),
+            # and the 250 ms timeout expires in the middle of it.
+            result = await ex.exec(
+                f'trap "" TERM; {loop(mark, trap_term=True)}', signal=controller.signal, timeout_ms=250
+            )
+        ctx.expect(
+            result.aborted and not result.timed_out,
+            f"abort came first (0.1 s), timeout later (0.25 s): expected aborted only; got {show(result)}",
+        )
+        ctx.expect(
+            result.signal == "SIGKILL" and result.exit_code is None,
+            f"a TERM-ignoring shell ends by SIGKILL after the grace: {show(result)}",
+        )
+
+
+@check(
+    "timeout-then-abort-first-cause-wins",
+    kind="contract",
+    rule="Never both `timed_out` and `aborted`: the first cause wins (the timeout, then an abort during "
+    "the kill's grace).",
+)
+async def timeout_then_abort(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        mark = ctx.marker()
+        controller = AbortController()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_abort_after, controller, 0.35)
+            result = await ex.exec(
+                f'trap "" TERM; {loop(mark, trap_term=True)}', signal=controller.signal, timeout_ms=200
+            )
+        ctx.expect(
+            result.timed_out and not result.aborted,
+            f"timeout came first (0.2 s), abort during the grace (0.35 s): expected timed_out only; got "
+            f"{show(result)}",
+        )
+        ctx.expect(
+            result.signal == "SIGKILL" and result.exit_code is None,
+            f"a TERM-ignoring shell ends by SIGKILL after the grace: {show(result)}",
+        )
+
+
+@check(
+    "self-signal-reports-neither",
+    kind="contract",
+    rule="A command that kills itself reports neither flag; `signal` names the signal and `exit_code` "
+    "is None.",
+)
+async def self_signal(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        for name in ("TERM", "KILL"):
+            result = await ex.exec(f"kill -{name} $$")
+            ctx.expect(
+                result.signal == f"SIG{name}"
+                and result.exit_code is None
+                and not result.timed_out
+                and not result.aborted,
+                f"`kill -{name} $$` should report signal='SIG{name}', exit_code=None: {show(result)}",
+            )
+
+
+@check(
+    "trapped-term-exit-zero-still-timed-out",
+    kind="contract",
+    rule="`timed_out` is true when the executor's timeout killed the command, even if the command "
+    "trapped SIGTERM and exited 0.",
+)
+async def trapped_term_exit_zero(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        result = await ex.exec("trap 'exit 0' TERM; while :; do sleep 0.05; done", timeout_ms=300)
+        ctx.expect(
+            result.timed_out and not result.aborted and result.exit_code == 0 and result.signal is None,
+            f"expected timed_out=True, exit_code=0, signal=None for a TERM trap that exits 0: {show(result)}",
+        )
+
+
+@check(
+    "resolve-fills-and-carries",
+    kind="contract",
+    rule="resolve is synchronous; it fills `workdir` from config (joining a relative one to the cwd), "
+    "fills `timeout_ms` and clamps it to `max_timeout_ms`, and carries owner, signal, stdin and env.",
+)
+async def resolve_fills(ctx: CheckContext) -> None:
+    base = "/kit-base/cwd"
+    async with ctx.executor(cwd=base, timeout_ms=1234, max_timeout_ms=5000) as ex:
+        ctx.expect(
+            not inspect.iscoroutinefunction(ex.resolve), "resolve must be a plain (synchronous) method"
+        )
+        spec = ex.resolve(BashExecRequest(command="echo hi"))
+        ctx.expect(
+            isinstance(spec, BashExecSpec), f"resolve returned {type(spec).__name__}, not a BashExecSpec"
+        )
+        ctx.expect(
+            spec.command == "echo hi" and spec.workdir == base and spec.timeout_ms == 1234,
+            f"defaults not filled from config: workdir={spec.workdir!r} (want {base!r}), "
+            f"timeout_ms={spec.timeout_ms!r} (want 1234)",
+        )
+        ctx.expect(
+            spec.owner is None and spec.signal is None and spec.stdin is None and spec.env is None,
+            f"a bare request should resolve to no owner/signal/stdin/env: {spec!r}",
+        )
+        rel = ex.resolve(BashExecRequest(command="true", workdir="sub/dir"))
+        ctx.expect(
+            posixpath.normpath(rel.workdir) == f"{base}/sub/dir",
+            f"relative workdir 'sub/dir' should join the cwd {base!r}, got {rel.workdir!r}",
+        )
+        absolute = ex.resolve(BashExecRequest(command="true", workdir="/elsewhere/x"))
+        ctx.expect(absolute.workdir == "/elsewhere/x", f"absolute workdir changed to {absolute.workdir!r}")
+        high = ex.resolve(BashExecRequest(command="true", timeout_ms=99_999))
+        ctx.expect(high.timeout_ms == 5000, f"timeout 99999 should clamp to 5000, got {high.timeout_ms!r}")
+        low = ex.resolve(BashExecRequest(command="true", timeout_ms=150))
+        ctx.expect(low.timeout_ms == 150, f"timeout 150 should stay 150, got {low.timeout_ms!r}")
+        controller = AbortController()
+        owner = OwnerToken("Owner ⚑ token/42 ")
+        env = {"KIT_A": "1", "KIT_B": "two words"}
+        full = ex.resolve(
+            BashExecRequest(command="true", owner=owner, signal=controller.signal, stdin=b"\x00in", env=env)
+        )
+        ctx.expect(full.owner == owner, f"owner not carried verbatim: {full.owner!r}")
+        ctx.expect(
+            full.signal is controller.signal, "the request's AbortSignal was not carried as the same object"
+        )
+        ctx.expect(full.stdin == b"\x00in", f"stdin bytes not carried: {full.stdin!r}")
+        ctx.expect(dict(full.env or {}) == env, f"env not carried: {full.env!r}")
+        text = ex.resolve(BashExecRequest(command="true", stdin="text in"))
+        ctx.expect(text.stdin == "text in", f"stdin text not carried: {text.stdin!r}")
+
+
+@check(
+    "workdir-and-cwd-used",
+    kind="contract",
+    rule="The command runs in the resolved workdir: the configured cwd by default, a relative workdir "
+    "joined to it, an absolute one as given.",
+)
+async def workdir_used(ctx: CheckContext) -> None:
+    async with ctx.executor() as plain:
+        default_dir = plain.resolve(BashExecRequest(command="true")).workdir
+        ctx.expect(posixpath.isabs(default_dir), f"the default workdir {default_dir!r} is not absolute")
+        want = await sh(plain, 'cd "$KIT_DIR" && pwd -P', env={"KIT_DIR": default_dir})
+        got = await sh(plain, "pwd -P")
+        ctx.expect(got == want, f"without a workdir the command ran in {got!r}, not the default {want!r}")
+    async with ctx.executor(cwd="/") as ex:
+        got = await sh(ex, "pwd -P")
+        ctx.expect(got == "/\n", f"with cwd='/' the command ran in {got!r}")
+        tmp = await ctx.tempdir(ex)
+        await sh(ex, f"mkdir '{tmp}/sub'")
+        real = (await sh(ex, f"cd '{tmp}/sub' && pwd -P")).strip()
+        got = await sh(ex, "pwd -P", workdir=f"{tmp}/sub".lstrip("/"))
+        ctx.expect(got == real + "\n", f"relative workdir {tmp.lstrip('/')}/sub ran in {got!r}, not {real!r}")
+        got = await sh(ex, "pwd -P", workdir=f"{tmp}/sub")
+        ctx.expect(got == real + "\n", f"absolute workdir {tmp}/sub ran in {got!r}, not {real!r}")
+        odd = f"{tmp}/sub dir é'$x"
+        await sh(ex, 'mkdir "$KIT_DIR"', env={"KIT_DIR": odd})
+        real = (await sh(ex, 'cd "$KIT_DIR" && pwd -P', env={"KIT_DIR": odd})).strip()
+        got = await sh(ex, "pwd -P", workdir=odd)
+        ctx.expect(got == real + "\n", f"workdir {odd!r} ran in {got!r}, not {real!r}")
+
+
+@check(
+    "pre-aborted-signal-refused",
+    kind="contract",
+    rule="run and start raise BashInfrastructureError when the spec's signal is already aborted, and "
+    "nothing runs.",
+)
+async def pre_aborted(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        tmp = await ctx.tempdir(ex)
+        controller = AbortController()
+        controller.abort("before")
+        run_spec = ex.resolve(BashExecRequest(command=f"printf x > '{tmp}/ran'", signal=controller.signal))
+        await expect_raises(BashInfrastructureError, partial(ex.run, run_spec), "run with an aborted signal")
+        start_spec = ex.resolve(
+            BashExecRequest(command=f"printf x > '{tmp}/started'", signal=controller.signal)
+        )
+        await expect_raises(
+            BashInfrastructureError, partial(ex.start, start_spec), "start with an aborted signal"
+        )
+        await anyio.sleep(0.2)
+        listing = await sh(ex, f"ls -A '{tmp}'")
+        ctx.expect(
+            listing == "", f"a command with an already-aborted signal ran anyway: {tmp} holds {listing!r}"
+        )
+
+
+@check(
+    "unusable-workdir-refused",
+    kind="contract",
+    rule="run and start raise BashInfrastructureError when the command could not be started: a missing "
+    "workdir, or one that is a file.",
+)
+async def unusable_workdir(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        tmp = await ctx.tempdir(ex)
+        await sh(ex, f": > '{tmp}/afile'")
+        for workdir, what in (
+            (f"{tmp}/missing", "a missing workdir"),
+            (f"{tmp}/afile", "a workdir that is a file"),
+        ):
+            spec = ex.resolve(BashExecRequest(command="echo ran", workdir=workdir))
+            await expect_raises(BashInfrastructureError, partial(ex.run, spec), f"run with {what}")
+            await expect_raises(BashInfrastructureError, partial(ex.start, spec), f"start with {what}")
+        ok = await sh(ex, "printf ok")
+        ctx.expect(ok == "ok", f"the executor no longer works after refused workdirs: {ok!r}")
+
+
+async def _cancel_run(
+    ctx: CheckContext,
+    ex: BashExecutor,
+    command: str,
+    *,
+    ready: list[str],
+    mark: str,
+    grace_s: float,
+    what: str,
+) -> None:
+    """Cancel the task awaiting ``run`` once ``ready`` exist; the processes must be gone right after."""
+    scope = anyio.CancelScope()
+    outcome: dict[str, object] = {}
+    done = anyio.Event()
+
+    async def runner() -> None:
+        try:
+            with scope:
+                outcome["result"] = await ex.exec(command)
+            outcome["propagated"] = scope.cancelled_caught
+        except Exception as exc:
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    bound = 2 * grace_s + SLACK_S
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runner)
+        await wait_files(ex, ready)
+        await anyio.sleep(0.05)
+        scope.cancel()
+        with anyio.move_on_after(bound):
+            await done.wait()
+    ctx.expect(done.is_set(), f"{what}: run did not return within {bound:g} s of its cancellation")
+    ctx.expect("error" not in outcome, f"{what}: the cancelled run raised {outcome.get('error')!r}")
+    ctx.expect(
+        outcome.get("propagated") is True,
+        f"{what}: the cancellation did not propagate out of run (it returned {outcome.get('result')!r})",
+    )
+    survivors = await ctx.wait_gone(mark, 0.25)
+    ctx.expect(
+        not survivors, f"{what}: right after the cancellation propagated, processes {survivors} lived on"
+    )
+
+
+@check(
+    "cancel-kills-before-propagating",
+    kind="contract",
+    rule="If the awaiting task is cancelled, the command's processes are killed before the cancellation "
+    "propagates.",
+)
+async def cancel_kills(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        tmp = await ctx.tempdir(ex)
+        mark = ctx.marker()
+        a, b = f"{tmp}/a", f"{tmp}/b"
+        command = f"{loop(mark, prelude=touch(a))} & {loop(mark, trap_term=True, prelude=touch(b))} & wait"
+        await _cancel_run(
+            ctx, ex, command, ready=[a, b], mark=mark, grace_s=GRACE_S, what="a running command"
+        )
+    # Cancelled while the result waits (a long grace) for a child that holds the output pipe.
+    grace_s = 2.0
+    async with ctx.executor(grace_ms=grace_s * 1000) as ex:
+        tmp = await ctx.tempdir(ex)
+        mark = ctx.marker()
+        c = f"{tmp}/c"
+        command = f"{loop(mark, prelude=touch(c))} & echo hi"
+        await _cancel_run(
+            ctx, ex, command, ready=[c], mark=mark, grace_s=grace_s, what="a command draining its output"
+        )
+
+
+@check(
+    "cancel-at-any-moment-leaves-nothing",
+    kind="contract",
+    rule="If the awaiting task is cancelled, the command's processes are killed before the cancellation "
+    "propagates, also when it comes while the command is being started.",
+)
+async def cancel_any_moment(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        for delay_ms in (0, 1, 2, 3, 5, 8, 12, 20, 30, 50, 80):
+            mark = ctx.marker()
+            with anyio.move_on_after(delay_ms / 1000) as scope:
+                result = await ex.exec(f"{loop(mark)} & {loop(mark)} & wait")
+                ctx.fail(f"a looping command returned {show(result)}")
+            ctx.expect(scope.cancelled_caught, f"the cancellation after {delay_ms} ms did not propagate")
+            survivors = await ctx.wait_gone(mark, 0.25)
+            ctx.expect(
+                not survivors,
+                f"cancelled {delay_ms} ms after run was called: processes {survivors} lived on after the "
+                "cancellation propagated",
+            )
+
+
+@check(
+    "aclose-during-run-raises-closed",
+    kind="contract",
+    rule="A `run` in flight when `aclose` begins is killed and raises ExecutorClosedError.",
+)
+async def aclose_during_run(ctx: CheckContext) -> None:
+    ex = ctx.executor()
+    async with ex:
+        tmp = await ctx.tempdir(ex)
+        mark = ctx.marker()
+        a, b = f"{tmp}/a", f"{tmp}/b"
+        command = f"{loop(mark, trap_term=True, prelude=touch(a))} & {loop(mark, prelude=touch(b))} & wait"
+        async with anyio.create_task_group() as tg:
+            box = spawn(tg, ex.exec, command)
+            await wait_files(ex, [a, b])
+            started = time.monotonic()
+            await ex.aclose()
+            took = elapsed(started)
+            with anyio.move_on_after(SLACK_S):
+                await box.done.wait()
+        ctx.expect(box.done.is_set(), "the run in flight did not end within 1 s after aclose returned")
+        ctx.expect(
+            isinstance(box.error, ExecutorClosedError),
+            f"the run in flight during aclose should raise ExecutorClosedError; it {box.describe()}",
+        )
+        bound = 2 * GRACE_S + SLACK_S
+        ctx.expect(took <= bound, f"aclose took {took:.2f} s (bound {bound:.1f} s)")
+        survivors = await ctx.wait_gone(mark, 0.25)
+        ctx.expect(not survivors, f"processes of the run in flight survived aclose: {survivors}")
+
+
+@check(
+    "exec-convenience",
+    kind="contract",
+    rule="exec(command, **request_fields) is run(resolve(BashExecRequest(command=command, ...))).",
+)
+async def exec_convenience(ctx: CheckContext) -> None:
+    async with ctx.executor(cwd="/") as ex:
+        tmp = await ctx.tempdir(ex)
+        await sh(ex, f"mkdir '{tmp}/w'")
+        real = (await sh(ex, f"cd '{tmp}/w' && pwd -P")).strip()
+        result = await ex.exec(
+            'printf "%s|%s|%s" "$KIT_EXEC_VAR" "$(cat)" "$(pwd -P)"',
+            workdir=f"{tmp}/w".lstrip("/"),
+            timeout_ms=4321,
+            stdin="from-stdin",
+            env={"KIT_EXEC_VAR": "from-env"},
+        )
+        ctx.expect(
+            isinstance(result, BashRunResult) and result.stdout.text == f"from-env|from-stdin|{real}",
+            f"exec did not apply env, stdin and workdir: {show(result)}",
+        )
+        ctx.expect(result.timeout_ms == 4321, f"exec's timeout_ms=4321 not applied: {result.timeout_ms!r}")
+        mark = ctx.marker()
+        result = await ex.exec(loop(mark), timeout_ms=200)
+        ctx.expect(result.timed_out, f"exec(timeout_ms=200) did not time out: {show(result)}")
+
+
+@check(
+    "duration-plausible",
+    kind="contract",
+    rule="`duration_ms` is the run's duration.",
+)
+async def duration_plausible(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        started = time.monotonic()
+        result = await ex.exec("sleep 0.3")
+        wall_ms = elapsed(started) * 1000
+        ctx.expect(
+            290 <= result.duration_ms <= wall_ms + 20,
+            f"`sleep 0.3` reported duration_ms={result.duration_ms:.1f} (wall clock {wall_ms:.1f} ms)",
+        )
+        started = time.monotonic()
+        result = await ex.exec("true")
+        wall_ms = elapsed(started) * 1000
+        ctx.expect(
+            0 <= result.duration_ms <= wall_ms + 20,
+            f"`true` reported duration_ms={result.duration_ms:.1f} (wall clock {wall_ms:.1f} ms)",
+        )

@@ -1,0 +1,347 @@
+"""Checks of process mechanics: stdin, rc files, sessions, kills, the drain bound, concurrency."""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+import anyio
+
+from dsh_bash import BashExecRequest, BashRunResult
+
+from ._kit import CheckContext, check
+from ._support import (
+    SLACK_S,
+    Box,
+    alive,
+    elapsed,
+    gone,
+    loop,
+    read_to_end,
+    sh,
+    show,
+    show_task,
+    spawn,
+    touch,
+    wait_files,
+    wait_task,
+)
+
+GRACE_S = 0.3
+
+
+@check(
+    "stdin-empty-by-default",
+    kind="contract",
+    rule="Stdin is empty (`/dev/null`) unless `spec.stdin` is given.",
+)
+async def stdin_empty(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        started = time.monotonic()
+        result = await ex.exec("cat; printf 'cat=%s ' $?; read -r line; printf 'read=%s' $?", timeout_ms=3000)
+        took = elapsed(started)
+        ctx.expect(
+            result.stdout.text == "cat=0 read=1" and not result.timed_out,
+            f"with no stdin, `cat` should end at once and `read` hit end of file: {show(result)}",
+        )
+        ctx.expect(took < 2.0, f"reading an empty stdin took {took:.2f} s")
+        task = await ex.start(ex.resolve(BashExecRequest(command="cat; printf 'cat=%s' $?")))
+        await wait_task(task, 2.0, "a background `cat` with no stdin")
+        delta = await read_to_end(ctx, ex, task.id)
+        ctx.expect(delta == "cat=0", f"background `cat` with no stdin printed {delta!r}, expected 'cat=0'")
+
+
+@check(
+    "stdin-delivered",
+    kind="contract",
+    rule="When `spec.stdin` is given (str or bytes) it is written to the command's stdin and closed.",
+)
+async def stdin_delivered(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        text = "héllo\nwörld"
+        result = await ex.exec("cat", stdin=text)
+        ctx.expect(result.stdout.text == text, f"stdin text came back as {result.stdout.text!r}")
+        result = await ex.exec("wc -c", stdin=b"a\x00b\xffc")
+        ctx.expect(result.stdout.text.strip() == "5", f"5 stdin bytes counted as {result.stdout.text!r}")
+        result = await ex.exec("cat", stdin=b"a\x00b")
+        ctx.expect(result.stdout.text == "a\x00b", f"stdin bytes came back as {result.stdout.text!r}")
+        big = "x" * 300_000
+        result = await ex.exec("wc -c", stdin=big)
+        ctx.expect(
+            result.stdout.text.strip() == "300000",
+            f"300000 stdin bytes arrived as {result.stdout.text.strip()!r} bytes ({show(result)})",
+        )
+        started = time.monotonic()
+        result = await ex.exec("exit 0", stdin="z" * 2_000_000)
+        took = elapsed(started)
+        ctx.expect(
+            result.exit_code == 0 and took < 2.0,
+            f"a command that never reads its 2 MB stdin: {show(result)} after {took:.2f} s",
+        )
+        task = await ex.start(ex.resolve(BashExecRequest(command="cat", stdin="bg-in\n")))
+        await wait_task(task, 2.0, "background `cat` with stdin")
+        delta = await read_to_end(ctx, ex, task.id)
+        ctx.expect(delta == "bg-in\n", f"background stdin came back as {delta!r}")
+
+
+@check(
+    "no-rc-files",
+    kind="contract",
+    rule="Every call runs a fresh, non-interactive `bash` that reads no rc files.",
+)
+async def no_rc_files(ctx: CheckContext) -> None:
+    token = secrets.token_hex(6)
+    home = f"/tmp/kit-home-{token}"
+    bash_env = f"/tmp/kit-bashenv-{token}"
+    probe = "shopt -q login_shell && echo login; case $- in *i*) echo interactive;; esac; echo done"
+    rc_names = (".bashrc", ".bash_profile", ".bash_login", ".profile")
+    setup = f"mkdir -p {home} && printf 'echo KIT-RC-RAN:bash_env\\n' > {bash_env} && " + " && ".join(
+        f"printf 'echo KIT-RC-RAN:{name}\\n' > {home}/{name}" for name in rc_names
+    )
+    with ctx.plant_ambient({"BASH_ENV": bash_env, "ENV": bash_env, "HOME": home}):
+        async with ctx.executor() as ex:
+            # The rc files are written by the first command, where the executor's commands run.
+            await ex.exec(setup)
+            try:
+                result = await ex.exec(probe)
+                ctx.expect(
+                    result.stdout.text == "done\n" and result.stderr.text == "",
+                    f"the command's shell read an rc file or is login/interactive: {show(result)}",
+                )
+                task = await ex.start(ex.resolve(BashExecRequest(command=probe)))
+                await wait_task(task, 2.0)
+                delta = await read_to_end(ctx, ex, task.id)
+                ctx.expect(
+                    delta == "done\n", f"a background shell read an rc file or is interactive: {delta!r}"
+                )
+            finally:
+                await ex.exec(f"rm -rf {home} {bash_env}")
+
+
+_SESSION_PROBE = (
+    'read -r stat < /proc/$$/stat; rest=${stat##*) }; set -- $rest; printf "%s %s %s" "$$" "$3" "$4"'
+)
+
+
+@check(
+    "own-session-and-group",
+    kind="contract",
+    rule="Every call runs in a process group (session) of its own.",
+)
+async def own_session(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        result = await ex.exec(_SESSION_PROBE)
+        parts = result.stdout.text.split()
+        ctx.expect(
+            len(parts) == 3 and parts[0] == parts[1] == parts[2],
+            f"the command's shell should lead its own group and session (pid == pgrp == sid), "
+            f"got 'pid pgrp sid' = {result.stdout.text!r} ({show(result)})",
+        )
+        task = await ex.start(ex.resolve(BashExecRequest(command=_SESSION_PROBE)))
+        await wait_task(task, 2.0)
+        parts = (await read_to_end(ctx, ex, task.id)).split()
+        ctx.expect(
+            len(parts) == 3 and parts[0] == parts[1] == parts[2],
+            f"a background shell should lead its own group and session, got {parts!r}",
+        )
+
+
+@check(
+    "kill-kills-whole-group",
+    kind="contract",
+    rule="Killing means every process of the command: SIGTERM to the group, including children.",
+)
+async def kill_whole_group(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        tmp = await ctx.tempdir(ex)
+        mark = ctx.marker()
+        a, b = f"{tmp}/a", f"{tmp}/b"
+        task = await ex.start(
+            ex.resolve(
+                BashExecRequest(
+                    command=f"{loop(mark, prelude=touch(a))} & {loop(mark, prelude=touch(b))} & wait"
+                )
+            )
+        )
+        await wait_files(ex, [a, b])
+        ctx.expect(await ex.kill(task.id) is True, "kill of a running task did not return True")
+        await wait_task(task, GRACE_S + SLACK_S, "killed task")
+        await gone(ctx, mark, 0.5, "after kill")
+        ctx.expect(
+            task.status == "killed" and task.end_cause == "killed",
+            f"a killed task should end status='killed', end_cause='killed': {show_task(task)}",
+        )
+
+
+@check(
+    "kill-escalates-after-grace",
+    kind="contract",
+    rule="SIGTERM to the group first, then SIGKILL after `grace_ms` to whatever is left, including "
+    "members that trap SIGTERM.",
+)
+async def kill_escalates(ctx: CheckContext) -> None:
+    grace_s = 0.8
+    async with ctx.executor(grace_ms=grace_s * 1000) as ex:
+        tmp = await ctx.tempdir(ex)
+        polite, stubborn = ctx.marker(), ctx.marker()
+        seen = f"{tmp}/term-seen"
+        a, b = f"{tmp}/a", f"{tmp}/b"
+        polite_cmd = loop(polite, prelude=f"trap 'printf got-term > {seen}; exit 0' TERM; {touch(a)}")
+        command = f"{polite_cmd} & {loop(stubborn, trap_term=True, prelude=touch(b))} & wait"
+        task = await ex.start(ex.resolve(BashExecRequest(command=command)))
+        await wait_files(ex, [a, b])
+        killed_at = time.monotonic()
+        ctx.expect(await ex.kill(task.id) is True, "kill of a running task did not return True")
+        await gone(ctx, polite, 0.5 * grace_s, "a member that exits on SIGTERM, within half the grace")
+        since = elapsed(killed_at)
+        if since < 0.6 * grace_s:
+            await alive(
+                ctx,
+                stubborn,
+                f"{since:.2f} s after kill (grace {grace_s} s), a SIGTERM-ignoring member "
+                "was already gone: SIGKILL came before the grace ran out",
+            )
+        await gone(ctx, stubborn, grace_s + SLACK_S, "a SIGTERM-ignoring member after the grace")
+        await wait_task(task, SLACK_S, "killed task")
+        got = await sh(ex, f"cat {seen}")
+        ctx.expect(got == "got-term", f"the member trapping TERM did not record a SIGTERM: {got!r}")
+
+
+@check(
+    "kill-reaches-group-after-leader-exit",
+    kind="contract",
+    rule="The kill sequence reaches members that trap SIGTERM even after the group leader has exited.",
+)
+async def kill_after_leader_exit(ctx: CheckContext) -> None:
+    grace_s = 1.0
+    async with ctx.executor(grace_ms=grace_s * 1000) as ex:
+        tmp = await ctx.tempdir(ex)
+        mark = ctx.marker()
+        a = f"{tmp}/a"
+        # The leader exits at once; its TERM-ignoring child keeps the output pipes open, so the task
+        # is still draining when it is killed.
+        task = await ex.start(
+            ex.resolve(BashExecRequest(command=f"{loop(mark, trap_term=True, prelude=touch(a))} & exit 0"))
+        )
+        await wait_files(ex, [a])
+        await ex.kill(task.id)
+        await gone(ctx, mark, grace_s + SLACK_S, "a TERM-ignoring member whose leader had exited, after kill")
+        await wait_task(task, SLACK_S)
+
+
+@check(
+    "bounded-drain",
+    kind="contract",
+    rule="Once the command's shell has exited, descendants that still hold the output pipes get at most "
+    "`grace_ms` more; they keep running until a kill of that task or `aclose`.",
+)
+async def bounded_drain(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        mark = ctx.marker()
+        started = time.monotonic()
+        result = await ex.exec(f"{loop(mark)} & echo hi")
+        took = elapsed(started)
+        bound = GRACE_S + SLACK_S
+        ctx.expect(
+            took <= bound, f"a command whose child holds stdout returned after {took:.2f} s (bound {bound:g})"
+        )
+        ctx.expect(
+            result.stdout.text == "hi\n" and result.exit_code == 0 and not result.timed_out,
+            f"expected stdout 'hi\\n', exit 0: {show(result)}",
+        )
+        await alive(ctx, mark, "the child holding the pipe should keep running after the result")
+        other = ctx.marker()
+        task = await ex.start(ex.resolve(BashExecRequest(command=f"{loop(other)} & echo hi")))
+        await wait_task(task, bound, "a background task whose child holds stdout")
+        delta = await read_to_end(ctx, ex, task.id)
+        ctx.expect(
+            delta == "hi\n" and task.status == "completed" and task.exit_code == 0,
+            f"expected the task to complete with exit 0 and output 'hi\\n': {show_task(task)}, {delta!r}",
+        )
+        await alive(ctx, other, "the background task's child should keep running after the task ended")
+    await gone(ctx, mark, 0.5, "after aclose, the foreground command's child")
+    await gone(ctx, other, 0.5, "after aclose, the background task's child")
+
+
+@check(
+    "aclose-kills-leftovers",
+    kind="contract",
+    rule="aclose kills every process the executor's commands left behind (a `server &` of a finished "
+    "command, even one that traps SIGTERM).",
+)
+async def aclose_kills_leftovers(ctx: CheckContext) -> None:
+    ex = ctx.executor()
+    async with ex:
+        fg, bg = ctx.marker(), ctx.marker()
+        result = await ex.exec(f"{loop(fg, trap_term=True)} >/dev/null 2>&1 & echo started")
+        ctx.expect(result.stdout.text == "started\n", f"unexpected result: {show(result)}")
+        task = await ex.start(
+            ex.resolve(BashExecRequest(command=f"{loop(bg, trap_term=True)} >/dev/null 2>&1 & echo started"))
+        )
+        await wait_task(task, SLACK_S)
+        await alive(ctx, fg, "the foreground command's server")
+        await alive(ctx, bg, "the background task's server")
+        await ex.aclose()
+    await gone(ctx, fg, 0.25, "right after aclose, the server a finished foreground command left")
+    await gone(ctx, bg, 0.25, "right after aclose, the server a finished background task left")
+
+
+@check(
+    "timeout-kills-children",
+    kind="contract",
+    rule="A timeout kills every process of the command: its children too, including one that traps SIGTERM.",
+)
+async def timeout_kills_children(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        tmp = await ctx.tempdir(ex)
+        mark = ctx.marker()
+        a, b = f"{tmp}/a", f"{tmp}/b"
+        command = f"{loop(mark, prelude=touch(a))} & {loop(mark, trap_term=True, prelude=touch(b))} & wait"
+        started = time.monotonic()
+        result = await ex.exec(command, timeout_ms=400)
+        took = elapsed(started)
+        ctx.expect(result.timed_out, f"the command was not timed out: {show(result)}")
+        bound = 0.4 + 2 * GRACE_S + SLACK_S
+        ctx.expect(took <= bound, f"the timed-out run returned after {took:.2f} s (bound {bound:g})")
+        await wait_files(ex, [a, b], within_s=0.5)  # both children had really started
+        await gone(ctx, mark, 0.5, "after the timeout, the command's children")
+
+
+@check(
+    "long-command-runs",
+    kind="contract",
+    rule="Any command string runs, including one longer than the 128 KiB limit of one execve argument.",
+)
+async def long_command(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        command = f"v='{'a' * 150_000}'; printf '%s' \"${{#v}}\""
+        result = await ex.exec(command)
+        ctx.expect(result.stdout.text == "150000", f"a 150 KB command failed: {show(result)}")
+        task = await ex.start(ex.resolve(BashExecRequest(command=command)))
+        await wait_task(task, 3.0)
+        delta = await read_to_end(ctx, ex, task.id)
+        ctx.expect(delta == "150000", f"a 150 KB background command printed {delta[:200]!r}")
+
+
+@check(
+    "concurrent-runs",
+    kind="contract",
+    rule="Concurrent runs on one executor each get their own, correct result.",
+)
+async def concurrent_runs(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        boxes: list[Box[BashRunResult]] = []
+        async with anyio.create_task_group() as tg:
+            for i in range(20):
+                command = f"printf 'out-{i}'; sleep 0.2; printf 'err-{i}' >&2; exit {i % 7}"
+                boxes.append(spawn(tg, ex.exec, command))
+        for i, box in enumerate(boxes):
+            result = box.value
+            ctx.expect(result is not None, f"concurrent run {i} {box.describe()}")
+            assert result is not None
+            ctx.expect(
+                result.stdout.text == f"out-{i}"
+                and result.stderr.text == f"err-{i}"
+                and result.exit_code == i % 7,
+                f"concurrent run {i} got someone else's result or lost output: {show(result)}",
+            )

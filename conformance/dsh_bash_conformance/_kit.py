@@ -1,0 +1,374 @@
+"""The kit's harness: targets, the check registry, the per-check context and the runner."""
+
+from __future__ import annotations
+
+import secrets
+import shlex
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, NoReturn
+
+import anyio
+import anyio.to_thread
+
+from dsh_bash import BashExecutor
+
+from ._host import find_host_processes, patch_os_environ
+
+__all__ = [
+    "CHECKS",
+    "Check",
+    "CheckContext",
+    "CheckFailed",
+    "CheckKind",
+    "CheckOutcome",
+    "CheckResult",
+    "KitReport",
+    "KitTarget",
+    "check",
+    "run_kit",
+]
+
+CheckKind = Literal["contract", "beyond"]
+CheckOutcome = Literal["passed", "failed", "error", "hung"]
+CheckFn = Callable[["CheckContext"], Awaitable[None]]
+
+#: The budgets every executor a check creates starts from; a check's overrides win.
+EXECUTOR_DEFAULTS: Mapping[str, Any] = {"grace_ms": 300, "timeout_ms": 10_000}
+
+#: How long the kit's own cleanup after a check may take (killing leftovers, removing temp dirs).
+_CLEANUP_TIMEOUT_S = 15.0
+
+_KIT_DIR = str(Path(__file__).resolve().parent)
+
+
+@dataclass(frozen=True)
+class KitTarget:
+    """A backend under test.
+
+    ``make_executor(**config_overrides)`` returns a new, unopened executor; the overrides are
+    :class:`dsh_bash.BudgetConfig` field names. ``plant_ambient(variables)`` is a context manager
+    under which executors created inside the block see ``variables`` in their ambient
+    environment. ``find_processes(marker)`` lists the live (non-zombie) processes, where the
+    backend's commands run, whose command line contains ``marker`` (pids as seen there).
+    """
+
+    name: str
+    make_executor: Callable[..., BashExecutor]
+    plant_ambient: Callable[[Mapping[str, str]], AbstractContextManager[None]] = patch_os_environ
+    find_processes: Callable[[str], list[int]] = find_host_processes
+    anyio_backend: str = "asyncio"
+    check_timeout_s: float = 30.0
+
+
+class CheckFailed(Exception):
+    """A check observed behaviour the contract forbids."""
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    kind: CheckKind
+    rule: str
+    fn: CheckFn
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    kind: CheckKind
+    rule: str
+    outcome: CheckOutcome
+    message: str
+    duration_s: float
+
+
+#: Every registered check, by name, in definition order.
+CHECKS: dict[str, Check] = {}
+
+
+def check(name: str, *, kind: CheckKind, rule: str) -> Callable[[CheckFn], CheckFn]:
+    """Register ``async def fn(ctx: CheckContext) -> None`` as a check."""
+    if kind not in ("contract", "beyond"):
+        raise ValueError(f"check {name!r}: kind must be 'contract' or 'beyond', not {kind!r}")
+
+    def register(fn: CheckFn) -> CheckFn:
+        if name in CHECKS:
+            raise ValueError(f"a check named {name!r} is already registered")
+        CHECKS[name] = Check(name=name, kind=kind, rule=rule, fn=fn)
+        return fn
+
+    return register
+
+
+class CheckContext:
+    """What a check works with: executors of the target, markers, expectations, process probes."""
+
+    def __init__(self, target: KitTarget, current: Check) -> None:
+        self.target = target
+        self.check = current
+        self._markers: list[str] = []
+        self._tempdirs: list[str] = []
+
+    # -- executors and markers ----------------------------------------------------------------
+
+    def executor(self, **overrides: Any) -> BashExecutor:
+        """A new, unopened executor of the target with fast defaults (grace 300 ms, timeout 10 s)."""
+        fields = dict(EXECUTOR_DEFAULTS)
+        if "max_timeout_ms" in overrides and "timeout_ms" not in overrides:
+            fields["timeout_ms"] = min(fields["timeout_ms"], overrides["max_timeout_ms"])
+        fields.update(overrides)
+        return self.target.make_executor(**fields)
+
+    def marker(self) -> str:
+        """A unique string to put in a command line and find the process by (``kitmark-<hex>``)."""
+        mark = f"kitmark-{secrets.token_hex(6)}"
+        self._markers.append(mark)
+        return mark
+
+    def plant_ambient(self, variables: Mapping[str, str]) -> AbstractContextManager[None]:
+        """Executors created inside the block see ``variables`` in their ambient environment."""
+        return self.target.plant_ambient(variables)
+
+    async def tempdir(self, ex: BashExecutor) -> str:
+        """A new directory where ``ex`` runs its commands, removed by the kit after the check."""
+        result = await ex.exec("mktemp -d")
+        path = result.stdout.text.strip()
+        if result.exit_code != 0 or not path.startswith("/"):
+            raise CheckFailed(
+                f"could not create a temporary directory with mktemp -d: exit {result.exit_code}, "
+                f"stdout {result.stdout.text!r}, stderr {result.stderr.text!r}"
+            )
+        self._tempdirs.append(path)
+        return path
+
+    # -- expectations ---------------------------------------------------------------------------
+
+    def expect(self, condition: object, message: str) -> None:
+        """Fail the check with ``message`` unless ``condition`` holds."""
+        if not condition:
+            raise CheckFailed(message)
+
+    def fail(self, message: str) -> NoReturn:
+        raise CheckFailed(message)
+
+    # -- processes ----------------------------------------------------------------------------
+
+    async def processes(self, marker: str) -> list[int]:
+        """Pids of live processes whose command line contains ``marker`` (run in a worker thread)."""
+        return await anyio.to_thread.run_sync(self.target.find_processes, marker)
+
+    async def wait_gone(self, marker: str, within_s: float) -> list[int]:
+        """Poll until no process carries ``marker`` or ``within_s`` passed; return the survivors."""
+        deadline = time.monotonic() + within_s
+        while True:
+            survivors = await self.processes(marker)
+            if not survivors or time.monotonic() >= deadline:
+                return survivors
+            await anyio.sleep(0.02)
+
+    # -- the kit's own cleanup ----------------------------------------------------------------
+
+    async def _cleanup(self) -> str:
+        """Kill processes still carrying this check's markers and remove its temp dirs."""
+        pids: set[int] = set()
+        for mark in self._markers:
+            pids.update(await self.processes(mark))
+        if not pids and not self._tempdirs:
+            return ""
+        parts = []
+        if pids:
+            # The pids are checked again where the commands run: only a process that still carries
+            # one of the markers is killed (pids are reused).
+            marks = "|".join(f"*{mark}*" for mark in self._markers)
+            parts.append(
+                f"for p in {' '.join(str(pid) for pid in sorted(pids))}; do "
+                f'case "$(tr "\\0" " " < /proc/$p/cmdline 2>/dev/null)" in {marks}) kill -KILL $p;; esac; '
+                "done 2>/dev/null"
+            )
+        if self._tempdirs:
+            parts.append("rm -rf " + " ".join(shlex.quote(path) for path in self._tempdirs))
+        async with self.executor() as ex:
+            await ex.exec("; ".join([*parts, "true"]))
+        if pids:
+            return f"kit cleanup killed {len(pids)} leftover process(es) carrying this check's markers"
+        return ""
+
+
+@dataclass
+class KitReport:
+    """The results of one kit run against one target."""
+
+    target: str
+    results: list[CheckResult] = field(default_factory=list)
+
+    @property
+    def contract_ok(self) -> bool:
+        """True when every contract check that ran passed."""
+        return all(r.outcome == "passed" for r in self.results if r.kind == "contract")
+
+    @property
+    def failed(self) -> list[CheckResult]:
+        """Every result that did not pass (failed, error or hung)."""
+        return [r for r in self.results if r.outcome != "passed"]
+
+    def _counts(self, kind: CheckKind) -> dict[str, int]:
+        counts = {"total": 0, "passed": 0, "failed": 0, "error": 0, "hung": 0}
+        for result in self.results:
+            if result.kind == kind:
+                counts["total"] += 1
+                counts[result.outcome] += 1
+        return counts
+
+    def summary(self) -> str:
+        """One line per check, then one line that reports contract and beyond checks apart."""
+        labels = {"passed": "PASS", "failed": "FAIL", "error": "ERROR", "hung": "HUNG"}
+        width = max((len(r.name) for r in self.results), default=0)
+        lines = []
+        for r in self.results:
+            line = f"{labels[r.outcome]:<5} {r.kind:<8} {r.name:<{width}} {r.duration_s:6.2f}s"
+            if r.message:
+                line += "  " + " ".join(r.message.split("\n"))
+            lines.append(line)
+        parts = []
+        for kind in ("contract", "beyond"):
+            c = self._counts(kind)
+            parts.append(
+                f"{kind} {c['passed']}/{c['total']} passed"
+                f" ({c['failed']} failed, {c['error']} error, {c['hung']} hung)"
+            )
+        verdict = "contract OK" if self.contract_ok else "contract FAILED"
+        lines.append(f"{self.target}: {'; '.join(parts)}: {verdict}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "contract_ok": self.contract_ok,
+            "counts": {kind: self._counts(kind) for kind in ("contract", "beyond")},
+            "results": [asdict(r) for r in self.results],
+        }
+
+
+def _where(tb: traceback.StackSummary) -> str:
+    """The innermost frame of a check module in a stack (else of the kit's helpers), as ``file:line``."""
+    kit_frames = [
+        frame
+        for frame in tb
+        if frame.filename.startswith(_KIT_DIR) and not frame.filename.endswith("_kit.py")
+    ]
+    checks = [frame for frame in kit_frames if Path(frame.filename).name.startswith("_checks_")]
+    frames = checks or kit_frames
+    if not frames:
+        return ""
+    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}"
+
+
+def _describe(exc: BaseException) -> str:
+    where = _where(traceback.extract_tb(exc.__traceback__))
+    suffix = f" at {where}" if where else ""
+    if isinstance(exc, BaseExceptionGroup):
+        inner = "; ".join(f"{type(e).__name__}: {e}" for e in exc.exceptions)
+        return (
+            f"an ExceptionGroup escaped (the contract lets none escape a public method): "
+            f"{type(exc).__name__}: {exc} [{inner}]{suffix}"
+        )
+    return f"{type(exc).__name__}: {exc}{suffix}"
+
+
+def _in_thread(fn: Callable[[], None], timeout_s: float, name: str) -> threading.Thread:
+    thread = threading.Thread(target=fn, name=name, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return thread
+
+
+def _run_one(target: KitTarget, current: Check) -> CheckResult:
+    ctx = CheckContext(target, current)
+    box: dict[str, tuple[CheckOutcome, str]] = {}
+
+    async def body() -> None:
+        await current.fn(ctx)
+
+    def worker() -> None:
+        try:
+            anyio.run(body, backend=target.anyio_backend)
+        except CheckFailed as exc:
+            where = _where(traceback.extract_tb(exc.__traceback__))
+            box["result"] = ("failed", f"{exc}" + (f" [{where}]" if where else ""))
+        except BaseException as exc:
+            box["result"] = ("error", _describe(exc))
+        else:
+            box["result"] = ("passed", "")
+
+    started = time.monotonic()
+    thread = _in_thread(worker, target.check_timeout_s, f"kit-{current.name}")
+    duration = time.monotonic() - started
+    if thread.is_alive():
+        frame = sys._current_frames().get(thread.ident or -1)
+        where = _where(traceback.extract_stack(frame)) if frame is not None else ""
+        outcome: CheckOutcome = "hung"
+        message = f"did not finish within {target.check_timeout_s:g} s; its thread was abandoned"
+        if where:
+            message += f" while at {where}"
+    else:
+        outcome, message = box.get("result", ("error", "the check's thread ended without a result"))
+
+    cleanup: dict[str, str] = {}
+
+    def cleaner() -> None:
+        try:
+            cleanup["note"] = anyio.run(ctx._cleanup, backend=target.anyio_backend)
+        except BaseException as exc:
+            cleanup["note"] = f"kit cleanup failed: {_describe(exc)}"
+
+    if _in_thread(cleaner, _CLEANUP_TIMEOUT_S, f"kit-cleanup-{current.name}").is_alive():
+        cleanup["note"] = "kit cleanup did not finish"
+    note = cleanup.get("note", "")
+    if note:
+        message = f"{message} ({note})" if message else f"({note})"
+    return CheckResult(
+        name=current.name,
+        kind=current.kind,
+        rule=current.rule,
+        outcome=outcome,
+        message=message,
+        duration_s=round(duration, 3),
+    )
+
+
+def run_kit(
+    target: KitTarget,
+    *,
+    only: Iterable[str] | None = None,
+    on_result: Callable[[CheckResult], None] | None = None,
+) -> KitReport:
+    """Run the checks (all, or those named in ``only``) against ``target``, one at a time.
+
+    Each check runs in a fresh daemon thread with its own event loop; a check still running
+    after ``target.check_timeout_s`` is reported ``hung`` and abandoned.
+    """
+    if target.anyio_backend not in ("asyncio", "trio"):
+        raise ValueError(f"anyio_backend must be 'asyncio' or 'trio', not {target.anyio_backend!r}")
+    if isinstance(only, str):
+        only = [only]
+    if only is None:
+        names = list(CHECKS)
+    else:
+        names = list(dict.fromkeys(only))
+        unknown = [name for name in names if name not in CHECKS]
+        if unknown:
+            raise ValueError(f"unknown check name(s): {', '.join(unknown)}")
+    report = KitReport(target=target.name)
+    for name in names:
+        result = _run_one(target, CHECKS[name])
+        report.results.append(result)
+        if on_result is not None:
+            on_result(result)
+    return report
