@@ -13,6 +13,7 @@ from ._errors import (
 )
 from ._executor import BashExecutor, TaskListener
 from ._output import OutputStream, SpillBudget, SpillFile, merge_streams
+from ._registry import ENTRY_POINT_GROUP, ExecutorFactory, backend_factory, load_executor, registered_backends
 from ._types import (
     BashExecRequest,
     BashExecSpec,
@@ -28,6 +29,7 @@ from ._types import (
 
 __all__ = [
     "DEFAULT_ENV_SCRUB",
+    "ENTRY_POINT_GROUP",
     "MARKER_VAR",
     "MODEL_FRIENDLY_ENV",
     "AbortController",
@@ -48,6 +50,7 @@ __all__ = [
     "DshBashError",
     "EndCause",
     "ExecutorClosedError",
+    "ExecutorFactory",
     "ExitStatus",
     "Killable",
     "Launch",
@@ -57,9 +60,12 @@ __all__ = [
     "SpillFile",
     "TaskListener",
     "UnknownTaskError",
+    "backend_factory",
     "build_command_env",
     "is_scrubbed",
     "kill_sequence",
+    "load_executor",
     "merge_streams",
+    "registered_backends",
     "signal_name",
 ]

@@ -1,0 +1,162 @@
+"""Choosing a backend by name: the entry-point registry and ``load_executor``."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from ._backend import MARKER_VAR
+from ._config import config_error_from
+from ._errors import ConfigError
+from ._executor import BashExecutor
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "ExecutorFactory",
+    "backend_factory",
+    "load_executor",
+    "registered_backends",
+]
+
+ENTRY_POINT_GROUP = "dsh_bash.backends"
+ENV_PREFIX = "DSH_BASH_"
+
+#: A callable taking a backend's config fields as keyword arguments, returning an unopened executor.
+ExecutorFactory = Callable[..., BashExecutor]
+
+# Backends this distribution ships behind an extra: naming one without it installed says which.
+_EXTRAS = {"docker": "docker", "ssh": "ssh"}
+
+
+def registered_backends() -> list[str]:
+    """Names registered under the ``dsh_bash.backends`` entry-point group."""
+    return sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def _import_attr(reference: str) -> Any:
+    module_name, _, attr_path = reference.partition(":")
+    if not module_name or not attr_path:
+        raise ConfigError(f"backend {reference!r}: expected 'module:attr'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"backend {reference!r}: cannot import {module_name!r}: {exc}") from exc
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            missing = f"backend {reference!r}: {module_name} has no attribute {attr_path!r}"
+            raise ConfigError(missing) from None
+    return obj
+
+
+def backend_factory(backend: str) -> ExecutorFactory:
+    """The factory of a registered backend name, or of a ``module:attr`` reference."""
+    if ":" in backend:
+        factory = _import_attr(backend)
+    else:
+        matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == backend]
+        if not matches:
+            if backend in _EXTRAS:
+                raise ConfigError(
+                    f"backend {backend!r} is not installed: pip install 'dsh-bash[{_EXTRAS[backend]}]'"
+                )
+            known = ", ".join(registered_backends()) or "none"
+            raise ConfigError(
+                f"backend {backend!r} is not registered (registered: {known}; or give 'module:attr')"
+            )
+        try:
+            factory = matches[0].load()
+        except ImportError as exc:
+            hint = f": pip install 'dsh-bash[{_EXTRAS[backend]}]'" if backend in _EXTRAS else ""
+            raise ConfigError(f"backend {backend!r} cannot be loaded ({exc}){hint}") from exc
+    if not callable(factory):
+        raise ConfigError(f"backend {backend!r} resolves to {factory!r}, which is not callable")
+    return factory  # type: ignore[no-any-return]
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from exc
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".toml":
+            data: Any = tomllib.loads(raw.decode("utf-8"))
+        elif suffix in (".yaml", ".yml"):
+            try:
+                import yaml  # noqa: PLC0415 - optional extra
+            except ImportError:
+                raise ConfigError(f"{path}: YAML needs PyYAML: pip install 'dsh-bash[yaml]'") from None
+            data = yaml.safe_load(raw) or {}
+        else:
+            raise ConfigError(f"{path}: unknown config format {suffix or '(none)'!r}: use .toml or .yaml")
+    except ConfigError:
+        raise
+    except Exception as exc:  # tomllib, yaml and UTF-8 errors: the message says where
+        raise ConfigError(f"{path}: not valid {suffix.lstrip('.').upper()}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a table of fields, not {type(data).__name__}")
+    return data
+
+
+def _env_value(raw: str) -> Any:
+    """An environment override's value: JSON when it parses (numbers, lists, booleans), else the text."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def load_executor(source: Mapping[str, Any] | str | os.PathLike[str], /, **overrides: Any) -> BashExecutor:
+    """An unopened executor from a mapping or a TOML/YAML file with a ``backend`` key.
+
+    ``DSH_BASH_<FIELD>`` environment variables apply over the source, ``overrides`` over both.
+    """
+    if isinstance(source, Mapping):
+        where = "config"
+        fields: dict[str, Any] = dict(source)
+    else:
+        path = Path(source)
+        where = str(path)
+        fields = _read_file(path)
+    origin = {name: where for name in fields}
+    for name, raw in os.environ.items():
+        if name.startswith(ENV_PREFIX) and name != MARKER_VAR and len(name) > len(ENV_PREFIX):
+            field = name[len(ENV_PREFIX) :].lower()
+            fields[field] = _env_value(raw)
+            origin[field] = f"environment variable {name}"
+    for name, value in overrides.items():
+        fields[name] = value
+        origin[name] = "override"
+    backend = fields.pop("backend", None)
+    if not isinstance(backend, str) or not backend:
+        raise ConfigError(f"{where}: field 'backend': required, a backend name or 'module:attr'")
+    factory = backend_factory(backend)
+    try:
+        executor = factory(**fields)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}{_origins(fields, origin, where)}") from None
+    except ValidationError as exc:
+        raise config_error_from(exc, where) from None
+    except TypeError as exc:
+        raise ConfigError(f"{where}: backend {backend!r} refused its fields: {exc}") from None
+    if not isinstance(executor, BashExecutor):
+        got = type(executor).__name__
+        raise ConfigError(f"{where}: backend {backend!r} returned {got}, not a BashExecutor")
+    return executor
+
+
+def _origins(fields: Mapping[str, Any], origin: Mapping[str, str], where: str) -> str:
+    """Name the fields that did not come from the source itself, so a bad env override is findable."""
+    foreign = [f"{name} from {origin[name]}" for name in fields if origin.get(name, where) != where]
+    return f" (fields set outside {where}: {', '.join(foreign)})" if foreign else ""
