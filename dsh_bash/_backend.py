@@ -12,7 +12,7 @@ import logging
 import signal as _signal
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 import anyio
 
@@ -68,10 +68,6 @@ class Killable(Protocol):
 
 class CommandProcess(ABC):
     """One spawned command, as its backend runs it."""
-
-    #: True for backends that observe a signal death only as exit code 128+n (Docker): the
-    #: executor then reports a signal for 128+n only when it sent signal n itself.
-    signals_as_exit_codes: ClassVar[bool] = False
 
     @abstractmethod
     async def wait(self) -> ExitStatus:

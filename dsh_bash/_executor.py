@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 import anyio
 import anyio.abc
@@ -60,14 +60,23 @@ class _Command:
         "output_done",
         "process",
         "sent_signals",
+        "signals_as_exit_codes",
         "started_at",
         "task",
         "tg",
         "watch_scope",
     )
 
-    def __init__(self, launch: Launch, process: CommandProcess, task: BashTask | None, started_at: float):
+    def __init__(
+        self,
+        launch: Launch,
+        process: CommandProcess,
+        task: BashTask | None,
+        started_at: float,
+        signals_as_exit_codes: bool,
+    ):
         self.launch = launch
+        self.signals_as_exit_codes = signals_as_exit_codes
         self.process = process
         self.task = task
         self.started_at = started_at
@@ -98,7 +107,7 @@ class _Command:
         if (
             code is not None
             and code > 128
-            and self.process.signals_as_exit_codes
+            and self.signals_as_exit_codes
             and (code - 128) in self.sent_signals
         ):
             return None, signal_name(code - 128)
@@ -110,6 +119,10 @@ class BashExecutor(ABC):
 
     Subclasses (backends) implement the hooks below; the public methods are the contract's.
     """
+
+    #: True for backends that observe a signal death only as exit code 128+n (Docker): a 128+n
+    #: status is then reported as that signal only when the kill sequence sent it.
+    signals_as_exit_codes: ClassVar[bool] = False
 
     def __init__(self, config: BudgetConfig) -> None:
         self._config = config
@@ -401,7 +414,7 @@ class BashExecutor(ABC):
         task = None
         if background:
             task = BashTask(BashTaskId(f"bash-{next(self._task_numbers)}"), spec.command, spec.owner)
-        command = _Command(launch, process, task, started_at)
+        command = _Command(launch, process, task, started_at, self.signals_as_exit_codes)
         if self._state != "open":
             # aclose began while the backend was starting it.
             with anyio.CancelScope(shield=True):
@@ -511,13 +524,14 @@ class BashExecutor(ABC):
             return
         command.finalized = True
         command.finishing = True
+        # Streams first: closing them ends their spill files, which a backend's release may wait on.
+        command.launch.stdout.close()
+        command.launch.stderr.close()
         with anyio.CancelScope(shield=True):
             try:
                 await command.process.release()
             except Exception:
                 log.exception("releasing command %s failed", command.launch.marker)
-        command.launch.stdout.close()
-        command.launch.stderr.close()
         self._live.discard(command)
         task = command.task
         if task is not None:

@@ -84,7 +84,8 @@ def test_module_attr_backend() -> None:
     [
         ({}, "backend"),
         ({"backend": "nope"}, "'nope' is not registered"),
-        ({"backend": "docker"}, "dsh-bash[docker]"),
+        ({"backend": "docker"}, "exactly one of 'image'"),
+        ({"backend": "docker", "container": "c", "network": "bridge"}, "network only apply"),
         ({"backend": "ssh"}, "dsh-bash[ssh]"),
         ({"backend": "no_such_module:x"}, "cannot import 'no_such_module'"),
         ({"backend": f"{__name__}:missing"}, "has no attribute"),

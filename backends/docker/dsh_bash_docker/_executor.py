@@ -1,0 +1,340 @@
+"""The Docker backend: every command a fresh bash exec'd inside one container."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+from collections.abc import Mapping
+from typing import Any, Self
+
+import anyio
+import anyio.to_thread
+from pydantic import ValidationError
+
+from dsh_bash import (
+    MARKER_VAR,
+    BashExecutor,
+    BashInfrastructureError,
+    CommandProcess,
+    Killable,
+    Launch,
+    SpillFile,
+)
+from dsh_bash._config import config_error_from
+from dsh_bash._env import RC_FILE_VARIABLES
+
+from ._config import DockerConfig
+from ._engine import Endpoint, EngineClient, EngineError
+from ._process import ContainerMarked, DockerProcess, run_script
+from ._scripts import BOOT, SPILL_DIR
+from ._spill import DockerSpillFile
+
+__all__ = ["MANAGED_LABEL", "DockerBashExecutor", "sweep_orphaned_containers"]
+
+log = logging.getLogger("dsh_bash.docker")
+
+#: Label on every container an executor creates; its value is the creating executor's token.
+MANAGED_LABEL = "dsh-bash.executor"
+#: Label naming the pid of the process that created the container (for sweeping crashed hosts).
+OWNER_PID_LABEL = "dsh-bash.owner-pid"
+
+_MAX_INLINE_COMMAND = 100_000
+_SPILL_FLUSH_BOUND_S = 30.0
+
+
+def _docker_client(config: DockerConfig) -> Any:
+    try:
+        import docker  # noqa: PLC0415 - the docker extra is optional until this backend is used
+    except ImportError:
+        raise BashInfrastructureError(
+            "the Docker backend needs docker-py: pip install 'dsh-bash[docker]'"
+        ) from None
+    if config.docker_host is not None:
+        return docker.DockerClient(base_url=config.docker_host)
+    return docker.from_env()
+
+
+def sweep_orphaned_containers(docker_host: str | None = None) -> list[str]:
+    """Remove containers made by executors whose creating process is gone; return their ids.
+
+    Only containers labelled by this backend and created on this host (by pid) are considered.
+    """
+    client = _docker_client(DockerConfig(container="-", docker_host=docker_host))
+    removed = []
+    for container in client.containers.list(all=True, filters={"label": MANAGED_LABEL}):
+        pid = container.labels.get(OWNER_PID_LABEL, "")
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            container.remove(force=True)
+            removed.append(container.id)
+    return removed
+
+
+class DockerBashExecutor(BashExecutor):
+    """Runs each command as ``bash --noprofile --norc -c COMMAND`` exec'd in a container."""
+
+    signals_as_exit_codes = True
+
+    def __init__(self, config: DockerConfig) -> None:
+        super().__init__(config)
+        self._docker_config = config
+        self._engine = EngineClient(Endpoint.parse(config.docker_host))
+        self._container_id = ""
+        self._cwd = "/"
+        self._ambient: dict[str, str] = {}
+        self._spill_dir = ""
+        self._spills: dict[str, list[DockerSpillFile]] = {}
+        self._recreate_lock = anyio.Lock()
+
+    @classmethod
+    def from_fields(cls, **fields: Any) -> Self:
+        """Build from plain config fields (the entry point ``docker`` resolves to this)."""
+        try:
+            config = DockerConfig(**fields)
+        except ValidationError as exc:
+            raise config_error_from(exc, "docker backend config") from None
+        return cls(config)
+
+    @property
+    def config(self) -> DockerConfig:
+        assert isinstance(self._config, DockerConfig)
+        return self._config
+
+    @property
+    def container_id(self) -> str:
+        """The container commands run in (a new one after image mode recreated it)."""
+        return self._container_id
+
+    # -- opening and closing ------------------------------------------------------------------------
+
+    async def _open(self) -> None:
+        config = self._docker_config
+        if config.image is not None:
+            self._container_id = await anyio.to_thread.run_sync(self._create_container)
+        else:
+            assert config.container is not None
+            self._container_id = config.container
+        await self._learn_container()
+
+    def _create_container(self) -> str:
+        import docker.errors  # noqa: PLC0415
+
+        config = self._docker_config
+        assert config.image is not None
+        client = _docker_client(config)
+        try:
+            if config.pull == "always":
+                client.images.pull(config.image)
+            else:
+                try:
+                    client.images.get(config.image)
+                except docker.errors.ImageNotFound:
+                    if config.pull == "never":
+                        raise BashInfrastructureError(
+                            f"image {config.image!r} is not present locally (pull it, or set pull='missing')"
+                        ) from None
+                    client.images.pull(config.image)
+            tmpfs = {"/tmp": "rw,nosuid,nodev,mode=1777"} if config.read_only else None
+            container = client.containers.run(
+                config.image,
+                command=[
+                    "bash",
+                    "--noprofile",
+                    "--norc",
+                    "-c",
+                    "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done",
+                ],
+                entrypoint=[],
+                detach=True,
+                init=True,
+                environment=config.environment,
+                network_mode=config.network,
+                mem_limit=config.mem_limit,
+                pids_limit=config.pids_limit,
+                nano_cpus=int(config.cpus * 1e9) if config.cpus else None,
+                read_only=config.read_only,
+                tmpfs=tmpfs,
+                volumes=list(config.mounts) or None,
+                labels={**config.labels, MANAGED_LABEL: self._token, OWNER_PID_LABEL: str(os.getpid())},
+                security_opt=["no-new-privileges"],
+                cap_drop=["ALL"],
+                cap_add=list(config.cap_add) or None,
+                user=config.user or None,
+            )
+            return str(container.id)
+        except docker.errors.DockerException as exc:
+            raise BashInfrastructureError(f"cannot create a container from {config.image!r}: {exc}") from exc
+        finally:
+            client.close()
+
+    async def _learn_container(self) -> None:
+        try:
+            info = await self._engine.container_inspect(self._container_id)
+        except EngineError as exc:
+            if exc.status == 404:
+                raise BashInfrastructureError(f"container {self._container_id!r} does not exist") from exc
+            raise
+        if not info.get("State", {}).get("Running"):
+            raise BashInfrastructureError(f"container {self._container_id!r} is not running")
+        self._container_id = str(info["Id"])
+        container_config = info.get("Config") or {}
+        self._cwd = container_config.get("WorkingDir") or "/"
+        self._ambient = dict(item.split("=", 1) for item in container_config.get("Env") or [] if "=" in item)
+        code, out, err = await run_script(
+            self._engine, self._container_id, self._docker_config.user, SPILL_DIR
+        )
+        path = out.decode().strip()
+        if code != 0 or not path.startswith("/"):
+            raise BashInfrastructureError(
+                f"cannot create the spill directory in the container: {err.decode(errors='replace').strip()}"
+            )
+        self._spill_dir = path
+
+    async def _release(self) -> None:
+        config = self._docker_config
+        if config.image is not None:
+            await anyio.to_thread.run_sync(self._remove_container, self._container_id)
+        elif self._spill_dir:
+            try:
+                await run_script(
+                    self._engine, self._container_id, config.user, 'rm -rf -- "$1"', self._spill_dir
+                )
+            except (EngineError, OSError) as exc:
+                log.warning("removing the spill directory %s failed: %s", self._spill_dir, exc)
+
+    def _remove_container(self, container_id: str) -> None:
+        import docker.errors  # noqa: PLC0415
+
+        client = _docker_client(self._docker_config)
+        try:
+            client.containers.get(container_id).remove(force=True)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.DockerException as exc:
+            log.warning("removing container %s failed: %s", container_id[:12], exc)
+        finally:
+            client.close()
+
+    # -- hooks ---------------------------------------------------------------------------------------
+
+    def _default_cwd(self) -> str:
+        return self._config.cwd or self._cwd
+
+    def _ambient_env(self) -> Mapping[str, str]:
+        return self._ambient
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        try:
+            return await self._spawn_in(self._container_id, launch)
+        except EngineError as exc:
+            if exc.status not in (404, 409) or self._docker_config.image is None:
+                raise
+        # Image mode: the container is gone or stopped; make a fresh one and try once more.
+        await self._recreate()
+        return await self._spawn_in(self._container_id, launch)
+
+    async def _recreate(self) -> None:
+        async with self._recreate_lock:
+            try:
+                info = await self._engine.container_inspect(self._container_id)
+                if info.get("State", {}).get("Running"):
+                    return  # another command recreated it already
+            except EngineError:
+                pass
+            old = self._container_id
+            log.warning(
+                "container %s is gone or stopped; creating a fresh one from %s", old[:12], self.config.image
+            )
+            await anyio.to_thread.run_sync(self._remove_container, old)
+            self._container_id = await anyio.to_thread.run_sync(self._create_container)
+            await self._learn_container()
+
+    async def _spawn_in(self, container: str, launch: Launch) -> CommandProcess:
+        spec = launch.spec
+        env = dict(launch.env)
+        marker = env.pop(MARKER_VAR)
+        nonce = secrets.token_hex(8)
+        # The boot script itself must not read an rc file: explicit values travel under other names.
+        for name in RC_FILE_VARIABLES:
+            if name in env:
+                env[f"DSH_BASH_RC_{name}"] = env[name]
+            env[name] = ""
+        unset = {name for name in self._ambient if name not in launch.env} | (
+            RC_FILE_VARIABLES - set(launch.env)
+        )
+        env["DSH_BASH_UNSET"] = " ".join(sorted(unset))
+        env["DSH_BASH_MARK_FOR"] = marker
+        env["DSH_BASH_NONCE"] = nonce
+        command = spec.command
+        script_path = ""
+        if len(command.encode("utf-8", "surrogateescape")) > _MAX_INLINE_COMMAND:
+            script_path = f"{self._spill_dir}/{secrets.token_hex(12)}.sh"
+            code, _, err = await run_script(
+                self._engine,
+                container,
+                self.config.user,
+                'umask 077; set -C; cat > "$1"',
+                script_path,
+                stdin=command.encode("utf-8", "surrogateescape"),
+            )
+            if code != 0:
+                raise BashInfrastructureError(
+                    f"cannot store the long command: {err.decode(errors='replace')}"
+                )
+            command = ""
+        env["DSH_BASH_COMMAND"] = command
+        exec_id = await self._engine.exec_create(
+            container,
+            ["bash", "--noprofile", "--norc", "-c", BOOT, "dsh-bash", spec.workdir, script_path],
+            env=env,
+            stdin=spec.stdin is not None,
+            user=self.config.user,
+        )
+        stream = await self._engine.exec_start(exec_id)
+
+        async def on_release() -> None:
+            spills = self._spills.pop(marker, [])
+            with anyio.move_on_after(_SPILL_FLUSH_BOUND_S):
+                for spill in spills:
+                    await spill.done.wait()
+            if script_path:
+                with contextlib.suppress(EngineError, OSError):
+                    await run_script(self._engine, container, self.config.user, 'rm -f -- "$1"', script_path)
+
+        process = DockerProcess(
+            engine=self._engine,
+            container=container,
+            exec_id=exec_id,
+            stream=stream,
+            launch=launch,
+            marked=ContainerMarked(self._engine, lambda: container, self.config.user, marker, True),
+            start_helper=self._start_helper,
+            on_release=on_release,
+            nonce=nonce,
+        )
+        try:
+            await process.read_preamble()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+            raise
+        return process
+
+    def _open_spill(self, command_marker: str, stream: str) -> SpillFile:
+        if not self._spill_dir:
+            raise OSError("no spill directory")
+        spill = DockerSpillFile(
+            self._engine,
+            self._container_id,
+            self.config.user,
+            f"{self._spill_dir}/{secrets.token_hex(12)}.{stream}",
+        )
+        self._spills.setdefault(command_marker, []).append(spill)
+        self._start_helper(spill.run)
+        return spill
+
+    def _leftovers(self) -> Killable:
+        return ContainerMarked(
+            self._engine, lambda: self._container_id, self.config.user, self._token + "-", False
+        )

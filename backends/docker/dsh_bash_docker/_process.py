@@ -1,0 +1,236 @@
+"""One command inside the container: a hijacked exec stream, an exit status from the engine, kills by exec."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import anyio
+
+from dsh_bash import BashInfrastructureError, CommandProcess, ExitStatus, Launch, signal_name
+
+from ._engine import EngineClient, EngineError, ExecStream
+from ._scripts import BOOT_FAIL, BOOT_OK, EXIT_PREFIX, KILL
+
+__all__ = ["ContainerMarked", "DockerProcess", "run_script"]
+
+log = logging.getLogger("dsh_bash.docker")
+
+StartHelper = Callable[..., None]
+
+#: Our own scripts must never source an rc file the container's environment names.
+SCRIPT_ENV = {"BASH_ENV": "", "ENV": ""}
+
+
+async def run_script(
+    engine: EngineClient,
+    container: str,
+    user: str | None,
+    script: str,
+    *args: str,
+    stdin: bytes | None = None,
+) -> tuple[int, bytes, bytes]:
+    """Run a small bash script in the container to its end: (exit code, stdout, stderr)."""
+    exec_id = await engine.exec_create(
+        container,
+        ["bash", "--noprofile", "--norc", "-c", script, "dsh-bash", *args],
+        env=SCRIPT_ENV,
+        stdin=stdin is not None,
+        user=user,
+    )
+    stream = await engine.exec_start(exec_id)
+    out, err = bytearray(), bytearray()
+    try:
+        if stdin is not None:
+            await stream.send_stdin(stdin)
+            await stream.close_stdin()
+        await stream.pump(out.extend, err.extend)
+    finally:
+        await stream.aclose()
+    info = await engine.exec_inspect(exec_id)
+    code = info.get("ExitCode")
+    return (code if isinstance(code, int) else -1), bytes(out), bytes(err)
+
+
+class ContainerMarked:
+    """The processes in the container carrying a marker (exactly, or as a prefix), and their groups."""
+
+    def __init__(
+        self, engine: EngineClient, container: Callable[[], str], user: str | None, marker: str, exact: bool
+    ):
+        self._engine = engine
+        self._container = container
+        self._user = user
+        self._marker = marker
+        self._exact = "1" if exact else "0"
+
+    async def signal_all(self, sig: int) -> None:
+        await run_script(
+            self._engine,
+            self._container(),
+            self._user,
+            KILL,
+            "signal",
+            signal_name(sig),
+            self._marker,
+            self._exact,
+        )
+
+    async def remaining(self) -> list[str]:
+        try:
+            _, out, _ = await run_script(
+                self._engine, self._container(), self._user, KILL, "list", "0", self._marker, self._exact
+            )
+        except EngineError as exc:
+            if exc.status in (404, 409):  # the container is gone or stopped: so are its processes
+                return []
+            raise
+        return sorted(set(out.decode().split()))
+
+
+class DockerProcess(CommandProcess):
+    def __init__(
+        self,
+        *,
+        engine: EngineClient,
+        container: str,
+        exec_id: str,
+        stream: ExecStream,
+        launch: Launch,
+        marked: ContainerMarked,
+        start_helper: StartHelper,
+        on_release: Callable[[], Awaitable[None]],
+        nonce: str,
+    ) -> None:
+        self._engine = engine
+        self._container = container
+        self._exec_id = exec_id
+        self._stream = stream
+        self._launch = launch
+        self._marked = marked
+        self._start_helper = start_helper
+        self._on_release = on_release
+        self._eof_or_exit = anyio.Event()
+        self._exit_code: int | None = None
+        self._held = b""
+        self._trailer_prefix = EXIT_PREFIX + nonce.encode() + b":"
+        self._trailer_size = len(self._trailer_prefix) + 4
+        self._pending_out: list[bytes] = []
+        self._pending_err: list[bytes] = []
+
+    async def read_preamble(self) -> None:
+        """Wait for the boot script's verdict; raise BashInfrastructureError when the command cannot start."""
+        head = bytearray()
+        early_err: list[bytes] = []
+        started = await self._stream.pump_until(
+            head.extend, lambda data: early_err.append(bytes(data)), lambda: len(head) >= len(BOOT_OK)
+        )
+        if started and head.startswith(BOOT_OK):
+            # Output the command wrote in the same frame belongs to it.
+            self._pending_out = [bytes(head[len(BOOT_OK) :])] if len(head) > len(BOOT_OK) else []
+            self._pending_err = early_err
+            return
+        if not started or head.startswith(BOOT_FAIL[: len(head)]):
+            await self._stream.pump(head.extend, lambda data: early_err.append(bytes(data)))
+        if head.startswith(BOOT_FAIL):
+            reason = bytes(head[len(BOOT_FAIL) :]).rstrip(b"\0").decode("utf-8", "replace")
+            raise BashInfrastructureError(f"workdir {self._launch.spec.workdir!r} {reason}")
+        detail = (bytes(head) + b"".join(early_err)).decode("utf-8", "replace").strip("\0 \n")
+        raise BashInfrastructureError(
+            f"the command could not start in container {self._container[:12]}: {detail or 'no output'}"
+        )
+
+    async def wait(self) -> ExitStatus:
+        await self._eof_or_exit.wait()
+        if self._exit_code is not None:
+            return ExitStatus(code=self._exit_code)
+        # The stream ended without the boot script's trailer: the container (or the engine) failed.
+        try:
+            state = (await self._engine.container_inspect(self._container)).get("State", {})
+            running = bool(state.get("Running"))
+        except EngineError as exc:
+            raise BashInfrastructureError(f"lost the command: {exc}") from exc
+        if not running:
+            raise BashInfrastructureError(f"container {self._container[:12]} stopped under the command")
+        raise BashInfrastructureError(
+            "the command's supervisor in the container died; its exit status is lost"
+        )
+
+    def _feed_stdout(self, data: memoryview | bytes) -> None:
+        """Pass stdout on, taking out the boot script's exit trailer (which may span two frames)."""
+        if self._exit_code is not None:
+            self._launch.stdout.feed(data)
+            return
+        held = self._held + bytes(data)
+        index = held.find(self._trailer_prefix)
+        if index >= 0 and len(held) >= index + self._trailer_size:
+            trailer = held[index : index + self._trailer_size]
+            self._launch.stdout.feed(held[:index])
+            self._held = b""
+            self._exit_code = int(trailer[len(self._trailer_prefix) : -1])
+            rest = held[index + self._trailer_size :]
+            if rest:
+                self._launch.stdout.feed(rest)
+            self._eof_or_exit.set()
+            return
+        # Hold back only a tail that could be the start of the trailer; pass the rest on now.
+        keep = 0
+        start = held.rfind(b"\0", max(0, len(held) - self._trailer_size))
+        while start >= 0:
+            if self._trailer_prefix.startswith(held[start : start + len(self._trailer_prefix)]):
+                keep = len(held) - start
+                break
+            start = held.rfind(b"\0", max(0, len(held) - self._trailer_size), start)
+        if keep < len(held):
+            self._launch.stdout.feed(held[: len(held) - keep])
+        self._held = held[len(held) - keep :]
+
+    async def pump_output(self) -> None:
+        launch = self._launch
+        try:
+            async with anyio.create_task_group() as tg:
+                stdin = launch.spec.stdin
+                if stdin is not None:
+                    tg.start_soon(self._write_stdin, stdin.encode() if isinstance(stdin, str) else stdin)
+                for data in self._pending_out:
+                    self._feed_stdout(data)
+                for data in self._pending_err:
+                    launch.stderr.feed(data)
+                self._pending_out = []
+                self._pending_err = []
+                await self._stream.pump(self._feed_stdout, launch.stderr.feed)
+                tg.cancel_scope.cancel()
+        finally:
+            if self._stream.at_eof:
+                if self._held:
+                    launch.stdout.feed(self._held)
+                    self._held = b""
+                self._eof_or_exit.set()
+
+    async def _write_stdin(self, data: bytes) -> None:
+        try:
+            await self._stream.send_stdin(data)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            return
+        await self._stream.close_stdin()
+
+    async def signal_all(self, sig: int) -> None:
+        await self._marked.signal_all(sig)
+
+    async def remaining(self) -> list[str]:
+        return await self._marked.remaining()
+
+    async def release(self) -> None:
+        if self._stream.at_eof:
+            await self._stream.aclose()
+        else:
+            # Leftovers still hold the exec's output: keep draining so their writes never block.
+            self._start_helper(_discard_until_eof, self._stream)
+        await self._on_release()
+
+
+async def _discard_until_eof(stream: ExecStream) -> None:
+    try:
+        await stream.pump(lambda _: None, lambda _: None)
+    finally:
+        await stream.aclose()
