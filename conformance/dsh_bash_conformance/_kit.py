@@ -282,6 +282,23 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{suffix}"
 
 
+def _check_failure(exc: BaseException) -> CheckFailed | None:
+    """The CheckFailed inside (possibly nested) exception groups, if any."""
+    if isinstance(exc, CheckFailed):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _check_failure(inner)
+            if found is not None:
+                return found
+    return None
+
+
+def _failed(exc: CheckFailed) -> tuple[CheckOutcome, str]:
+    where = _where(traceback.extract_tb(exc.__traceback__))
+    return "failed", f"{exc}" + (f" [{where}]" if where else "")
+
+
 def _in_thread(fn: Callable[[], None], timeout_s: float, name: str) -> threading.Thread:
     thread = threading.Thread(target=fn, name=name, daemon=True)
     thread.start()
@@ -300,10 +317,12 @@ def _run_one(target: KitTarget, current: Check) -> CheckResult:
         try:
             anyio.run(body, backend=target.anyio_backend)
         except CheckFailed as exc:
-            where = _where(traceback.extract_tb(exc.__traceback__))
-            box["result"] = ("failed", f"{exc}" + (f" [{where}]" if where else ""))
+            box["result"] = _failed(exc)
         except BaseException as exc:
-            box["result"] = ("error", _describe(exc))
+            # A check's own task group wraps its CheckFailed in a group: that is a failed check,
+            # not an ExceptionGroup escaping the backend.
+            failure = _check_failure(exc)
+            box["result"] = _failed(failure) if failure is not None else ("error", _describe(exc))
         else:
             box["result"] = ("passed", "")
 
