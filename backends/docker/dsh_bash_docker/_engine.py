@@ -249,7 +249,12 @@ class EngineClient:
                 raise EngineError(f"lost the connection to the Docker engine: {exc}") from exc
         if status >= 400:
             raise EngineError(_error_text(status, data), status)
-        return json.loads(data) if data.strip() else None
+        if not data.strip():
+            return None
+        try:
+            return json.loads(data)
+        except ValueError:
+            return data.decode("utf-8", "replace")
 
     async def exec_create(
         self,

@@ -86,6 +86,7 @@ class DockerBashExecutor(BashExecutor):
         self._spill_dir = ""
         self._spills: dict[str, list[DockerSpillFile]] = {}
         self._recreate_lock = anyio.Lock()
+        self._host_visible = False
 
     @classmethod
     def from_fields(cls, **fields: Any) -> Self:
@@ -110,6 +111,7 @@ class DockerBashExecutor(BashExecutor):
 
     async def _open(self) -> None:
         config = self._docker_config
+        await self._engine.request("GET", "/_ping")  # unreachable: an error that names the endpoint
         if config.image is not None:
             self._container_id = await anyio.to_thread.run_sync(self._create_container)
         else:
@@ -178,6 +180,10 @@ class DockerBashExecutor(BashExecutor):
         if not info.get("State", {}).get("Running"):
             raise BashInfrastructureError(f"container {self._container_id!r} is not running")
         self._container_id = str(info["Id"])
+        # With a local engine, the container's processes are this host's processes too: the kill
+        # path can then find them through /proc when nothing can be exec'd in the container.
+        init_pid = info.get("State", {}).get("Pid")
+        self._host_visible = bool(init_pid) and os.access(f"/proc/{init_pid}/environ", os.R_OK)
         container_config = info.get("Config") or {}
         self._cwd = container_config.get("WorkingDir") or "/"
         self._ambient = dict(item.split("=", 1) for item in container_config.get("Env") or [] if "=" in item)
@@ -228,8 +234,14 @@ class DockerBashExecutor(BashExecutor):
         try:
             return await self._spawn_in(self._container_id, launch)
         except EngineError as exc:
-            if exc.status not in (404, 409) or self._docker_config.image is None:
+            if exc.status not in (404, 409):
                 raise
+            if self._docker_config.image is None:
+                state = "does not exist" if exc.status == 404 else "is not running"
+                raise BashInfrastructureError(
+                    f"container {self._docker_config.container!r} {state}; the executor never starts or "
+                    "recreates a container it does not own"
+                ) from exc
         # Image mode: the container is gone or stopped; make a fresh one and try once more.
         await self._recreate()
         return await self._spawn_in(self._container_id, launch)
@@ -308,7 +320,15 @@ class DockerBashExecutor(BashExecutor):
             exec_id=exec_id,
             stream=stream,
             launch=launch,
-            marked=ContainerMarked(self._engine, lambda: container, self.config.user, marker, True),
+            marked=ContainerMarked(
+                self._engine,
+                lambda: container,
+                self.config.user,
+                marker=launch.marker,
+                exact=True,
+                kill_container=self._kill_own_container,
+                host_sees_processes=self._host_sees_processes,
+            ),
             start_helper=self._start_helper,
             on_release=on_release,
             nonce=nonce,
@@ -336,5 +356,28 @@ class DockerBashExecutor(BashExecutor):
 
     def _leftovers(self) -> Killable:
         return ContainerMarked(
-            self._engine, lambda: self._container_id, self.config.user, self._token + "-", False
+            self._engine,
+            lambda: self._container_id,
+            self.config.user,
+            marker=self._token + "-",
+            exact=False,
+            kill_container=self._kill_own_container,
+            host_sees_processes=self._host_sees_processes,
         )
+
+    def _host_sees_processes(self) -> bool:
+        """True when this host's /proc shows the container's processes with their environments."""
+        return self._host_visible
+
+    async def _kill_own_container(self) -> bool:
+        """Last resort when nothing can be exec'd: kill the container, if the executor owns it."""
+        if self._docker_config.image is None:
+            return False
+        short = self._container_id[:12]
+        log.warning("killing container %s: no process can start in it to kill its commands", short)
+        try:
+            await self._engine.request("POST", f"/containers/{self._container_id}/kill")
+        except EngineError as exc:
+            log.warning("killing container %s failed: %s", short, exc)
+            return False
+        return True

@@ -6,8 +6,10 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import anyio
+import anyio.to_thread
 
 from dsh_bash import BashInfrastructureError, CommandProcess, ExitStatus, Launch, signal_name
+from dsh_bash._procscan import ProcEntry, scan, signal_marked
 
 from ._engine import EngineClient, EngineError, ExecStream
 from ._scripts import BOOT_FAIL, BOOT_OK, EXIT_PREFIX, KILL
@@ -49,43 +51,88 @@ async def run_script(
         await stream.aclose()
     info = await engine.exec_inspect(exec_id)
     code = info.get("ExitCode")
+    if code in (126, 127) and b"OCI runtime exec failed" in out + err:
+        # The runtime could not start the process at all (pids limit reached, for one).
+        detail = bytes(out + err).decode("utf-8", "replace").strip()
+        raise EngineError(f"cannot start a process in container {container[:12]}: {detail}")
     return (code if isinstance(code, int) else -1), bytes(out), bytes(err)
 
 
 class ContainerMarked:
-    """The processes in the container carrying a marker (exactly, or as a prefix), and their groups."""
+    """The processes in the container carrying a marker (exactly, or as a prefix), and their groups.
+
+    Found and signalled by a script exec'd in the container. When no process can be started there
+    (the pids limit is exhausted), the host's /proc is searched for the marker instead, which works
+    when the engine runs on this host; in image mode the container itself is the last resort.
+    """
 
     def __init__(
-        self, engine: EngineClient, container: Callable[[], str], user: str | None, marker: str, exact: bool
+        self,
+        engine: EngineClient,
+        container: Callable[[], str],
+        user: str | None,
+        *,
+        marker: str,
+        exact: bool,
+        kill_container: Callable[[], Awaitable[bool]],
+        host_sees_processes: Callable[[], bool],
     ):
         self._engine = engine
         self._container = container
         self._user = user
         self._marker = marker
-        self._exact = "1" if exact else "0"
+        self._exact = exact
+        self._kill_container = kill_container
+        self._host_sees_processes = host_sees_processes
+
+    def _args(self, mode: str, sig: int) -> tuple[str, ...]:
+        return (mode, signal_name(sig) if sig else "0", self._marker, "1" if self._exact else "0")
 
     async def signal_all(self, sig: int) -> None:
-        await run_script(
-            self._engine,
-            self._container(),
-            self._user,
-            KILL,
-            "signal",
-            signal_name(sig),
-            self._marker,
-            self._exact,
-        )
+        try:
+            await run_script(self._engine, self._container(), self._user, KILL, *self._args("signal", sig))
+        except EngineError as exc:
+            if exc.status in (404, 409):  # the container is gone or stopped: so are its processes
+                return
+            if exc.status is not None:
+                raise
+            if self._host_sees_processes():
+                log.warning("%s; signalling %s from the host instead", exc, self._marker)
+                await self._host_signal(sig)
+            elif not await self._kill_container():
+                raise
 
     async def remaining(self) -> list[str]:
         try:
             _, out, _ = await run_script(
-                self._engine, self._container(), self._user, KILL, "list", "0", self._marker, self._exact
+                self._engine, self._container(), self._user, KILL, *self._args("list", 0)
             )
         except EngineError as exc:
-            if exc.status in (404, 409):  # the container is gone or stopped: so are its processes
+            if exc.status in (404, 409):
+                return []
+            if exc.status is not None:
+                raise
+            if self._host_sees_processes():
+                return [str(entry.pid) for entry in await self._host_entries()]
+            if await self._kill_container():
                 return []
             raise
         return sorted(set(out.decode().split()))
+
+    async def _host_entries(self) -> list[ProcEntry]:
+        try:
+            entries = await anyio.to_thread.run_sync(scan, self._marker.encode())
+        except OSError:
+            return []
+        return [
+            e
+            for e in entries
+            if e.alive and e.marker is not None and (not self._exact or e.marker == self._marker)
+        ]
+
+    async def _host_signal(self, sig: int) -> None:
+        for entry in await self._host_entries():
+            await anyio.to_thread.run_sync(signal_marked, entry.pid, self._marker, sig, self._exact)
 
 
 class DockerProcess(CommandProcess):

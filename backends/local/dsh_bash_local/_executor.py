@@ -12,10 +12,10 @@ from pydantic import ValidationError
 
 from dsh_bash import BashExecutor, BashInfrastructureError, CommandProcess, Killable, Launch, SpillFile
 from dsh_bash._config import config_error_from
+from dsh_bash._procscan import ProcScanner, signal_marked
 
 from ._config import LocalConfig
 from ._process import spawn_local
-from ._procscan import ProcScanner, signal_marked
 from ._spill import LocalSpillDir
 
 __all__ = ["LocalBashExecutor"]

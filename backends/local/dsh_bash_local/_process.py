@@ -14,8 +14,8 @@ import anyio
 import anyio.lowlevel
 
 from dsh_bash import BashInfrastructureError, CommandProcess, ExitStatus, Launch, OutputStream
+from dsh_bash._procscan import ProcScanner, signal_marked
 
-from ._procscan import ProcScanner, signal_marked
 from ._spill import LocalSpillDir
 
 __all__ = ["LocalProcess", "spawn_local"]

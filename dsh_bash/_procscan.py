@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import anyio
 import anyio.to_thread
 
-from dsh_bash import MARKER_VAR
+from ._backend import MARKER_VAR
 
 __all__ = ["ProcEntry", "ProcScanner", "signal_marked"]
 

@@ -1,0 +1,1489 @@
+"""Deliberately broken local backends: each breaks exactly one rule of the executor contract.
+
+They exist to prove that the conformance kit catches every rule it checks
+(``tests/test_kit_catches_broken.py``). Each public class here is a small subclass of
+:class:`dsh_bash_local.LocalBashExecutor` whose docstring names the rule it breaks; the breakage
+sits in the smallest internal piece that would realistically carry such a bug (a spawn hook, the
+process's kill or wait, an output stream, the result builder), not in a rewrite of the results.
+
+Two hooks keep the classes short:
+
+- :class:`_ProcessBreaker` re-classes the :class:`LocalProcess` that ``spawn_local`` built into a
+  broken subclass (``process_class``), for bugs in waiting, reading, writing stdin and killing;
+- :class:`_StreamBreaker` re-classes the command's two :class:`OutputStream` objects into a broken
+  subclass (``stream_class``), for bugs in output accounting and decoding.
+
+Nothing here patches a module or a shared class: every breakage is local to its own class.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import itertools
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any, ClassVar
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+from dsh_bash_local import LocalBashExecutor, LocalConfig
+from dsh_bash_local._process import LocalProcess
+from dsh_bash_local._spill import LocalSpillFile
+
+from dsh_bash import (
+    DEFAULT_ENV_SCRUB,
+    MODEL_FRIENDLY_ENV,
+    BashExecRequest,
+    BashExecSpec,
+    BashInfrastructureError,
+    BashRunResult,
+    BashTask,
+    BashTaskId,
+    BashTaskRead,
+    CollectedOutput,
+    CommandProcess,
+    ExitStatus,
+    Killable,
+    Launch,
+    OutputStream,
+    OwnerToken,
+    SpillBudget,
+    SpillFile,
+    TaskListener,
+    is_scrubbed,
+    kill_sequence,
+    merge_streams,
+)
+from dsh_bash._executor import _Command, _KillCause
+from dsh_bash._output import _skip_continuation
+from dsh_bash._procscan import ProcScanner, signal_marked
+
+log = logging.getLogger("dsh_bash.broken")
+
+
+# =================================================================================================
+# Hooks shared by the broken backends
+# =================================================================================================
+
+
+class _ProcessBreaker(LocalBashExecutor):
+    """Spawns like the local backend, then turns the process into an instance of ``process_class``."""
+
+    process_class: ClassVar[type[LocalProcess]] = LocalProcess
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        process = await super()._spawn(launch)
+        assert isinstance(process, LocalProcess)
+        # spawn_local builds a LocalProcess; the breakage lives in a subclass with the same layout.
+        process.__class__ = self.process_class
+        return process
+
+
+class _StreamBreaker(LocalBashExecutor):
+    """Turns both output streams of every command into instances of ``stream_class`` before it runs."""
+
+    stream_class: ClassVar[type[OutputStream]] = OutputStream
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        for stream in (launch.stdout, launch.stderr):
+            self._break_stream(stream)
+        return await super()._spawn(launch)
+
+    def _break_stream(self, stream: OutputStream) -> None:
+        # OutputStream has __slots__; a subclass that adds none has the same layout.
+        stream.__class__ = self.stream_class
+
+
+def _with_spec(launch: Launch, **changes: Any) -> Launch:
+    """The launch with some fields of its spec changed (both are immutable)."""
+    return replace(launch, spec=launch.spec.model_copy(update=changes))
+
+
+def _plain_spawn(
+    ex: LocalBashExecutor, launch: Launch, *, new_session: bool = True, idle_stdin: int | None = None
+) -> LocalProcess:
+    """A hand-rolled spawn: ``bash --noprofile --norc -c COMMAND``, the command always in argv.
+
+    ``new_session`` is ``start_new_session``; ``idle_stdin`` is the fd a command without
+    ``spec.stdin`` reads (``/dev/null`` when None). A given ``spec.stdin`` is written and closed.
+    """
+    bash = ex._bash
+    if bash is None:
+        raise BashInfrastructureError("bash not found")
+    spec = launch.spec
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    stdin: int = subprocess.DEVNULL if idle_stdin is None else idle_stdin
+    in_w: int | None = None
+    if spec.stdin is not None:
+        stdin, in_w = os.pipe2(os.O_CLOEXEC)
+    child_ends = [out_w, err_w] + ([stdin] if in_w is not None else [])
+    try:
+        popen = subprocess.Popen(
+            [bash, "--noprofile", "--norc", "-c", spec.command],
+            stdin=stdin,
+            stdout=out_w,
+            stderr=err_w,
+            cwd=spec.workdir,
+            env=launch.env,
+            start_new_session=new_session,
+        )
+    except OSError as exc:
+        for fd in (out_r, err_r) + ((in_w,) if in_w is not None else ()):
+            os.close(fd)
+        raise BashInfrastructureError(f"cannot start {bash!r}: {exc.strerror or exc}") from exc
+    finally:
+        for fd in child_ends:
+            os.close(fd)
+    for fd in (out_r, err_r) + ((in_w,) if in_w is not None else ()):
+        os.set_blocking(fd, False)
+    return LocalProcess(
+        popen,
+        launch,
+        stdout_fd=out_r,
+        stderr_fd=err_r,
+        stdin_fd=in_w,
+        scanner=ex._scanner,
+        start_helper=ex._start_helper,
+        script=None,
+    )
+
+
+class _AnyOf:
+    """The union of several killable sets."""
+
+    def __init__(self, parts: list[Killable]) -> None:
+        self._parts = parts
+
+    async def signal_all(self, sig: int) -> None:
+        for part in self._parts:
+            await part.signal_all(sig)
+
+    async def remaining(self) -> list[str]:
+        return [pid for part in self._parts for pid in await part.remaining()]
+
+
+class _Nothing:
+    """A killable set that is always empty."""
+
+    async def signal_all(self, sig: int) -> None:
+        return None
+
+    async def remaining(self) -> list[str]:
+        return []
+
+
+# =================================================================================================
+# Outcome classification
+# =================================================================================================
+
+
+class _HighExitIsSignalProcess(LocalProcess):
+    async def wait(self) -> ExitStatus:
+        status = await super().wait()
+        if status.code is not None and status.code > 128:
+            return ExitStatus(code=None, signal=status.code - 128)
+        return status
+
+
+class HighExitCodeAsSignal(_ProcessBreaker):
+    """Breaks: a plain exit code above 128 is reported as it is (`exit 143` is not a SIGTERM death).
+
+    It decodes every exit status above 128 as a signal death, whoever sent the signal.
+    """
+
+    process_class = _HighExitIsSignalProcess
+
+
+class _SignalAsExitCodeProcess(LocalProcess):
+    async def wait(self) -> ExitStatus:
+        status = await super().wait()
+        if status.signal is not None:
+            return ExitStatus(code=128 + status.signal)
+        return status
+
+
+class SignalAsExitCode(_ProcessBreaker):
+    """Breaks: `signal` names the terminating signal and then `exit_code` is None.
+
+    It sees signal deaths only as the shell-style status 128+n (as `docker exec` does) but does not
+    declare ``signals_as_exit_codes``, so `kill -TERM $$` comes out as exit code 143.
+    """
+
+    process_class = _SignalAsExitCodeProcess
+
+
+class TimeoutReportedAsPlainKill(LocalBashExecutor):
+    """Breaks: `timed_out` is true when the executor's own timeout killed the command.
+
+    The timeout kill is recorded as an ordinary kill, so the result looks like a command that just
+    died of SIGTERM: neither flag is set.
+    """
+
+    def _request_kill(self, command: _Command, cause: _KillCause) -> bool:
+        return super()._request_kill(command, "killed" if cause == "timeout" else cause)
+
+
+class AbortReportedAsTimeout(LocalBashExecutor):
+    """Breaks: `aborted` is true (and a task ends `aborted`) only when the spec's signal killed it.
+
+    The abort kill is recorded as a timeout: a run reports timed_out, a task ends as if its shell
+    died of a signal nobody sent.
+    """
+
+    def _request_kill(self, command: _Command, cause: _KillCause) -> bool:
+        return super()._request_kill(command, "timeout" if cause == "aborted" else cause)
+
+
+class LastCauseWins(LocalBashExecutor):
+    """Breaks: never both `timed_out` and `aborted`; the first cause wins.
+
+    The timeout and the abort have a watcher each, and a cause arriving during the kill's grace
+    overwrites the first one.
+    """
+
+    async def _watch(self, command: _Command, timeout_s: float | None) -> None:
+        abort_signal = command.spec.signal
+
+        async def on_timeout(seconds: float) -> None:
+            await anyio.sleep(seconds)
+            self._record(command, "timeout")
+
+        async def on_abort() -> None:
+            assert abort_signal is not None
+            await abort_signal.wait()
+            self._record(command, "aborted")
+
+        with command.watch_scope:
+            async with anyio.create_task_group() as tg:
+                if timeout_s is not None:
+                    tg.start_soon(on_timeout, timeout_s)
+                if abort_signal is not None:
+                    tg.start_soon(on_abort)
+
+    def _record(self, command: _Command, cause: _KillCause) -> None:
+        if command.kill_cause in ("timeout", "aborted") and not command.finishing:
+            command.kill_cause = cause  # the kill is under way: only its cause is (wrongly) replaced
+        else:
+            self._request_kill(command, cause)
+
+
+class TimedOutOnlyIfSignaled(LocalBashExecutor):
+    """Breaks: `timed_out` is true even if the command trapped SIGTERM and exited 0.
+
+    It decides "timed out" from how the shell ended: a shell that exits on its TERM trap looks like a
+    command that finished by itself.
+    """
+
+    def _result(self, command: _Command) -> BashRunResult:
+        result = super()._result(command)
+        if result.timed_out and result.signal is None:
+            return result.model_copy(update={"timed_out": False})
+        return result
+
+
+class DurationInSeconds(LocalBashExecutor):
+    """Breaks: `duration_ms` is the run's duration (in milliseconds).
+
+    It reports the duration in seconds.
+    """
+
+    def _result(self, command: _Command) -> BashRunResult:
+        result = super()._result(command)
+        return result.model_copy(update={"duration_ms": time.monotonic() - command.started_at})
+
+
+# =================================================================================================
+# resolve, exec and refusing to start
+# =================================================================================================
+
+
+class NoTimeoutClamp(LocalBashExecutor):
+    """Breaks: resolve clamps `timeout_ms` to `max_timeout_ms`.
+
+    A timeout given in the request is taken as it is.
+    """
+
+    def resolve(self, request: BashExecRequest) -> BashExecSpec:
+        spec = super().resolve(request)
+        if request.timeout_ms is not None:
+            return spec.model_copy(update={"timeout_ms": float(request.timeout_ms)})
+        return spec
+
+
+class ClampsOnlyAtRunTime(LocalBashExecutor):
+    """Breaks: resolve clamps `timeout_ms` to `max_timeout_ms`, and the result carries the effective one.
+
+    resolve leaves the request's timeout as it is; the run clamps it when it arms the timer, so the
+    command is killed in time but the result reports the unclamped timeout.
+    """
+
+    def resolve(self, request: BashExecRequest) -> BashExecSpec:
+        spec = super().resolve(request)
+        if request.timeout_ms is not None:
+            return spec.model_copy(update={"timeout_ms": float(request.timeout_ms)})
+        return spec
+
+    async def _supervise(self, command: _Command, timeout_s: float | None) -> None:
+        if timeout_s is not None:
+            timeout_s = min(timeout_s, self._config.max_timeout_ms / 1000)
+        await super()._supervise(command, timeout_s)
+
+
+class ResolveForgetsOwner(LocalBashExecutor):
+    """Breaks: resolve carries the request's `owner` (and every task keeps it).
+
+    The owner is not copied into the spec, so every task is ownerless.
+    """
+
+    def resolve(self, request: BashExecRequest) -> BashExecSpec:
+        return super().resolve(request).model_copy(update={"owner": None})
+
+
+class WorkdirIgnored(LocalBashExecutor):
+    """Breaks: the command runs in the resolved workdir.
+
+    Every command runs in the configured cwd, whatever workdir the spec names.
+    """
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        return await super()._spawn(_with_spec(launch, workdir=self._default_cwd()))
+
+
+class MissingWorkdirFallsBack(LocalBashExecutor):
+    """Breaks: run and start raise BashInfrastructureError when the workdir is unusable.
+
+    A workdir that is not a directory silently falls back to the configured cwd.
+    """
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        if not os.path.isdir(launch.spec.workdir):
+            launch = _with_spec(launch, workdir=self._default_cwd())
+        return await super()._spawn(launch)
+
+
+class PreAbortedSignalIgnored(LocalBashExecutor):
+    """Breaks: run and start refuse a spec whose signal is already aborted, and nothing runs.
+
+    An already-aborted signal is treated like no signal: the command runs to its end.
+    """
+
+    @staticmethod
+    def _without_dead_signal(spec: BashExecSpec) -> BashExecSpec:
+        if spec.signal is not None and spec.signal.aborted:
+            return spec.model_copy(update={"signal": None})
+        return spec
+
+    async def run(self, spec: BashExecSpec) -> BashRunResult:
+        return await super().run(self._without_dead_signal(spec))
+
+    async def start(self, spec: BashExecSpec) -> BashTask:
+        return await super().start(self._without_dead_signal(spec))
+
+
+class LeaksExceptionGroup(LocalBashExecutor):
+    """Breaks: no public method lets an ExceptionGroup escape.
+
+    run executes the command in a child task of its own task group, so a refusal to start comes
+    out wrapped in an ExceptionGroup.
+    """
+
+    async def run(self, spec: BashExecSpec) -> BashRunResult:
+        results: list[BashRunResult] = []
+
+        async def child() -> None:
+            results.append(await super(LeaksExceptionGroup, self).run(spec))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(child)
+        return results[0]
+
+
+class ExecDropsStdinAndEnv(LocalBashExecutor):
+    """Breaks: exec(command, **fields) is run(resolve(BashExecRequest(command=command, **fields))).
+
+    exec forwards workdir and timeout_ms but silently drops stdin and env.
+    """
+
+    async def exec(self, command: str, **request_fields: Any) -> BashRunResult:
+        request_fields.pop("stdin", None)
+        request_fields.pop("env", None)
+        return await super().exec(command, **request_fields)
+
+
+class InlinesLongCommands(LocalBashExecutor):
+    """Breaks: any command string runs, even one longer than one execve argument (128 KiB).
+
+    Every command goes into bash's argv; the kernel refuses a long one (E2BIG), and run raises.
+    """
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        return _plain_spawn(self, launch)
+
+
+# =================================================================================================
+# Cancellation, and a run in flight when aclose begins
+# =================================================================================================
+
+
+class CancelSendsTermOnly(LocalBashExecutor):
+    """Breaks: if the awaiting task is cancelled, the command's processes are killed first.
+
+    On cancellation it sends SIGTERM and lets the cancellation go on without the kill sequence:
+    whatever ignores SIGTERM lives on.
+    """
+
+    async def _kill_now(self, command: _Command, cause: _KillCause) -> None:
+        if command.kill_cause is None:
+            command.kill_cause = cause
+        with contextlib.suppress(Exception):
+            await command.process.signal_all(signal.SIGTERM)
+
+
+class SpawnNotCancelSafe(LocalBashExecutor):
+    """Breaks: a cancellation that comes while the command is being started kills it too.
+
+    After starting the shell it waits a moment for it to settle; a cancellation there leaves the
+    started command running, unknown to the executor until aclose.
+    """
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        process = await super()._spawn(launch)
+        await anyio.sleep(0.005)
+        return process
+
+
+class SwallowsCancellation(LocalBashExecutor):
+    """Breaks: a cancelled run kills the command and lets the cancellation propagate.
+
+    It kills the command properly, then returns the killed command's result as if nobody had
+    cancelled the call.
+    """
+
+    async def run(self, spec: BashExecSpec) -> BashRunResult:
+        command = await self._launch(spec, background=False)
+        try:
+            await self._supervise(command, spec.timeout_ms / 1000)
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                await self._kill_now(command, "killed")
+                await self._finalize(command)
+            return self._result(command)  # the bug: the caller's cancellation is swallowed
+        await self._finalize(command)
+        return self._result(command)
+
+
+class CloseKillReportedAsResult(LocalBashExecutor):
+    """Breaks: a run in flight when aclose begins is killed and raises ExecutorClosedError.
+
+    The close kill is reported like any other kill: the run returns a result.
+    """
+
+    def _result(self, command: _Command) -> BashRunResult:
+        if command.kill_cause == "closed":
+            command.kill_cause = "killed"
+        return super()._result(command)
+
+
+# =================================================================================================
+# Processes: stdin, rc files, sessions
+# =================================================================================================
+
+
+class StdinPipeNeverClosed(LocalBashExecutor):
+    """Breaks: stdin is empty (/dev/null) unless spec.stdin is given.
+
+    A command without stdin inherits the read end of a pipe the executor keeps open: whatever reads
+    stdin waits forever.
+    """
+
+    def __init__(self, config: LocalConfig | None = None) -> None:
+        super().__init__(config)
+        self._idle_stdin: tuple[int, int] | None = None
+
+    async def _open(self) -> None:
+        await super()._open()
+        self._idle_stdin = os.pipe2(os.O_CLOEXEC)
+
+    async def _release(self) -> None:
+        if self._idle_stdin is not None:
+            for fd in self._idle_stdin:
+                os.close(fd)
+            self._idle_stdin = None
+        await super()._release()
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        assert self._idle_stdin is not None
+        return _plain_spawn(self, launch, idle_stdin=self._idle_stdin[0])
+
+
+class _SingleWriteStdinProcess(LocalProcess):
+    async def _write_stdin(self, fd: int) -> None:
+        data = self._launch.spec.stdin
+        assert data is not None
+        try:
+            with contextlib.suppress(BlockingIOError, BrokenPipeError):
+                os.write(fd, data.encode() if isinstance(data, str) else data)  # no loop: a partial write
+        finally:
+            self._stdin_fd = None
+            os.close(fd)
+
+
+class StdinSingleWrite(_ProcessBreaker):
+    """Breaks: spec.stdin is written to the command's stdin (all of it) and closed.
+
+    It writes stdin with one write call and ignores a partial write: past a pipe's capacity
+    (64 KiB) the rest is lost.
+    """
+
+    process_class = _SingleWriteStdinProcess
+
+
+class PassesBashEnv(LocalBashExecutor):
+    """Breaks: every call runs a bash that reads no rc files.
+
+    It hands the ambient BASH_ENV to the command, and non-interactive bash sources it.
+    """
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        bash_env = self._ambient_env().get("BASH_ENV")
+        if bash_env is not None:
+            launch.env["BASH_ENV"] = bash_env
+        return await super()._spawn(launch)
+
+
+class NoNewSession(LocalBashExecutor):
+    """Breaks: every call runs in a process group (session) of its own.
+
+    The shell stays in the caller's session and process group.
+    """
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        return _plain_spawn(self, launch, new_session=False)
+
+
+# =================================================================================================
+# Processes: the kill sequence, the drain bound, leftovers
+# =================================================================================================
+
+
+class _LeaderOnlyProcess(LocalProcess):
+    async def signal_all(self, sig: int) -> None:
+        if not self._reaped:  # an unreaped child's pid cannot be reused
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._pid, sig)
+
+    async def remaining(self) -> list[str]:
+        return [] if self._reaped or self._peek_exit() is not None else [str(self._pid)]
+
+
+class KillsOnlyLeader(_ProcessBreaker):
+    """Breaks: killing means every process of the command (the group, children included).
+
+    Kill, timeout and abort signal the shell alone; its children live on.
+    """
+
+    process_class = _LeaderOnlyProcess
+
+
+class _SigkillOnlyProcess(LocalProcess):
+    async def signal_all(self, sig: int) -> None:
+        await super().signal_all(signal.SIGKILL)
+
+
+class SigkillWithoutSigterm(_ProcessBreaker):
+    """Breaks: SIGTERM to the group first, SIGKILL only after `grace_ms`.
+
+    Every signal of the kill sequence is a SIGKILL: nothing gets the chance to clean up.
+    """
+
+    process_class = _SigkillOnlyProcess
+
+
+class _NeverSigkillProcess(LocalProcess):
+    async def signal_all(self, sig: int) -> None:
+        if sig != signal.SIGKILL:
+            await super().signal_all(sig)
+
+
+class NeverSigkill(_ProcessBreaker):
+    """Breaks: SIGKILL after `grace_ms` to whatever is left, including members that trap SIGTERM.
+
+    The kill sequence stops at SIGTERM.
+    """
+
+    process_class = _NeverSigkillProcess
+
+
+class _NoKillAfterLeaderExitProcess(LocalProcess):
+    async def signal_all(self, sig: int) -> None:
+        if self._reaped or self._peek_exit() is not None:
+            return  # "the command has exited": but its group has not
+        await super().signal_all(sig)
+
+
+class StopsKillingAfterLeaderExit(_ProcessBreaker):
+    """Breaks: the kill sequence reaches members that trap SIGTERM even after the leader exited.
+
+    It treats the command as gone once its shell has exited, and signals nothing.
+    """
+
+    process_class = _NoKillAfterLeaderExitProcess
+
+
+class _KillGroupAtExitProcess(LocalProcess):
+    async def wait(self) -> ExitStatus:
+        status = await super().wait()
+        await self.signal_all(signal.SIGKILL)
+        return status
+
+
+class KillsDescendantsAtExit(_ProcessBreaker):
+    """Breaks: descendants that hold the output pipes after the shell exits keep running.
+
+    It kills everything left of the command the moment its shell exits, instead of bounding the
+    drain and leaving them to a kill or aclose.
+    """
+
+    process_class = _KillGroupAtExitProcess
+
+
+class _WaitForEofProcess(LocalProcess):
+    async def wait(self) -> ExitStatus:
+        status = await super().wait()
+        while not all(self._fds.values()):  # noqa: ASYNC110 - _read flips the flags, nothing notifies
+            await anyio.sleep(0.01)
+        return status
+
+
+class NoDrainBound(_ProcessBreaker):
+    """Breaks: once the shell has exited, the output gets at most `grace_ms` more.
+
+    It reports the shell's exit only once the output pipes close (as ``communicate()`` does): a
+    child holding stdout keeps the run going until the timeout.
+    """
+
+    process_class = _WaitForEofProcess
+
+
+class _BlockingWaitProcess(LocalProcess):
+    async def wait(self) -> ExitStatus:
+        # Blocks the event loop until the shell exits: no timer, no abort, no cancel can act.
+        os.waitid(os.P_PID, self._pid, os.WEXITED | os.WNOWAIT)  # noqa: ASYNC222 - the bug
+        return await super().wait()
+
+
+class BlocksEventLoop(_ProcessBreaker):
+    """Breaks: run never blocks the event loop (the executor's own timeout needs the loop to fire).
+
+    It waits for the shell with a blocking call, so a command that never ends blocks the event loop
+    and the timeout never fires: the run hangs.
+    """
+
+    process_class = _BlockingWaitProcess
+
+
+class NoLeftoverSweep(LocalBashExecutor):
+    """Breaks: aclose kills every process the executor's commands left behind.
+
+    aclose only kills the commands still running; a `server &` of a finished command lives on.
+    """
+
+    def _leftovers(self) -> Killable:
+        return _Nothing()
+
+
+class SerialClose(LocalBashExecutor):
+    """Breaks: aclose waits for what it kills, bounded by about twice `grace_ms`.
+
+    It runs the kill sequence of each running command one after the other, so TERM-ignoring tasks
+    cost a full grace each.
+    """
+
+    async def aclose(self) -> None:
+        if self._state == "open":
+            grace_s = self._config.grace_ms / 1000
+            for command in list(self._live):
+                await kill_sequence(command.process, grace_s, command.launch.marker)
+        await super().aclose()
+
+
+class SweepsAllExecutors(LocalBashExecutor):
+    """Breaks: aclose kills what this executor's commands started, not another executor's.
+
+    Its leftover sweep covers the processes of every executor of its class in this process.
+    """
+
+    _every_executor: ClassVar[list[LocalBashExecutor]] = []
+
+    def __init__(self, config: LocalConfig | None = None) -> None:
+        super().__init__(config)
+        self._every_executor.append(self)
+
+    def _leftovers(self) -> Killable:
+        return _AnyOf([LocalBashExecutor._leftovers(executor) for executor in self._every_executor])
+
+
+class SharedResultSlot(LocalBashExecutor):
+    """Breaks: concurrent runs on one executor each get their own result.
+
+    It keeps "the" foreground command in one executor-wide slot: every run reports the command
+    started last.
+    """
+
+    def __init__(self, config: LocalConfig | None = None) -> None:
+        super().__init__(config)
+        self._latest: _Command | None = None
+
+    async def _launch(self, spec: BashExecSpec, *, background: bool) -> _Command:
+        command = await super()._launch(spec, background=background)
+        if not background:
+            self._latest = command
+        return command
+
+    def _result(self, command: _Command) -> BashRunResult:
+        return super()._result(self._latest or command)
+
+
+# =================================================================================================
+# Background tasks
+# =================================================================================================
+
+
+class StartReturnsSnapshot(LocalBashExecutor):
+    """Breaks: start returns a live handle (its fields change as the task ends).
+
+    It returns a snapshot of the task, which stays `running` forever.
+    """
+
+    async def start(self, spec: BashExecSpec) -> BashTask:
+        task = await super().start(spec)
+        return BashTask(task.id, task.command, task.owner)
+
+
+class BackgroundTasksTimedOut(LocalBashExecutor):
+    """Breaks: no timeout applies to a background task (start ignores `timeout_ms`).
+
+    Background tasks are supervised with the spec's timeout, like foreground runs.
+    """
+
+    async def _supervise(self, command: _Command, timeout_s: float | None) -> None:
+        if timeout_s is None:
+            timeout_s = command.spec.timeout_ms / 1000
+        await super()._supervise(command, timeout_s)
+
+
+class KillWaitsForEnd(LocalBashExecutor):
+    """Breaks: kill starts the kill sequence and returns without waiting.
+
+    kill waits until the task has ended, a whole grace for a TERM-ignoring task.
+    """
+
+    async def kill(self, task_id: BashTaskId) -> bool:
+        was_running = await super().kill(task_id)
+        task = self._tasks[task_id].task
+        assert task is not None
+        await task.wait()
+        return was_running
+
+
+class KillOfEndedTaskNoop(LocalBashExecutor):
+    """Breaks: kill of an ended task still sends its leftover processes the kill sequence.
+
+    kill of an ended task just returns False.
+    """
+
+    async def kill(self, task_id: BashTaskId) -> bool:
+        self._ensure_open()
+        if self._command_for(task_id).finalized:
+            return False
+        return await super().kill(task_id)
+
+
+class UnknownIdRaisesKeyError(LocalBashExecutor):
+    """Breaks: read_output and kill raise UnknownTaskError for an unknown id.
+
+    An unknown id raises the dict's KeyError.
+    """
+
+    def _command_for(self, task_id: BashTaskId) -> _Command:
+        return self._tasks[task_id]
+
+
+class BackgroundExitStatusLost(LocalBashExecutor):
+    """Breaks: a task that ends by itself is `completed`, `exited`, with its exit code.
+
+    The background path never keeps the shell's exit status: every task ends with exit_code None.
+    """
+
+    async def _finalize(self, command: _Command) -> None:
+        if command.task is not None:
+            command.exit = None
+        await super()._finalize(command)
+
+
+class SelfSignalCountedAsKill(LocalBashExecutor):
+    """Breaks: a task that died of a signal nobody here sent is `completed`, `signaled`.
+
+    Any signal death of a task is taken for the executor's own kill.
+    """
+
+    async def _finalize(self, command: _Command) -> None:
+        status = command.exit
+        signaled = status is not None and status.signal is not None
+        if command.task is not None and command.kill_cause is None and signaled:
+            command.kill_cause = "killed"
+        await super()._finalize(command)
+
+
+class CloseReportedAsKill(LocalBashExecutor):
+    """Breaks: a task still running at aclose ends with end_cause `closed`.
+
+    aclose ends the running tasks through kill(), so they end `killed`.
+    """
+
+    async def aclose(self) -> None:
+        if self._state == "open":
+            for task_id, command in list(self._tasks.items()):
+                if not command.finalized:
+                    await self.kill(task_id)
+        await super().aclose()
+
+
+class WakesWaitersEarly(LocalBashExecutor):
+    """Breaks: status, exit code, signal and end cause are final before wait() returns.
+
+    It wakes the task's waiters as soon as it starts finalizing, before the end fields are set.
+    """
+
+    async def _finalize(self, command: _Command) -> None:
+        if command.task is not None and not command.finalized:
+            command.task._done.set()
+            await anyio.lowlevel.checkpoint()
+        await super()._finalize(command)
+
+
+class _WholeSeconds(itertools.count):  # type: ignore[type-arg]
+    """A counter that yields the current time in whole seconds."""
+
+    def __next__(self) -> int:
+        return int(time.time())
+
+
+class TaskIdsFromClock(LocalBashExecutor):
+    """Breaks: each background task has its own id.
+
+    Task ids are made from the wall clock in whole seconds: tasks started in the same second share one.
+    """
+
+    def __init__(self, config: LocalConfig | None = None) -> None:
+        super().__init__(config)
+        self._task_numbers = _WholeSeconds()
+
+
+class OwnerOfForgetsEndedTasks(LocalBashExecutor):
+    """Breaks: owner_of returns the token stored at start, for as long as the task is known.
+
+    owner_of looks among the running commands only: once a task ended, its owner is None.
+    """
+
+    def owner_of(self, task_id: BashTaskId) -> OwnerToken | None:
+        self._ensure_open()
+        for command in self._live:
+            if command.task is not None and command.task.id == task_id:
+                return command.task.owner
+        return None
+
+
+# =================================================================================================
+# Background reads
+# =================================================================================================
+
+
+class MergesStderrWithoutMarker(LocalBashExecutor):
+    """Breaks: a read gives stdout, then a `[stderr]` line and stderr.
+
+    It concatenates the two deltas with no marker between them.
+    """
+
+    async def read_output(self, task_id: BashTaskId) -> BashTaskRead:
+        self._ensure_open()
+        command = self._command_for(task_id)
+        await anyio.lowlevel.checkpoint()
+        assert command.task is not None
+        stdout, stderr = command.launch.stdout, command.launch.stderr
+        out_text, out_dropped = stdout.read()
+        err_text, err_dropped = stderr.read()
+        dropped = out_dropped + err_dropped
+        return BashTaskRead(
+            task=command.task,
+            delta=out_text + err_text,
+            lossy=dropped > 0,
+            dropped_bytes=dropped,
+            stdout_spill_path=stdout.spill_path,
+            stderr_spill_path=stderr.spill_path,
+        )
+
+
+class NonConsumingReads(LocalBashExecutor):
+    """Breaks: reads are consuming: two reads never deliver the same bytes.
+
+    Every read is served from the collected (foreground) view: it re-delivers all that is kept.
+    """
+
+    async def read_output(self, task_id: BashTaskId) -> BashTaskRead:
+        self._ensure_open()
+        command = self._command_for(task_id)
+        await anyio.lowlevel.checkpoint()
+        assert command.task is not None
+        stdout, stderr = command.launch.stdout.collected(), command.launch.stderr.collected()
+        return BashTaskRead(
+            task=command.task,
+            delta=merge_streams(stdout.text, stderr.text),
+            lossy=False,
+            dropped_bytes=0,
+            stdout_spill_path=stdout.spill_path,
+            stderr_spill_path=stderr.spill_path,
+        )
+
+
+class LongPollingReads(LocalBashExecutor):
+    """Breaks: read_output returns at once, possibly with "".
+
+    A read waits (up to half a second) for new output or the task's end.
+    """
+
+    async def read_output(self, task_id: BashTaskId) -> BashTaskRead:
+        self._ensure_open()
+        command = self._command_for(task_id)
+        assert command.task is not None
+        stdout, stderr = command.launch.stdout, command.launch.stderr
+        task = command.task
+        before = (stdout.total_bytes, stderr.total_bytes)
+
+        def nothing_new() -> bool:
+            return (stdout.total_bytes, stderr.total_bytes) == before and task.end_cause is None
+
+        with anyio.move_on_after(0.5):
+            while nothing_new():  # noqa: ASYNC110 - output arrives without a notification to wait on
+                await anyio.sleep(0.01)
+        return await super().read_output(task_id)
+
+
+class NeverLossy(LocalBashExecutor):
+    """Breaks: `dropped_bytes` counts unread output lost from memory; `lossy` is true when it is > 0.
+
+    Reads never admit a loss.
+    """
+
+    async def read_output(self, task_id: BashTaskId) -> BashTaskRead:
+        read = await super().read_output(task_id)
+        return read.model_copy(update={"dropped_bytes": 0, "lossy": False})
+
+
+class EvictsFinishedOutput(LocalBashExecutor):
+    """Breaks: finished tasks stay readable until aclose.
+
+    Starting a task discards the unread output of the tasks that already ended.
+    """
+
+    async def start(self, spec: BashExecSpec) -> BashTask:
+        for command in list(self._tasks.values()):
+            if command.finalized:
+                command.launch.stdout.read()
+                command.launch.stderr.read()
+        return await super().start(spec)
+
+
+# =================================================================================================
+# Output: separation, truncation, spill files, decoding
+# =================================================================================================
+
+
+class _StderrIntoStdoutProcess(LocalProcess):
+    async def pump_output(self) -> None:
+        async with anyio.create_task_group() as tg:
+            if self._stdin_fd is not None:
+                tg.start_soon(self._write_stdin, self._stdin_fd)
+            tg.start_soon(self._read, self._stdout_fd, self._launch.stdout)
+            await self._read(self._stderr_fd, self._launch.stdout)
+
+
+class StderrIntoStdout(_ProcessBreaker):
+    """Breaks: stdout and stderr are collected apart.
+
+    Both pipes feed the stdout stream.
+    """
+
+    process_class = _StderrIntoStdoutProcess
+
+
+class _HeadKeepingStream(OutputStream):
+    __slots__ = ()
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        head = bytes(self._tail)
+        super().feed(data)
+        if len(head) + len(data) > self.max_bytes:
+            self._tail[:] = (head + bytes(data))[: self.max_bytes]
+
+
+class KeepsHead(_StreamBreaker):
+    """Breaks: each stream keeps at most `max_output_bytes` in memory: the tail.
+
+    It keeps the head.
+    """
+
+    stream_class = _HeadKeepingStream
+
+
+class _KeptBytesCountStream(OutputStream):
+    __slots__ = ()
+
+    def collected(self) -> CollectedOutput:
+        collected = super().collected()
+        return collected.model_copy(update={"total_bytes": len(self._tail)})
+
+
+class CountsOnlyKeptBytes(_StreamBreaker):
+    """Breaks: `total_bytes` counts every byte the stream produced, kept or not.
+
+    It counts the bytes it kept.
+    """
+
+    stream_class = _KeptBytesCountStream
+
+
+class _NoSpillPathStream(OutputStream):
+    __slots__ = ()
+
+    @property
+    def spill_path(self) -> str | None:
+        return None
+
+
+class DropsSpillPaths(_StreamBreaker):
+    """Breaks: beyond `max_output_bytes` the whole stream is in a spill file, `spill_path`.
+
+    The spill file is written but its path is never reported.
+    """
+
+    stream_class = _NoSpillPathStream
+
+
+class _TruncatesAtLimitStream(OutputStream):
+    __slots__ = ()
+
+    @property
+    def truncated(self) -> bool:
+        return self.total_bytes >= self.max_bytes
+
+
+class TruncatesAtLimit(_StreamBreaker):
+    """Breaks: output of exactly `max_output_bytes` is not truncated.
+
+    Off by one: it calls a stream truncated once it reaches the limit.
+    """
+
+    stream_class = _TruncatesAtLimitStream
+
+
+class _ExclusiveSpillCapStream(OutputStream):
+    __slots__ = ()
+
+    def _spill_begin(self, data: bytes | bytearray | memoryview) -> None:
+        if self.total_bytes >= self.max_spill_bytes:
+            self._spill_state = "lost"
+            return
+        super()._spill_begin(data)
+
+    def _spill_append(self, data: bytes | bytearray | memoryview, size: int) -> None:
+        if self.total_bytes >= self.max_spill_bytes:
+            self._lose_spill()
+            return
+        super()._spill_append(data, size)
+
+
+class ExclusiveSpillCap(_StreamBreaker):
+    """Breaks: a stream keeps its spill file while within `max_spill_bytes` (inclusive).
+
+    Off by one: a stream of exactly `max_spill_bytes` loses its spill file.
+    """
+
+    stream_class = _ExclusiveSpillCapStream
+
+
+class _UnlimitedBudget(SpillBudget):
+    __slots__ = ()
+
+    def reserve(self, size: int) -> bool:
+        self.used += size
+        return True
+
+
+class IgnoresSpillTotal(LocalBashExecutor):
+    """Breaks: the executor's spill files together stay within `max_spill_total_bytes`.
+
+    It counts the bytes in spill files but never refuses one.
+    """
+
+    def __init__(self, config: LocalConfig | None = None) -> None:
+        super().__init__(config)
+        self._spill_budget = _UnlimitedBudget(self._config.max_spill_total_bytes)
+
+
+class WorldReadableSpills(LocalBashExecutor):
+    """Breaks: a spill file is created 0600.
+
+    Spill files are made readable by everyone (0644).
+    """
+
+    def _open_spill(self, command_marker: str, stream: str) -> SpillFile:
+        spill = super()._open_spill(command_marker, stream)
+        os.chmod(spill.path, 0o644)
+        return spill
+
+
+class SequentialSpillNames(LocalBashExecutor):
+    """Breaks: a spill file has a name nobody can predict.
+
+    Spill files are numbered 000001.stdout, 000002.stderr, ...
+    """
+
+    def __init__(self, config: LocalConfig | None = None) -> None:
+        super().__init__(config)
+        self._spill_numbers = itertools.count(1)
+
+    def _open_spill(self, command_marker: str, stream: str) -> SpillFile:
+        if self._spill_dir is None:
+            raise OSError("the spill directory is gone")
+        return LocalSpillFile(self._spill_dir, f"{next(self._spill_numbers):06d}.{stream}")
+
+
+class KeepsSpillDir(LocalBashExecutor):
+    """Breaks: aclose releases the spill directories the executor owns.
+
+    aclose closes its handle on the spill directory and leaves the directory behind.
+    (``left_behind`` lists them so the tests can remove them.)
+    """
+
+    left_behind: ClassVar[list[str]] = []
+
+    async def _release(self) -> None:
+        if self._spill_dir is not None:
+            os.close(self._spill_dir.fd)
+            self.left_behind.append(self._spill_dir.path)
+            self._spill_dir = None
+
+
+class _IgnoringDecodeStream(OutputStream):
+    __slots__ = ()
+
+    def collected(self) -> CollectedOutput:
+        tail = self._tail
+        start = _skip_continuation(tail, 0) if self.truncated else 0
+        text = bytes(tail[start:]).decode("utf-8", errors="ignore")
+        return super().collected().model_copy(update={"text": text})
+
+
+class DropsInvalidUtf8(_StreamBreaker):
+    """Breaks: text is UTF-8 with invalid bytes replaced (U+FFFD).
+
+    It decodes with errors="ignore": invalid bytes vanish.
+    """
+
+    stream_class = _IgnoringDecodeStream
+
+    def _break_stream(self, stream: OutputStream) -> None:
+        super()._break_stream(stream)
+        stream._decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
+
+
+class _ChunkDecodingStream(OutputStream):
+    __slots__ = ()
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        # Each chunk is decoded on its own (and stored re-encoded): a split character is mangled.
+        super().feed(bytes(data).decode("utf-8", errors="replace").encode())
+
+
+class DecodesChunkByChunk(_StreamBreaker):
+    """Breaks: a multi-byte character split across two chunks or two reads is never mangled.
+
+    It decodes each chunk as it arrives, so both halves of a split character become U+FFFD.
+    """
+
+    stream_class = _ChunkDecodingStream
+
+
+# =================================================================================================
+# Environment
+# =================================================================================================
+
+
+class LeaksAmbientSecrets(LocalBashExecutor):
+    """Breaks: the ambient variables matching a scrub pattern are kept out of the command's env.
+
+    It gives the child its own environment with the computed one on top
+    (``env=dict(os.environ, **env)``), so every scrubbed secret comes back.
+    """
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        computed = dict(launch.env)
+        launch.env.update(self._ambient_env())
+        launch.env.update(computed)
+        return await super()._spawn(launch)
+
+
+class NoAmbientEnv(LocalBashExecutor):
+    """Breaks: the command's environment is the backend's ambient environment (minus scrubbed names).
+
+    Commands get a clean environment with only PATH.
+    """
+
+    def _ambient_env(self) -> Mapping[str, str]:
+        return {"PATH": os.environ.get("PATH", os.defpath)}
+
+
+class FriendlyDefaultsDontOverride(LocalBashExecutor):
+    """Breaks: the model-friendly set (TERM=dumb, PAGER=cat, ...) wins over ambient values.
+
+    It applies the model-friendly set with setdefault: ambient values win.
+    """
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        ambient = self._ambient_env()
+        explicit = launch.spec.env or {}
+        for name in MODEL_FRIENDLY_ENV:
+            if name in ambient and name not in explicit:
+                launch.env[name] = ambient[name]
+        return await super()._spawn(launch)
+
+
+class ScrubsSpecEnv(LocalBashExecutor):
+    """Breaks: spec.env wins over everything and is not scrubbed.
+
+    It applies the scrub patterns to the explicit variables too.
+    """
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        config = self._config
+        for name in launch.spec.env or {}:
+            if is_scrubbed(name, config.env_scrub, config.env_allow):
+                launch.env.pop(name, None)
+        return await super()._spawn(launch)
+
+
+class ForgetsEnvAllow(LocalBashExecutor):
+    """Breaks: a variable matching a scrub pattern is kept when it matches `env_allow`.
+
+    It copies its config without `env_allow`.
+    """
+
+    def __init__(self, config: LocalConfig | None = None) -> None:
+        config = config if config is not None else LocalConfig()
+        super().__init__(config.model_copy(update={"env_allow": ()}))
+
+
+class ScrubExtendsDefaults(LocalBashExecutor):
+    """Breaks: setting `env_scrub` replaces the default patterns.
+
+    It adds the configured patterns to the defaults.
+    """
+
+    def __init__(self, config: LocalConfig | None = None) -> None:
+        config = config if config is not None else LocalConfig()
+        patterns = tuple(dict.fromkeys((*DEFAULT_ENV_SCRUB, *config.env_scrub)))
+        super().__init__(config.model_copy(update={"env_scrub": patterns}))
+
+
+class EnvOnCommandLine(LocalBashExecutor):
+    """Breaks: no value the executor passes in the environment appears on a command line.
+
+    It passes spec.env as `export NAME=VALUE;` in front of the command (as an SSH backend might):
+    the values are in bash's argv for everyone's `ps` to see.
+    """
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        explicit = launch.spec.env or {}
+        if explicit:
+            exports = "".join(f"export {name}={shlex.quote(value)}; " for name, value in explicit.items())
+            launch = _with_spec(launch, command=exports + launch.spec.command)
+        return await super()._spawn(launch)
+
+
+# =================================================================================================
+# Task-done listeners
+# =================================================================================================
+
+
+class NotifiesTwice(LocalBashExecutor):
+    """Breaks: a listener is called exactly once for every background task that ends.
+
+    It notifies once when the task ends and once more when it is cleaned up.
+    """
+
+    def _notify(self, task: BashTask) -> None:
+        super()._notify(task)
+        super()._notify(task)
+
+
+class UnsubscribeRemovesWrongCallable(LocalBashExecutor):
+    """Breaks: the callable on_task_done returns unsubscribes the listener.
+
+    It registers a wrapper around the listener but the unsubscriber removes the listener itself,
+    which is not registered: a no-op.
+    """
+
+    def on_task_done(self, listener: TaskListener) -> Callable[[], None]:
+        def wrapper(task: BashTask) -> None:
+            listener(task)
+
+        self._listeners.append(wrapper)
+
+        def unsubscribe() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return unsubscribe
+
+
+class RaisingListenerStopsOthers(LocalBashExecutor):
+    """Breaks: a listener that raises is logged and disturbs nothing else.
+
+    The first listener that raises ends the notification: the listeners after it are skipped.
+    """
+
+    def _notify(self, task: BashTask) -> None:
+        try:
+            for listener in list(self._listeners):
+                listener(task)
+        except Exception:
+            log.exception("a task-done listener raised for %s", task.id)
+
+
+class NotifiesDuringClose(LocalBashExecutor):
+    """Breaks: no listener is called once aclose has begun.
+
+    Tasks that aclose kills are reported to the listeners too.
+    """
+
+    async def _finalize(self, command: _Command) -> None:
+        first = not command.finalized
+        await super()._finalize(command)
+        if first and command.task is not None and self._state != "open":
+            self._notify(command.task)
+
+
+# =================================================================================================
+# Lifecycle: closed executors, aclose
+# =================================================================================================
+
+
+class UsableAfterClose(LocalBashExecutor):
+    """Breaks: calls after the executor closed raise ExecutorClosedError.
+
+    Only calls before the block is entered are refused.
+    """
+
+    def _ensure_open(self) -> None:
+        if self._state == "new":
+            super()._ensure_open()
+
+
+class ExecutorClosed(RuntimeError):
+    """The backend's own "closed" error (it should be dsh_bash.ExecutorClosedError)."""
+
+
+class OwnClosedError(LocalBashExecutor):
+    """Breaks: calls on a closed executor raise ExecutorClosedError (a BashInfrastructureError).
+
+    It raises an error class of its own, a RuntimeError.
+    """
+
+    def _ensure_open(self) -> None:
+        if self._state != "open":
+            raise ExecutorClosed(f"{type(self).__name__} is not open")
+
+
+class ConcurrentAcloseRaises(LocalBashExecutor):
+    """Breaks: aclose may be called from any task, any number of times.
+
+    An aclose that comes while another is in progress raises instead of waiting for it.
+    """
+
+    async def aclose(self) -> None:
+        if self._state == "closing":
+            raise RuntimeError("aclose is already in progress")
+        await super().aclose()
+
+
+# =================================================================================================
+# Beyond the contract: processes that left the session
+# =================================================================================================
+
+
+class _GroupOnlyProcess(LocalProcess):
+    async def signal_all(self, sig: int) -> None:
+        group_ours, _escaped = await self._members()
+        if group_ours:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._pid, sig)
+        self._scanner.invalidate()
+
+    async def remaining(self) -> list[str]:
+        group_ours, _escaped = await self._members()
+        if not group_ours:
+            return []
+        return [str(e.pid) for e in await self._scanner.entries() if e.alive and e.pgrp == self._pid]
+
+
+class _GroupMembers:
+    """The live processes of some process groups (each checked to carry one of our markers)."""
+
+    def __init__(self, scanner: ProcScanner, groups: set[int]) -> None:
+        self._scanner = scanner
+        self._groups = groups
+
+    async def _pids(self) -> list[int]:
+        entries = await self._scanner.entries()
+        return [e.pid for e in entries if e.alive and e.marker is not None and e.pgrp in self._groups]
+
+    async def signal_all(self, sig: int) -> None:
+        for pid in await self._pids():
+            await anyio.to_thread.run_sync(signal_marked, pid, self._scanner.prefix, sig, False)
+        self._scanner.invalidate()
+
+    async def remaining(self) -> list[str]:
+        return [str(pid) for pid in await self._pids()]
+
+
+class GroupOnlyTracking(_ProcessBreaker):
+    """Breaks (beyond): processes that left the group (setsid, double fork) are killed too.
+
+    It knows its commands by process group only: kill, timeout, abort and aclose reach the groups
+    its shells led and never what left them.
+    """
+
+    process_class = _GroupOnlyProcess
+
+    def __init__(self, config: LocalConfig | None = None) -> None:
+        super().__init__(config)
+        self._groups: set[int] = set()
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        process = await super()._spawn(launch)
+        assert isinstance(process, LocalProcess)
+        self._groups.add(process._pid)
+        return process
+
+    def _leftovers(self) -> Killable:
+        return _GroupMembers(self._scanner, self._groups)
