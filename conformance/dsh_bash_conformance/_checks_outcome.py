@@ -32,6 +32,7 @@ from ._support import (
     spawn,
     touch,
     wait_files,
+    within,
 )
 
 GRACE_S = 0.3  # the kit's default grace_ms, in seconds
@@ -105,7 +106,11 @@ async def timeout_clamped(ctx: CheckContext) -> None:
     async with ctx.executor(max_timeout_ms=400) as ex:
         mark = ctx.marker()
         started = time.monotonic()
-        result = await ex.exec(loop(mark), timeout_ms=60_000)
+        bound = 0.4 + 2 * GRACE_S + SLACK_S
+        # Bounded: an unclamped 60 s timeout must fail here, not hang the check.
+        result = await within(
+            ex.exec(loop(mark), timeout_ms=60_000), bound + 1, "a run that should be clamped"
+        )
         took = elapsed(started)
         ctx.expect(
             result.timed_out, f"a 60 s request under max_timeout_ms=400 was not timed out: {show(result)}"
@@ -113,7 +118,6 @@ async def timeout_clamped(ctx: CheckContext) -> None:
         ctx.expect(
             result.timeout_ms == 400, f"timeout_ms should be the clamped 400, got {result.timeout_ms!r}"
         )
-        bound = 0.4 + 2 * GRACE_S + SLACK_S
         ctx.expect(
             0.38 <= took <= bound, f"the clamped run returned after {took:.2f} s (expected 0.4..{bound:.1f})"
         )
