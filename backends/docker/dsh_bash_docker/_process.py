@@ -10,9 +10,10 @@ import anyio.to_thread
 
 from dsh_bash import BashInfrastructureError, CommandProcess, ExitStatus, Launch, signal_name
 from dsh_bash._procscan import ProcEntry, scan, signal_marked
+from dsh_bash._remote_bash import ExitTrailerFilter
 
 from ._engine import EngineClient, EngineError, ExecStream
-from ._scripts import BOOT_FAIL, BOOT_OK, EXIT_PREFIX, KILL
+from ._scripts import BOOT_FAIL, BOOT_OK, KILL
 
 __all__ = ["ContainerMarked", "DockerProcess", "run_script"]
 
@@ -158,10 +159,7 @@ class DockerProcess(CommandProcess):
         self._start_helper = start_helper
         self._on_release = on_release
         self._eof_or_exit = anyio.Event()
-        self._exit_code: int | None = None
-        self._held = b""
-        self._trailer_prefix = EXIT_PREFIX + nonce.encode() + b":"
-        self._trailer_size = len(self._trailer_prefix) + 4
+        self._stdout = ExitTrailerFilter(nonce, launch.stdout.feed)
         self._pending_out: list[bytes] = []
         self._pending_err: list[bytes] = []
 
@@ -189,8 +187,8 @@ class DockerProcess(CommandProcess):
 
     async def wait(self) -> ExitStatus:
         await self._eof_or_exit.wait()
-        if self._exit_code is not None:
-            return ExitStatus(code=self._exit_code)
+        if self._stdout.exit_code is not None:
+            return ExitStatus(code=self._stdout.exit_code)
         # The stream ended without the boot script's trailer: the container (or the engine) failed.
         try:
             state = (await self._engine.container_inspect(self._container)).get("State", {})
@@ -204,33 +202,9 @@ class DockerProcess(CommandProcess):
         )
 
     def _feed_stdout(self, data: memoryview | bytes) -> None:
-        """Pass stdout on, taking out the boot script's exit trailer (which may span two frames)."""
-        if self._exit_code is not None:
-            self._launch.stdout.feed(data)
-            return
-        held = self._held + bytes(data)
-        index = held.find(self._trailer_prefix)
-        if index >= 0 and len(held) >= index + self._trailer_size:
-            trailer = held[index : index + self._trailer_size]
-            self._launch.stdout.feed(held[:index])
-            self._held = b""
-            self._exit_code = int(trailer[len(self._trailer_prefix) : -1])
-            rest = held[index + self._trailer_size :]
-            if rest:
-                self._launch.stdout.feed(rest)
+        self._stdout.feed(data)
+        if self._stdout.exit_code is not None:
             self._eof_or_exit.set()
-            return
-        # Hold back only a tail that could be the start of the trailer; pass the rest on now.
-        keep = 0
-        start = held.rfind(b"\0", max(0, len(held) - self._trailer_size))
-        while start >= 0:
-            if self._trailer_prefix.startswith(held[start : start + len(self._trailer_prefix)]):
-                keep = len(held) - start
-                break
-            start = held.rfind(b"\0", max(0, len(held) - self._trailer_size), start)
-        if keep < len(held):
-            self._launch.stdout.feed(held[: len(held) - keep])
-        self._held = held[len(held) - keep :]
 
     async def pump_output(self) -> None:
         launch = self._launch
@@ -249,9 +223,7 @@ class DockerProcess(CommandProcess):
                 tg.cancel_scope.cancel()
         finally:
             if self._stream.at_eof:
-                if self._held:
-                    launch.stdout.feed(self._held)
-                    self._held = b""
+                self._stdout.flush()
                 self._eof_or_exit.set()
 
     async def _write_stdin(self, data: bytes) -> None:

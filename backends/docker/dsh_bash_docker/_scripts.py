@@ -1,12 +1,10 @@
-"""The bash scripts the backend runs inside the container. They carry names, never secret values."""
+"""The Docker backend's boot script; the scripts shared with other remote backends live in dsh_bash."""
 
 from __future__ import annotations
 
-#: Preamble markers written to stdout by the boot script before the command starts.
-BOOT_OK = b"\0dsh-bash-boot-ok\0"
-BOOT_FAIL = b"\0dsh-bash-boot-fail:"
-#: The trailer the boot script writes once the command's shell exited: nonce and a 3-digit status.
-EXIT_PREFIX = b"\0dsh-bash-exit:"
+from dsh_bash._remote_bash import BOOT_FAIL, BOOT_OK, EXIT_PREFIX, KILL, SPILL_DIR, SPILL_WRITER
+
+__all__ = ["BOOT", "BOOT_FAIL", "BOOT_OK", "EXIT_PREFIX", "KILL", "SPILL_DIR", "SPILL_WRITER"]
 
 # $1: workdir, $2: script file or "" (then the command text is in DSH_BASH_COMMAND: kept out of this
 # process's argv, which lives as long as the command's leftovers and would show the command again).
@@ -46,48 +44,3 @@ printf '\0dsh-bash-exit:%s:%03d\0' "$nonce" "$status"
 # Bash 5.1+ waits for process substitutions by pid; older ones refuse, so poll them.
 wait "$out" "$err" 2>/dev/null || while kill -0 "$out" 2>/dev/null || kill -0 "$err" 2>/dev/null; do sleep 0.05; done
 """
-
-# $1: "signal" or "list", $2: signal name, $3: marker value or prefix, $4: 1 for an exact match.
-# A process belongs when its initial environment carries the marker; a process group is signalled
-# only while a marked process is in it (so a recycled group id is never signalled), which also
-# reaches members that cleared their environment.
-KILL = r"""
-mode=$1 sig=$2 want=$3 exact=$4
-declare -A groups=()
-marked=() all_pid=() all_pgrp=()
-for d in /proc/[0-9]*; do
-  p=${d#/proc/}
-  [ "$p" = "$$" ] && continue
-  read -r stat < "$d/stat" 2>/dev/null || continue
-  rest=${stat##*) }
-  read -r state _ppid pgrp _ <<< "$rest"
-  [ "$state" = Z ] || [ "$state" = X ] && continue
-  all_pid+=("$p"); all_pgrp+=("$pgrp")
-  mapfile -d '' -t env < "$d/environ" 2>/dev/null || continue
-  for e in "${env[@]}"; do
-    case $e in
-      DSH_BASH_MARK=*)
-        v=${e#DSH_BASH_MARK=}
-        if { [ "$exact" = 1 ] && [ "$v" = "$want" ]; } || { [ "$exact" != 1 ] && [ "${v#"$want"}" != "$v" ]; }; then
-          marked+=("$p"); groups[$pgrp]=1
-        fi
-        break ;;
-    esac
-  done
-done
-if [ "$mode" = list ]; then
-  for i in "${!all_pid[@]}"; do
-    if [ -n "${groups[${all_pgrp[$i]}]+x}" ]; then echo "${all_pid[$i]}"; fi
-  done
-  for p in "${marked[@]}"; do echo "$p"; done
-else
-  for g in "${!groups[@]}"; do kill -s "$sig" -- "-$g" 2>/dev/null; done
-  for p in "${marked[@]}"; do kill -s "$sig" "$p" 2>/dev/null; done
-fi
-exit 0
-"""
-
-# $1: path. noclobber makes the redirection fail on any existing path, links included.
-SPILL_WRITER = r"""umask 077; set -C; exec cat > "$1" """
-
-SPILL_DIR = r"""umask 077; mktemp -d "${TMPDIR:-/tmp}/dsh-bash-XXXXXX" """

@@ -1,0 +1,115 @@
+"""Bash scripts and in-band markers for backends whose commands run under a bash they reach remotely.
+
+A backend that starts commands through an API (Docker's exec) or a channel (SSH) uses the same
+mechanics on the far side: a boot wrapper reports "started" before the command runs and its exit
+status after, in-band on stdout; kills find a command's processes by the marker in their initial
+environment; spill files are written by a ``cat`` that refuses existing paths. Scripts carry names,
+never secret values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+__all__ = ["BOOT_FAIL", "BOOT_OK", "EXIT_PREFIX", "KILL", "SPILL_DIR", "SPILL_WRITER", "ExitTrailerFilter"]
+
+#: Preamble markers written to stdout by a boot script before the command starts.
+BOOT_OK = b"\0dsh-bash-boot-ok\0"
+BOOT_FAIL = b"\0dsh-bash-boot-fail:"
+#: The trailer a boot script writes once the command's shell exited: nonce and a 3-digit status.
+EXIT_PREFIX = b"\0dsh-bash-exit:"
+
+# $1: "signal" or "list", $2: signal name, $3: marker value or prefix, $4: 1 for an exact match.
+# A process belongs when its initial environment carries the marker; a process group is signalled
+# only while a marked process is in it (so a recycled group id is never signalled), which also
+# reaches members that cleared their environment.
+KILL = r"""
+mode=$1 sig=$2 want=$3 exact=$4
+declare -A groups=()
+marked=() all_pid=() all_pgrp=()
+for d in /proc/[0-9]*; do
+  p=${d#/proc/}
+  [ "$p" = "$$" ] && continue
+  read -r stat < "$d/stat" 2>/dev/null || continue
+  rest=${stat##*) }
+  read -r state _ppid pgrp _ <<< "$rest"
+  [ "$state" = Z ] || [ "$state" = X ] && continue
+  all_pid+=("$p"); all_pgrp+=("$pgrp")
+  mapfile -d '' -t env < "$d/environ" 2>/dev/null || continue
+  for e in "${env[@]}"; do
+    case $e in
+      DSH_BASH_MARK=*)
+        v=${e#DSH_BASH_MARK=}
+        if { [ "$exact" = 1 ] && [ "$v" = "$want" ]; } || { [ "$exact" != 1 ] && [ "${v#"$want"}" != "$v" ]; }; then
+          marked+=("$p"); groups[$pgrp]=1
+        fi
+        break ;;
+    esac
+  done
+done
+if [ "$mode" = list ]; then
+  for i in "${!all_pid[@]}"; do
+    if [ -n "${groups[${all_pgrp[$i]}]+x}" ]; then echo "${all_pid[$i]}"; fi
+  done
+  for p in "${marked[@]}"; do echo "$p"; done
+else
+  for g in "${!groups[@]}"; do kill -s "$sig" -- "-$g" 2>/dev/null; done
+  for p in "${marked[@]}"; do kill -s "$sig" "$p" 2>/dev/null; done
+fi
+exit 0
+"""
+
+# $1: path. noclobber makes the redirection fail on any existing path, links included.
+SPILL_WRITER = r"""umask 077; set -C; exec cat > "$1" """
+
+SPILL_DIR = r"""umask 077; mktemp -d "${TMPDIR:-/tmp}/dsh-bash-XXXXXX" """
+
+
+class ExitTrailerFilter:
+    """Passes stdout on while taking out the boot script's exit trailer, which may span two chunks.
+
+    Only a tail that could be the start of the trailer is held back, so ordinary output (which has
+    no NUL bytes) is never delayed.
+    """
+
+    __slots__ = ("_held", "_prefix", "_sink", "_size", "exit_code")
+
+    def __init__(self, nonce: str, sink: Callable[[bytes | memoryview], None]) -> None:
+        self._sink = sink
+        self._prefix = EXIT_PREFIX + nonce.encode() + b":"
+        self._size = len(self._prefix) + 4  # three digits and a NUL
+        self._held = b""
+        self.exit_code: int | None = None
+
+    def feed(self, data: bytes | memoryview) -> None:
+        if self.exit_code is not None:
+            self._sink(data)
+            return
+        held = self._held + bytes(data)
+        index = held.find(self._prefix)
+        if index >= 0 and len(held) >= index + self._size:
+            trailer = held[index : index + self._size]
+            self._held = b""
+            self.exit_code = int(trailer[len(self._prefix) : -1])
+            if index:
+                self._sink(held[:index])
+            if len(held) > index + self._size:
+                self._sink(held[index + self._size :])
+            return
+        keep = 0
+        floor = max(0, len(held) - self._size)
+        start = held.rfind(b"\0", floor)
+        while start >= 0:
+            if self._prefix.startswith(held[start : start + len(self._prefix)]):
+                keep = len(held) - start
+                break
+            start = held.rfind(b"\0", floor, start)
+        if keep < len(held):
+            self._sink(held[: len(held) - keep])
+        self._held = held[len(held) - keep :]
+
+    def flush(self) -> None:
+        """The stream ended: whatever was held back was output after all."""
+        if self._held:
+            self._sink(self._held)
+            self._held = b""
