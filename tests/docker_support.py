@@ -1,0 +1,345 @@
+"""Docker test support: engine probe, the test image, long-lived containers and kit targets.
+
+Loaded as a pytest plugin by ``tests/conftest.py`` (``pytest_plugins``), so its fixtures are
+available to every test module; test modules import the plain helpers (``docker_target``,
+``docker_available``) directly.
+
+No image can be pulled here, so the test image is built ``FROM scratch`` out of Debian's static
+binaries (packages ``bash-static`` and ``busybox-static``), tagged by a hash of its content so a
+rerun reuses it. Containers this module starts carry the label :data:`SESSION_LABEL` (value: this
+process's session id) and are removed at the end of the session, also when a hung check abandoned
+one; image-mode executors get the same label on the containers they create.
+
+When no engine answers, or the static binaries are missing, the fixtures skip with a reason
+starting ``backend unavailable:`` (which CI turns into a failure, see ``tests/conftest.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import secrets
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+# testcontainers would start its "Ryuk" reaper, an image that cannot be pulled here; this module
+# removes what it starts itself. Must be set before testcontainers reads its configuration.
+os.environ["TESTCONTAINERS_RYUK_DISABLED"] = "true"
+
+import pytest
+from dsh_bash_conformance import KitTarget, find_host_processes
+
+if TYPE_CHECKING:
+    from dsh_bash_docker import DockerBashExecutor
+    from testcontainers.core.container import DockerContainer
+
+__all__ = [
+    "BASH_STATIC",
+    "BUSYBOX_STATIC",
+    "IDLE_COMMAND",
+    "SESSION_LABEL",
+    "DockerMode",
+    "build_test_image",
+    "docker_available",
+    "docker_session_container",
+    "docker_target",
+    "docker_test_image",
+    "find_container_processes",
+    "remove_session_containers",
+    "start_idle_container",
+]
+
+DockerMode = Literal["image", "container"]
+
+#: Debian's statically linked bash (package ``bash-static``) and busybox (package ``busybox-static``).
+BASH_STATIC = Path("/bin/bash-static")
+BUSYBOX_STATIC = Path("/bin/busybox")
+
+#: Label on every container this session starts or has an executor create; value: :data:`SESSION_ID`.
+SESSION_LABEL = "dsh-bash-test.session"
+SESSION_ID = f"{os.getpid()}-{secrets.token_hex(4)}"
+
+#: Repository of the test image's tags (``dsh-bash-test:<content hash>``).
+IMAGE_REPOSITORY = "dsh-bash-test"
+
+#: PID 1 of a long-lived container (with ``init``, tini runs it): idles, and exits at SIGTERM.
+IDLE_COMMAND = "bash --noprofile --norc -c 'trap \"exit 0\" TERM; while :; do sleep 3600 & wait $!; done'"
+
+_DOCKERFILE = """\
+FROM scratch
+COPY bin/ /bin/
+RUN ["/bin/busybox","--install","-s","/bin"]
+RUN ["/bin/bash","-c","mkdir -p /tmp && chmod 1777 /tmp"]
+CMD ["/bin/sleep","infinity"]
+"""
+
+_build_lock = threading.Lock()
+
+#: The skip-reason prefix that CI turns into a failure (``tests/conftest.py``).
+BACKEND_UNAVAILABLE = "backend unavailable:"
+
+
+def _unavailable(reason: str) -> str:
+    return f"{BACKEND_UNAVAILABLE} {reason}"
+
+
+def docker_available() -> str | None:
+    """None when a Docker engine answers (``docker.from_env().ping()``), else the reason it does not."""
+    try:
+        import docker  # noqa: PLC0415 - optional: the suite runs without the docker extra
+    except ImportError:
+        return "docker-py is not installed (pip install 'dsh-bash[test]')"
+    try:
+        client = docker.from_env()
+    except Exception as exc:
+        return f"no Docker engine configured or reachable: {type(exc).__name__}: {exc}"
+    try:
+        client.ping()
+    except Exception as exc:
+        return f"the Docker engine does not answer: {type(exc).__name__}: {exc}"
+    finally:
+        client.close()
+    return None
+
+
+def _missing_binaries() -> str | None:
+    missing = [str(path) for path in (BASH_STATIC, BUSYBOX_STATIC) if not path.is_file()]
+    if not missing:
+        return None
+    return (
+        f"{' and '.join(missing)} not found: the test image is built from Debian's static binaries "
+        "(apt-get install bash-static busybox-static)"
+    )
+
+
+def _image_tag() -> str:
+    digest = hashlib.sha256(_DOCKERFILE.encode())
+    for path in (BASH_STATIC, BUSYBOX_STATIC):
+        digest.update(path.read_bytes())
+    return f"{IMAGE_REPOSITORY}:{digest.hexdigest()[:12]}"
+
+
+def build_test_image() -> str:
+    """Build (or reuse) the test image and return its tag; raises when it cannot be built."""
+    import docker  # noqa: PLC0415
+    import docker.errors  # noqa: PLC0415
+
+    with _build_lock:
+        tag = _image_tag()
+        client = docker.from_env()
+        try:
+            try:
+                client.images.get(tag)
+                return tag
+            except docker.errors.ImageNotFound:
+                pass
+            with tempfile.TemporaryDirectory(prefix="dsh-bash-image-") as context:
+                bin_dir = Path(context, "bin")
+                bin_dir.mkdir()
+                shutil.copy2(BASH_STATIC, bin_dir / "bash")
+                shutil.copy2(BUSYBOX_STATIC, bin_dir / "busybox")
+                Path(context, "Dockerfile").write_text(_DOCKERFILE)
+                client.images.build(path=context, tag=tag, pull=False, rm=True)
+            return tag
+        finally:
+            client.close()
+
+
+def start_idle_container(image: str, environment: Mapping[str, str] | None = None) -> DockerContainer:
+    """Start a long-lived container of ``image`` with testcontainers (tini as PID 1, no network)."""
+    from testcontainers.core.container import DockerContainer  # noqa: PLC0415
+
+    container = (
+        DockerContainer(image, env=dict(environment or {}))
+        .with_command(IDLE_COMMAND)
+        .with_kwargs(init=True, network="none", labels={SESSION_LABEL: SESSION_ID})
+    )
+    return container.start()
+
+
+def remove_session_containers() -> list[str]:
+    """Force-remove every container labelled with this session's id; return their short ids."""
+    import docker  # noqa: PLC0415
+    import docker.errors  # noqa: PLC0415
+
+    client = docker.from_env()
+    removed = []
+    try:
+        for container in client.containers.list(all=True, filters={"label": f"{SESSION_LABEL}={SESSION_ID}"}):
+            with contextlib.suppress(docker.errors.NotFound):
+                container.remove(force=True)
+                removed.append(str(container.short_id))
+    finally:
+        client.close()
+    return removed
+
+
+def find_container_processes(marker: str) -> list[int]:
+    """Like the kit's host scan, but pids as seen inside their own PID namespace (the container's).
+
+    The engine is local, so container processes are visible in this host's ``/proc``; the last
+    ``NSpid`` entry of ``/proc/PID/status`` is the pid a command in that container sees.
+    """
+    found = []
+    for pid in find_host_processes(marker):
+        try:
+            with open(f"/proc/{pid}/status") as handle:
+                nspid = next((line.split()[1:] for line in handle if line.startswith("NSpid:")), [])
+        except OSError:
+            continue  # gone since the scan
+        found.append(int(nspid[-1]) if nspid else pid)
+    return sorted(found)
+
+
+# -- kit targets ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Planted:
+    """Ambient variables planted by the kit, stacked (a block may be entered inside another)."""
+
+    variables: dict[str, str] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @contextlib.contextmanager
+    def layer(self, variables: Mapping[str, str]) -> Iterator[dict[str, str]]:
+        """Add ``variables`` for the block; yield the whole planted set as it is inside it."""
+        with self.lock:
+            saved = {name: self.variables.get(name) for name in variables}
+            self.variables.update(variables)
+            current = dict(self.variables)
+        try:
+            yield current
+        finally:
+            with self.lock:
+                for name, value in saved.items():
+                    if value is None:
+                        self.variables.pop(name, None)
+                    else:
+                        self.variables[name] = value
+
+    def snapshot(self) -> dict[str, str]:
+        with self.lock:
+            return dict(self.variables)
+
+
+def docker_target(
+    mode: DockerMode,
+    anyio_backend: str,
+    image: str,
+    container: str | None = None,
+    *,
+    check_timeout_s: float = 30.0,
+) -> KitTarget:
+    """A kit target for the Docker backend.
+
+    ``mode="image"``: every executor creates (and removes) its own container from ``image``; the
+    variables planted by ``plant_ambient`` become that container's environment (``environment``).
+
+    ``mode="container"``: executors attach to the existing ``container`` (id or name). A container's
+    ambient environment is fixed when it is created, so inside a ``plant_ambient`` block a fresh
+    container of ``image`` is started with the planted variables and executors made in the block
+    attach to it; it is removed when the block ends.
+    """
+    from dsh_bash_docker import DockerBashExecutor, DockerConfig  # noqa: PLC0415
+
+    planted = _Planted()
+    labels = {SESSION_LABEL: SESSION_ID}
+
+    if mode == "image":
+
+        def make_image_executor(**overrides: Any) -> DockerBashExecutor:
+            fields: dict[str, Any] = {"image": image, "environment": planted.snapshot(), **overrides}
+            fields["labels"] = {**labels, **fields.get("labels", {})}
+            return DockerBashExecutor(DockerConfig(**fields))
+
+        @contextlib.contextmanager
+        def plant_in_config(variables: Mapping[str, str]) -> Iterator[None]:
+            with planted.layer(variables):
+                yield
+
+        return KitTarget(
+            name=f"docker-image[{anyio_backend}]",
+            make_executor=make_image_executor,
+            plant_ambient=plant_in_config,
+            find_processes=find_container_processes,
+            anyio_backend=anyio_backend,
+            check_timeout_s=check_timeout_s,
+        )
+
+    if mode != "container":
+        raise ValueError(f"mode must be 'image' or 'container', not {mode!r}")
+    if container is None:
+        raise ValueError("mode 'container' needs the id or name of a running container")
+    session_container: str = container
+    # The container executors attach to: the session's, or the one of the innermost plant block.
+    current: list[str] = [session_container]
+    current_lock = threading.Lock()
+
+    def make_container_executor(**overrides: Any) -> DockerBashExecutor:
+        with current_lock:
+            target_container = current[-1]
+        return DockerBashExecutor(DockerConfig(container=target_container, **overrides))
+
+    @contextlib.contextmanager
+    def plant_in_new_container(variables: Mapping[str, str]) -> Iterator[None]:
+        with planted.layer(variables) as environment:
+            fresh = start_idle_container(image, environment)
+            try:
+                with current_lock:
+                    current.append(fresh.get_container_id())
+                try:
+                    yield
+                finally:
+                    with current_lock:
+                        current.remove(fresh.get_container_id())
+            finally:
+                fresh.stop()
+
+    return KitTarget(
+        name=f"docker-container[{anyio_backend}]",
+        make_executor=make_container_executor,
+        plant_ambient=plant_in_new_container,
+        find_processes=find_container_processes,
+        anyio_backend=anyio_backend,
+        check_timeout_s=check_timeout_s,
+    )
+
+
+# -- fixtures ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def docker_test_image() -> Iterator[str]:
+    """The tag of the test image, built once per session (reused across runs while its content holds).
+
+    Skips with ``backend unavailable: ...`` when no engine answers or the static binaries are missing.
+    At session end, removes every container still labelled with this session's id.
+    """
+    reason = docker_available() or _missing_binaries()
+    if reason is not None:
+        pytest.skip(_unavailable(reason))
+    try:
+        tag = build_test_image()
+    except Exception as exc:
+        pytest.fail(f"building the Docker test image failed: {type(exc).__name__}: {exc}")
+    try:
+        yield tag
+    finally:
+        remove_session_containers()
+
+
+@pytest.fixture(scope="session")
+def docker_session_container(docker_test_image: str) -> Iterator[str]:
+    """The id of a long-lived container of the test image (for ``container`` mode), removed at session end."""
+    container = start_idle_container(docker_test_image)
+    try:
+        yield container.get_container_id()
+    finally:
+        container.stop()
