@@ -42,6 +42,12 @@ def is_scrubbed(name: str, scrub: Iterable[str], allow: Iterable[str] = ()) -> b
     return allow_re is None or not allow_re.match(name)
 
 
+@lru_cache(maxsize=64)
+def _dropped_names(scrub: tuple[str, ...], allow: tuple[str, ...]) -> dict[str, bool]:
+    """Per policy, the verdict on each name seen so far: ambient names repeat on every command."""
+    return {}
+
+
 def build_command_env(
     ambient: Mapping[str, str],
     *,
@@ -50,15 +56,15 @@ def build_command_env(
     explicit: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The command's environment: scrubbed ambient, then the model-friendly set, then ``explicit``."""
-    scrub_re = _compile(tuple(scrub))
-    allow_re = _compile(tuple(allow))
+    scrub, allow = tuple(scrub), tuple(allow)
+    dropped = _dropped_names(scrub, allow)
     env: dict[str, str] = {}
     for name, value in ambient.items():
-        if name in RC_FILE_VARIABLES:
-            continue
-        if scrub_re is not None and scrub_re.match(name) and (allow_re is None or not allow_re.match(name)):
-            continue
-        env[name] = value
+        drop = dropped.get(name)
+        if drop is None:
+            drop = dropped[name] = name in RC_FILE_VARIABLES or is_scrubbed(name, scrub, allow)
+        if not drop:
+            env[name] = value
     env.update(MODEL_FRIENDLY_ENV)
     if explicit:
         env.update(explicit)

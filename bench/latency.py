@@ -1,0 +1,103 @@
+"""Per-command latency of `true`, each backend side by side with what a user would use instead.
+
+Runs alternate (executor, baseline, executor, ...) so drift hits both equally; medians of many runs;
+the ratio is the figure that is compared, absolute times are context. Prints a markdown table.
+
+    python bench/latency.py [--runs N] [--docker-image TAG]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+
+from dsh_bash_local import LocalBashExecutor, LocalConfig
+
+Timed = Callable[[], Awaitable[None]]
+
+
+async def _alternate(runs: int, subject: Timed, baselines: dict[str, Timed]) -> dict[str, float]:
+    samples: dict[str, list[float]] = {"subject": [], **{name: [] for name in baselines}}
+    for _ in range(3):  # warm-up
+        await subject()
+        for baseline in baselines.values():
+            await baseline()
+    for _ in range(runs):
+        for name, call in [("subject", subject), *baselines.items()]:
+            started = time.perf_counter()
+            await call()
+            samples[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) * 1000 for name, values in samples.items()}
+
+
+async def bench_local(runs: int) -> list[tuple[str, str, float, float]]:
+    async def raw() -> None:
+        process = await asyncio.create_subprocess_exec("bash", "-c", "true")
+        await process.wait()
+
+    async with LocalBashExecutor(LocalConfig()) as ex:
+
+        async def subject() -> None:
+            await ex.exec("true")
+
+        medians = await _alternate(runs, subject, {"raw": raw})
+    return [
+        ("local", 'asyncio.create_subprocess_exec("bash","-c","true")', medians["subject"], medians["raw"])
+    ]
+
+
+async def bench_docker(runs: int, image: str) -> list[tuple[str, str, float, float]]:
+    import docker  # noqa: PLC0415
+    from dsh_bash_docker import DockerBashExecutor, DockerConfig  # noqa: PLC0415
+
+    client = docker.from_env()
+    async with DockerBashExecutor(DockerConfig(image=image)) as ex:
+        container_id = ex.container_id
+        container = client.containers.get(container_id)
+
+        async def subject() -> None:
+            await ex.exec("true")
+
+        async def cli() -> None:
+            process = await asyncio.create_subprocess_exec("docker", "exec", container_id, "true")
+            await process.wait()
+
+        async def sdk() -> None:
+            await asyncio.to_thread(container.exec_run, ["true"])
+
+        medians = await _alternate(runs, subject, {"cli": cli, "sdk": sdk})
+    client.close()
+    return [
+        ("docker", "docker exec CONTAINER true (CLI)", medians["subject"], medians["cli"]),
+        ("docker", "docker-py container.exec_run(['true'])", medians["subject"], medians["sdk"]),
+    ]
+
+
+def _machine() -> str:
+    cpus = subprocess.run(["nproc"], check=False, capture_output=True, text=True).stdout.strip()
+    return f"{platform.system()} {platform.release()}, {cpus} CPUs, Python {platform.python_version()}"
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=100)
+    parser.add_argument("--docker-image", help="an image with bash; omit to skip Docker")
+    args = parser.parse_args()
+    rows = await bench_local(args.runs)
+    if args.docker_image:
+        rows += await bench_docker(max(20, args.runs // 3), args.docker_image)
+    print(f"Median latency of `true`; {_machine()}\n")
+    print("| backend | baseline | executor (ms) | baseline (ms) | ratio |")
+    print("|---|---|---:|---:|---:|")
+    for backend, baseline, subject_ms, baseline_ms in rows:
+        ratio = subject_ms / baseline_ms
+        print(f"| {backend} | {baseline} | {subject_ms:.2f} | {baseline_ms:.2f} | {ratio:.2f} |")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
