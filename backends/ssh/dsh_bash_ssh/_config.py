@@ -1,0 +1,85 @@
+"""Configuration of the SSH backend."""
+
+from __future__ import annotations
+
+import getpass
+from typing import Self
+
+from pydantic import Field, field_validator, model_validator
+
+from dsh_bash import BudgetConfig
+
+__all__ = ["SshConfig"]
+
+
+def _current_user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "root"
+
+
+class SshConfig(BudgetConfig):
+    """Where and how to log in. Host keys are verified; nothing is read from ``~/.ssh`` unless asked.
+
+    ``cwd`` defaults to the login's home directory (learned when the executor connects).
+    """
+
+    host: str
+    port: int = 22
+    username: str = Field(default_factory=_current_user)
+    #: Private key files to authenticate with.
+    client_keys: list[str] | None = None
+    #: An ssh-agent socket to authenticate with (besides ``client_keys``).
+    agent_path: str | None = None
+    #: A known_hosts file that pins the host's key. Required unless ``use_user_ssh_config`` (then
+    #: ``~/.ssh/known_hosts``) or ``insecure_skip_host_key_check``.
+    known_hosts: str | None = None
+    #: Accept any host key: open to a man in the middle. Logged as a warning at every connect.
+    insecure_skip_host_key_check: bool = False
+    connect_timeout_ms: float = 10_000
+    keepalive_interval_ms: float = 15_000
+    #: Channels open at once on the connection (commands, spill writers, plus one kept for kills).
+    max_channels: int = 8
+    #: Use ``~/.ssh/config``, ``~/.ssh/known_hosts``, default keys and ``SSH_AUTH_SOCK``.
+    use_user_ssh_config: bool = False
+
+    @field_validator("port")
+    @classmethod
+    def _port(cls, value: int) -> int:
+        if not 0 < value < 65536:
+            raise ValueError("must be between 1 and 65535")
+        return value
+
+    @field_validator("max_channels")
+    @classmethod
+    def _channels(cls, value: int) -> int:
+        if not 2 <= value <= 64:
+            raise ValueError("must be between 2 and 64 (one channel is reserved for kills)")
+        return value
+
+    @field_validator("connect_timeout_ms", "keepalive_interval_ms")
+    @classmethod
+    def _positive(cls, value: float) -> float:
+        if isinstance(value, bool) or not value > 0 or value == float("inf"):
+            raise ValueError("must be a positive finite number")
+        return value
+
+    @model_validator(mode="after")
+    def _trust(self) -> Self:
+        if (
+            self.known_hosts is None
+            and not self.insecure_skip_host_key_check
+            and not self.use_user_ssh_config
+        ):
+            raise ValueError(
+                "known_hosts is required to verify the host key (or set use_user_ssh_config=True to use "
+                "~/.ssh/known_hosts, or insecure_skip_host_key_check=True to skip verification)"
+            )
+        if self.known_hosts is not None and self.insecure_skip_host_key_check:
+            raise ValueError("known_hosts and insecure_skip_host_key_check=True contradict each other")
+        if not self.client_keys and self.agent_path is None and not self.use_user_ssh_config:
+            raise ValueError(
+                "no way to authenticate: give client_keys, agent_path, or use_user_ssh_config=True"
+            )
+        return self

@@ -1,0 +1,201 @@
+"""One asyncssh connection, reconnected on demand, and the bounded channels opened on it."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import anyio
+import asyncssh
+
+from dsh_bash import BashInfrastructureError
+
+from ._config import SshConfig
+from ._scripts import SCRIPT_BEGIN, cmdline
+
+__all__ = ["Channel", "ChannelPool", "ScriptResult"]
+
+log = logging.getLogger("dsh_bash.ssh")
+
+
+class Channel:
+    """An SSH session channel running one process, holding one slot of the pool until released."""
+
+    def __init__(self, process: asyncssh.SSHClientProcess[bytes], slot: anyio.Semaphore) -> None:
+        self.process = process
+        self._slot: anyio.Semaphore | None = slot
+
+    async def close(self, wait_s: float = 2.0) -> None:
+        """Close the channel (if still open) and free its slot. Idempotent."""
+        try:
+            self.process.close()
+            with anyio.move_on_after(wait_s):
+                await self.process.wait_closed()
+        except Exception as exc:  # a dead connection: nothing left to close
+            log.debug("closing a channel: %r", exc)
+        finally:
+            slot, self._slot = self._slot, None
+            if slot is not None:
+                slot.release()
+
+
+ScriptResult = tuple[int, bytes, bytes]
+
+
+class ChannelPool:
+    """The executor's connection and its channel budget.
+
+    ``max_channels - 1`` slots serve commands, spill writers and helper scripts; one more is kept
+    for kills, so a kill never waits behind running commands.
+    """
+
+    def __init__(self, config: SshConfig) -> None:
+        self._config = config
+        self._conn: asyncssh.SSHClientConnection | None = None
+        self._lock = anyio.Lock()
+        self._slots = anyio.Semaphore(config.max_channels - 1)
+        self._kill_slot = anyio.Semaphore(1)
+        self._closed = False
+        self.where = f"{config.username}@{config.host}:{config.port}"
+
+    # -- the connection ---------------------------------------------------------------------------
+
+    def _options(self) -> dict[str, Any]:
+        config = self._config
+        options: dict[str, Any] = {
+            "port": config.port,
+            "username": config.username,
+            "connect_timeout": config.connect_timeout_ms / 1000,
+            "keepalive_interval": config.keepalive_interval_ms / 1000,
+            "keepalive_count_max": 3,
+        }
+        if not config.use_user_ssh_config:
+            options["config"] = None
+            options["agent_path"] = config.agent_path
+            options["client_keys"] = list(config.client_keys) if config.client_keys else ()
+            options["known_hosts"] = config.known_hosts
+        else:
+            if config.agent_path is not None:
+                options["agent_path"] = config.agent_path
+            if config.client_keys:
+                options["client_keys"] = list(config.client_keys)
+            if config.known_hosts is not None:
+                options["known_hosts"] = config.known_hosts
+        if config.insecure_skip_host_key_check:
+            options["known_hosts"] = None
+        return options
+
+    async def _connect(self) -> asyncssh.SSHClientConnection:
+        config = self._config
+        if config.insecure_skip_host_key_check:
+            log.warning(
+                "connecting to %s WITHOUT verifying its host key (insecure_skip_host_key_check=True)",
+                self.where,
+            )
+        try:
+            return await asyncssh.connect(config.host, **self._options())
+        except asyncssh.HostKeyNotVerifiable as exc:
+            raise BashInfrastructureError(
+                f"host key verification failed for {config.host}:{config.port}: {exc.reason} "
+                f"(known_hosts: {config.known_hosts or 'the user default'})"
+            ) from None
+        except asyncssh.PermissionDenied as exc:
+            raise BashInfrastructureError(f"authentication failed for {self.where}: {exc.reason}") from None
+        except asyncssh.DisconnectError as exc:
+            raise BashInfrastructureError(f"SSH connection to {self.where} failed: {exc.reason}") from None
+        except (OSError, TimeoutError, asyncssh.Error) as exc:
+            raise BashInfrastructureError(
+                f"cannot reach SSH host {config.host}:{config.port}: {type(exc).__name__}: {exc}"
+            ) from None
+        except ValueError as exc:  # unreadable keys or known_hosts
+            raise BashInfrastructureError(f"SSH connection to {self.where} not attempted: {exc}") from None
+
+    async def connection(self) -> asyncssh.SSHClientConnection:
+        """The live connection; connects (again, after a drop) when there is none."""
+        conn = self._conn
+        if conn is not None and not conn.is_closed():
+            return conn
+        async with self._lock:
+            if self._closed:
+                raise BashInfrastructureError(f"the connection to {self.where} is closed")
+            if self._conn is not None and not self._conn.is_closed():
+                return self._conn
+            if self._conn is not None:
+                log.warning("the SSH connection to %s was lost; reconnecting", self.where)
+            self._conn = await self._connect()
+            return self._conn
+
+    def connected(self) -> bool:
+        return self._conn is not None and not self._conn.is_closed()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+            with anyio.move_on_after(2):
+                await conn.wait_closed()
+
+    # -- channels -------------------------------------------------------------------------------------
+
+    async def open(self, command_line: str, *, kill: bool = False) -> Channel:
+        """Open a channel running ``command_line`` (through the login shell); waits for a free slot."""
+        slot = self._kill_slot if kill else self._slots
+        await slot.acquire()
+        try:
+            for attempt in (1, 2):
+                conn = await self.connection()
+                try:
+                    process = await conn.create_process(command_line, encoding=None)
+                except (
+                    asyncssh.ChannelOpenError,
+                    asyncssh.ConnectionLost,
+                    asyncssh.DisconnectError,
+                    OSError,
+                ) as exc:
+                    if attempt == 1 and conn.is_closed():
+                        continue  # dropped under us: reconnect once
+                    reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
+                    raise BashInfrastructureError(
+                        f"cannot open an SSH channel on {self.where}: {reason}"
+                    ) from None
+                return Channel(process, slot)
+            raise AssertionError("unreachable")
+        except BaseException:
+            slot.release()
+            raise
+
+    async def run_script(
+        self, script: str, *args: str, stdin: bytes | None = None, kill: bool = False
+    ) -> ScriptResult:
+        """Run a helper script to its end: (exit status, its stdout after the begin marker, stderr)."""
+        channel = await self.open(cmdline(script, *args), kill=kill)
+        try:
+            process = channel.process
+            if stdin is not None:
+                process.stdin.write(stdin)
+            process.stdin.write_eof()
+            out, err = bytearray(), bytearray()
+
+            async def drain(reader: asyncssh.SSHReader[bytes], into: bytearray) -> None:
+                while chunk := await reader.read(1 << 16):
+                    into += chunk
+
+            try:
+                # Helper scripts write little to stderr: reading it after stdout cannot stall the channel.
+                await drain(process.stdout, out)
+                await drain(process.stderr, err)
+                await process.wait_closed()
+            except (asyncssh.Error, OSError) as exc:
+                raise BashInfrastructureError(f"the connection to {self.where} failed: {exc}") from None
+            status = process.exit_status
+            begin = out.find(SCRIPT_BEGIN)
+            if begin < 0:
+                detail = bytes(err).decode("utf-8", "replace").strip()
+                raise BashInfrastructureError(
+                    f"a helper script did not start on {self.where} (exit {status}): {detail or 'no output'}"
+                )
+            return (status if status is not None else -1), bytes(out[begin + len(SCRIPT_BEGIN) :]), bytes(err)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await channel.close()

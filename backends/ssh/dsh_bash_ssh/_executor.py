@@ -1,0 +1,199 @@
+"""The SSH backend: every command a fresh bash started over a session channel of one connection."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Mapping
+from typing import Any, Self
+
+import anyio
+from pydantic import ValidationError
+
+from dsh_bash import (
+    MARKER_VAR,
+    BashExecutor,
+    BashInfrastructureError,
+    CommandProcess,
+    Killable,
+    Launch,
+    SpillFile,
+)
+from dsh_bash._config import config_error_from
+
+from ._config import SshConfig
+from ._connection import ChannelPool
+from ._process import RemoteMarked, SshProcess
+from ._scripts import BOOT, SETUP, SETUP_END, SETUP_HOME, cmdline
+from ._spill import SshSpillFile
+
+__all__ = ["SshBashExecutor"]
+
+log = logging.getLogger("dsh_bash.ssh")
+
+#: Commands longer than this (in bytes) run from a file: one execve argument is limited to 128 KiB.
+_MAX_INLINE_COMMAND = 100_000
+_SPILL_FLUSH_BOUND_S = 30.0
+#: Variables of the setup script's own shell, not of the login.
+_NOT_AMBIENT = frozenset({"_", "BASH_ENV", "ENV"})
+
+
+def parse_setup(out: bytes) -> tuple[dict[str, str], str, str]:
+    """(environment, home, spill directory) from the setup script's output."""
+    home_at = out.find(SETUP_HOME)
+    end_at = out.find(SETUP_END, home_at + 1)
+    if home_at < 0 or end_at < 0:
+        raise ValueError("incomplete setup output")
+    env: dict[str, str] = {}
+    for entry in out[:home_at].split(b"\0"):
+        name, sep, value = entry.decode("utf-8", "surrogateescape").partition("=")
+        if sep and name not in _NOT_AMBIENT:
+            env[name] = value
+    home = out[home_at + len(SETUP_HOME) : end_at].rstrip(b"\0\n").decode("utf-8", "surrogateescape")
+    spill_dir = out[end_at + len(SETUP_END) :].split(b"\0", 1)[0].strip().decode("utf-8", "surrogateescape")
+    return env, home, spill_dir
+
+
+class SshBashExecutor(BashExecutor):
+    """Runs each command as ``bash --noprofile --norc -c COMMAND`` on an SSH host. asyncio only."""
+
+    signals_as_exit_codes = True
+
+    def __init__(self, config: SshConfig) -> None:
+        super().__init__(config)
+        self._ssh_config = config
+        self._pool = ChannelPool(config)
+        self._home = "/"
+        self._ambient: dict[str, str] = {}
+        self._spill_dir = ""
+        self._spills: dict[str, list[SshSpillFile]] = {}
+
+    @classmethod
+    def from_fields(cls, **fields: Any) -> Self:
+        """Build from plain config fields (the entry point ``ssh`` resolves to this)."""
+        try:
+            config = SshConfig(**fields)
+        except ValidationError as exc:
+            raise config_error_from(exc, "ssh backend config") from None
+        return cls(config)
+
+    @property
+    def config(self) -> SshConfig:
+        assert isinstance(self._config, SshConfig)
+        return self._config
+
+    @property
+    def home(self) -> str:
+        """The login's home directory, learned at connect."""
+        return self._home
+
+    @property
+    def spill_dir(self) -> str:
+        """The private directory on the host holding this executor's spill files."""
+        return self._spill_dir
+
+    # -- opening and closing ------------------------------------------------------------------------
+
+    async def _open(self) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise BashInfrastructureError(
+                "the SSH backend needs asyncio (asyncssh is asyncio-only); run it under asyncio, not trio"
+            ) from None
+        try:
+            code, out, err = await self._pool.run_script(SETUP)
+            try:
+                if code != 0:
+                    raise ValueError(f"exit status {code}")
+                self._ambient, self._home, self._spill_dir = parse_setup(out)
+                if not self._spill_dir.startswith("/"):
+                    raise ValueError("no spill directory")
+            except ValueError as exc:
+                detail = err.decode("utf-8", "replace").strip()
+                raise BashInfrastructureError(
+                    f"setting up on {self._pool.where} failed ({exc}): {detail or 'no error output'}"
+                ) from None
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._pool.aclose()
+            raise
+
+    async def _release(self) -> None:
+        if self._spill_dir:
+            try:
+                with anyio.move_on_after(5):
+                    await self._pool.run_script('rm -rf -- "$1"', self._spill_dir)
+            except (BashInfrastructureError, OSError) as exc:
+                log.warning("removing the spill directory %s failed: %s", self._spill_dir, exc)
+        await self._pool.aclose()
+
+    # -- hooks ---------------------------------------------------------------------------------------
+
+    def _default_cwd(self) -> str:
+        return self._config.cwd or self._home
+
+    def _ambient_env(self) -> Mapping[str, str]:
+        return self._ambient
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        spec = launch.spec
+        env = dict(launch.env)
+        marker = env.pop(MARKER_VAR)
+        nonce = secrets.token_hex(8)
+        command = spec.command.encode("utf-8", "surrogateescape")
+        long = len(command) > _MAX_INLINE_COMMAND
+        entries = [
+            b"",  # the count, below
+            command,
+            spec.workdir.encode("utf-8", "surrogateescape"),
+            marker.encode(),
+            b"1" if long else b"0",
+            b"0" if spec.stdin is None else b"1",
+            *(f"{name}={value}".encode("utf-8", "surrogateescape") for name, value in env.items()),
+        ]
+        entries[0] = str(len(entries) - 1).encode()
+        header = b"".join(entry + b"\0" for entry in entries)
+        channel = await self._pool.open(cmdline(BOOT, self._spill_dir, nonce, begin_marker=False))
+
+        async def on_release() -> None:
+            spills = self._spills.pop(marker, [])
+            with anyio.move_on_after(_SPILL_FLUSH_BOUND_S):
+                for spill in spills:
+                    await spill.done.wait()
+
+        process = SshProcess(
+            pool=self._pool,
+            channel=channel,
+            launch=launch,
+            marked=RemoteMarked(self._pool, marker=launch.marker, exact=True),
+            start_helper=self._start_helper,
+            on_release=on_release,
+            nonce=nonce,
+        )
+        try:
+            # asyncssh buffers writes: the header, stdin and EOF are queued at once, sent as the
+            # channel's window allows.
+            stdin = channel.process.stdin
+            stdin.write(header)
+            if spec.stdin is not None:
+                stdin.write(spec.stdin.encode() if isinstance(spec.stdin, str) else bytes(spec.stdin))
+            stdin.write_eof()
+            await process.read_preamble()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await channel.close()
+            raise
+        return process
+
+    def _open_spill(self, command_marker: str, stream: str) -> SpillFile:
+        if not self._spill_dir:
+            raise OSError("no spill directory")
+        spill = SshSpillFile(self._pool, f"{self._spill_dir}/{secrets.token_hex(12)}.{stream}")
+        self._spills.setdefault(command_marker, []).append(spill)
+        self._start_helper(spill.run)
+        return spill
+
+    def _leftovers(self) -> Killable:
+        return RemoteMarked(self._pool, marker=self._token + "-", exact=False)

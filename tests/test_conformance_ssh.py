@@ -1,0 +1,26 @@
+"""The conformance kit against the SSH backend (asyncio only: asyncssh is asyncio-only).
+
+A throwaway sshd is started by ``tests/ssh_support.py``; without root or sshd every test skips with
+``backend unavailable: ...`` (a failure in CI).
+"""
+
+from __future__ import annotations
+
+import pytest
+from dsh_bash_conformance import CHECKS, run_kit
+from ssh_support import SshServer, ssh_server, ssh_target
+
+__all__ = ["ssh_server"]
+
+pytestmark = [pytest.mark.kit, pytest.mark.ssh]
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_check(name: str, ssh_server: SshServer) -> None:
+    target = ssh_target(ssh_server, "asyncio")
+    report = run_kit(target, only=[name])
+    [result] = report.results
+    print(f"{target.name} {result.name} ({result.kind}) {result.outcome} in {result.duration_s:.2f}s")
+    if result.message:
+        print(result.message)
+    assert result.outcome == "passed", f"{result.name} ({result.kind}) {result.outcome}: {result.message}"

@@ -1,0 +1,225 @@
+"""SSH-backend behaviour the conformance kit cannot see from outside (a real sshd, see ssh_support)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+from dsh_bash_conformance import find_host_processes
+from ssh_support import TEST_USER, SshServer, keygen, ssh_server
+
+from dsh_bash import BashExecRequest, BashInfrastructureError, ConfigError
+
+__all__ = ["ssh_server"]
+
+pytestmark = [pytest.mark.anyio, pytest.mark.ssh]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def marker() -> Iterator[str]:
+    value = f"sshtest-{os.urandom(6).hex()}"
+    yield value
+    for pid in find_host_processes(value):  # never leave a process behind, even when a test fails
+        os.kill(pid, signal.SIGKILL)
+
+
+def _marked_by(prefix: str) -> list[int]:
+    """Live processes whose initial environment carries DSH_BASH_MARK=<prefix>..."""
+    needle = f"DSH_BASH_MARK={prefix}".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as fh:
+                environ = fh.read()
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != b"Z" and any(entry.startswith(needle) for entry in environ.split(b"\0")):
+            found.append(int(name))
+    return found
+
+
+def _session_sshds(server: SshServer, user: str) -> list[int]:
+    """The sshd processes serving ``user``'s connections to ``server`` (children of its listener)."""
+    uid = int(subprocess.run(["id", "-u", user], capture_output=True, text=True, check=True).stdout)
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        if comm != "sshd" or int(fields["Uid"].split()[0]) != uid:
+            continue
+        ancestor = pid
+        while ancestor > 1:  # only children of this test's sshd, not of another one on the host
+            try:
+                stat = Path(f"/proc/{ancestor}/stat").read_text()
+            except OSError:
+                break
+            ancestor = int(stat.rsplit(")", 1)[1].split()[1])
+            if ancestor == server.process.pid:
+                found.append(pid)
+                break
+    return found
+
+
+async def test_fifty_concurrent_commands_queue_for_channels(ssh_server: SshServer) -> None:
+    results: dict[int, str] = {}
+    async with ssh_server.executor(grace_ms=300) as ex:
+
+        async def one(i: int) -> None:
+            result = await ex.exec(f"echo {i}")
+            assert result.exit_code == 0, result
+            results[i] = result.stdout.text
+
+        async with anyio.create_task_group() as tg:
+            for i in range(50):
+                tg.start_soon(one, i)
+    assert results == {i: f"{i}\n" for i in range(50)}
+
+
+async def test_rc_noise_and_login_environment_stay_out(ssh_server: SshServer) -> None:
+    async with ssh_server.executor() as ex:
+        result = await ex.exec("echo out; echo err >&2; bash -c 'echo nested'", stdin="ignored")
+        assert (result.stdout.text, result.stderr.text) == ("out\nnested\n", "err\n")
+        assert ex.resolve(BashExecRequest(command="true")).workdir == str(ssh_server.home)
+
+
+async def test_root_login_kills_a_term_ignoring_background_task(ssh_server: SshServer, marker: str) -> None:
+    # OpenSSH before 9.8 ignores channel signal requests for root: kills go through the kill channel.
+    async with ssh_server.executor(root=True, grace_ms=300) as ex:
+        assert (await ex.exec("id -u")).stdout.text == "0\n"
+        loop = f"bash -c 'trap \"\" TERM; while :; do sleep 0.05; done' {marker}"
+        task = await ex.start(ex.resolve(BashExecRequest(command=loop)))
+        deadline = time.monotonic() + 5
+        while not find_host_processes(marker):
+            assert time.monotonic() < deadline, "the background loop never started"
+            await anyio.sleep(0.02)
+        assert await ex.kill(task.id)
+        with anyio.fail_after(5):
+            await task.wait()
+        assert task.status == "killed"
+        deadline = time.monotonic() + 2
+        while find_host_processes(marker):
+            assert time.monotonic() < deadline, "the TERM-ignoring loop survived the kill"
+            await anyio.sleep(0.02)
+
+
+async def test_no_remote_process_survives_aclose(ssh_server: SshServer, marker: str) -> None:
+    async with ssh_server.executor(grace_ms=300) as ex:
+        token = ex._token
+        await ex.start(ex.resolve(BashExecRequest(command=f"bash -c 'sleep 60' {marker}-a; true")))
+        await ex.start(
+            ex.resolve(BashExecRequest(command=f"trap '' TERM; setsid bash -c 'sleep 60' {marker}-b & wait"))
+        )
+        await ex.exec(f"bash -c 'sleep 60; true' {marker}-c >/dev/null 2>&1 &")  # a leftover
+        deadline = time.monotonic() + 5
+        while len(find_host_processes(marker)) < 3:
+            assert time.monotonic() < deadline, "the commands never started"
+            await anyio.sleep(0.02)
+        assert _marked_by(token + "-")
+    assert _marked_by(token + "-") == []
+    assert find_host_processes(marker) == []
+
+
+async def test_connection_drop_fails_the_run_and_the_next_call_reconnects(
+    ssh_server: SshServer, marker: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with ssh_server.executor(grace_ms=300) as ex:
+        assert (await ex.exec("echo before")).stdout.text == "before\n"
+        failure: list[BaseException] = []
+
+        async def victim() -> None:
+            try:
+                await ex.exec(f"bash -c 'sleep 30; true' {marker}")
+            except BashInfrastructureError as exc:
+                failure.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(victim)
+            deadline = time.monotonic() + 5
+            while not find_host_processes(marker):
+                assert time.monotonic() < deadline, "the command never started"
+                await anyio.sleep(0.02)
+            sshds = _session_sshds(ssh_server, TEST_USER)
+            assert sshds, "no sshd process serves the executor's connection"
+            dropped_at = time.monotonic()
+            for pid in sshds:
+                os.kill(pid, signal.SIGKILL)
+        assert failure, "the run returned a result although its connection dropped"
+        assert time.monotonic() - dropped_at < 3
+        assert "SSH connection" in str(failure[0]) or "lost" in str(failure[0])
+        result = await ex.exec("echo after")
+        assert result.stdout.text == "after\n"
+        assert any("reconnecting" in record.getMessage() for record in caplog.records)
+        # The lost command was killed through the new connection (it carried the marker).
+        deadline = time.monotonic() + 3
+        while find_host_processes(marker):
+            assert time.monotonic() < deadline, "the lost command kept running on the host"
+            await anyio.sleep(0.05)
+
+
+async def test_host_key_mismatch_says_host_key(ssh_server: SshServer, tmp_path: Path) -> None:
+    keygen(tmp_path / "other")
+    known = tmp_path / "known_hosts"
+    known.write_text(f"[127.0.0.1]:{ssh_server.port} {(tmp_path / 'other.pub').read_text()}")
+    with pytest.raises(BashInfrastructureError, match="host key"):
+        async with ssh_server.executor(known_hosts=str(known)):
+            pass
+
+
+async def test_wrong_client_key_says_authentication(ssh_server: SshServer, tmp_path: Path) -> None:
+    keygen(tmp_path / "stranger")
+    with pytest.raises(BashInfrastructureError, match="authentication"):
+        async with ssh_server.executor(client_keys=[str(tmp_path / "stranger")]):
+            pass
+
+
+async def test_unreachable_names_host_and_port(ssh_server: SshServer) -> None:
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(BashInfrastructureError, match=f"127.0.0.1:{port}"):
+        async with ssh_server.executor(port=port, connect_timeout_ms=2000):
+            pass
+
+
+def test_trio_is_refused_clearly(ssh_server: SshServer) -> None:
+    async def body() -> None:
+        async with ssh_server.executor():
+            pass
+
+    with pytest.raises(BashInfrastructureError, match="asyncio"):
+        anyio.run(body, backend="trio")
+
+
+def test_config_requires_a_way_to_trust_the_host() -> None:
+    from dsh_bash_ssh import SshBashExecutor  # noqa: PLC0415
+
+    with pytest.raises(ConfigError, match="known_hosts"):
+        SshBashExecutor.from_fields(host="example.invalid", client_keys=["/nonexistent"])
+    with pytest.raises(ConfigError, match="max_channels"):
+        SshBashExecutor.from_fields(
+            host="example.invalid", client_keys=["k"], known_hosts="kh", max_channels=1
+        )
