@@ -2,8 +2,10 @@
 
 Subcommands:
 
-``dsh-bash run [--cwd DIR] [--timeout-ms N] -- COMMAND``
-    Run one command on the local backend, the way an agent's tool call would. The command's stdout
+``dsh-bash run [--config FILE] [--cwd DIR] [--timeout-ms N] -- COMMAND``
+    Run one command on the local backend (or, with ``--config``, on the backend the file describes,
+    loaded with ``load_executor``; ``--cwd`` and ``--timeout-ms`` then override its ``cwd`` and
+    ``timeout_ms``), the way an agent's tool call would. The command's stdout
     text goes to stdout and its stderr text to stderr, byte for byte as the executor collected them
     (UTF-8, invalid bytes replaced). Then, on stderr, one notice per event: ``dsh-bash: timed out
     after Nms``, and ``dsh-bash: stdout truncated; full output: PATH`` (or ``(unavailable)``) for
@@ -18,15 +20,36 @@ Subcommands:
 
     A truncated stream's spill file belongs to the executor, which deletes it when it closes; the
     CLI keeps it by linking (or copying) it into a directory of its own under the temporary
-    directory before the executor closes, and prints that path. Those files are not cleaned up.
+    directory before the executor closes, and prints that path. Those files are not cleaned up. A
+    backend whose spill files live elsewhere (in a container, on an SSH host) reports
+    ``(unavailable)``: its spill files go when the executor closes.
 
-Later subcommands (``conformance``, ``doctor``, ``mcp``) plug into the same subparser table.
+``dsh-bash conformance --config FILE [--check NAME ...] [--json] [--anyio-backend B] [--check-timeout S]``
+    Run the conformance kit against the configured backend (``dsh_bash_conformance.config_target``):
+    one line per check as it finishes (on a terminal, a progress counter on stderr), then the
+    verdict; ``--json`` prints the report as JSON instead. Exit status 0 when every contract check
+    passed ("beyond" checks never fail the run), 1 otherwise, 2 for unknown check names and bad
+    configuration. ``--list`` lists the checks (name, kind, rule) and needs no configuration.
+
+``dsh-bash doctor --config FILE [--timeout S]``
+    Check that the configured backend can run commands (``dsh_bash._doctor``): one ``ok``/``FAIL``
+    line per step, with a fix for each failure. Exit status 0 when all are ok, 1 when one failed,
+    2 when the configuration does not load.
+
+``dsh-bash mcp --config FILE [--http [HOST:]PORT] [--max-running N] [--no-background] [...]``
+    Serve the bash tools over the Model Context Protocol (``dsh_tool_bash._mcp``, extra ``mcp``):
+    over stdio, or with ``--http`` over streamable HTTP on loopback unless HOST says otherwise (the
+    URL goes to stderr). Runs until SIGTERM, SIGINT or the end of stdin; exit status 0, 130 after
+    SIGINT, 2 when the configuration does not load or the address cannot be bound. See
+    ``dsh_tool_bash/README.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import logging
 import math
 import os
 import shutil
@@ -44,6 +67,10 @@ from ._config import config_error_from
 from ._errors import BashInfrastructureError, ConfigError, DshBashError
 
 if TYPE_CHECKING:
+    from dsh_bash_conformance import CheckResult
+
+    from ._doctor import Finding
+    from ._executor import BashExecutor
     from ._types import BashRunResult
 
 __all__ = ["main"]
@@ -86,13 +113,18 @@ def _build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser(
         "run",
-        help="run one command on the local backend",
+        help="run one command on the local backend (or the one --config describes)",
         description=(
             "Run COMMAND with a fresh non-interactive bash on the local backend. Its stdout and stderr "
             "are passed through; notices (timeout, truncation) follow on stderr. Exit status: the "
             "command's, 128+n when killed by signal n, 124 when timed out, 2 on usage or setup errors."
         ),
         epilog="Put the command after '--' when it starts with '-'; several words are joined with spaces.",
+    )
+    run.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a TOML or YAML backend configuration (default: the local backend with default settings)",
     )
     run.add_argument("--cwd", metavar="DIR", help="working directory (default: the current one)")
     run.add_argument(
@@ -103,6 +135,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("command", nargs="+", metavar="COMMAND", help="the bash command line")
     run.set_defaults(handler=_cmd_run)
+    _add_conformance_parser(commands)
+    _add_doctor_parser(commands)
+    _add_mcp_parser(commands)
     return parser
 
 
@@ -181,9 +216,28 @@ async def _run_local(
     except ValidationError as exc:
         raise config_error_from(exc, "LocalConfig") from None
 
+    return await _exec_keeping_spills(LocalBashExecutor(config), command)
+
+
+async def _run_configured(
+    config_file: str, command: str, cwd: str | None, timeout_ms: float | None
+) -> tuple[BashRunResult, dict[str, str | None]]:
+    from ._registry import load_executor  # noqa: PLC0415 - only this path needs the registry
+
+    executor = load_executor(config_file, **({"cwd": cwd} if cwd is not None else {}))
+    if timeout_ms is not None:
+        # As without --config: an explicit timeout raises the configured cap rather than being clamped.
+        cap = max(timeout_ms, executor.config.max_timeout_ms)
+        executor.reconfigure(timeout_ms=timeout_ms, max_timeout_ms=cap)
+    return await _exec_keeping_spills(executor, command)
+
+
+async def _exec_keeping_spills(
+    executor: BashExecutor, command: str
+) -> tuple[BashRunResult, dict[str, str | None]]:
     kept: dict[str, str | None] = {}
     keep_dir: list[str] = []
-    async with LocalBashExecutor(config) as executor:
+    async with executor:
         result = await executor.exec(command)
         # The executor deletes its spill files when it closes: keep them for the user first.
         for name, output in (("stdout", result.stdout), ("stderr", result.stderr)):
@@ -208,11 +262,15 @@ def _exit_status(result: BashRunResult) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     command = " ".join(args.command)
     cwd: str | None = args.cwd
-    if cwd is not None:
-        cwd = os.path.abspath(cwd)
-        if not os.path.isdir(cwd):
-            raise _CliError(f"--cwd {args.cwd}: not a directory")
-    result, kept = anyio.run(_run_local, command, cwd, args.timeout_ms)
+    if args.config is not None:
+        # The directory is where the backend's commands run, which need not be this host.
+        result, kept = anyio.run(_run_configured, args.config, command, cwd, args.timeout_ms)
+    else:
+        if cwd is not None:
+            cwd = os.path.abspath(cwd)
+            if not os.path.isdir(cwd):
+                raise _CliError(f"--cwd {args.cwd}: not a directory")
+        result, kept = anyio.run(_run_local, command, cwd, args.timeout_ms)
 
     _write(sys.stdout, result.stdout.text)
     sys.stdout.flush()
@@ -231,6 +289,288 @@ def _cmd_run(args: argparse.Namespace) -> int:
         _write(sys.stderr, separator + "".join(f"{line}\n" for line in notices))
     sys.stderr.flush()
     return _exit_status(result)
+
+
+# -- conformance --------------------------------------------------------------------------------------
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _add_conformance_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    conformance = commands.add_parser(
+        "conformance",
+        help="run the conformance kit against a configured backend",
+        description=(
+            "Run the conformance kit against the backend FILE describes: one line per check as it "
+            "finishes, then the verdict. Exit status 0 when every contract check passed ('beyond' "
+            "checks never fail the run), 1 when one did not, 2 on usage or configuration errors."
+        ),
+    )
+    conformance.add_argument("--config", metavar="FILE", help="the backend's TOML or YAML configuration")
+    conformance.add_argument(
+        "--check",
+        metavar="NAME",
+        nargs="+",
+        action="extend",
+        help="run only these checks (repeatable; default: all; --list shows the names)",
+    )
+    conformance.add_argument("--json", action="store_true", help="print the report as JSON")
+    conformance.add_argument(
+        "--list", action="store_true", help="list the checks (name, kind, rule) and exit"
+    )
+    conformance.add_argument(
+        "--anyio-backend",
+        choices=("asyncio", "trio"),
+        default="asyncio",
+        help="event loop (default: asyncio)",
+    )
+    conformance.add_argument(
+        "--check-timeout",
+        metavar="S",
+        type=_seconds,
+        default=30.0,
+        help="wall-clock limit of one check in seconds (default: 30)",
+    )
+    conformance.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the backend's log messages on stderr (some checks provoke logged errors on purpose)",
+    )
+    conformance.set_defaults(handler=_cmd_conformance)
+
+
+def _result_line(result: CheckResult, width: int) -> str:
+    """One check's line, as in ``KitReport.summary()``."""
+    labels = {"passed": "PASS", "failed": "FAIL", "error": "ERROR", "hung": "HUNG"}
+    line = f"{labels[result.outcome]:<5} {result.kind:<8} {result.name:<{width}} {result.duration_s:6.2f}s"
+    if result.message:
+        line += "  " + " ".join(result.message.split("\n"))
+    return line
+
+
+class _Progress:
+    """``[i/N] running NAME...`` on a terminal's stderr, erased before each result line."""
+
+    def __init__(self, stream: TextIO | None, names: list[str]) -> None:
+        self._stream = stream
+        self._names = names
+        self._shown = False
+
+    def show(self, index: int) -> None:
+        if self._stream is None or index >= len(self._names):
+            return
+        self.clear()
+        self._stream.write(f"[{index + 1}/{len(self._names)}] running {self._names[index]}...")
+        self._stream.flush()
+        self._shown = True
+
+    def clear(self) -> None:
+        if self._stream is not None and self._shown:
+            self._stream.write("\r\x1b[K")
+            self._stream.flush()
+            self._shown = False
+
+
+def _cmd_conformance(args: argparse.Namespace) -> int:
+    try:
+        # Imported here: only this subcommand needs the kit.
+        from dsh_bash_conformance import CHECKS, config_target, run_kit  # noqa: PLC0415
+    except ImportError as exc:
+        raise _CliError(
+            f"the conformance kit (dsh_bash_conformance) cannot be imported: {_one_line(exc)}"
+        ) from exc
+
+    if args.list:
+        if args.json:
+            rows = [{"name": c.name, "kind": c.kind, "rule": c.rule} for c in CHECKS.values()]
+            sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        else:
+            width = max(len(name) for name in CHECKS)
+            for c in CHECKS.values():
+                _write(sys.stdout, f"{c.name:<{width}} {c.kind:<8} {c.rule}\n")
+        return 0
+    if args.config is None:
+        raise _CliError("conformance: --config FILE is required (or --list to see the checks)")
+    names: list[str] = list(dict.fromkeys(args.check)) if args.check else list(CHECKS)
+    unknown = [name for name in names if name not in CHECKS]
+    if unknown:
+        raise _CliError(
+            f"unknown check name(s): {', '.join(unknown)} (dsh-bash conformance --list shows them)"
+        )
+
+    built = config_target(args.config, anyio_backend=args.anyio_backend, check_timeout_s=args.check_timeout)
+    log = logging.getLogger("dsh_bash")
+    if args.verbose:
+        logging.basicConfig(level=logging.WARNING, format=f"{PROG}: log: %(name)s: %(message)s")
+    else:
+        # The checks provoke logged errors on purpose (a raising listener): keep them off the output.
+        log.addHandler(logging.NullHandler())
+    for note in built.notes:
+        _write(sys.stderr, f"{PROG}: note: {note}\n")
+    width = max(len(name) for name in names)
+    progress = _Progress(sys.stderr if sys.stderr.isatty() else None, names)
+    done = 0
+
+    def on_result(result: CheckResult) -> None:
+        nonlocal done
+        done += 1
+        progress.clear()
+        if not args.json:
+            _write(sys.stdout, _result_line(result, width) + "\n")
+            sys.stdout.flush()
+        progress.show(done)
+
+    progress.show(0)
+    try:
+        report = run_kit(built.target, only=names, on_result=on_result)
+    finally:
+        progress.clear()
+    if args.json:
+        sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n")
+    else:
+        failed = [r.name for r in report.failed]
+        if failed:
+            _write(sys.stdout, f"not passed: {', '.join(failed)}\n")
+        _write(sys.stdout, report.summary().rsplit("\n", 1)[-1] + "\n")
+    sys.stdout.flush()
+    return 0 if report.contract_ok else 1
+
+
+# -- doctor -------------------------------------------------------------------------------------------
+
+
+def _add_doctor_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    doctor = commands.add_parser(
+        "doctor",
+        help="check that a configured backend can run commands",
+        description=(
+            "Load FILE, open the backend and check that bash runs, the default working directory "
+            "exists, a spill file can be made and setsid is present; one ok/FAIL line per step, "
+            "with a fix for each failure. Exit status 0 when all are ok, 1 when one failed, 2 when "
+            "the configuration does not load."
+        ),
+    )
+    doctor.add_argument(
+        "--config", metavar="FILE", required=True, help="the backend's TOML or YAML configuration"
+    )
+    doctor.add_argument(
+        "--timeout",
+        metavar="S",
+        type=_seconds,
+        default=30.0,
+        help="bound in seconds for opening the backend and for each step (default: 30)",
+    )
+    doctor.set_defaults(handler=_cmd_doctor)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from ._doctor import run_doctor  # noqa: PLC0415 - only this subcommand needs it
+
+    config_failed = False
+    failures = 0
+
+    def report(finding: Finding) -> None:
+        nonlocal config_failed, failures
+        label = "ok" if finding.ok else "FAIL"
+        _write(sys.stdout, f"{label:<5} {finding.step:<8} {finding.detail}\n")
+        if not finding.ok:
+            failures += 1
+            config_failed = config_failed or finding.step == "config"
+            if finding.fix:
+                _write(sys.stdout, f"{'':<14} fix: {finding.fix}\n")
+        sys.stdout.flush()
+
+    all_ok = run_doctor(args.config, timeout_s=args.timeout, report=report)
+    if config_failed:
+        return EXIT_USAGE
+    if all_ok:
+        _write(sys.stdout, f"{PROG} doctor: all ok\n")
+        return 0
+    _write(sys.stdout, f"{PROG} doctor: {failures} step(s) failed\n")
+    return 1
+
+
+# -- mcp ----------------------------------------------------------------------------------------------
+
+
+def _max_running(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return value
+
+
+def _add_mcp_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    mcp = commands.add_parser(
+        "mcp",
+        help="serve the bash tools over the Model Context Protocol",
+        description=(
+            "Serve the bash, bash_output and bash_kill tools over MCP on the backend FILE describes: "
+            "over stdio (one client), or with --http over streamable HTTP at http://HOST:PORT/mcp "
+            "(many clients, each session its own owner of background tasks). Stops on SIGTERM, SIGINT "
+            "or end of stdin (stdio), closing the executor. Needs the 'mcp' extra."
+        ),
+    )
+    mcp.add_argument(
+        "--config", metavar="FILE", required=True, help="the backend's TOML or YAML configuration"
+    )
+    mcp.add_argument(
+        "--http",
+        metavar="[HOST:]PORT",
+        help="serve streamable HTTP instead of stdio; HOST defaults to 127.0.0.1 (port 0: any free port; "
+        "the URL is printed on stderr)",
+    )
+    mcp.add_argument(
+        "--max-running",
+        metavar="N",
+        type=_max_running,
+        default=10,
+        help="running background tasks allowed per session (default: 10)",
+    )
+    mcp.add_argument(
+        "--no-background", action="store_true", help="offer the bash tool alone, without background tasks"
+    )
+    mcp.add_argument(
+        "--session-idle-timeout",
+        metavar="S",
+        type=_seconds,
+        default=1800.0,
+        help="with --http: end a session (and kill its tasks) after S seconds without a request in flight "
+        "or an open stream (default: 1800)",
+    )
+    mcp.set_defaults(handler=_cmd_mcp)
+
+
+def _cmd_mcp(args: argparse.Namespace) -> int:
+    try:
+        from dsh_tool_bash._mcp import run_server  # noqa: PLC0415 - needs the optional mcp SDK
+    except ImportError as exc:
+        raise _CliError(f"dsh-bash mcp needs the mcp extra: pip install 'dsh-bash[mcp]' ({exc})") from exc
+    try:
+        return run_server(
+            args.config,
+            http=args.http,
+            background=not args.no_background,
+            max_running=args.max_running,
+            session_idle_timeout=args.session_idle_timeout,
+        )
+    except OSError as exc:  # the HTTP address cannot be bound
+        raise _CliError(f"mcp: {_one_line(exc)}") from exc
+    except ValueError as exc:
+        if isinstance(exc, ConfigError | ValidationError):
+            raise
+        raise _CliError(_one_line(exc)) from exc
 
 
 # -- entry point --------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ Checks are registered with :func:`check` into :data:`CHECKS` (in definition orde
 
 import importlib
 
+from ._config_target import ConfigTarget, config_target, find_namespaced_processes
 from ._host import find_host_processes, patch_os_environ
 from ._kit import (
     CHECKS,
@@ -51,10 +52,13 @@ __all__ = [
     "CheckKind",
     "CheckOutcome",
     "CheckResult",
+    "ConfigTarget",
     "KitReport",
     "KitTarget",
     "check",
+    "config_target",
     "find_host_processes",
+    "find_namespaced_processes",
     "patch_os_environ",
     "run_kit",
 ]

@@ -91,7 +91,25 @@ class LocalBashExecutor(BashExecutor):
             spill_dir=self._spill_dir,
             scanner=self._scanner,
             start_helper=self._start_helper,
+            wrap=self._wrap_command,
         )
+
+    def _wrap_command(self, argv: list[str], launch: Launch) -> tuple[list[str], str]:
+        """Hook for subclasses: the argv to exec for ``launch`` and the host directory to start it in.
+
+        ``argv`` starts the command's bash (``bash --noprofile --norc -c COMMAND``, or a script
+        file in the spill directory for a long command). A sandboxing subclass wraps it in its
+        launcher and maps the spec's workdir to the host directory that is checked (an unusable
+        one raises BashInfrastructureError) and used as the launcher's working directory. It runs
+        in a new session with ``launch.env``, as the command would. Default: ``argv`` and the
+        spec's workdir, unchanged.
+        """
+        return argv, launch.spec.workdir
+
+    @property
+    def spill_directory(self) -> str | None:
+        """The directory of this executor's spill files (and long-command scripts) while it is open."""
+        return None if self._spill_dir is None else self._spill_dir.path
 
     def _open_spill(self, command_marker: str, stream: str) -> SpillFile:
         if self._spill_dir is None:

@@ -26,6 +26,8 @@ _FIRST_READ = 64 * 1024
 _BIG_READ = 1024 * 1024
 
 StartHelper = Callable[..., None]
+#: ``wrap(argv, launch) -> (argv, host_workdir)``: see ``LocalBashExecutor._wrap_command``.
+WrapCommand = Callable[[list[str], Launch], tuple[list[str], str]]
 
 
 def _set_nonblocking(fd: int) -> None:
@@ -231,11 +233,9 @@ async def spawn_local(
     spill_dir: LocalSpillDir,
     scanner: ProcScanner,
     start_helper: StartHelper,
+    wrap: WrapCommand | None = None,
 ) -> LocalProcess:
     spec = launch.spec
-    problem = _workdir_problem(spec.workdir)
-    if problem is not None:
-        raise BashInfrastructureError(f"workdir {spec.workdir!r} {problem}")
     script: tuple[LocalSpillDir, str] | None = None
     encoded = spec.command.encode("utf-8", "surrogateescape")
     if len(encoded) > _MAX_INLINE_COMMAND:
@@ -249,6 +249,12 @@ async def spawn_local(
 
     opened: list[int] = []
     try:
+        host_workdir = spec.workdir
+        if wrap is not None:
+            argv, host_workdir = wrap(argv, launch)
+        problem = _workdir_problem(host_workdir)
+        if problem is not None:
+            raise BashInfrastructureError(f"workdir {spec.workdir!r} {problem}")
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         opened += [out_r, out_w]
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -266,7 +272,7 @@ async def spawn_local(
                 stdin=stdin,
                 stdout=out_w,
                 stderr=err_w,
-                cwd=spec.workdir,
+                cwd=host_workdir,
                 env=launch.env,
                 start_new_session=True,
                 close_fds=True,

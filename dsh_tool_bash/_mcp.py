@@ -1,0 +1,540 @@
+"""``dsh-bash mcp``: the toolset's three tools over the Model Context Protocol (official ``mcp`` SDK, 2.x).
+
+One executor serves every client. Each MCP connection (the stdio client, or one streamable-HTTP session) is
+its own owner with its own :class:`BashToolset`: it sees only its own background tasks, is told on the
+connection when one of them finishes (a ``notifications/message`` log entry), and when the connection ends
+its running tasks are killed. Stopping the server (SIGTERM, SIGINT, stdin closed) closes the executor, which
+kills everything it started.
+
+The server speaks the session-based (``initialize`` handshake) protocol versions only: background tasks,
+owners and announcements need a session, which the stateless 2026-07-28 protocol has not. It answers
+``server/discover`` with "method not found", so a 2.x client in its default ``auto`` mode falls back to
+the handshake, and refuses tool calls that arrive without a session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import collections
+import contextlib
+import functools
+import ipaddress
+import logging
+import os
+import secrets
+import signal
+import socket
+import stat
+import sys
+import warnings
+from collections.abc import AsyncIterator, Callable, Generator
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Final, NoReturn, cast
+
+import anyio
+import anyio.abc
+import mcp_types as types
+import uvicorn
+from mcp.server.connection import Connection
+from mcp.server.context import ServerRequestContext
+from mcp.server.lowlevel import Server
+from mcp.server.runner import serve_loop
+from mcp.server.stdio import stdio_server
+from mcp.server.transport_security import TransportSecuritySettings
+from mcp.shared.exceptions import MCPDeprecationWarning, MCPError
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
+from dsh_bash import BashExecutor, BashTask, OwnerToken, load_executor
+
+from ._toolset import BashToolset, ToolResult
+
+__all__ = ["BashMcpServer", "parse_http_address", "run_server"]
+
+log = logging.getLogger("dsh_tool_bash.mcp")
+
+SERVER_NAME: Final = "dsh-bash"
+#: ``_meta`` key of a tool result (and of a completion notice) carrying ``ToolResult.data``.
+DATA_META_KEY: Final = "dsh-bash/data"
+#: The ``logger`` of completion notices.
+NOTICE_LOGGER: Final = "dsh-bash"
+_STATE_KEY: Final = "dsh_tool_bash.session"
+_LEVELS: Final = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
+_NOTICE_LEVEL: Final = "info"
+_NOTIFY_BOUND_S: Final = 5.0
+#: Idle streamable-HTTP sessions (no request in flight, no open stream) end after this long.
+DEFAULT_SESSION_IDLE_TIMEOUT_S: Final = 1800.0
+
+_INSTRUCTIONS: Final = (
+    "Shell access. Run commands with the bash tool: each call is a fresh non-interactive bash (use its "
+    "workdir argument instead of cd)."
+)
+_BACKGROUND_INSTRUCTIONS: Final = (
+    " Long-running commands (servers, watchers) go to the background with run_in_background; read their "
+    "output with bash_output and stop them with bash_kill. Background tasks belong to this session and are "
+    "killed when it ends."
+)
+
+
+def _package_version() -> str:
+    try:
+        return version("dsh-bash")
+    except PackageNotFoundError:
+        return "0"
+
+
+@dataclass(eq=False)
+class _Session:
+    """What one MCP connection owns."""
+
+    connection: Connection
+    toolset: BashToolset
+    log_level: str | None = None
+    unsubscribe: Callable[[], None] = field(default=lambda: None)
+
+
+def _connection_of(ctx: ServerRequestContext[Any, Any]) -> Connection:
+    # The SDK hands handlers a per-request ServerSession; the per-connection object (its ``state`` and
+    # ``exit_stack`` are public) is reachable only through this attribute. Tests pin it.
+    connection = getattr(ctx.session, "_connection", None)
+    if not isinstance(connection, Connection):
+        raise RuntimeError("this version of the mcp SDK does not expose the connection of a request")
+    return connection
+
+
+class BashMcpServer:
+    """The MCP server over one open executor. Serve it with :meth:`serve_stdio` or :meth:`serve_http`."""
+
+    def __init__(self, executor: BashExecutor, *, background: bool = True, max_running: int = 10) -> None:
+        self._executor = executor
+        self._background = background
+        self._max_running = max_running
+        self._template = BashToolset(executor, background=background, max_running=max_running)
+        self._tg: anyio.abc.TaskGroup | None = None
+        with warnings.catch_warnings():
+            # logging/setLevel is deprecated from 2026-07-28 on; the handshake versions this server speaks
+            # still use it, and it is what declares the logging capability the notices need.
+            warnings.simplefilter("ignore", MCPDeprecationWarning)
+            self._server: Server[Any] = Server(
+                SERVER_NAME,
+                version=_package_version(),
+                instructions=_INSTRUCTIONS + (_BACKGROUND_INSTRUCTIONS if background else ""),
+                on_list_tools=self._list_tools,
+                on_call_tool=self._call_tool,
+                on_set_logging_level=self._set_logging_level,
+            )
+        self._server.add_request_handler("server/discover", types.RequestParams, self._refuse_discover)
+
+    @property
+    def server(self) -> Server[Any]:
+        """The SDK's low-level server (to mount it elsewhere)."""
+        return self._server
+
+    # -- handlers -------------------------------------------------------------------------------------
+
+    async def _refuse_discover(
+        self, ctx: ServerRequestContext[Any, Any], params: types.RequestParams
+    ) -> NoReturn:
+        raise MCPError(
+            code=types.METHOD_NOT_FOUND,
+            message="server/discover: this server speaks the session-based protocol; use initialize",
+        )
+
+    async def _list_tools(
+        self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
+    ) -> types.ListToolsResult:
+        return types.ListToolsResult(
+            tools=[
+                types.Tool(name=tool.name, description=tool.description, input_schema=tool.input_schema)
+                for tool in self._template.definitions()
+            ]
+        )
+
+    async def _call_tool(
+        self, ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams
+    ) -> types.CallToolResult:
+        if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:
+            result = ToolResult(
+                text=(
+                    f"{SERVER_NAME} keeps background tasks per session and needs a session-based MCP "
+                    "connection (the initialize handshake); this request came without one"
+                ),
+                is_error=True,
+                data={"tool": params.name, "error": "no_session"},
+            )
+        else:
+            session = self._session(ctx)
+            result = await session.toolset.call(params.name, params.arguments or {})
+        return types.CallToolResult(
+            content=[types.TextContent(text=result.text)],
+            is_error=result.is_error,
+            _meta={DATA_META_KEY: result.data},
+        )
+
+    async def _set_logging_level(
+        self, ctx: ServerRequestContext[Any, Any], params: types.SetLevelRequestParams
+    ) -> types.EmptyResult:
+        connection = _connection_of(ctx)
+        connection.state[f"{_STATE_KEY}.log_level"] = params.level
+        session = connection.state.get(_STATE_KEY)
+        if isinstance(session, _Session):
+            session.log_level = params.level
+        return types.EmptyResult()
+
+    # -- sessions -------------------------------------------------------------------------------------
+
+    def _session(self, ctx: ServerRequestContext[Any, Any]) -> _Session:
+        connection = _connection_of(ctx)
+        session = connection.state.get(_STATE_KEY)
+        if isinstance(session, _Session):
+            return session
+        owner = OwnerToken(f"mcp-{secrets.token_hex(8)}")
+        toolset = BashToolset(
+            self._executor, owner=owner, background=self._background, max_running=self._max_running
+        )
+        session = _Session(connection, toolset, log_level=connection.state.get(f"{_STATE_KEY}.log_level"))
+        session.unsubscribe = toolset.on_completion(lambda text, task: self._announce(session, text, task))
+        connection.state[_STATE_KEY] = session
+        connection.exit_stack.push_async_callback(self._end_session, session)
+        log.debug("session %s: owner %s", connection.session_id or "stdio", owner)
+        return session
+
+    async def _end_session(self, session: _Session) -> None:
+        """The connection ended: stop announcing, kill its running tasks."""
+        session.unsubscribe()
+        killed = await session.toolset.kill_all()
+        if killed:
+            log.info("connection ended: killed %s", ", ".join(killed))
+
+    def _announce(self, session: _Session, text: str, task: BashTask) -> None:
+        level = session.log_level
+        if level in _LEVELS and _LEVELS.index(_NOTICE_LEVEL) < _LEVELS.index(level):
+            return
+        if self._tg is None:
+            return
+        params: dict[str, Any] = {
+            "level": _NOTICE_LEVEL,
+            "logger": NOTICE_LOGGER,
+            "data": text,
+            "_meta": {
+                DATA_META_KEY: {
+                    "task_id": task.id,
+                    "status": task.status,
+                    "exit_code": task.exit_code,
+                    "signal": task.signal,
+                    "end_cause": task.end_cause,
+                }
+            },
+        }
+        self._tg.start_soon(self._notify, session.connection, params)
+
+    async def _notify(self, connection: Connection, params: dict[str, Any]) -> None:
+        with anyio.move_on_after(_NOTIFY_BOUND_S):
+            await connection.notify("notifications/message", params)
+
+    @contextlib.asynccontextmanager
+    async def _running(self) -> AsyncIterator[None]:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            try:
+                yield
+            finally:
+                self._tg = None
+                tg.cancel_scope.cancel()
+
+    # -- transports -----------------------------------------------------------------------------------
+
+    async def serve_stdio(self, *, stop: anyio.Event | None = None) -> None:
+        """Serve one client on this process's stdin/stdout until stdin closes or ``stop`` is set."""
+        reader = _FdLines.for_stdin()
+        async with self._running(), anyio.create_task_group() as tg:
+            if stop is not None:
+                tg.start_soon(_cancel_when, stop, tg.cancel_scope)
+            async with (
+                stdio_server(stdin=cast(Any, reader)) as (read_stream, write_stream),
+                self._server.lifespan(self._server) as state,
+            ):
+                await serve_loop(self._server, read_stream, write_stream, lifespan_state=state)
+            tg.cancel_scope.cancel()
+
+    async def serve_http(
+        self,
+        sock: socket.socket,
+        *,
+        stop: anyio.Event | None = None,
+        path: str = "/mcp",
+        session_idle_timeout: float | None = DEFAULT_SESSION_IDLE_TIMEOUT_S,
+        shutdown_grace_s: int = 1,
+    ) -> None:
+        """Serve streamable HTTP on a bound, listening socket until ``stop`` is set.
+
+        On a loopback address, DNS-rebinding protection admits only loopback ``Host`` and ``Origin``
+        headers. At the stop, open streams get ``shutdown_grace_s`` to end before they are cancelled;
+        then every session ends (its tasks are killed).
+        """
+        host = sock.getsockname()[0]
+        security = None
+        if _is_loopback(host):
+            shown = f"[{host}]" if ":" in host else host
+            hosts = sorted({"127.0.0.1", "localhost", "[::1]", shown})
+            security = TransportSecuritySettings(
+                enable_dns_rebinding_protection=True,
+                allowed_hosts=[f"{name}:*" for name in hosts],
+                allowed_origins=[f"http://{name}:*" for name in hosts],
+            )
+        app = self._server.streamable_http_app(
+            streamable_http_path=path,
+            session_idle_timeout=session_idle_timeout,
+            transport_security=security,
+            host=host,
+        )
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=shutdown_grace_s,
+        )
+        server = _Uvicorn(config)
+        quiet = _QuietShutdown()
+        uvicorn_log = logging.getLogger("uvicorn.error")
+        uvicorn_log.addFilter(quiet)
+        try:
+            async with self._running(), anyio.create_task_group() as tg:
+                if stop is not None:
+
+                    async def stop_server() -> None:
+                        await stop.wait()
+                        quiet.stopping = True
+                        server.should_exit = True
+
+                    tg.start_soon(stop_server)
+                await server.serve(sockets=[sock])
+                tg.cancel_scope.cancel()
+        finally:
+            uvicorn_log.removeFilter(quiet)
+
+
+class _QuietShutdown(logging.Filter):
+    """Once stopping, drop uvicorn's reports of the streams it cancels: they are the stop, not errors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stopping = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.stopping:
+            return True
+        if record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError):
+            return False
+        return not str(record.msg).startswith("Cancel ")
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the caller decides when to stop (``should_exit``)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+async def _cancel_when(event: anyio.Event, scope: anyio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
+class _FdLines:
+    """Lines of a pollable descriptor (pipe, socket, terminal), read without a worker thread.
+
+    The SDK reads stdin in a worker thread, which a cancellation cannot interrupt: a server told to stop
+    by a signal would wait for the client's next line. Polling the descriptor keeps the stop immediate.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._lines: collections.deque[str] = collections.deque()
+        self._partial: list[str] = []  # the start of a line whose newline has not arrived (linear cost)
+        self._eof = False
+
+    @classmethod
+    def for_stdin(cls) -> _FdLines | None:
+        """A reader of fd 0 if it can be polled; None (the SDK's own reader) for files and devices."""
+        try:
+            mode = os.fstat(0).st_mode
+        except OSError:
+            return None
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or os.isatty(0):
+            return cls(0)
+        return None
+
+    def __aiter__(self) -> _FdLines:
+        return self
+
+    def _feed(self, text: str) -> None:
+        *complete, rest = text.split("\n")
+        for part in complete:
+            self._lines.append("".join([*self._partial, part, "\n"]))
+            self._partial.clear()
+        if rest:
+            self._partial.append(rest)
+
+    async def __anext__(self) -> str:
+        while not self._lines:
+            if self._eof:
+                if self._partial:
+                    line = "".join(self._partial)
+                    self._partial.clear()
+                    return line
+                raise StopAsyncIteration
+            await anyio.wait_readable(self._fd)
+            try:
+                chunk = os.read(self._fd, 65536)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                chunk = b""
+            if chunk:
+                self._feed(self._decoder.decode(chunk))
+            else:
+                self._eof = True
+                self._feed(self._decoder.decode(b"", final=True))
+        return self._lines.popleft()
+
+
+# -- the command line's entry point ---------------------------------------------------------------------
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def parse_http_address(text: str) -> tuple[str, int]:
+    """``PORT``, ``HOST:PORT`` or ``[IPV6]:PORT`` → (host, port); the host defaults to ``127.0.0.1``."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep:
+        host, port_text = "127.0.0.1", text
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host:
+        host = "127.0.0.1"
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"--http {text!r}: expected [HOST:]PORT") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--http {text!r}: port must be 0-65535")
+    return host, port
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise OSError(f"cannot resolve {host!r}: {exc}") from exc
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _url(sock: socket.socket, path: str) -> str:
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}{path}"
+
+
+def _say(message: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(f"dsh-bash mcp: {message}\n")
+        sys.stderr.flush()
+
+
+async def _serve(
+    config: str,
+    *,
+    http: tuple[str, int] | None,
+    background: bool,
+    max_running: int,
+    idle_timeout: float | None,
+    received: list[int],
+) -> None:
+    executor = load_executor(config)
+    sock = _bind(*http) if http is not None else None
+    stop = anyio.Event()
+
+    async def watch(signals: AsyncIterator[int]) -> None:
+        async for signum in signals:
+            received.append(signum)
+            stop.set()
+
+    try:
+        # Signals are received (not acted on by default handlers) until the executor is closed: a second
+        # SIGTERM during the close must not kill the process and orphan what the close is still killing.
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with executor, anyio.create_task_group() as tg:
+                tg.start_soon(watch, signals)
+                server = BashMcpServer(executor, background=background, max_running=max_running)
+                if sock is None:
+                    await server.serve_stdio(stop=stop)
+                else:
+                    if not _is_loopback(sock.getsockname()[0]):
+                        _say(
+                            "WARNING: listening beyond loopback without authentication: anyone who "
+                            "can reach this port can run commands"
+                        )
+                    _say(f"serving {_url(sock, '/mcp')}")
+                    await server.serve_http(sock, stop=stop, session_idle_timeout=idle_timeout)
+                tg.cancel_scope.cancel()
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def run_server(
+    config: str,
+    *,
+    http: str | None = None,
+    background: bool = True,
+    max_running: int = 10,
+    session_idle_timeout: float | None = DEFAULT_SESSION_IDLE_TIMEOUT_S,
+) -> int:
+    """Serve until stopped; return the exit status (0, or 130 after SIGINT). Errors propagate."""
+    address = parse_http_address(http) if http is not None else None
+    received: list[int] = []
+    try:
+        main = functools.partial(
+            _serve,
+            config,
+            http=address,
+            background=background,
+            max_running=max_running,
+            idle_timeout=session_idle_timeout,
+            received=received,
+        )
+        anyio.run(main, backend="asyncio")
+    except BaseExceptionGroup as group:
+        raise _sole(group) from None
+    return 130 if signal.SIGINT in received else 0
+
+
+def _sole(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one exception inside nested single-member groups, or the group itself."""
+    inner: BaseException = group
+    while isinstance(inner, BaseExceptionGroup) and len(inner.exceptions) == 1:
+        inner = inner.exceptions[0]
+    return inner

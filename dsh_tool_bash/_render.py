@@ -1,0 +1,129 @@
+"""What the model reads: pure functions from executor results to tool text.
+
+The joining rule, everywhere: output text is copied verbatim; a notice (``[stderr]``, ``[exit code: 1]``,
+...) is a line of its own, so a newline goes before it unless the text so far is empty or already ends
+with one, and a newline goes after it only when something follows. The renderer never adds a trailing
+newline of its own: a text ends with the command's own output or with the last notice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from dsh_bash import BashRunResult, BashTaskStatus, CollectedOutput
+
+__all__ = [
+    "NO_NEW_OUTPUT",
+    "NO_OUTPUT",
+    "UNAVAILABLE",
+    "completion_notice",
+    "join",
+    "lossy_line",
+    "render_output",
+    "render_run",
+    "status_line",
+    "status_summary",
+    "truncation_line",
+]
+
+NO_OUTPUT = "(no output)"
+NO_NEW_OUTPUT = "(no new output)"
+UNAVAILABLE = "(unavailable)"
+
+
+class Line(str):
+    """A notice: rendered as a line of its own."""
+
+    __slots__ = ()
+
+
+def join(pieces: Iterable[str]) -> str:
+    """Join output text (plain ``str``) and notices (:class:`Line`) by the module's rule."""
+    out: list[str] = []
+    last = ""  # the text so far ends with this piece (empty pieces are skipped)
+    after_line = False
+    for piece in pieces:
+        if not piece:
+            continue
+        if isinstance(piece, Line):
+            if last and not last.endswith("\n"):
+                out.append("\n")
+            out.append(piece)
+            after_line = True
+        else:
+            if after_line:
+                out.append("\n")
+            out.append(piece)
+            after_line = False
+        last = piece
+    return "".join(out)
+
+
+def truncation_line(spill_path: str | None) -> Line:
+    return Line(f"[output truncated; full output: {spill_path or UNAVAILABLE}]")
+
+
+def _stream(output: CollectedOutput) -> list[str]:
+    pieces: list[str] = [output.text]
+    if output.truncated:
+        pieces.append(truncation_line(output.spill_path))
+    return pieces
+
+
+def render_run(result: BashRunResult) -> str:
+    """The text of a finished foreground command (its ``aborted`` flag is the caller's business)."""
+    pieces: list[str] = []
+    stdout, stderr = result.stdout, result.stderr
+    pieces += _stream(stdout)
+    if stderr.text or stderr.truncated:
+        pieces.append(Line("[stderr]"))
+        pieces += _stream(stderr)
+    if not stdout.text and not stdout.truncated and not stderr.text and not stderr.truncated:
+        pieces = [Line(NO_OUTPUT)]
+    if result.timed_out:
+        pieces.append(Line(f"[timed out after {round(result.timeout_ms)}ms]"))
+    if result.signal is not None:
+        pieces.append(Line(f"[killed by signal: {result.signal}]"))
+    elif result.exit_code is not None and result.exit_code != 0:
+        pieces.append(Line(f"[exit code: {result.exit_code}]"))
+    return join(pieces)
+
+
+def status_summary(status: BashTaskStatus, exit_code: int | None, signal: str | None) -> str:
+    """``running``, ``completed, exit code: N``, ``completed, signal: NAME``, ``killed[, signal: NAME]``."""
+    if status == "running":
+        return "running"
+    if status == "killed":
+        return f"killed, signal: {signal}" if signal is not None else "killed"
+    if signal is not None:
+        return f"completed, signal: {signal}"
+    if exit_code is not None:
+        return f"completed, exit code: {exit_code}"
+    return "completed"
+
+
+def status_line(status: BashTaskStatus, exit_code: int | None, signal: str | None) -> str:
+    return f"[status: {status_summary(status, exit_code, signal)}]"
+
+
+def lossy_line(spill_paths: Sequence[str | None]) -> Line:
+    """``[some output was dropped from memory; full output: PATHS]``: existing paths, comma-separated."""
+    paths = [path for path in spill_paths if path]
+    return Line(f"[some output was dropped from memory; full output: {', '.join(paths) or UNAVAILABLE}]")
+
+
+def render_output(delta: str, *, lossy: bool, spill_paths: Sequence[str | None], status: str) -> str:
+    """The text of ``bash_output``: the delta (or ``(no new output)``), the lossy line, the status line.
+
+    ``spill_paths`` is stdout's then stderr's; ``status`` is a :func:`status_line`.
+    """
+    pieces: list[str] = [delta] if delta else [Line(NO_NEW_OUTPUT)]
+    if lossy:
+        pieces.append(lossy_line(spill_paths))
+    pieces.append(Line(status))
+    return join(pieces)
+
+
+def completion_notice(task_id: str, summary: str) -> str:
+    """The one-line notice of ``on_completion``; ``summary`` is a :func:`status_summary`."""
+    return f"background bash task {task_id} finished: {summary}. Read its output with bash_output."

@@ -1,0 +1,562 @@
+"""``BashToolset``: the ``bash``, ``bash_output`` and ``bash_kill`` tools on top of any ``BashExecutor``."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ValidationError
+
+from dsh_bash import (
+    AbortSignal,
+    BashExecRequest,
+    BashExecutor,
+    BashRunResult,
+    BashTask,
+    BashTaskId,
+    DshBashError,
+    ExecutorClosedError,
+    OwnerToken,
+    UnknownTaskError,
+)
+
+from ._render import completion_notice, render_output, render_run, status_line, status_summary
+from ._schemas import (
+    BashArgs,
+    BashForegroundArgs,
+    BashKillArgs,
+    BashOutputArgs,
+    describe_validation_error,
+    input_schema,
+)
+
+__all__ = ["BashToolset", "CompletionCallback", "ToolDefinition", "ToolResult"]
+
+log = logging.getLogger("dsh_tool_bash")
+
+BASH = "bash"
+BASH_OUTPUT = "bash_output"
+BASH_KILL = "bash_kill"
+ABORTED_TEXT = "command aborted"
+
+#: ``callback(text, task)``: called synchronously when a task of the toolset's owner ends.
+CompletionCallback = Callable[[str, BashTask], object]
+
+ErrorKind = Literal[
+    "unknown_tool",
+    "invalid_arguments",
+    "aborted",
+    "infrastructure",
+    "executor_closed",
+    "unknown_task",
+    "other_owner",
+    "too_many_running",
+    "internal",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolDefinition:
+    """One tool as a model sees it: name, description, JSON schema of its arguments."""
+
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """What a tool call returns: ``text`` for the model, ``is_error``, and ``data`` (the same facts)."""
+
+    text: str
+    is_error: bool = False
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+# -- per-owner bookkeeping shared by every toolset of one executor ----------------------------------
+
+
+class _OwnerBook:
+    """Background tasks one owner started through toolsets, plus starts in flight."""
+
+    __slots__ = ("reserved", "tasks")
+
+    def __init__(self) -> None:
+        self.tasks: dict[BashTaskId, BashTask] = {}
+        self.reserved = 0
+
+    def running(self) -> list[BashTask]:
+        for task_id in [tid for tid, task in self.tasks.items() if task.status != "running"]:
+            del self.tasks[task_id]
+        return list(self.tasks.values())
+
+
+_books: weakref.WeakKeyDictionary[BashExecutor, dict[OwnerToken | None, _OwnerBook]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _book(executor: BashExecutor, owner: OwnerToken | None) -> _OwnerBook:
+    books = _books.setdefault(executor, {})
+    book = books.get(owner)
+    if book is None:
+        book = books[owner] = _OwnerBook()
+    return book
+
+
+# -- descriptions ---------------------------------------------------------------------------------------
+
+
+def _number(value: object) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return f"{value:.0f}" if float(value).is_integer() else f"{value:g}"
+
+
+def _bash_description(*, background: bool, config: object) -> str:
+    timeout = _number(getattr(config, "timeout_ms", None))
+    max_timeout = _number(getattr(config, "max_timeout_ms", None))
+    max_output = _number(getattr(config, "max_output_bytes", None))
+    limits = ""
+    if timeout and max_timeout:
+        limits = f" (default {timeout}, at most {max_timeout})"
+    tail = f"its last {max_output} bytes" if max_output else "its tail"
+    text = [
+        "Run a bash command and return its output.",
+        "",
+        "How it runs:",
+        "- Every call starts a fresh, non-interactive bash: nothing carries over from earlier calls "
+        "(no current directory, variables, aliases or functions). Pass `workdir` instead of using "
+        "`cd`, and chain dependent steps in one command with `&&`.",
+        "- Stdin is empty and there is no terminal: give non-interactive flags (`-y`, `--no-edit`, "
+        "`git --no-pager`) to anything that would prompt, page or open an editor.",
+        f"- The command is killed after `timeout_ms` milliseconds{limits}.",
+        "",
+        "What comes back:",
+        "- stdout; then, if the command wrote to stderr, a line `[stderr]` followed by stderr; "
+        "`(no output)` when it wrote nothing.",
+        "- A last line `[exit code: N]` when the exit code is not 0, or `[killed by signal: NAME]`; "
+        "without such a line the command succeeded. `[timed out after Nms]` means the timeout killed it.",
+        f"- Each stream shows only {tail}. A line `[output truncated; full output: PATH]` names a file "
+        "holding the whole stream: search it with grep or read parts with head, tail or sed -n in a "
+        "later call, instead of printing it all again.",
+    ]
+    if background:
+        text += [
+            "",
+            "Background tasks:",
+            "- Set `run_in_background: true` for servers, watchers and long jobs: the call returns "
+            "`started background task ID` at once. Read what it printed since your last look with "
+            "bash_output, and stop it with bash_kill. Do not start them with `&` or `nohup`: their "
+            "output would be lost.",
+        ]
+    return "\n".join(text)
+
+
+_BASH_OUTPUT_DESCRIPTION = "\n".join(
+    [
+        "Read the new output of a background task started with bash and `run_in_background: true`.",
+        "",
+        "Returns only what the task printed since the previous bash_output call for it (stdout, then a "
+        "line `[stderr]` and stderr), or `(no new output)`, followed by a status line: "
+        "`[status: running]`, `[status: completed, exit code: N]`, `[status: completed, signal: NAME]` "
+        "or `[status: killed]`. Once a finished task's output has been read, later reads say "
+        "`(no new output)`. A line `[some output was dropped from memory; full output: PATHS]` means the "
+        "task printed faster than it was read: the complete output is in those files (use grep, tail).",
+        "",
+        "Poll sparingly: when waiting for something (a server to listen, a build to finish), prefer a "
+        "foreground bash command that waits for it, such as `sleep 5` or a loop with a timeout.",
+    ]
+)
+
+_BASH_KILL_DESCRIPTION = "\n".join(
+    [
+        "Stop a background task started with bash and `run_in_background: true`: all of its processes "
+        "get SIGTERM, and SIGKILL shortly after if they are still alive.",
+        "",
+        "Returns `killed background task ID`, or `task ID had already finished`. What the task printed "
+        "stays readable with bash_output.",
+    ]
+)
+
+
+# -- the toolset ----------------------------------------------------------------------------------------
+
+
+def _error(kind: ErrorKind, text: str, tool: str, **facts: Any) -> ToolResult:
+    return ToolResult(text=text, is_error=True, data={"tool": tool, "error": kind, **facts})
+
+
+def _run_data(result: BashRunResult) -> dict[str, Any]:
+    out, err = result.stdout, result.stderr
+    return {
+        "exit_code": result.exit_code,
+        "signal": result.signal,
+        "timed_out": result.timed_out,
+        "aborted": result.aborted,
+        "timeout_ms": result.timeout_ms,
+        "duration_ms": result.duration_ms,
+        "truncated": out.truncated or err.truncated,
+        "stdout_truncated": out.truncated,
+        "stdout_spill_path": out.spill_path,
+        "stdout_total_bytes": out.total_bytes,
+        "stderr_truncated": err.truncated,
+        "stderr_spill_path": err.spill_path,
+        "stderr_total_bytes": err.total_bytes,
+    }
+
+
+def _task_data(task: BashTask) -> dict[str, Any]:
+    return {
+        "task_id": task.id,
+        "status": task.status,
+        "exit_code": task.exit_code,
+        "signal": task.signal,
+        "end_cause": task.end_cause,
+    }
+
+
+class BashToolset:
+    """The model-facing bash tools over one executor, on behalf of one owner.
+
+    ``owner`` separates callers that share an executor (one per chat session, say): a toolset can read and
+    kill only its owner's background tasks and ownerless ones. ``background=False`` offers ``bash`` alone,
+    without ``run_in_background``. ``max_running`` caps the running background tasks of one owner.
+    """
+
+    def __init__(
+        self,
+        executor: BashExecutor,
+        *,
+        owner: OwnerToken | None = None,
+        background: bool = True,
+        max_running: int = 10,
+    ) -> None:
+        if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
+            raise ValueError(f"max_running must be a positive int, got {max_running!r}")
+        self._executor = executor
+        self._owner = owner
+        self._background = background
+        self._max_running = max_running
+        self._callbacks: list[CompletionCallback] = []
+        self._unsubscribe_executor: Callable[[], None] | None = None
+
+    @property
+    def executor(self) -> BashExecutor:
+        return self._executor
+
+    @property
+    def owner(self) -> OwnerToken | None:
+        return self._owner
+
+    @property
+    def background(self) -> bool:
+        return self._background
+
+    @property
+    def max_running(self) -> int:
+        return self._max_running
+
+    # -- definitions ----------------------------------------------------------------------------------
+
+    def _bash_model(self) -> type[BashForegroundArgs]:
+        return BashArgs if self._background else BashForegroundArgs
+
+    def definitions(self) -> list[ToolDefinition]:
+        """The tools this toolset offers: ``bash``, and ``bash_output``/``bash_kill`` with background."""
+        config = getattr(self._executor, "config", None)
+        bash_schema = input_schema(self._bash_model())
+        timeout = _number(getattr(config, "timeout_ms", None))
+        max_timeout = _number(getattr(config, "max_timeout_ms", None))
+        if timeout and max_timeout:
+            prop = bash_schema["properties"]["timeout_ms"]
+            prop["description"] = f"{prop['description']} Default {timeout}, at most {max_timeout}."
+        tools = [
+            ToolDefinition(BASH, _bash_description(background=self._background, config=config), bash_schema)
+        ]
+        if self._background:
+            tools += [
+                ToolDefinition(BASH_OUTPUT, _BASH_OUTPUT_DESCRIPTION, input_schema(BashOutputArgs)),
+                ToolDefinition(BASH_KILL, _BASH_KILL_DESCRIPTION, input_schema(BashKillArgs)),
+            ]
+        return tools
+
+    def openai_tools(self) -> list[dict[str, Any]]:
+        """The tools in the OpenAI Chat Completions format (``{"type": "function", "function": ...}``)."""
+        return [
+            {
+                "type": "function",
+                "function": {
+                    "name": tool.name,
+                    "description": tool.description,
+                    "parameters": copy.deepcopy(tool.input_schema),
+                },
+            }
+            for tool in self.definitions()
+        ]
+
+    def anthropic_tools(self) -> list[dict[str, Any]]:
+        """The tools in the Anthropic Messages API format (``name``, ``description``, ``input_schema``)."""
+        return [
+            {
+                "name": tool.name,
+                "description": tool.description,
+                "input_schema": copy.deepcopy(tool.input_schema),
+            }
+            for tool in self.definitions()
+        ]
+
+    # -- calls ----------------------------------------------------------------------------------------
+
+    async def call(
+        self, name: str, arguments: Mapping[str, Any] | str | None, *, signal: AbortSignal | None = None
+    ) -> ToolResult:
+        """Run one tool call. Never raises, except for the caller's own cancellation."""
+        try:
+            return await self._call(name, arguments, signal)
+        except Exception as exc:  # a bug, or a backend breaking its contract: still a result
+            log.exception("tool %r failed unexpectedly", name)
+            return _error("internal", f"{name} failed unexpectedly: {type(exc).__name__}: {exc}", str(name))
+
+    async def _call(
+        self, name: str, arguments: Mapping[str, Any] | str | None, signal: AbortSignal | None
+    ) -> ToolResult:
+        names = [tool for tool in (BASH, BASH_OUTPUT, BASH_KILL) if tool == BASH or self._background]
+        if name not in names:
+            return _error("unknown_tool", f'unknown tool "{name}" (available: {", ".join(names)})', str(name))
+        parsed = _parse_arguments(arguments)
+        if isinstance(parsed, str):
+            return _error("invalid_arguments", f"invalid arguments for {name}: {parsed}", name)
+        model: type[BaseModel]
+        if name == BASH:
+            model = self._bash_model()
+        elif name == BASH_OUTPUT:
+            model = BashOutputArgs
+        else:
+            model = BashKillArgs
+        try:
+            args = model.model_validate(parsed)
+        except ValidationError as exc:
+            problem = describe_validation_error(exc, model)
+            return _error("invalid_arguments", f"invalid arguments for {name}: {problem}", name)
+        if signal is not None and signal.aborted:
+            return _error("aborted", ABORTED_TEXT, name)
+        if isinstance(args, BashForegroundArgs):
+            if isinstance(args, BashArgs) and args.run_in_background:
+                return await self._start(args, signal)
+            return await self._run(args, signal)
+        if isinstance(args, BashOutputArgs):
+            return await self._read(args.task_id)
+        assert isinstance(args, BashKillArgs)
+        return await self._kill(args.task_id)
+
+    async def _run(self, args: BashForegroundArgs, signal: AbortSignal | None) -> ToolResult:
+        try:
+            request = BashExecRequest(
+                command=args.command,
+                workdir=args.workdir,
+                timeout_ms=args.timeout_ms,
+                signal=signal,
+                owner=self._owner,
+            )
+        except ValueError as exc:
+            return _error("invalid_arguments", f"invalid arguments for bash: {_one_line(exc)}", BASH)
+        facts: dict[str, Any] = {"background": False}
+        if args.description is not None:
+            facts["description"] = args.description
+        try:
+            spec = self._executor.resolve(request)
+            facts["workdir"] = spec.workdir
+            result = await self._executor.run(spec)
+        except DshBashError as exc:
+            if signal is not None and signal.aborted:
+                return _error("aborted", ABORTED_TEXT, BASH, **facts)
+            return _failure(exc, "the command could not run", BASH, **facts)
+        data = {"tool": BASH, **facts, **_run_data(result)}
+        if result.aborted:
+            return ToolResult(text=ABORTED_TEXT, is_error=True, data={**data, "error": "aborted"})
+        return ToolResult(text=render_run(result), is_error=False, data=data)
+
+    async def _start(self, args: BashArgs, signal: AbortSignal | None) -> ToolResult:
+        try:
+            request = BashExecRequest(command=args.command, workdir=args.workdir, owner=self._owner)
+        except ValueError as exc:
+            return _error("invalid_arguments", f"invalid arguments for bash: {_one_line(exc)}", BASH)
+        facts: dict[str, Any] = {"background": True}
+        if args.description is not None:
+            facts["description"] = args.description
+        book = _book(self._executor, self._owner)
+        running = len(book.running()) + book.reserved
+        if running >= self._max_running:
+            return _error(
+                "too_many_running",
+                f"too many background tasks running ({running} of at most {self._max_running}): "
+                "stop one with bash_kill or wait for one to finish",
+                BASH,
+                running=running,
+                max_running=self._max_running,
+                **facts,
+            )
+        book.reserved += 1
+        try:
+            spec = self._executor.resolve(request)
+            facts["workdir"] = spec.workdir
+            task = await self._executor.start(spec)
+        except DshBashError as exc:
+            if signal is not None and signal.aborted:
+                return _error("aborted", ABORTED_TEXT, BASH, **facts)
+            return _failure(exc, "the background task could not start", BASH, **facts)
+        finally:
+            book.reserved -= 1
+        if task.status == "running":
+            book.tasks[task.id] = task
+        return ToolResult(
+            text=f"started background task {task.id}",
+            is_error=False,
+            data={"tool": BASH, **facts, **_task_data(task)},
+        )
+
+    def _foreign(self, task_id: str, tool: str) -> ToolResult | None:
+        """An error when ``task_id`` belongs to an owner other than this toolset's."""
+        owner = self._executor.owner_of(BashTaskId(task_id))
+        if owner is not None and owner != self._owner:
+            return _error("other_owner", f"task {task_id} belongs to another session", tool, task_id=task_id)
+        return None
+
+    async def _read(self, task_id: str) -> ToolResult:
+        try:
+            refused = self._foreign(task_id, BASH_OUTPUT)
+            if refused is not None:
+                return refused
+            read = await self._executor.read_output(BashTaskId(task_id))
+        except UnknownTaskError:
+            return _unknown_task(task_id, BASH_OUTPUT)
+        except DshBashError as exc:
+            return _failure(exc, "could not read the task's output", BASH_OUTPUT, task_id=task_id)
+        task = read.task  # read synchronously after the read: the status matches the delta
+        spill_paths = (read.stdout_spill_path, read.stderr_spill_path)
+        text = render_output(
+            read.delta,
+            lossy=read.lossy,
+            spill_paths=spill_paths,
+            status=status_line(task.status, task.exit_code, task.signal),
+        )
+        data = {
+            "tool": BASH_OUTPUT,
+            **_task_data(task),
+            "new_output": bool(read.delta),
+            "lossy": read.lossy,
+            "dropped_bytes": read.dropped_bytes,
+            "stdout_spill_path": read.stdout_spill_path,
+            "stderr_spill_path": read.stderr_spill_path,
+        }
+        return ToolResult(text=text, is_error=False, data=data)
+
+    async def _kill(self, task_id: str) -> ToolResult:
+        try:
+            refused = self._foreign(task_id, BASH_KILL)
+            if refused is not None:
+                return refused
+            killed = await self._executor.kill(BashTaskId(task_id))
+        except UnknownTaskError:
+            return _unknown_task(task_id, BASH_KILL)
+        except DshBashError as exc:
+            return _failure(exc, "could not kill the task", BASH_KILL, task_id=task_id)
+        text = f"killed background task {task_id}" if killed else f"task {task_id} had already finished"
+        return ToolResult(
+            text=text, is_error=False, data={"tool": BASH_KILL, "task_id": task_id, "killed": killed}
+        )
+
+    # -- beyond the three tools -------------------------------------------------------------------------
+
+    def running_tasks(self) -> list[BashTask]:
+        """The running background tasks of this toolset's owner started through any ``BashToolset``."""
+        return _book(self._executor, self._owner).running()
+
+    async def kill_all(self) -> list[BashTaskId]:
+        """Kill every running task of :meth:`running_tasks`; return the ids whose kill began."""
+        killed: list[BashTaskId] = []
+        for task in self.running_tasks():
+            try:
+                if await self._executor.kill(task.id):
+                    killed.append(task.id)
+            except DshBashError as exc:
+                log.debug("kill_all: %s: %s", task.id, exc)
+        return killed
+
+    def on_completion(self, callback: CompletionCallback) -> Callable[[], None]:
+        """Call ``callback(text, task)`` whenever a background task of this toolset's owner ends.
+
+        ``text`` is a one-line notice for the model. The callback runs synchronously in the executor's
+        listener (schedule async work yourself); one that raises is logged and disturbs nothing else.
+        Returns a callable that unsubscribes.
+        """
+        self._callbacks.append(callback)
+        if self._unsubscribe_executor is None:
+            self._unsubscribe_executor = self._executor.on_task_done(self._task_done)
+
+        def unsubscribe() -> None:
+            if callback in self._callbacks:
+                self._callbacks.remove(callback)
+            if not self._callbacks and self._unsubscribe_executor is not None:
+                self._unsubscribe_executor()
+                self._unsubscribe_executor = None
+
+        return unsubscribe
+
+    def _task_done(self, task: BashTask) -> None:
+        if task.owner != self._owner:
+            return
+        text = completion_notice(task.id, status_summary(task.status, task.exit_code, task.signal))
+        for callback in list(self._callbacks):
+            try:
+                callback(text, task)
+            except Exception:
+                log.exception("an on_completion callback raised for %s; ignored", task.id)
+
+    def __repr__(self) -> str:
+        return (
+            f"BashToolset({type(self._executor).__name__}, owner={self._owner!r}, "
+            f"background={self._background}, max_running={self._max_running})"
+        )
+
+
+# -- helpers --------------------------------------------------------------------------------------------
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, ValidationError):
+        messages = [str(error.get("msg", "")).removeprefix("Value error, ") for error in exc.errors()]
+        return "; ".join(message for message in messages if message) or str(exc)
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _parse_arguments(arguments: object) -> dict[str, Any] | str:
+    """A dict of arguments, or a string saying what is wrong with them."""
+    if arguments is None:
+        return {}
+    if isinstance(arguments, str):
+        if not arguments.strip():
+            return {}
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as exc:
+            return f"not valid JSON ({exc})"
+    if not isinstance(arguments, Mapping):
+        return f"expected a JSON object, got {type(arguments).__name__}"
+    return {str(key): value for key, value in arguments.items()}
+
+
+def _unknown_task(task_id: str, tool: str) -> ToolResult:
+    return _error("unknown_task", f'unknown bash task "{task_id}"', tool, task_id=task_id)
+
+
+def _failure(exc: DshBashError, what: str, tool: str, **facts: Any) -> ToolResult:
+    if isinstance(exc, ExecutorClosedError):
+        return _error("executor_closed", f"{what}: the shell executor is closed", tool, **facts)
+    return _error("infrastructure", f"{what}: {_one_line(exc)}", tool, **facts)

@@ -1,0 +1,279 @@
+"""``dsh-bash run --config``, ``dsh-bash conformance`` and ``dsh-bash doctor``, through the console script.
+
+Backends named ``module:attr`` live in ``tests/cli_config_backends.py`` and ``tests/broken_backends.py``;
+the CLI runs in a subprocess with ``tests/`` on ``PYTHONPATH`` so it can import them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from dsh_bash_conformance import CHECKS
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Outcome:
+    code: int
+    out: str
+    err: str
+
+
+def _console_script() -> str:
+    candidate = Path(sys.executable).parent / "dsh-bash"
+    if candidate.is_file() and os.access(candidate, os.X_OK):
+        return str(candidate)
+    found = shutil.which("dsh-bash")
+    if found is None:
+        pytest.fail("the dsh-bash console script is not installed next to this Python nor on PATH")
+    return found
+
+
+def dsh(*args: str, cwd: Path | None = None, timeout: float = 120) -> Outcome:
+    """Run ``dsh-bash ARGS...`` with ``tests/`` importable and no ``DSH_BASH_*`` overrides around."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("DSH_BASH_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [_console_script(), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=cwd,
+        env=env,
+    )
+    return Outcome(done.returncode, done.stdout, done.stderr)
+
+
+def config(tmp_path: Path, text: str, name: str = "backend.toml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.fixture
+def local_toml(tmp_path: Path) -> str:
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    return config(tmp_path, f'backend = "local"\ncwd = "{workdir}"\ngrace_ms = 500\n')
+
+
+# -- run --config -----------------------------------------------------------------------------------
+
+
+def test_run_config_uses_the_configured_backend(local_toml: str, tmp_path: Path) -> None:
+    result = dsh("run", "--config", local_toml, "--", "echo hi; pwd")
+    assert result == Outcome(0, f"hi\n{tmp_path / 'work'}\n", "")
+
+
+def test_run_config_cwd_and_timeout_override(local_toml: str, tmp_path: Path) -> None:
+    result = dsh("run", "--config", local_toml, "--cwd", str(tmp_path), "--", "pwd")
+    assert result == Outcome(0, f"{tmp_path}\n", "")
+    # Above the configured (default) max_timeout_ms: raised, not clamped; and it applies.
+    result = dsh("run", "--config", local_toml, "--timeout-ms", "700000", "--", "echo ok")
+    assert result == Outcome(0, "ok\n", "")
+    result = dsh("run", "--config", local_toml, "--timeout-ms", "300", "--", "sleep 5")
+    assert result.code == 124
+    assert "dsh-bash: timed out after 300ms" in result.err
+
+
+def test_run_config_keeps_a_local_spill_file(tmp_path: Path) -> None:
+    toml = config(tmp_path, 'backend = "local"\nmax_output_bytes = 100\n')
+    result = dsh("run", "--config", toml, "--", "printf '%500s' x")
+    assert result.code == 0 and len(result.out) == 100
+    kept = result.err.split("full output: ", 1)[1].strip()
+    assert Path(kept).read_text() == " " * 499 + "x"
+
+
+def test_run_config_missing_workdir_is_an_error(local_toml: str) -> None:
+    result = dsh("run", "--config", local_toml, "--cwd", "/nonexistent-dir", "--", "true")
+    assert result.code == 2
+    assert "dsh-bash: error:" in result.err and "/nonexistent-dir" in result.err
+
+
+@pytest.mark.docker
+def test_run_config_docker_image(docker_test_image: str, tmp_path: Path) -> None:
+    toml = config(tmp_path, f'backend = "docker"\nimage = "{docker_test_image}"\n')
+    result = dsh("run", "--config", toml, "--", "echo hi; pwd; echo oops >&2; exit 3")
+    assert result == Outcome(3, "hi\n/\n", "oops\n")
+
+
+# -- bad configurations -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("subcommand", ["run", "conformance", "doctor"])
+def test_bad_value_names_the_field(subcommand: str, tmp_path: Path) -> None:
+    toml = config(tmp_path, 'backend = "local"\nmax_output_bytes = -1\n')
+    args = ["--", "true"] if subcommand == "run" else []
+    result = dsh(subcommand, "--config", toml, *args)
+    assert result.code == 2
+    text = result.out + result.err
+    assert "max_output_bytes" in text and "backend.toml" in text
+
+
+def test_unknown_backend_is_a_config_error(tmp_path: Path) -> None:
+    toml = config(tmp_path, 'backend = "no-such-backend"\n')
+    result = dsh("run", "--config", toml, "--", "true")
+    assert result.code == 2 and "no-such-backend" in result.err and "registered" in result.err
+
+
+# -- conformance ------------------------------------------------------------------------------------
+
+
+def _lines(outcome: Outcome) -> list[str]:
+    return outcome.out.splitlines()
+
+
+def test_conformance_local_by_name(local_toml: str) -> None:
+    checks = ["timeout-classified", "env-ambient-passes-through", "escapee-killed-on-kill"]
+    result = dsh("conformance", "--config", local_toml, "--check", *checks)
+    assert result.code == 0, result
+    lines = _lines(result)
+    assert [line.split()[:3] for line in lines[:3]] == [
+        ["PASS", "contract", "timeout-classified"],
+        ["PASS", "contract", "env-ambient-passes-through"],
+        ["PASS", "beyond", "escapee-killed-on-kill"],
+    ]
+    assert lines[-1].endswith(
+        "contract 2/2 passed (0 failed, 0 error, 0 hung); beyond 1/1 passed "
+        "(0 failed, 0 error, 0 hung): contract OK"
+    )
+    assert "note:" not in result.err  # the local backend needs no caveat
+
+
+def test_conformance_module_attr_factory_passes(tmp_path: Path) -> None:
+    toml = config(tmp_path, 'backend = "cli_config_backends:local_factory"\n')
+    result = dsh("conformance", "--config", toml, "--check", "exit-code-reported", "env-default-scrub")
+    assert result.code == 0, result
+    assert _lines(result)[-1].endswith("contract OK")
+
+
+def test_conformance_json(local_toml: str) -> None:
+    result = dsh("conformance", "--config", local_toml, "--check", "exec-convenience", "--json")
+    assert result.code == 0, result
+    report = json.loads(result.out)
+    assert report["contract_ok"] is True
+    assert [(r["name"], r["outcome"]) for r in report["results"]] == [("exec-convenience", "passed")]
+
+
+@pytest.mark.parametrize(
+    ("backend", "check"),
+    [
+        ("TimeoutReportedAsPlainKill", "timeout-classified"),
+        ("NoNewSession", "own-session-and-group"),
+        ("PassesBashEnv", "no-rc-files"),
+    ],
+)
+def test_conformance_broken_backend_fails_its_check(backend: str, check: str, tmp_path: Path) -> None:
+    toml = config(tmp_path, f'backend = "broken_backends:{backend}.from_fields"\n')
+    result = dsh("conformance", "--config", toml, "--check", check, "exit-code-reported")
+    assert result.code == 1, result
+    lines = _lines(result)
+    assert lines[0].split()[:3] == ["FAIL", "contract", check]
+    assert lines[1].split()[:3] == ["PASS", "contract", "exit-code-reported"]
+    assert lines[-1].endswith("contract FAILED")
+    report = json.loads(dsh("conformance", "--config", toml, "--check", check, "--json").out)
+    assert report["contract_ok"] is False and report["results"][0]["outcome"] == "failed"
+
+
+def test_conformance_beyond_failure_does_not_fail_the_run(tmp_path: Path) -> None:
+    toml = config(tmp_path, 'backend = "broken_backends:GroupOnlyTracking.from_fields"\n')
+    result = dsh("conformance", "--config", toml, "--check", "escapee-killed-on-kill", "exit-code-reported")
+    assert result.code == 0, result
+    assert _lines(result)[0].split()[:3] == ["FAIL", "beyond", "escapee-killed-on-kill"]
+    assert _lines(result)[-1].endswith("contract OK")
+
+
+def test_conformance_check_timeout_reports_hung(tmp_path: Path) -> None:
+    toml = config(tmp_path, 'backend = "broken_backends:BlocksEventLoop.from_fields"\n')
+    result = dsh("conformance", "--config", toml, "--check", "timeout-classified", "--check-timeout", "2")
+    assert result.code == 1, result
+    assert _lines(result)[0].split()[:3] == ["HUNG", "contract", "timeout-classified"]
+    assert "did not finish within 2 s" in result.out
+
+
+def test_conformance_ambient_hook(tmp_path: Path) -> None:
+    """A backend whose ambient environment is not this process's passes the env checks only via its hook."""
+    checks = ["env-ambient-passes-through", "env-default-scrub", "env-model-friendly"]
+    with_hook = config(tmp_path, 'backend = "cli_config_backends:planting"\n', "hook.toml")
+    result = dsh("conformance", "--config", with_hook, "--check", *checks)
+    assert result.code == 0, result
+    assert "note:" not in result.err
+    without = config(tmp_path, 'backend = "cli_config_backends:fixed_ambient"\n', "nohook.toml")
+    result = dsh("conformance", "--config", without, "--check", *checks)
+    assert result.code == 1, result
+    assert _lines(result)[0].split()[:3] == ["FAIL", "contract", "env-ambient-passes-through"]
+    assert "FixedAmbientExecutor defines no kit_plant_ambient hook" in result.err
+
+
+@pytest.mark.docker
+def test_conformance_docker_image_plants_in_environment(docker_test_image: str, tmp_path: Path) -> None:
+    toml = config(tmp_path, f'backend = "docker"\nimage = "{docker_test_image}"\n')
+    result = dsh("conformance", "--config", toml, "--check", "env-ambient-passes-through", "no-rc-files")
+    assert result.code == 0, result
+    assert "note:" not in result.err
+
+
+def test_conformance_unknown_check(local_toml: str) -> None:
+    result = dsh(
+        "conformance", "--config", local_toml, "--check", "timeout-classified", "nope", "--check", "nah"
+    )
+    assert result.code == 2
+    assert "unknown check name(s): nope, nah" in result.err
+
+
+def test_conformance_needs_a_config() -> None:
+    result = dsh("conformance")
+    assert result.code == 2 and "--config" in result.err
+
+
+def test_conformance_list() -> None:
+    result = dsh("conformance", "--list")
+    assert result.code == 0
+    rows = [line.split(maxsplit=2) for line in _lines(result)]
+    assert [(name, kind) for name, kind, _ in rows] == [(c.name, c.kind) for c in CHECKS.values()]
+    listed = json.loads(dsh("conformance", "--list", "--json").out)
+    assert listed == [{"name": c.name, "kind": c.kind, "rule": c.rule} for c in CHECKS.values()]
+
+
+# -- doctor -----------------------------------------------------------------------------------------
+
+
+def test_doctor_local_ok(local_toml: str, tmp_path: Path) -> None:
+    result = dsh("doctor", "--config", local_toml)
+    assert result.code == 0, result
+    lines = _lines(result)
+    assert [line.split()[:2] for line in lines[:-1]] == [
+        ["ok", step] for step in ("config", "open", "bash", "workdir", "spill", "setsid", "close")
+    ]
+    assert str(tmp_path / "work") in lines[3]
+    assert lines[-1] == "dsh-bash doctor: all ok"
+
+
+def test_doctor_unreachable_docker_engine(tmp_path: Path) -> None:
+    socket = tmp_path / "no-engine.sock"
+    toml = config(tmp_path, f'backend = "docker"\nimage = "x:1"\ndocker_host = "unix://{socket}"\n')
+    result = dsh("doctor", "--config", toml)
+    assert result.code == 1, result
+    lines = _lines(result)
+    assert lines[0].split()[:2] == ["ok", "config"]
+    assert lines[1].split()[:2] == ["FAIL", "open"] and "unreachable" in lines[1] and str(socket) in lines[1]
+    assert "fix: start the Docker engine" in lines[2] and "docker_host" in lines[2]
+    assert lines[-1] == "dsh-bash doctor: 1 step(s) failed"
+
+
+def test_doctor_workdir_missing(tmp_path: Path) -> None:
+    toml = config(tmp_path, 'backend = "local"\ncwd = "/nonexistent-dir"\n')
+    result = dsh("doctor", "--config", toml)
+    assert result.code == 1, result
+    failed = [line for line in _lines(result) if line.startswith("FAIL")]
+    assert [line.split()[1] for line in failed] == ["bash", "workdir", "spill", "setsid"]
+    assert "fix: set cwd" in result.out

@@ -1,0 +1,570 @@
+"""dsh_tool_bash: rendering (pure) and BashToolset driven against the local backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+from dsh_bash_local import LocalBashExecutor, LocalConfig
+
+from dsh_bash import (
+    AbortController,
+    BashRunResult,
+    BashTask,
+    BashTaskId,
+    CollectedOutput,
+    OwnerToken,
+)
+from dsh_tool_bash import BashToolset, ToolDefinition, ToolResult
+from dsh_tool_bash._render import (
+    Line,
+    completion_notice,
+    join,
+    render_output,
+    render_run,
+    status_line,
+    status_summary,
+)
+
+ALICE = OwnerToken("alice")
+BOB = OwnerToken("bob")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _executor(**fields: Any) -> LocalBashExecutor:
+    fields.setdefault("grace_ms", 300)
+    return LocalBashExecutor(LocalConfig(**fields))
+
+
+def _alive(marker: str) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as fh:
+                cmdline = fh.read()
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in cmdline and state != b"Z":
+            found.append(int(name))
+    return found
+
+
+@pytest.fixture
+def marker() -> Iterator[str]:
+    value = f"toolstest-{os.urandom(6).hex()}"
+    yield value
+    for pid in _alive(value):
+        os.kill(pid, 9)
+
+
+async def _until_finished(tools: BashToolset, task_id: str, limit_s: float = 10) -> list[ToolResult]:
+    """Poll bash_output until the status line is no longer running; return every read."""
+    reads: list[ToolResult] = []
+    with anyio.fail_after(limit_s):
+        while True:
+            result = await tools.call("bash_output", {"task_id": task_id})
+            reads.append(result)
+            if result.data.get("status") != "running":
+                return reads
+            await anyio.sleep(0.05)
+
+
+# -- rendering (pure) --------------------------------------------------------------------------------------
+
+
+def _out(text: str = "", truncated: bool = False, spill: str | None = None) -> CollectedOutput:
+    return CollectedOutput(text=text, truncated=truncated, spill_path=spill, total_bytes=len(text.encode()))
+
+
+def _result(
+    stdout: CollectedOutput | None = None,
+    /,
+    stderr: CollectedOutput | None = None,
+    *,
+    exit_code: int | None = 0,
+    signal: str | None = None,
+    timed_out: bool = False,
+    timeout_ms: float = 1000,
+) -> BashRunResult:
+    return BashRunResult(
+        exit_code=exit_code,
+        signal=signal,
+        timed_out=timed_out,
+        aborted=False,
+        timeout_ms=timeout_ms,
+        duration_ms=1.0,
+        stdout=stdout or _out(),
+        stderr=stderr or _out(),
+    )
+
+
+def test_join_puts_notices_on_lines_of_their_own_and_adds_no_trailing_newline() -> None:
+    assert join(["a\n", Line("[x]")]) == "a\n[x]"
+    assert join(["a", Line("[x]")]) == "a\n[x]"
+    assert join([Line("[x]"), "b"]) == "[x]\nb"
+    assert join([Line("[x]"), Line("[y]")]) == "[x]\n[y]"
+    assert join(["", Line("[x]"), "", "b\n"]) == "[x]\nb\n"
+    assert join(["a\n\n", Line("[x]")]) == "a\n\n[x]"  # output is never altered
+
+
+@pytest.mark.parametrize(
+    ("result", "text"),
+    [
+        (_result(_out("hi\n")), "hi\n"),
+        (_result(_out("hi")), "hi"),
+        (_result(), "(no output)"),
+        (_result(exit_code=3), "(no output)\n[exit code: 3]"),
+        (_result(_out("hi\n"), exit_code=1), "hi\n[exit code: 1]"),
+        (_result(_out("hi"), _out("oops\n")), "hi\n[stderr]\noops\n"),
+        (_result(_out("hi\n"), _out("oops"), exit_code=2), "hi\n[stderr]\noops\n[exit code: 2]"),
+        (_result(stderr=_out("oops\n")), "[stderr]\noops\n"),
+        (
+            _result(_out("tail\n", True, "/s/out")),
+            "tail\n[output truncated; full output: /s/out]",
+        ),
+        (
+            _result(_out("tail", True, None), _out("e", True, "/s/err")),
+            "tail\n[output truncated; full output: (unavailable)]\n[stderr]\ne\n"
+            "[output truncated; full output: /s/err]",
+        ),
+        (
+            _result(_out("x\n"), exit_code=None, signal="SIGKILL", timed_out=True, timeout_ms=1500.4),
+            "x\n[timed out after 1500ms]\n[killed by signal: SIGKILL]",
+        ),
+        (_result(exit_code=None, signal="SIGTERM"), "(no output)\n[killed by signal: SIGTERM]"),
+        (_result(exit_code=0, timed_out=True, timeout_ms=250), "(no output)\n[timed out after 250ms]"),
+    ],
+)
+def test_render_run(result: BashRunResult, text: str) -> None:
+    assert render_run(result) == text
+
+
+def test_status_lines() -> None:
+    assert status_line("running", None, None) == "[status: running]"
+    assert status_line("completed", 0, None) == "[status: completed, exit code: 0]"
+    assert status_line("completed", None, "SIGSEGV") == "[status: completed, signal: SIGSEGV]"
+    assert status_line("killed", None, None) == "[status: killed]"
+    assert status_line("killed", None, "SIGTERM") == "[status: killed, signal: SIGTERM]"
+    assert status_summary("completed", 4, None) == "completed, exit code: 4"
+
+
+def test_render_output() -> None:
+    running = "[status: running]"
+    assert render_output("", lossy=False, spill_paths=(None, None), status=running) == (
+        "(no new output)\n[status: running]"
+    )
+    assert (
+        render_output("a\n", lossy=False, spill_paths=(None, None), status=running) == "a\n[status: running]"
+    )
+    assert render_output("a", lossy=True, spill_paths=("/o", "/e"), status=running) == (
+        "a\n[some output was dropped from memory; full output: /o, /e]\n[status: running]"
+    )
+    assert render_output("", lossy=True, spill_paths=(None, "/e"), status=running) == (
+        "(no new output)\n[some output was dropped from memory; full output: /e]\n[status: running]"
+    )
+    assert render_output("a", lossy=True, spill_paths=(None, None), status=running) == (
+        "a\n[some output was dropped from memory; full output: (unavailable)]\n[status: running]"
+    )
+
+
+def test_completion_notice() -> None:
+    assert completion_notice("bash-4", "completed, exit code: 0") == (
+        "background bash task bash-4 finished: completed, exit code: 0. Read its output with bash_output."
+    )
+
+
+# -- definitions -------------------------------------------------------------------------------------------
+
+
+def test_definitions_formats_and_schemas() -> None:
+    tools = BashToolset(_executor())
+    definitions = tools.definitions()
+    assert all(isinstance(d, ToolDefinition) for d in definitions)
+    assert [d.name for d in definitions] == ["bash", "bash_output", "bash_kill"]
+    bash = definitions[0]
+    schema = bash.input_schema
+    assert schema["type"] == "object"
+    assert schema["additionalProperties"] is False
+    assert schema["required"] == ["command"]
+    assert set(schema["properties"]) == {
+        "command",
+        "description",
+        "timeout_ms",
+        "workdir",
+        "run_in_background",
+    }
+    assert schema["properties"]["timeout_ms"]["type"] == "number"
+    assert "title" not in json.dumps(schema)
+    for needle in ("fresh", "workdir", "[exit code: N]", "full output: PATH", "grep", "run_in_background"):
+        assert needle in bash.description, needle
+    assert "bash_output" in bash.description and "bash_kill" in bash.description
+    assert "120000" in bash.description and "600000" in bash.description
+    for definition in definitions[1:]:
+        assert definition.input_schema["required"] == ["task_id"]
+        assert definition.input_schema["additionalProperties"] is False
+
+    openai = tools.openai_tools()
+    assert [t["type"] for t in openai] == ["function"] * 3
+    assert openai[0]["function"]["name"] == "bash"
+    assert openai[0]["function"]["parameters"] == schema
+    anthropic = tools.anthropic_tools()
+    assert [t["name"] for t in anthropic] == ["bash", "bash_output", "bash_kill"]
+    assert anthropic[0]["input_schema"] == schema
+    anthropic[0]["input_schema"]["properties"].clear()  # callers get copies
+    assert tools.definitions()[0].input_schema == schema
+
+
+def test_foreground_only_toolset_offers_bash_alone() -> None:
+    tools = BashToolset(_executor(), background=False)
+    definitions = tools.definitions()
+    assert [d.name for d in definitions] == ["bash"]
+    assert "run_in_background" not in definitions[0].input_schema["properties"]
+    assert "run_in_background" not in definitions[0].description
+    assert "bash_output" not in definitions[0].description
+    assert [t["function"]["name"] for t in tools.openai_tools()] == ["bash"]
+
+
+def test_max_running_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_running"):
+        BashToolset(_executor(), max_running=0)
+
+
+# -- foreground --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_foreground_outputs_and_markers(tmp_path: Any) -> None:
+    async with _executor(cwd=str(tmp_path)) as ex:
+        tools = BashToolset(ex)
+        ok = await tools.call("bash", {"command": "echo hello", "description": "Say hello"})
+        assert (ok.text, ok.is_error) == ("hello\n", False)
+        assert ok.data["exit_code"] == 0 and ok.data["description"] == "Say hello"
+        assert ok.data["workdir"] == str(tmp_path)
+
+        mixed = await tools.call("bash", '{"command": "printf out; echo err >&2; exit 3"}')
+        assert mixed.text == "out\n[stderr]\nerr\n[exit code: 3]"
+        assert mixed.is_error is False
+        assert mixed.data["exit_code"] == 3 and mixed.data["signal"] is None
+
+        quiet = await tools.call("bash", {"command": "true"})
+        assert quiet.text == "(no output)"
+
+        signaled = await tools.call("bash", {"command": "kill -TERM $$"})
+        assert signaled.text == "(no output)\n[killed by signal: SIGTERM]"
+        assert signaled.is_error is False and signaled.data["signal"] == "SIGTERM"
+
+        (tmp_path / "sub").mkdir()
+        where = await tools.call("bash", {"command": "pwd", "workdir": "sub"})
+        assert where.text == f"{tmp_path}/sub\n"
+
+
+@pytest.mark.anyio
+async def test_timeout_is_not_an_error() -> None:
+    async with _executor() as ex:
+        started = time.monotonic()
+        result = await BashToolset(ex).call("bash", {"command": "echo begun; sleep 10", "timeout_ms": 300})
+        assert time.monotonic() - started < 5
+        assert result.is_error is False
+        assert result.text.startswith("begun\n[timed out after 300ms]")
+        assert result.data["timed_out"] is True
+
+
+@pytest.mark.anyio
+async def test_truncation_names_the_spill_file() -> None:
+    async with _executor(max_output_bytes=100) as ex:
+        command = "seq 1 1000; seq 1 500 >&2"
+        result = await BashToolset(ex).call("bash", {"command": command})
+        assert result.is_error is False
+        out_path, err_path = result.data["stdout_spill_path"], result.data["stderr_spill_path"]
+        assert result.data["truncated"] is True and out_path and err_path
+        assert f"[output truncated; full output: {out_path}]\n[stderr]\n" in result.text
+        assert result.text.endswith(f"500\n[output truncated; full output: {err_path}]")
+        with open(out_path) as fh:
+            assert fh.read() == "".join(f"{i}\n" for i in range(1, 1001))
+        grep = await BashToolset(ex).call("bash", {"command": f"grep -c . {out_path}"})
+        assert grep.text == "1000\n"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("arguments", "needle"),
+    [
+        ({"command": "env", "env": {"A": "1"}}, 'unknown argument "env"'),
+        ({"command": "cat", "stdin": "x"}, 'unknown argument "stdin"'),
+        ({"command": "x", "env": {}, "stdin": ""}, 'unknown arguments "env", "stdin"'),
+        ({}, 'missing required argument "command"'),
+        ({"command": "x", "timeout_ms": "5000"}, 'argument "timeout_ms"'),
+        ({"command": "x", "timeout_ms": True}, 'argument "timeout_ms"'),
+        ({"command": "x", "timeout_ms": -1}, 'argument "timeout_ms"'),
+        ({"command": "x", "run_in_background": "yes"}, 'argument "run_in_background"'),
+        ({"command": 5}, 'argument "command"'),
+        ({"command": "echo \x00"}, "NUL"),
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object, got list"),
+    ],
+)
+async def test_invalid_arguments_are_error_results(arguments: Any, needle: str) -> None:
+    async with _executor() as ex:
+        result = await BashToolset(ex).call("bash", arguments)
+        assert result.is_error is True
+        assert result.text.startswith("invalid arguments for bash: ")
+        assert needle in result.text
+        assert result.data["error"] == "invalid_arguments"
+
+
+@pytest.mark.anyio
+async def test_unknown_tool_and_foreground_only_refusals() -> None:
+    async with _executor() as ex:
+        result = await BashToolset(ex).call("python", {"code": "1"})
+        assert (
+            result.is_error
+            and result.text == 'unknown tool "python" (available: bash, bash_output, bash_kill)'
+        )
+        tools = BashToolset(ex, background=False)
+        assert (await tools.call("bash_output", {"task_id": "bash-1"})).text == (
+            'unknown tool "bash_output" (available: bash)'
+        )
+        refused = await tools.call("bash", {"command": "sleep 5", "run_in_background": True})
+        assert refused.is_error and 'unknown argument "run_in_background"' in refused.text
+        null_ok = await BashToolset(ex).call(
+            "bash", {"command": "echo x", "workdir": None, "timeout_ms": None}
+        )
+        assert null_ok.text == "x\n"
+
+
+@pytest.mark.anyio
+async def test_infrastructure_failures_are_errors(tmp_path: Any) -> None:
+    async with _executor() as ex:
+        tools = BashToolset(ex)
+        missing = await tools.call("bash", {"command": "true", "workdir": str(tmp_path / "nope")})
+        assert missing.is_error is True and missing.data["error"] == "infrastructure"
+        assert missing.text.startswith("the command could not run: ")
+    closed = await tools.call("bash", {"command": "true"})
+    assert closed.is_error and closed.data["error"] == "executor_closed"
+    assert (await tools.call("bash_output", {"task_id": "bash-1"})).data["error"] == "executor_closed"
+
+
+@pytest.mark.anyio
+async def test_abort_before_and_during_a_run(tmp_path: Any, marker: str) -> None:
+    async with _executor() as ex:
+        tools = BashToolset(ex)
+        controller = AbortController()
+        controller.abort()
+        flag = tmp_path / "ran"
+        before = await tools.call("bash", {"command": f"touch {flag}"}, signal=controller.signal)
+        assert (before.text, before.is_error) == ("command aborted", True)
+        assert not flag.exists()
+
+        controller = AbortController()
+        results: list[ToolResult] = []
+
+        async def run() -> None:
+            results.append(
+                await tools.call("bash", {"command": f"exec -a {marker} sleep 30"}, signal=controller.signal)
+            )
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run)
+                while True:
+                    if _alive(marker):
+                        break
+                    await anyio.sleep(0.02)
+                controller.abort("user pressed stop")
+        assert results[0].text == "command aborted"
+        assert results[0].is_error and results[0].data["aborted"] is True
+        assert _alive(marker) == []
+
+
+@pytest.mark.anyio
+async def test_callers_cancellation_propagates_and_kills(marker: str) -> None:
+    async with _executor() as ex:
+        tools = BashToolset(ex)
+        returned: list[ToolResult] = []
+
+        async def call() -> None:
+            returned.append(await tools.call("bash", {"command": f"exec -a {marker} sleep 30"}))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call)
+                while True:
+                    if _alive(marker):
+                        break
+                    await anyio.sleep(0.02)
+                tg.cancel_scope.cancel()
+            assert returned == []  # the cancellation propagated instead of becoming a result
+            assert _alive(marker) == []
+
+
+# -- background --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_background_start_poll_and_finish() -> None:
+    async with _executor() as ex:
+        tools = BashToolset(ex, owner=ALICE)
+        started = await tools.call(
+            "bash", {"command": "echo one; sleep 0.3; echo two >&2; exit 4", "run_in_background": True}
+        )
+        task_id = started.data["task_id"]
+        assert started.text == f"started background task {task_id}" and not started.is_error
+        assert started.data["status"] == "running" and ex.owner_of(BashTaskId(task_id)) == ALICE
+        reads = await _until_finished(tools, task_id)
+        text = "".join(r.text.rsplit("[status:", 1)[0] for r in reads)
+        assert "one\n" in text and "[stderr]\ntwo\n" in text
+        assert reads[-1].text.endswith("[status: completed, exit code: 4]")
+        assert reads[-1].data["exit_code"] == 4 and reads[-1].data["end_cause"] == "exited"
+        again = await tools.call("bash_output", {"task_id": task_id})
+        assert again.text == "(no new output)\n[status: completed, exit code: 4]"
+        assert again.data["new_output"] is False
+        finished = await tools.call("bash_kill", {"task_id": task_id})
+        assert finished.text == f"task {task_id} had already finished" and not finished.is_error
+
+
+@pytest.mark.anyio
+async def test_background_kill(marker: str) -> None:
+    async with _executor() as ex:
+        tools = BashToolset(ex)
+        started = await tools.call(
+            "bash", {"command": f"exec -a {marker} sleep 30", "run_in_background": True}
+        )
+        task_id = started.data["task_id"]
+        killed = await tools.call("bash_kill", {"task_id": task_id})
+        assert killed.text == f"killed background task {task_id}" and killed.data["killed"] is True
+        reads = await _until_finished(tools, task_id)
+        assert reads[-1].text.endswith("[status: killed]") or "[status: killed, signal:" in reads[-1].text
+        assert reads[-1].data["status"] == "killed"
+        assert _alive(marker) == []
+
+
+@pytest.mark.anyio
+async def test_unknown_and_foreign_tasks() -> None:
+    async with _executor() as ex:
+        alice, bob, anyone = BashToolset(ex, owner=ALICE), BashToolset(ex, owner=BOB), BashToolset(ex)
+        for tool in ("bash_output", "bash_kill"):
+            unknown = await alice.call(tool, {"task_id": "bash-999"})
+            assert (unknown.text, unknown.is_error) == ('unknown bash task "bash-999"', True)
+        task_id = (await alice.call("bash", {"command": "sleep 30", "run_in_background": True})).data[
+            "task_id"
+        ]
+        for intruder in (bob, anyone):
+            for tool in ("bash_output", "bash_kill"):
+                refused = await intruder.call(tool, {"task_id": task_id})
+                assert (refused.text, refused.is_error) == (
+                    f"task {task_id} belongs to another session",
+                    True,
+                )
+        assert (
+            await alice.call("bash_output", {"task_id": task_id})
+        ).text == "(no new output)\n[status: running]"
+        open_id = (await anyone.call("bash", {"command": "echo shared", "run_in_background": True})).data[
+            "task_id"
+        ]
+        reads = await _until_finished(bob, open_id)  # ownerless tasks are open to all
+        assert "shared\n" in "".join(r.text for r in reads)
+        assert (await alice.call("bash_kill", {"task_id": task_id})).data["killed"] is True
+
+
+@pytest.mark.anyio
+async def test_max_running_per_owner() -> None:
+    async with _executor() as ex:
+        first, second = (
+            BashToolset(ex, owner=ALICE, max_running=2),
+            BashToolset(ex, owner=ALICE, max_running=2),
+        )
+        ids = []
+        for tools in (first, second):
+            ids.append(
+                (await tools.call("bash", {"command": "sleep 30", "run_in_background": True})).data["task_id"]
+            )
+        over = await first.call("bash", {"command": "sleep 30", "run_in_background": True})
+        assert over.is_error and over.data["error"] == "too_many_running"
+        assert "too many background tasks running (2 of at most 2)" in over.text
+        other = await BashToolset(ex, owner=BOB, max_running=2).call(
+            "bash", {"command": "sleep 30", "run_in_background": True}
+        )
+        assert not other.is_error  # the limit is per owner
+        assert {t.id for t in first.running_tasks()} == set(ids)
+        await first.call("bash_kill", {"task_id": ids[0]})
+        await _until_finished(first, ids[0])
+        assert not (await second.call("bash", {"command": "sleep 30", "run_in_background": True})).is_error
+        assert len(await second.kill_all()) == 2
+
+
+@pytest.mark.anyio
+async def test_lossy_read_names_the_spill_files() -> None:
+    async with _executor(max_output_bytes=100) as ex:
+        tools = BashToolset(ex)
+        task_id = (await tools.call("bash", {"command": "seq 1 2000", "run_in_background": True})).data[
+            "task_id"
+        ]
+        reads = await _until_finished(tools, task_id)
+        lossy = [r for r in reads if r.data["lossy"]]
+        assert lossy
+        path = lossy[0].data["stdout_spill_path"]
+        assert f"[some output was dropped from memory; full output: {path}]\n[status: " in lossy[0].text
+
+
+@pytest.mark.anyio
+async def test_on_completion_notices_only_the_owners_tasks() -> None:
+    async with _executor() as ex:
+        alice, bob = BashToolset(ex, owner=ALICE), BashToolset(ex, owner=BOB)
+        notices: list[tuple[str, BashTask]] = []
+        unsubscribe = alice.on_completion(lambda text, task: notices.append((text, task)))
+        alice.on_completion(lambda text, task: 1 / 0)  # a raising callback disturbs nothing
+        mine = (await alice.call("bash", {"command": "exit 3", "run_in_background": True})).data["task_id"]
+        theirs = (await bob.call("bash", {"command": "exit 0", "run_in_background": True})).data["task_id"]
+        await _until_finished(alice, mine)
+        await _until_finished(bob, theirs)
+        notice = (
+            f"background bash task {mine} finished: completed, exit code: 3. "
+            "Read its output with bash_output."
+        )
+        assert [(text, task.id) for text, task in notices] == [(notice, mine)]
+        unsubscribe()
+        later = (await alice.call("bash", {"command": "sleep 30", "run_in_background": True})).data["task_id"]
+        await alice.call("bash_kill", {"task_id": later})
+        await _until_finished(alice, later)
+        assert len(notices) == 1
+
+
+@pytest.mark.anyio
+async def test_background_start_with_aborted_signal_starts_nothing(tmp_path: Any) -> None:
+    async with _executor() as ex:
+        controller = AbortController()
+        controller.abort()
+        flag = tmp_path / "ran"
+        result = await BashToolset(ex).call(
+            "bash", {"command": f"touch {flag}", "run_in_background": True}, signal=controller.signal
+        )
+        assert (result.text, result.is_error) == ("command aborted", True)
+        await anyio.sleep(0.2)
+        assert not flag.exists()
+
+
+def test_works_under_trio() -> None:
+    async def main() -> None:
+        async with _executor() as ex:
+            tools = BashToolset(ex)
+            assert (await tools.call("bash", {"command": "echo trio"})).text == "trio\n"
+            task_id = (await tools.call("bash", {"command": "echo bg", "run_in_background": True})).data[
+                "task_id"
+            ]
+            reads = await _until_finished(tools, task_id)
+            assert reads[-1].data["status"] == "completed"
+
+    anyio.run(main, backend="trio")
