@@ -1,7 +1,16 @@
 """dsh_bash: the executor seam. One flat namespace for callers and backend authors."""
 
 from ._abort import AbortController, AbortSignal
-from ._backend import MARKER_VAR, CommandProcess, ExitStatus, Killable, Launch, kill_sequence, signal_name
+from ._backend import (
+    MARKER_VAR,
+    CommandProcess,
+    ExitStatus,
+    Killable,
+    Launch,
+    kill_abandoned_start,
+    kill_sequence,
+    signal_name,
+)
 from ._config import DEFAULT_ENV_SCRUB, BudgetConfig
 from ._env import MODEL_FRIENDLY_ENV, build_command_env, is_scrubbed
 from ._errors import (
@@ -63,6 +72,7 @@ __all__ = [
     "backend_factory",
     "build_command_env",
     "is_scrubbed",
+    "kill_abandoned_start",
     "kill_sequence",
     "load_executor",
     "merge_streams",

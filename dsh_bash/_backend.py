@@ -25,6 +25,7 @@ __all__ = [
     "ExitStatus",
     "Killable",
     "Launch",
+    "kill_abandoned_start",
     "kill_sequence",
     "signal_name",
 ]
@@ -127,3 +128,18 @@ async def kill_sequence(
             await anyio.sleep(poll)
     log.warning("%s: processes survived SIGKILL and are left behind: %s", what, ", ".join(survivors))
     return survivors
+
+
+async def kill_abandoned_start(target: Killable, grace_s: float) -> None:
+    """Kill whatever a start that failed or was cancelled half-way may have left running.
+
+    A remote start cannot be taken back once its request is sent: the command may appear a moment
+    after the caller gave up. So this kills by marker until two scans in a row find nothing,
+    bounded by about twice ``grace_s``. Nothing was reported as started, so there is no grace.
+    """
+    with anyio.move_on_after(2 * grace_s + 0.5):
+        quiet = 0
+        while quiet < 2:
+            await anyio.sleep(0.05)
+            await target.signal_all(_signal.SIGKILL)
+            quiet = 0 if await target.remaining() else quiet + 1

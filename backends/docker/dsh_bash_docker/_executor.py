@@ -21,6 +21,7 @@ from dsh_bash import (
     Killable,
     Launch,
     SpillFile,
+    kill_abandoned_start,
 )
 from dsh_bash._config import config_error_from
 from dsh_bash._env import RC_FILE_VARIABLES
@@ -314,21 +315,22 @@ class DockerBashExecutor(BashExecutor):
                 with contextlib.suppress(EngineError, OSError):
                     await run_script(self._engine, container, self.config.user, 'rm -f -- "$1"', script_path)
 
+        marked = ContainerMarked(
+            self._engine,
+            lambda: container,
+            self.config.user,
+            marker=launch.marker,
+            exact=True,
+            kill_container=self._kill_own_container,
+            host_sees_processes=self._host_sees_processes,
+        )
         process = DockerProcess(
             engine=self._engine,
             container=container,
             exec_id=exec_id,
             stream=stream,
             launch=launch,
-            marked=ContainerMarked(
-                self._engine,
-                lambda: container,
-                self.config.user,
-                marker=launch.marker,
-                exact=True,
-                kill_container=self._kill_own_container,
-                host_sees_processes=self._host_sees_processes,
-            ),
+            marked=marked,
             start_helper=self._start_helper,
             on_release=on_release,
             nonce=nonce,
@@ -338,6 +340,10 @@ class DockerBashExecutor(BashExecutor):
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
+                try:
+                    await kill_abandoned_start(marked, self._config.grace_ms / 1000)
+                except Exception as exc:  # the container may be what failed
+                    log.warning("cleaning up after a failed start of %s failed: %s", launch.marker, exc)
             raise
         return process
 

@@ -19,6 +19,7 @@ from dsh_bash import (
     Killable,
     Launch,
     SpillFile,
+    kill_abandoned_start,
 )
 from dsh_bash._config import config_error_from
 
@@ -163,11 +164,12 @@ class SshBashExecutor(BashExecutor):
                 for spill in spills:
                     await spill.done.wait()
 
+        marked = RemoteMarked(self._pool, marker=launch.marker, exact=True)
         process = SshProcess(
             pool=self._pool,
             channel=channel,
             launch=launch,
-            marked=RemoteMarked(self._pool, marker=launch.marker, exact=True),
+            marked=marked,
             start_helper=self._start_helper,
             on_release=on_release,
             nonce=nonce,
@@ -184,6 +186,10 @@ class SshBashExecutor(BashExecutor):
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await channel.close()
+                try:
+                    await kill_abandoned_start(marked, self._config.grace_ms / 1000)
+                except Exception as exc:  # the connection may be what failed
+                    log.warning("cleaning up after a failed start of %s failed: %s", marker, exc)
             raise
         return process
 
