@@ -232,6 +232,18 @@ class TimeoutReportedAsPlainKill(LocalBashExecutor):
         return super()._request_kill(command, "killed" if cause == "timeout" else cause)
 
 
+class WrapperNoticeOnStderr(LocalBashExecutor):
+    """Breaks: a stream carries only what the command wrote.
+
+    Like a supervising shell outside the command's session that reports "Terminated" on the
+    stderr it shares with the command when the executor kills it.
+    """
+
+    async def _kill_task(self, command: Any) -> None:
+        command.launch.stderr.feed(b"bash: line 1: 4242 Terminated\n")
+        await super()._kill_task(command)
+
+
 class AbortReportedAsTimeout(LocalBashExecutor):
     """Breaks: `aborted` is true (and a task ends `aborted`) only when the spec's signal killed it.
 

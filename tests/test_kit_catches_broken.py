@@ -43,6 +43,7 @@ CAUGHT_BY: list[Row] = [
     Row("timeout-classified", bb.TimeoutReportedAsPlainKill),
     # A hang by design: the blocked event loop cannot fire the timeout.
     Row("timeout-classified", bb.BlocksEventLoop, "hung", 5.0, ("did not finish within 5 s",)),
+    Row("timeout-classified", bb.WrapperNoticeOnStderr, "failed", 30.0, ("not a wrapper's notice",)),
     Row("timeout-clamped-to-max", bb.ClampsOnlyAtRunTime),
     # Not clamping at all makes the 60 s request run 60 s; the check bounds that run and fails.
     Row("timeout-clamped-to-max", bb.NoTimeoutClamp, "failed", 30.0, ("should be clamped",)),

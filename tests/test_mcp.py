@@ -333,3 +333,31 @@ async def test_http_sessions_are_isolated_owners(config: Path, marker: str) -> N
             with anyio.fail_after(10):
                 assert await process.wait() == 0
             await _until_gone(marker, 5)
+
+
+@pytest.mark.docker
+async def test_stdio_same_tools_over_a_docker_container_by_config_alone(
+    docker_test_image: str, tmp_path: Path, marker: str
+) -> None:
+    from docker_support import SESSION_ID, SESSION_LABEL  # noqa: PLC0415 - a Docker-only test
+
+    config = tmp_path / "docker.toml"
+    config.write_text(
+        f'backend = "docker"\nimage = "{docker_test_image}"\ngrace_ms = 300\n'
+        f'labels = {{ "{SESSION_LABEL}" = "{SESSION_ID}" }}\n'
+    )
+    params = StdioServerParameters(command=sys.executable, args=_server_args(config, marker), cwd=str(REPO))
+    with anyio.fail_after(60):
+        async with Client(stdio_client(params)) as client:
+            listed = await client.list_tools()
+            assert [tool.name for tool in listed.tools] == ["bash", "bash_output", "bash_kill"]
+            # PID 1 is the container's init: the command ran inside the container.
+            fg = await client.call_tool("bash", {"command": "tr '\\0' ' ' < /proc/1/cmdline; exit 3"})
+            assert not fg.is_error
+            assert _text(fg).startswith("/sbin/docker-init -- ")
+            assert _text(fg).endswith("[exit code: 3]")
+            task_id = await _start(client, "echo from-the-container; sleep 30")
+            killed = await client.call_tool("bash_kill", {"task_id": task_id})
+            assert _text(killed) == f"killed background task {task_id}"
+            text, last = await _poll(client, task_id)
+            assert text == "from-the-container\n" and _data(last)["status"] == "killed"

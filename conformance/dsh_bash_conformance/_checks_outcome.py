@@ -89,6 +89,11 @@ async def timeout_classified(ctx: CheckContext) -> None:
             result.stdout.text == "before\n",
             f"output printed before the timeout was lost: stdout={result.stdout.text!r}",
         )
+        ctx.expect(
+            result.stderr.text == "" and result.stderr.total_bytes == 0,
+            "stderr must carry only what the command wrote (nothing here), not a wrapper's notice of "
+            f"the kill: stderr={result.stderr.text!r}",
+        )
         ctx.expect(took >= 0.28, f"the command was killed after {took:.3f} s, before its 300 ms timeout")
         bound = 0.3 + 2 * GRACE_S + SLACK_S
         ctx.expect(took <= bound, f"the timed-out run returned after {took:.2f} s (bound {bound:.2f} s)")

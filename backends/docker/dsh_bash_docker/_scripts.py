@@ -32,6 +32,9 @@ if ! command -v setsid >/dev/null; then printf '\0dsh-bash-boot-fail:cannot star
 printf '\0dsh-bash-boot-ok\0'
 exec 5> >(exec cat); out=$!
 exec 6> >(exec cat >&2); err=$!
+# From here this shell's own notices ("Terminated" when the command dies of a signal) must not
+# reach the command's stderr: the relay above holds the real one.
+exec 2>/dev/null
 # In the foreground, not with `&`: bash would start an async command with SIGINT and SIGQUIT ignored.
 if [ -n "$2" ]; then
   DSH_BASH_MARK=$mark setsid bash --noprofile --norc "$2" >&5 2>&6 5>&- 6>&-

@@ -167,9 +167,7 @@ class LocalProcess(CommandProcess):
         pgid = self._pid
         group_ours = not self._reaped or any(e.marker == marker and e.pgrp == pgid for e in entries)
         return [
-            str(e.pid)
-            for e in entries
-            if e.alive and (e.marker == marker or (group_ours and e.pgrp == pgid))
+            str(e.pid) for e in entries if e.alive and (e.marker == marker or (group_ours and e.pgrp == pgid))
         ]
 
     # -- release ---------------------------------------------------------------------------------
@@ -305,4 +303,3 @@ async def spawn_local(
         start_helper=start_helper,
         script=script,
     )
-

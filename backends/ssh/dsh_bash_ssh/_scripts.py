@@ -96,6 +96,9 @@ printf '\0dsh-bash-boot-ok\0'
 printf '\0dsh-bash-stderr-ok\0' >&2
 exec 5> >(exec cat); out=$!
 exec 6> >(exec cat >&2); err=$!
+# From here this shell's own notices ("Terminated" when the command dies of a signal) must not
+# reach the command's stderr: the relay above holds the real one.
+exec 2>/dev/null
 # stdin: /dev/null, or the channel's data through a pipe (a bash whose stdin is the channel's
 # socket would take itself for an ssh login and read ~/.bashrc).
 if [ "$input" = 1 ]; then exec 7< <(exec cat); else exec 7</dev/null; fi
