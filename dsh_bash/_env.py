@@ -10,16 +10,18 @@ from types import MappingProxyType
 
 __all__ = ["MODEL_FRIENDLY_ENV", "RC_FILE_VARIABLES", "build_command_env", "is_scrubbed"]
 
-MODEL_FRIENDLY_ENV: Mapping[str, str] = MappingProxyType({
-    "NO_COLOR": "1",
-    "TERM": "dumb",
-    "PAGER": "cat",
-    "GIT_PAGER": "cat",
-    "MANPAGER": "cat",
-    "GIT_EDITOR": "true",
-    "GIT_TERMINAL_PROMPT": "0",
-    "DEBIAN_FRONTEND": "noninteractive",
-})
+MODEL_FRIENDLY_ENV: Mapping[str, str] = MappingProxyType(
+    {
+        "NO_COLOR": "1",
+        "TERM": "dumb",
+        "PAGER": "cat",
+        "GIT_PAGER": "cat",
+        "MANPAGER": "cat",
+        "GIT_EDITOR": "true",
+        "GIT_TERMINAL_PROMPT": "0",
+        "DEBIAN_FRONTEND": "noninteractive",
+    }
+)
 
 # Non-interactive bash sources $BASH_ENV (and sh-mode bash $ENV): an ambient value would make
 # every command read an rc file, so they are dropped from the ambient set (explicit env may set them).
