@@ -16,7 +16,7 @@ import pluggy
 import pytest
 
 #: Docker fixtures (``docker_test_image``, ``docker_session_container``) for every test module.
-pytest_plugins = ["docker_support"]
+pytest_plugins = ["docker_support", "ssh_support"]
 
 #: Reason prefix of skips that CI turns into failures.
 BACKEND_UNAVAILABLE = "backend unavailable:"

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from dsh_bash_conformance import CHECKS
+from ssh_support import TEST_USER, SshServer
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -104,6 +105,18 @@ def test_run_config_docker_image(docker_test_image: str, tmp_path: Path) -> None
     toml = config(tmp_path, f'backend = "docker"\nimage = "{docker_test_image}"\n')
     result = dsh("run", "--config", toml, "--", "echo hi; pwd; echo oops >&2; exit 3")
     assert result == Outcome(3, "hi\n/\n", "oops\n")
+
+
+@pytest.mark.ssh
+def test_run_config_ssh(ssh_server: SshServer, tmp_path: Path) -> None:
+    # The same command as the local and Docker cases: only the config file differs.
+    fields = ssh_server.config()
+    lines = ['backend = "ssh"', f'host = "{fields["host"]}"', f"port = {fields['port']}"]
+    lines += [f'username = "{fields["username"]}"', f'known_hosts = "{fields["known_hosts"]}"']
+    lines += [f'client_keys = ["{fields["client_keys"][0]}"]']
+    toml = config(tmp_path, "\n".join(lines) + "\n")
+    result = dsh("run", "--config", toml, "--", "echo hi; whoami; echo oops >&2; exit 3")
+    assert result == Outcome(3, f"hi\n{TEST_USER}\n", "oops\n")
 
 
 # -- bad configurations -----------------------------------------------------------------------------

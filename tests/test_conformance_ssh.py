@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import pytest
 from dsh_bash_conformance import CHECKS, run_kit
-from ssh_support import SshServer, ssh_server, ssh_target
-
-__all__ = ["ssh_server"]
+from ssh_support import SshServer, ssh_target
 
 pytestmark = [pytest.mark.kit, pytest.mark.ssh]
 

@@ -12,11 +12,9 @@ from pathlib import Path
 import anyio
 import pytest
 from dsh_bash_conformance import find_host_processes
-from ssh_support import TEST_USER, SshServer, keygen, ssh_server
+from ssh_support import TEST_USER, SshServer, keygen
 
 from dsh_bash import BashExecRequest, BashInfrastructureError, ConfigError
-
-__all__ = ["ssh_server"]
 
 pytestmark = [pytest.mark.anyio, pytest.mark.ssh]
 
