@@ -9,9 +9,26 @@ never secret values.
 
 from __future__ import annotations
 
+import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Protocol
 
-__all__ = ["BOOT_FAIL", "BOOT_OK", "EXIT_PREFIX", "KILL", "SPILL_DIR", "SPILL_WRITER", "ExitTrailerFilter"]
+import anyio
+
+__all__ = [
+    "BOOT_FAIL",
+    "BOOT_OK",
+    "EXIT_PREFIX",
+    "KILL",
+    "SPILL_DIR",
+    "SPILL_WRITER",
+    "ExitTrailerFilter",
+    "QueuedSpillFile",
+    "SpillWriter",
+]
+
+log = logging.getLogger("dsh_bash")
 
 #: Preamble markers written to stdout by a boot script before the command starts.
 BOOT_OK = b"\0dsh-bash-boot-ok\0"
@@ -113,3 +130,87 @@ class ExitTrailerFilter:
         if self._held:
             self._sink(self._held)
             self._held = b""
+
+
+class SpillWriter(Protocol):
+    """A backend's open channel into a spill file on the far side (a ``cat`` running SPILL_WRITER)."""
+
+    async def send(self, data: bytes) -> None:
+        """Write ``data`` to the file, waiting while the transport is full."""
+
+    async def finish(self) -> None:
+        """No more data: end the input and wait until the file is complete."""
+
+    async def aclose(self) -> None:
+        """Release the channel (also after a failure)."""
+
+
+class QueuedSpillFile(ABC):
+    """A spill file where the commands run, fed through a queue by a writer started lazily.
+
+    A spill exists only for streams that outgrow ``max_output_bytes``, so most commands never pay
+    for one. The :class:`dsh_bash.SpillFile` methods are synchronous (output accounting calls them
+    for every chunk): they queue (bounded by ``max_spill_bytes``), and :meth:`run`, started by the
+    backend as a helper task, sends the queue through the backend's writer. A backend's release
+    waits for :attr:`done`, so the next command can read the complete file.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._queue: list[bytes] = []
+        self._wake = anyio.Event()
+        self._closed = False
+        self._deleted = False
+        self.done = anyio.Event()
+
+    @abstractmethod
+    async def _open_writer(self) -> SpillWriter:
+        """Start the writer (the SPILL_WRITER script) for :attr:`path`."""
+
+    @abstractmethod
+    async def _remove(self) -> None:
+        """Remove the file (``rm -f -- PATH``) where the commands run."""
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._queue.append(bytes(data))
+        self._wake.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+
+    def delete(self) -> None:
+        self._deleted = True
+        self._closed = True
+        self._queue.clear()
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Send queued bytes into the file; on delete, stop and remove it. Sets :attr:`done` at the end."""
+        try:
+            writer = await self._open_writer()
+            try:
+                while True:
+                    await self._wake.wait()
+                    self._wake = anyio.Event()
+                    queue, self._queue = self._queue, []
+                    for chunk in queue:
+                        if self._deleted:
+                            break
+                        await writer.send(chunk)
+                    if self._closed and not self._queue:
+                        break
+                await writer.finish()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await writer.aclose()
+        except Exception as exc:  # each transport has its own errors; the spill is just incomplete
+            log.warning("spill file %s: writing failed: %s", self.path, exc)
+        finally:
+            if self._deleted:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                    try:
+                        await self._remove()
+                    except Exception as exc:
+                        log.warning("spill file %s: removing failed: %s", self.path, exc)
+            self.done.set()
