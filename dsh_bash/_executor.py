@@ -17,9 +17,10 @@ from typing import Any, ClassVar, Literal, Self
 import anyio
 import anyio.abc
 import anyio.lowlevel
+from pydantic import ValidationError
 
 from ._backend import MARKER_VAR, CommandProcess, ExitStatus, Killable, Launch, kill_sequence, signal_name
-from ._config import BUDGET_FIELDS, BudgetConfig
+from ._config import BUDGET_FIELDS, BudgetConfig, config_error_from
 from ._env import build_command_env
 from ._errors import BashInfrastructureError, ConfigError, ExecutorClosedError, UnknownTaskError
 from ._output import OutputStream, SpillBudget, SpillFile, StreamName, merge_streams
@@ -123,6 +124,20 @@ class BashExecutor(ABC):
     #: True for backends that observe a signal death only as exit code 128+n (Docker): a 128+n
     #: status is then reported as that signal only when the kill sequence sent it.
     signals_as_exit_codes: ClassVar[bool] = False
+    #: The backend's config model: :meth:`from_fields` validates plain fields with it.
+    config_class: ClassVar[type[BudgetConfig]] = BudgetConfig
+
+    @classmethod
+    def from_fields(cls, **fields: Any) -> Self:
+        """Build from plain config fields (what an entry point in ``dsh_bash.backends`` resolves to).
+
+        A bad field raises :class:`ConfigError` naming it.
+        """
+        try:
+            config = cls.config_class(**fields)
+        except ValidationError as exc:
+            raise config_error_from(exc, f"{cls.__name__} config") from None
+        return cls(config)
 
     def __init__(self, config: BudgetConfig) -> None:
         self._config = config

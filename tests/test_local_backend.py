@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import anyio
 import pytest
+from dsh_bash_conformance import find_host_processes
 from dsh_bash_local import LocalBashExecutor, LocalConfig
 
 from dsh_bash import BashExecRequest, BashInfrastructureError, ConfigError, ExecutorClosedError
@@ -21,20 +22,8 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
 
 
 def _alive(marker: str) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as fh:
-                cmdline = fh.read()
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                state = fh.read().rsplit(b")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker.encode() in cmdline and state != b"Z":
-            found.append(int(name))
-    return found
+    """Live (non-zombie) processes whose command line contains ``marker``: the kit's own probe."""
+    return find_host_processes(marker)
 
 
 @pytest.fixture

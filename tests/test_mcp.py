@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import anyio.abc
 import pytest
+from dsh_bash_conformance import find_host_processes
 
 pytest.importorskip("mcp", reason="backend unavailable: the mcp SDK is missing (pip install 'dsh-bash[mcp]')")
 
@@ -35,21 +36,8 @@ def anyio_backend() -> str:
 
 
 def _alive(marker: str) -> list[int]:
-    """Live (non-zombie) processes whose command line contains ``marker``."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as fh:
-                cmdline = fh.read()
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                state = fh.read().rsplit(b")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker.encode() in cmdline and state != b"Z":
-            found.append(int(name))
-    return found
+    """Live (non-zombie) processes whose command line contains ``marker``: the kit's own probe."""
+    return find_host_processes(marker)
 
 
 async def _eventually(predicate: Callable[[], object], limit_s: float = 10) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import anyio
 import pytest
+from dsh_bash_conformance import find_host_processes
 from dsh_bash_local import LocalBashExecutor, LocalConfig
 
 from dsh_bash import (
@@ -46,20 +47,8 @@ def _executor(**fields: Any) -> LocalBashExecutor:
 
 
 def _alive(marker: str) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as fh:
-                cmdline = fh.read()
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                state = fh.read().rsplit(b")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker.encode() in cmdline and state != b"Z":
-            found.append(int(name))
-    return found
+    """Live (non-zombie) processes whose command line contains ``marker``: the kit's own probe."""
+    return find_host_processes(marker)
 
 
 @pytest.fixture

@@ -7,11 +7,10 @@ import logging
 import os
 import secrets
 from collections.abc import Mapping
-from typing import Any, Self
+from typing import Any
 
 import anyio
 import anyio.to_thread
-from pydantic import ValidationError
 
 from dsh_bash import (
     MARKER_VAR,
@@ -23,7 +22,6 @@ from dsh_bash import (
     SpillFile,
     kill_abandoned_start,
 )
-from dsh_bash._config import config_error_from
 from dsh_bash._env import RC_FILE_VARIABLES
 
 from ._config import DockerConfig
@@ -75,6 +73,8 @@ def sweep_orphaned_containers(docker_host: str | None = None) -> list[str]:
 class DockerBashExecutor(BashExecutor):
     """Runs each command as ``bash --noprofile --norc -c COMMAND`` exec'd in a container."""
 
+    config_class = DockerConfig
+
     signals_as_exit_codes = True
 
     def __init__(self, config: DockerConfig) -> None:
@@ -88,15 +88,6 @@ class DockerBashExecutor(BashExecutor):
         self._spills: dict[str, list[DockerSpillFile]] = {}
         self._recreate_lock = anyio.Lock()
         self._host_visible = False
-
-    @classmethod
-    def from_fields(cls, **fields: Any) -> Self:
-        """Build from plain config fields (the entry point ``docker`` resolves to this)."""
-        try:
-            config = DockerConfig(**fields)
-        except ValidationError as exc:
-            raise config_error_from(exc, "docker backend config") from None
-        return cls(config)
 
     @property
     def config(self) -> DockerConfig:

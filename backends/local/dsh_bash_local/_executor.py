@@ -5,13 +5,10 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Mapping
-from typing import Any, Self
 
 import anyio.to_thread
-from pydantic import ValidationError
 
 from dsh_bash import BashExecutor, BashInfrastructureError, CommandProcess, Killable, Launch, SpillFile
-from dsh_bash._config import config_error_from
 from dsh_bash._procscan import ProcScanner, signal_marked
 
 from ._config import LocalConfig
@@ -40,6 +37,8 @@ class _Leftovers:
 class LocalBashExecutor(BashExecutor):
     """Runs each command as ``bash --noprofile --norc -c COMMAND`` in a new session on this host."""
 
+    config_class = LocalConfig
+
     def __init__(self, config: LocalConfig | None = None) -> None:
         config = config if config is not None else LocalConfig()
         if config.cwd is None:
@@ -49,15 +48,6 @@ class LocalBashExecutor(BashExecutor):
         self._scanner = ProcScanner(self._token)
         self._spill_dir: LocalSpillDir | None = None
         self._bash: str | None = None
-
-    @classmethod
-    def from_fields(cls, **fields: Any) -> Self:
-        """Build from plain config fields (the entry point ``local`` resolves to this)."""
-        try:
-            config = LocalConfig(**fields)
-        except ValidationError as exc:
-            raise config_error_from(exc, "local backend config") from None
-        return cls(config)
 
     @property
     def config(self) -> LocalConfig:

@@ -6,10 +6,8 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Mapping
-from typing import Any, Self
 
 import anyio
-from pydantic import ValidationError
 
 from dsh_bash import (
     MARKER_VAR,
@@ -21,7 +19,6 @@ from dsh_bash import (
     SpillFile,
     kill_abandoned_start,
 )
-from dsh_bash._config import config_error_from
 
 from ._config import SshConfig
 from ._connection import ChannelPool
@@ -59,6 +56,8 @@ def parse_setup(out: bytes) -> tuple[dict[str, str], str, str]:
 class SshBashExecutor(BashExecutor):
     """Runs each command as ``bash --noprofile --norc -c COMMAND`` on an SSH host. asyncio only."""
 
+    config_class = SshConfig
+
     signals_as_exit_codes = True
 
     def __init__(self, config: SshConfig) -> None:
@@ -69,15 +68,6 @@ class SshBashExecutor(BashExecutor):
         self._ambient: dict[str, str] = {}
         self._spill_dir = ""
         self._spills: dict[str, list[SshSpillFile]] = {}
-
-    @classmethod
-    def from_fields(cls, **fields: Any) -> Self:
-        """Build from plain config fields (the entry point ``ssh`` resolves to this)."""
-        try:
-            config = SshConfig(**fields)
-        except ValidationError as exc:
-            raise config_error_from(exc, "ssh backend config") from None
-        return cls(config)
 
     @property
     def config(self) -> SshConfig:
