@@ -7,10 +7,9 @@ import json
 import logging
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dsh_bash import (
     AbortSignal,
@@ -60,22 +59,24 @@ ErrorKind = Literal[
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class ToolDefinition:
+class ToolDefinition(BaseModel):
     """One tool as a model sees it: name, description, JSON schema of its arguments."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
     description: str
     input_schema: dict[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
-class ToolResult:
+class ToolResult(BaseModel):
     """What a tool call returns: ``text`` for the model, ``is_error``, and ``data`` (the same facts)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     text: str
     is_error: bool = False
-    data: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = Field(default_factory=dict)
 
 
 # -- per-owner bookkeeping shared by every toolset of one executor ----------------------------------
@@ -277,12 +278,24 @@ class BashToolset:
             prop = bash_schema["properties"]["timeout_ms"]
             prop["description"] = f"{prop['description']} Default {timeout}, at most {max_timeout}."
         tools = [
-            ToolDefinition(BASH, _bash_description(background=self._background, config=config), bash_schema)
+            ToolDefinition(
+                name=BASH,
+                description=_bash_description(background=self._background, config=config),
+                input_schema=bash_schema,
+            )
         ]
         if self._background:
             tools += [
-                ToolDefinition(BASH_OUTPUT, _BASH_OUTPUT_DESCRIPTION, input_schema(BashOutputArgs)),
-                ToolDefinition(BASH_KILL, _BASH_KILL_DESCRIPTION, input_schema(BashKillArgs)),
+                ToolDefinition(
+                    name=BASH_OUTPUT,
+                    description=_BASH_OUTPUT_DESCRIPTION,
+                    input_schema=input_schema(BashOutputArgs),
+                ),
+                ToolDefinition(
+                    name=BASH_KILL,
+                    description=_BASH_KILL_DESCRIPTION,
+                    input_schema=input_schema(BashKillArgs),
+                ),
             ]
         return tools
 
