@@ -151,3 +151,42 @@ def test_kit(name: str) -> None:
     report = run_kit(KitTarget(name="bwrap", make_executor=make_executor), only=[name])
     [result] = report.results
     assert result.outcome == "passed", f"{result.name} ({result.kind}) {result.outcome}: {result.message}"
+
+
+def test_installed_example_runs_by_its_entry_point_name(tmp_path: Path) -> None:
+    # As a third party ships it: installed (its own pyproject), then named by its entry point alone.
+    target = tmp_path / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(EXAMPLE),
+        ],
+        check=True,
+        timeout=300,
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    toml = config(tmp_path, f'backend = "bwrap"\ncwd = "{work}"\n', name="by-name.toml")
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), old]))
+    try:
+        ran = dsh("run", "--config", toml, "--", "echo in-sandbox; exit 4")
+        checked = dsh(
+            "conformance", "--config", toml, "--check", "exit-code-reported", "own-session-and-group"
+        )
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
+    assert ran == Outcome(4, "in-sandbox\n", "")
+    assert checked.code == 0, checked
+    assert checked.out.splitlines()[-1].endswith("contract OK")

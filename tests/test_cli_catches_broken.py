@@ -1,0 +1,55 @@
+"""`dsh-bash conformance --config FILE` fails every deliberately broken backend, named as module:attr.
+
+The kit's own proof (tests/test_kit_catches_broken.py) goes through `run_kit`; this runs the same table
+through the command a backend author runs (in-process, to spare an interpreter start per backend).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from dsh_bash_conformance import CHECKS
+from test_kit_catches_broken import CAUGHT_BY
+
+from dsh_bash._cli import main
+from dsh_bash._procscan import scan
+
+pytestmark = pytest.mark.kit
+
+# Each broken backend with the checks it must fail (hang-by-design rows are the kit test's business).
+CHECKS_BY_BACKEND: dict[str, list[str]] = defaultdict(list)
+for row in CAUGHT_BY:
+    if row.outcome == "failed":
+        CHECKS_BY_BACKEND[row.backend.__name__].append(row.check)
+
+
+def _marked_pids() -> set[int]:
+    return {entry.pid for entry in scan(b"") if entry.alive and entry.marker is not None}
+
+
+@pytest.mark.parametrize("backend", sorted(CHECKS_BY_BACKEND))
+def test_cli_fails_the_broken_backend(
+    backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checks = CHECKS_BY_BACKEND[backend]
+    toml = tmp_path / "broken.toml"
+    toml.write_text(f'backend = "broken_backends:{backend}.from_fields"\n')
+    before = _marked_pids()
+    try:
+        code = main(["conformance", "--config", str(toml), "--json", "--check", *checks])
+        report = json.loads(capsys.readouterr().out)
+    finally:
+        for pid in _marked_pids() - before:  # a broken backend may leave processes behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    outcomes = {result["name"]: result["outcome"] for result in report["results"]}
+    assert outcomes == dict.fromkeys(checks, "failed"), report["results"]
+    # Only contract checks fail the run; a backend that breaks only "beyond" checks passes it.
+    breaks_contract = any(CHECKS[name].kind == "contract" for name in checks)
+    assert (code, report["contract_ok"]) == ((1, False) if breaks_contract else (0, True))
