@@ -12,11 +12,14 @@ import os
 import signal
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
+import broken_backends as bb
 import pytest
 from dsh_bash_conformance import CHECKS
 from test_kit_catches_broken import CAUGHT_BY
 
+from dsh_bash import BashExecutor
 from dsh_bash._cli import main
 from dsh_bash._procscan import scan
 
@@ -29,8 +32,25 @@ for row in CAUGHT_BY:
         CHECKS_BY_BACKEND[row.backend.__name__].append(row.check)
 
 
-def _marked_pids() -> set[int]:
-    return {entry.pid for entry in scan(b"") if entry.alive and entry.marker is not None}
+# Tokens of the executors these tests made: only their processes are swept afterwards (other
+# executors' processes, a container's among them, carry markers too and are none of our business).
+_TOKENS: list[str] = []
+
+
+def make_broken(*, broken: str, **fields: Any) -> BashExecutor:
+    """The `module:attr` factory the configs name: the broken backend ``broken``, its token recorded."""
+    executor: BashExecutor = getattr(bb, broken).from_fields(**fields)
+    _TOKENS.append(executor._token)
+    return executor
+
+
+def _sweep() -> None:
+    while _TOKENS:
+        token = _TOKENS.pop()
+        for entry in scan(f"{token}-".encode()):
+            if entry.alive and entry.marker is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(entry.pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("backend", sorted(CHECKS_BY_BACKEND))
@@ -39,15 +59,12 @@ def test_cli_fails_the_broken_backend(
 ) -> None:
     checks = CHECKS_BY_BACKEND[backend]
     toml = tmp_path / "broken.toml"
-    toml.write_text(f'backend = "broken_backends:{backend}.from_fields"\n')
-    before = _marked_pids()
+    toml.write_text(f'backend = "{__name__}:make_broken"\nbroken = "{backend}"\n')
     try:
         code = main(["conformance", "--config", str(toml), "--json", "--check", *checks])
         report = json.loads(capsys.readouterr().out)
     finally:
-        for pid in _marked_pids() - before:  # a broken backend may leave processes behind
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _sweep()  # a broken backend may leave processes behind
     outcomes = {result["name"]: result["outcome"] for result in report["results"]}
     assert outcomes == dict.fromkeys(checks, "failed"), report["results"]
     # Only contract checks fail the run; a backend that breaks only "beyond" checks passes it.
