@@ -10,6 +10,7 @@ never secret values.
 from __future__ import annotations
 
 import logging
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Protocol
@@ -23,9 +24,11 @@ __all__ = [
     "KILL",
     "SPILL_DIR",
     "SPILL_WRITER",
+    "CommandSpills",
     "ExitTrailerFilter",
     "QueuedSpillFile",
     "SpillWriter",
+    "spill_file_path",
 ]
 
 log = logging.getLogger("dsh_bash")
@@ -214,3 +217,29 @@ class QueuedSpillFile(ABC):
                     except Exception as exc:
                         log.warning("spill file %s: removing failed: %s", self.path, exc)
             self.done.set()
+
+
+def spill_file_path(directory: str, stream: str) -> str:
+    """A new spill file's path in the private directory: 24 random hex digits nobody can predict."""
+    return f"{directory}/{secrets.token_hex(12)}.{stream}"
+
+
+class CommandSpills:
+    """The spill files each command opened, so its release can wait until they are complete."""
+
+    def __init__(self, start_helper: Callable[..., None], flush_bound_s: float = 30.0) -> None:
+        self._start_helper = start_helper
+        self._flush_bound_s = flush_bound_s
+        self._by_marker: dict[str, list[QueuedSpillFile]] = {}
+
+    def add(self, marker: str, spill: QueuedSpillFile) -> QueuedSpillFile:
+        """Track ``spill`` for the command ``marker`` and start its writer."""
+        self._by_marker.setdefault(marker, []).append(spill)
+        self._start_helper(spill.run)
+        return spill
+
+    async def wait_complete(self, marker: str) -> None:
+        """Wait (bounded) until every spill file of the command is complete; forget them."""
+        with anyio.move_on_after(self._flush_bound_s):
+            for spill in self._by_marker.pop(marker, []):
+                await spill.done.wait()

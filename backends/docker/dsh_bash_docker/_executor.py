@@ -23,6 +23,7 @@ from dsh_bash import (
     kill_abandoned_start,
 )
 from dsh_bash._env import RC_FILE_VARIABLES
+from dsh_bash._remote_bash import CommandSpills, spill_file_path
 
 from ._config import DockerConfig
 from ._engine import Endpoint, EngineClient, EngineError
@@ -85,7 +86,7 @@ class DockerBashExecutor(BashExecutor):
         self._cwd = "/"
         self._ambient: dict[str, str] = {}
         self._spill_dir = ""
-        self._spills: dict[str, list[DockerSpillFile]] = {}
+        self._spills = CommandSpills(self._start_helper, _SPILL_FLUSH_BOUND_S)
         self._recreate_lock = anyio.Lock()
         self._host_visible = False
 
@@ -273,7 +274,7 @@ class DockerBashExecutor(BashExecutor):
         command = spec.command
         script_path = ""
         if len(command.encode("utf-8", "surrogateescape")) > _MAX_INLINE_COMMAND:
-            script_path = f"{self._spill_dir}/{secrets.token_hex(12)}.sh"
+            script_path = spill_file_path(self._spill_dir, "sh")
             code, _, err = await run_script(
                 self._engine,
                 container,
@@ -298,10 +299,7 @@ class DockerBashExecutor(BashExecutor):
         stream = await self._engine.exec_start(exec_id)
 
         async def on_release() -> None:
-            spills = self._spills.pop(marker, [])
-            with anyio.move_on_after(_SPILL_FLUSH_BOUND_S):
-                for spill in spills:
-                    await spill.done.wait()
+            await self._spills.wait_complete(marker)
             if script_path:
                 with contextlib.suppress(EngineError, OSError):
                     await run_script(self._engine, container, self.config.user, 'rm -f -- "$1"', script_path)
@@ -341,15 +339,15 @@ class DockerBashExecutor(BashExecutor):
     def _open_spill(self, command_marker: str, stream: str) -> SpillFile:
         if not self._spill_dir:
             raise OSError("no spill directory")
-        spill = DockerSpillFile(
-            self._engine,
-            self._container_id,
-            self.config.user,
-            f"{self._spill_dir}/{secrets.token_hex(12)}.{stream}",
+        return self._spills.add(
+            command_marker,
+            DockerSpillFile(
+                self._engine,
+                self._container_id,
+                self.config.user,
+                spill_file_path(self._spill_dir, stream),
+            ),
         )
-        self._spills.setdefault(command_marker, []).append(spill)
-        self._start_helper(spill.run)
-        return spill
 
     def _leftovers(self) -> Killable:
         return ContainerMarked(

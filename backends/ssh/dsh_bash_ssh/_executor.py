@@ -19,6 +19,7 @@ from dsh_bash import (
     SpillFile,
     kill_abandoned_start,
 )
+from dsh_bash._remote_bash import CommandSpills, spill_file_path
 
 from ._config import SshConfig
 from ._connection import ChannelPool
@@ -67,7 +68,7 @@ class SshBashExecutor(BashExecutor):
         self._home = "/"
         self._ambient: dict[str, str] = {}
         self._spill_dir = ""
-        self._spills: dict[str, list[SshSpillFile]] = {}
+        self._spills = CommandSpills(self._start_helper, _SPILL_FLUSH_BOUND_S)
 
     @property
     def config(self) -> SshConfig:
@@ -149,10 +150,7 @@ class SshBashExecutor(BashExecutor):
         channel = await self._pool.open(cmdline(BOOT, self._spill_dir, nonce, begin_marker=False))
 
         async def on_release() -> None:
-            spills = self._spills.pop(marker, [])
-            with anyio.move_on_after(_SPILL_FLUSH_BOUND_S):
-                for spill in spills:
-                    await spill.done.wait()
+            await self._spills.wait_complete(marker)
 
         marked = RemoteMarked(self._pool, marker=launch.marker, exact=True)
         process = SshProcess(
@@ -186,10 +184,9 @@ class SshBashExecutor(BashExecutor):
     def _open_spill(self, command_marker: str, stream: str) -> SpillFile:
         if not self._spill_dir:
             raise OSError("no spill directory")
-        spill = SshSpillFile(self._pool, f"{self._spill_dir}/{secrets.token_hex(12)}.{stream}")
-        self._spills.setdefault(command_marker, []).append(spill)
-        self._start_helper(spill.run)
-        return spill
+        return self._spills.add(
+            command_marker, SshSpillFile(self._pool, spill_file_path(self._spill_dir, stream))
+        )
 
     def _leftovers(self) -> Killable:
         return RemoteMarked(self._pool, marker=self._token + "-", exact=False)
