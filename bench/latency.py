@@ -3,7 +3,10 @@
 Runs alternate (executor, baseline, executor, ...) so drift hits both equally; medians of many runs;
 the ratio is the figure that is compared, absolute times are context. Prints a markdown table.
 
-    python bench/latency.py [--runs N] [--docker-image TAG]
+    python bench/latency.py [--runs N] [--docker-image TAG] [--ssh]
+
+``--ssh`` starts a throwaway sshd on a loopback port (needs root; tests/ssh_support.py) and measures
+against asyncssh's ``conn.run`` on a connection to the same server and against the ``ssh`` CLI.
 """
 
 from __future__ import annotations
@@ -78,6 +81,56 @@ async def bench_docker(runs: int, image: str) -> list[tuple[str, str, float, flo
     ]
 
 
+async def bench_ssh(runs: int) -> list[tuple[str, str, float, float]]:
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    import asyncssh  # noqa: PLC0415
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import ssh_support  # noqa: PLC0415
+
+    server = ssh_support.start_server()
+    try:
+        options = server.config()
+        cli = [
+            "ssh", "-q", "-F", "/dev/null", "-p", str(server.port), "-i", server.user_key,
+            "-o", f"UserKnownHostsFile={server.known_hosts}", "-o", "BatchMode=yes",
+            f"{options['username']}@{server.host}", "true",
+        ]  # fmt: skip
+        async with (
+            asyncssh.connect(
+                server.host,
+                port=server.port,
+                username=options["username"],
+                client_keys=options["client_keys"],
+                known_hosts=server.known_hosts,
+                config=None,
+            ) as conn,
+            server.executor() as ex,
+        ):
+
+            async def subject() -> None:
+                await ex.exec("true")
+
+            async def raw() -> None:
+                await conn.run("true")
+
+            medians = await _alternate(runs, subject, {"raw": raw})
+
+            async def ssh_cli() -> None:
+                process = await asyncio.create_subprocess_exec(*cli, stderr=asyncio.subprocess.DEVNULL)
+                await process.wait()
+
+            cli_medians = await _alternate(max(5, runs // 10), subject, {"cli": ssh_cli})
+    finally:
+        ssh_support.stop_server(server)
+    return [
+        ("ssh", 'asyncssh conn.run("true") on a reused connection', medians["subject"], medians["raw"]),
+        ("ssh", "ssh CLI (new connection each time)", cli_medians["subject"], cli_medians["cli"]),
+    ]
+
+
 def _machine() -> str:
     cpus = subprocess.run(["nproc"], check=False, capture_output=True, text=True).stdout.strip()
     return f"{platform.system()} {platform.release()}, {cpus} CPUs, Python {platform.python_version()}"
@@ -87,10 +140,13 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--docker-image", help="an image with bash; omit to skip Docker")
+    parser.add_argument("--ssh", action="store_true", help="start a throwaway sshd (needs root)")
     args = parser.parse_args()
     rows = await bench_local(args.runs)
     if args.docker_image:
         rows += await bench_docker(max(20, args.runs // 3), args.docker_image)
+    if args.ssh:
+        rows += await bench_ssh(max(20, args.runs // 2))
     print(f"Median latency of `true`; {_machine()}\n")
     print("| backend | baseline | executor (ms) | baseline (ms) | ratio |")
     print("|---|---|---:|---:|---:|")

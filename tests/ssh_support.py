@@ -42,7 +42,8 @@ __all__ = [
 ]
 
 SSHD = "/usr/sbin/sshd"
-TEST_USER = "dshtest"
+#: Overridable so that two checkouts can run their SSH tests at once without sharing a .bashrc.
+TEST_USER = os.environ.get("DSH_BASH_TEST_SSH_USER", "dshtest")
 BACKEND_UNAVAILABLE = "backend unavailable:"
 #: What the test user's .bashrc always does: rc files may print anything, on both streams.
 RC_NOISE = 'echo "dshtest .bashrc noise"; echo "dshtest .bashrc noise on stderr" >&2\n'
@@ -167,6 +168,7 @@ def start_server() -> SshServer:
         "PermitRootLogin yes\n"
         "PermitUserEnvironment yes\n"
         "MaxSessions 10\n"
+        "Subsystem sftp internal-sftp\n"
         f"PidFile {directory}/sshd.pid\n"
     )
     process = subprocess.Popen(
