@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import platform
 import statistics
 import subprocess
@@ -83,11 +84,10 @@ async def bench_docker(runs: int, image: str) -> list[tuple[str, str, float, flo
 
 async def bench_ssh(runs: int) -> list[tuple[str, str, float, float]]:
     import sys  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
 
     import asyncssh  # noqa: PLC0415
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     import ssh_support  # noqa: PLC0415
 
     server = ssh_support.start_server()
