@@ -22,6 +22,9 @@ from collections.abc import Awaitable, Callable
 
 from dsh_bash_local import LocalBashExecutor, LocalConfig
 
+#: tests/ssh_support.py starts the throwaway sshd.
+_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+
 Timed = Callable[[], Awaitable[None]]
 
 
@@ -87,7 +90,7 @@ async def bench_ssh(runs: int) -> list[tuple[str, str, float, float]]:
 
     import asyncssh  # noqa: PLC0415
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    sys.path.insert(0, _TESTS)
     import ssh_support  # noqa: PLC0415
 
     server = ssh_support.start_server()
