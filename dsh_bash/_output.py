@@ -26,6 +26,10 @@ class SpillFile(Protocol):
 
     ``write`` appends (a backend whose commands write the file themselves may make it a no-op);
     ``close`` ends writing and keeps the file; ``delete`` removes it. Errors are ``OSError``.
+
+    A file written behind the scenes (a remote writer fed from a queue) learns of a failure only
+    later: it may carry a ``lost`` attribute that becomes true then, and the stream reports no spill
+    path from that moment on (the file is incomplete, or was never created: a refused path).
     """
 
     @property
@@ -202,8 +206,9 @@ class OutputStream:
     @property
     def spill_path(self) -> str | None:
         """The whole stream's file, once the tail no longer holds it all and while the file exists."""
-        if self._spill_state == "active" and self._spill is not None:
-            return self._spill.path
+        spill = self._spill
+        if self._spill_state == "active" and spill is not None and not getattr(spill, "lost", False):
+            return spill.path
         return None
 
     def collected(self) -> CollectedOutput:

@@ -79,8 +79,14 @@ fi
 exit 0
 """
 
-# $1: path. noclobber makes the redirection fail on any existing path, links included.
-SPILL_WRITER = r"""umask 077; set -C; exec cat > "$1" """
+# $1: path. Any existing path is refused, links (dangling too), FIFOs and devices included: bash's
+# noclobber alone refuses only regular files and dangling links, and would open a planted link to a
+# FIFO or a device. Creation itself is O_EXCL (noclobber on a missing path), so nothing planted
+# between the test and the open is followed either (but for a non-regular file planted exactly then,
+# which only the directory's owner can do).
+SPILL_WRITER = r"""umask 077; set -C
+if [ -e "$1" ] || [ -L "$1" ]; then echo "dsh-bash: refusing existing spill path $1" >&2; exit 1; fi
+exec cat > "$1" """
 
 SPILL_DIR = r"""umask 077; mktemp -d "${TMPDIR:-/tmp}/dsh-bash-XXXXXX" """
 

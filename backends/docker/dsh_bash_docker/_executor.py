@@ -28,7 +28,7 @@ from dsh_bash._remote_bash import CommandSpills, spill_file_path
 from ._config import DockerConfig
 from ._engine import Endpoint, EngineClient, EngineError
 from ._process import ContainerMarked, DockerProcess, run_script
-from ._scripts import BOOT, SPILL_DIR
+from ._scripts import BOOT, SPILL_DIR, SPILL_WRITER
 from ._spill import DockerSpillFile
 
 __all__ = ["MANAGED_LABEL", "DockerBashExecutor", "sweep_orphaned_containers"]
@@ -279,7 +279,7 @@ class DockerBashExecutor(BashExecutor):
                 self._engine,
                 container,
                 self.config.user,
-                'umask 077; set -C; cat > "$1"',
+                SPILL_WRITER,  # refuses any existing path, planted links included
                 script_path,
                 stdin=command.encode("utf-8", "surrogateescape"),
             )
