@@ -143,7 +143,9 @@ def keygen(path: Path) -> None:
     )
 
 
-def start_server() -> SshServer:
+def start_server(extra_config: str = "") -> SshServer:
+    """Start a test sshd; ``extra_config`` lines are appended to its config (the security suite's
+    ``SetEnv``, say); the session server passes none."""
     home = _ensure_user()
     directory = Path(tempfile.mkdtemp(prefix="dsh-bash-sshd-"))
     directory.chmod(0o755)  # sshd reads authorized keys as the logging-in user
@@ -169,7 +171,7 @@ def start_server() -> SshServer:
         "PermitUserEnvironment yes\n"
         "MaxSessions 10\n"
         "Subsystem sftp internal-sftp\n"
-        f"PidFile {directory}/sshd.pid\n"
+        f"PidFile {directory}/sshd.pid\n" + extra_config
     )
     process = subprocess.Popen(
         [SSHD, "-D", "-f", str(directory / "sshd_config"), "-E", str(directory / "sshd.log")]

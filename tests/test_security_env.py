@@ -1,0 +1,249 @@
+"""Security: ambient secrets never reach commands, and no value the executor passes is on a command line.
+
+Ambient secrets are planted where each backend's ambient environment comes from: this process's
+environment (local); the image's ``ENV`` and the container's ``Env`` (Docker); the SSH login's
+environment from sshd ``SetEnv``, ``~/.ssh/environment`` (``PermitUserEnvironment``) and the user's
+``.bashrc`` (SSH, on an sshd of its own). A control executor with ``env_scrub=[]`` sees every planted
+value, so the planting is proven to work. While commands run, a thread scans every process's
+``/proc/PID/cmdline`` on this host (container processes and SSH sessions are this host's processes)
+for the secrets, the values of an explicit ``env={...}`` and the stdin data; a canary put on a
+command line on purpose must be seen, so a blind watch fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pwd
+import secrets
+import shutil
+import subprocess
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from security_support import CmdlineWatch, make_executor
+
+from dsh_bash import BashExecutor
+
+pytestmark = [pytest.mark.faults, pytest.mark.anyio]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _value(label: str) -> str:
+    return f"{label}-{secrets.token_hex(10)}"
+
+
+@dataclass
+class Planted:
+    """Ambient secrets planted for one backend, and how to make executors that see them."""
+
+    secrets: dict[str, str]
+    make: Callable[..., BashExecutor]
+
+
+# -- planting, per backend --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def local_planted(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Planted:
+    planted = {
+        "DSHSEC_API_TOKEN": _value("host-token"),
+        "DSHSEC_DB_PASSWORD": _value("host-password"),
+        "AWS_SECRET_ACCESS_KEY": _value("host-aws"),
+    }
+    for name, value in planted.items():
+        monkeypatch.setenv(name, value)
+    return Planted(planted, lambda **fields: make_executor(request, "local", **fields))
+
+
+@pytest.fixture(scope="module")
+def image_with_secret(docker_test_image: str) -> Iterator[tuple[str, str, str]]:
+    """(tag, name, value): the test image plus an ``ENV`` line holding a secret."""
+    import docker  # noqa: PLC0415
+
+    name, value = "DSHSEC_IMAGE_TOKEN", _value("image-token")
+    dockerfile = f"FROM {docker_test_image}\nENV {name}={value}\n"
+    tag = f"dsh-bash-test-secret:{hashlib.sha256(dockerfile.encode()).hexdigest()[:12]}"
+    client = docker.from_env()
+    try:
+        context = Path(f"/tmp/dshsec-image-{os.getpid()}")
+        context.mkdir(exist_ok=True)
+        (context / "Dockerfile").write_text(dockerfile)
+        try:
+            client.images.build(path=str(context), tag=tag, pull=False, rm=True)
+        finally:
+            shutil.rmtree(context, ignore_errors=True)
+        yield tag, name, value
+        client.images.remove(tag, force=True)
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def docker_planted(request: pytest.FixtureRequest, image_with_secret: tuple[str, str, str]) -> Planted:
+    tag, image_name, image_value = image_with_secret
+    container_env = {"DSHSEC_CONTAINER_KEY": _value("container-key"), "GITHUB_TOKEN": _value("gh")}
+    planted = {image_name: image_value, **container_env}
+
+    def make(**fields: Any) -> BashExecutor:
+        return make_executor(request, "docker", image=tag, environment=container_env, **fields)
+
+    return Planted(planted, make)
+
+
+@pytest.fixture(scope="module")
+def ssh_env_server() -> Iterator[Any]:
+    """An sshd of its own with ``SetEnv``, plus ``~/.ssh/environment`` and ``.bashrc`` exports."""
+    import ssh_support  # noqa: PLC0415
+
+    reason = ssh_support._unavailable()
+    if reason is not None:
+        pytest.skip(f"{ssh_support.BACKEND_UNAVAILABLE} {reason}")
+    setenv_name, setenv_value = "DSHSEC_SETENV_TOKEN", _value("setenv-token")
+    server = ssh_support.start_server(extra_config=f"SetEnv {setenv_name}={setenv_value}\n")
+    user = pwd.getpwnam(ssh_support.TEST_USER)
+    ssh_dir = Path(user.pw_dir) / ".ssh"
+    ssh_dir.mkdir(exist_ok=True)
+    os.chown(ssh_dir, user.pw_uid, user.pw_gid)
+    environment_file = ssh_dir / "environment"
+    userenv_name, userenv_value = "DSHSEC_USERENV_PASSWORD", _value("userenv-password")
+    environment_file.write_text(f"{userenv_name}={userenv_value}\n")
+    os.chown(environment_file, user.pw_uid, user.pw_gid)
+    environment_file.chmod(0o600)
+    rc_name, rc_value = "DSHSEC_RC_SECRET", _value("rc-secret")
+    try:
+        with server.plant({rc_name: rc_value}):
+            yield server, {setenv_name: setenv_value, userenv_name: userenv_value, rc_name: rc_value}
+    finally:
+        environment_file.unlink(missing_ok=True)
+        # Not ssh_support.stop_server: it empties the .bashrc the session's server relies on.
+        server.process.terminate()
+        try:
+            server.process.wait(5)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+        shutil.rmtree(server.directory, ignore_errors=True)
+
+
+@pytest.fixture
+def ssh_planted(ssh_env_server: Any) -> Planted:
+    server, planted = ssh_env_server
+
+    def make(**fields: Any) -> BashExecutor:
+        fields.setdefault("grace_ms", 300)
+        return server.executor(**fields)  # type: ignore[no-any-return]
+
+    return Planted(planted, make)
+
+
+@pytest.fixture(params=["local", "docker", "ssh"])
+def planted(request: pytest.FixtureRequest) -> Planted:
+    value = request.getfixturevalue(f"{request.param}_planted")
+    assert isinstance(value, Planted)
+    return value
+
+
+# -- the cases --------------------------------------------------------------------------------------
+
+SHOW_ENV = "env; echo; tr '\\0' '\\n' < /proc/self/environ; echo; declare -p; echo; set"
+
+
+async def test_the_planted_secrets_reach_an_unscrubbed_login(planted: Planted) -> None:
+    """Control: with the scrub emptied, every planted value is in the command's environment."""
+    async with planted.make(env_scrub=[]) as ex:
+        result = await ex.exec(SHOW_ENV, timeout_ms=20_000)
+    assert result.exit_code == 0, result
+    for name, value in planted.secrets.items():
+        assert f"{name}={value}" in result.stdout.text, name
+
+
+async def test_ambient_secrets_are_invisible_to_commands(planted: Planted) -> None:
+    async with planted.make() as ex:
+        result = await ex.exec(SHOW_ENV, timeout_ms=20_000)
+        background = await ex.start(_spec(ex, SHOW_ENV))
+        with anyio.fail_after(20):
+            await background.wait()
+        read = await ex.read_output(background.id)
+    assert result.exit_code == 0, result
+    assert background.exit_code == 0, background
+    for name, value in planted.secrets.items():
+        for where, text in (("foreground", result.stdout.text), ("background", read.delta)):
+            assert value not in text, f"{name} visible to a {where} command"
+            assert f"{name}=" not in text, f"{name} visible to a {where} command"
+
+
+def _spec(ex: BashExecutor, command: str, **fields: Any) -> Any:
+    from dsh_bash import BashExecRequest  # noqa: PLC0415
+
+    return ex.resolve(BashExecRequest(command=command, **fields))
+
+
+@asynccontextmanager
+async def _watching(values: list[str], canary: str) -> AsyncIterator[CmdlineWatch]:
+    watch = CmdlineWatch(secrets=values, canary=canary)
+    with watch.running():
+        yield watch
+
+
+async def test_no_secret_or_explicit_value_is_ever_on_a_command_line(planted: Planted) -> None:
+    explicit = {"DSHSEC_EXPLICIT": _value("explicit"), "PLAIN_SETTING": _value("plain")}
+    stdin_data = _value("stdin-data")
+    canary = _value("canary")
+    watched = [*planted.secrets.values(), *explicit.values(), stdin_data]
+    async with _watching(watched, canary) as watch, planted.make(max_output_bytes=1000) as ex:
+        with anyio.fail_after(90):
+            # The canary: a process whose argv holds it, alive long enough for several scans.
+            canary_run = await ex.exec(f"bash -c 'sleep 0.5; true' {canary}", timeout_ms=20_000)
+            assert canary_run.exit_code == 0, canary_run
+            # Explicit values arrive (the command may print them; output is no command line).
+            shown = await ex.exec(
+                'printf "%s|%s" "$DSHSEC_EXPLICIT" "$PLAIN_SETTING"', env=explicit, timeout_ms=20_000
+            )
+            assert shown.stdout.text == f"{explicit['DSHSEC_EXPLICIT']}|{explicit['PLAIN_SETTING']}"
+            # stdin data
+            fed = await ex.exec("cat; sleep 0.2", stdin=stdin_data, env=explicit, timeout_ms=20_000)
+            assert fed.stdout.text == stdin_data
+            # Spill writers: both streams outgrow the tail.
+            spilled = await ex.exec(
+                'for i in $(seq 300); do echo "$DSHSEC_EXPLICIT"; echo "$PLAIN_SETTING" >&2; done',
+                env=explicit,
+                timeout_ms=20_000,
+            )
+            assert spilled.stdout.spill_path is not None and spilled.stderr.spill_path is not None
+            # A long command (run from a file), with the explicit env.
+            long_run = await ex.exec(
+                "# " + "y" * 110_000 + '\nprintf %s "$PLAIN_SETTING"', env=explicit, timeout_ms=20_000
+            )
+            assert long_run.stdout.text == explicit["PLAIN_SETTING"]
+            # The timeout's kill sequence, against a process that traps SIGTERM.
+            timed = await ex.exec("trap '' TERM; sleep 30", env=explicit, timeout_ms=800)
+            assert timed.timed_out
+            # A background task with an escaped (setsid) child: kill and leftover sweeps.
+            task = await ex.start(_spec(ex, "setsid sleep 30 & sleep 30", env=explicit))
+            await anyio.sleep(0.3)
+            assert await ex.kill(task.id)
+            await task.wait()
+            assert task.status == "killed"
+    assert watch.scans > 50, watch.scans
+    assert watch.canary_seen > 0, "the watch never saw the canary: it would not see a leak either"
+    assert watch.leaks == [], watch.leaks
+
+
+async def test_the_watch_catches_a_value_put_on_a_command_line(local_planted: Planted) -> None:
+    """The scan above can fail: a value deliberately passed as an argument is reported."""
+    leaked = _value("deliberate")
+    canary = _value("canary")
+    async with _watching([leaked], canary) as watch, local_planted.make() as ex:
+        result = await ex.exec(f"bash -c 'sleep 0.5; true' {canary} {leaked}", timeout_ms=20_000)
+    assert result.exit_code == 0
+    assert watch.canary_seen > 0
+    assert any(value == leaked for _, value, _ in watch.leaks), watch.leaks
