@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from typing import Any, Literal, NewType
+from typing import Annotated, Any, Literal, NewType
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBytes, StrictStr, field_validator
 
 from ._abort import AbortSignal
 
@@ -32,11 +32,39 @@ BashTaskStatus = Literal["running", "completed", "killed"]
 EndCause = Literal["exited", "signaled", "killed", "aborted", "closed", "lost"]
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: Linux's MAX_ARG_STRLEN (32 pages): execve refuses any single environment string (NAME=VALUE and
+#: its NUL) longer than this, on every backend, since each one ends in an execve of bash.
+MAX_ENV_ENTRY_BYTES = 131_072
 
 
 def _no_nul(value: str | None, field: str) -> str | None:
     if value is not None and "\x00" in value:
         raise ValueError(f"{field} must not contain a NUL character")
+    return _encodable(value, field)
+
+
+def _encodable(value: str | None, field: str) -> str | None:
+    """Refuse text that has no UTF-8 form (a lone surrogate, including the ``os.fsdecode`` escapes
+    of raw bytes): backends encode every text field as UTF-8 on their way to bash (the Docker
+    engine's JSON would turn such a character into U+FFFD, stdin writers would fail mid-run), so
+    it is refused here with the field's name. Raw bytes go in ``stdin`` as ``bytes``."""
+    if value is None:
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{field} is not valid text: lone surrogate {value[exc.start]!r} at index {exc.start} "
+            "has no UTF-8 encoding"
+        ) from None
+    return value
+
+
+def _check_stdin(value: object) -> object:
+    # A bytearray or memoryview is binary input: keep it binary (lax validation would turn a
+    # bytearray into text, decoding it).
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
     return value
 
 
@@ -68,6 +96,14 @@ def _check_env(value: object) -> dict[str, str] | None:
             raise ValueError(f"env value of {name} must be a string, got {type(item).__name__}")
         if "\x00" in item:
             raise ValueError(f"env value of {name} must not contain a NUL character")
+        _encodable(item, f"env value of {name}")
+        entry_size = len(name) + len(item.encode("utf-8")) + 2
+        if entry_size > MAX_ENV_ENTRY_BYTES:
+            raise ValueError(
+                f"env value of {name} is too long: NAME=VALUE takes {entry_size} bytes, and Linux "
+                f"starts no process with an environment string over {MAX_ENV_ENTRY_BYTES} bytes "
+                "(pass large data as stdin or in a file)"
+            )
         checked[name] = item
     return checked
 
@@ -79,13 +115,13 @@ class _Frozen(BaseModel):
 class BashExecRequest(_Frozen):
     """What a caller asks for; optional fields are filled by :meth:`BashExecutor.resolve`."""
 
-    command: str
-    workdir: str | None = None
+    command: StrictStr
+    workdir: StrictStr | None = None
     timeout_ms: float | None = None
     signal: AbortSignal | None = None
-    stdin: str | bytes | None = None
+    stdin: StrictStr | StrictBytes | None = None
     env: dict[str, str] | None = None
-    owner: OwnerToken | None = None
+    owner: Annotated[OwnerToken, Strict()] | None = None
 
     @field_validator("command", mode="after")
     @classmethod
@@ -108,16 +144,26 @@ class BashExecRequest(_Frozen):
     def _env(cls, value: object) -> dict[str, str] | None:
         return _check_env(value)
 
+    @field_validator("stdin", mode="before")
+    @classmethod
+    def _stdin_before(cls, value: object) -> object:
+        return _check_stdin(value)
+
+    @field_validator("stdin", mode="after")
+    @classmethod
+    def _stdin(cls, value: str | bytes | None) -> str | bytes | None:
+        return value if not isinstance(value, str) else _encodable(value, "stdin")
+
 
 class BashExecSpec(_Frozen):
     """What the executor acts on: every choice made explicit. ``start`` ignores ``timeout_ms``."""
 
-    command: str
-    workdir: str
+    command: StrictStr
+    workdir: StrictStr
     timeout_ms: float
-    owner: OwnerToken | None
+    owner: Annotated[OwnerToken, Strict()] | None
     signal: AbortSignal | None = None
-    stdin: str | bytes | None = None
+    stdin: StrictStr | StrictBytes | None = None
     env: dict[str, str] | None = None
 
     @field_validator("command", mode="after")
@@ -144,6 +190,16 @@ class BashExecSpec(_Frozen):
     @classmethod
     def _env(cls, value: object) -> dict[str, str] | None:
         return _check_env(value)
+
+    @field_validator("stdin", mode="before")
+    @classmethod
+    def _stdin_before(cls, value: object) -> object:
+        return _check_stdin(value)
+
+    @field_validator("stdin", mode="after")
+    @classmethod
+    def _stdin(cls, value: str | bytes | None) -> str | bytes | None:
+        return value if not isinstance(value, str) else _encodable(value, "stdin")
 
 
 class CollectedOutput(_Frozen):

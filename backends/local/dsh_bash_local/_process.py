@@ -276,6 +276,14 @@ async def spawn_local(
                 close_fds=True,
             )
         except OSError as exc:
+            if exc.errno == errno.E2BIG:
+                # The command itself is never too long here (long ones run from a file): what
+                # overflowed is the environment, whose total size the kernel limits.
+                size = sum(len(k.encode()) + len(v.encode()) + 2 for k, v in launch.env.items())
+                raise BashInfrastructureError(
+                    f"cannot start {bash!r}: the command's environment (env) is too large for the "
+                    f"system ({size} bytes in {len(launch.env)} variables): {exc.strerror or exc}"
+                ) from exc
             raise BashInfrastructureError(
                 f"cannot start {bash!r} in {spec.workdir!r}: {exc.strerror or exc}"
             ) from exc
