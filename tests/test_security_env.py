@@ -100,6 +100,29 @@ def docker_planted(request: pytest.FixtureRequest, image_with_secret: tuple[str,
     return Planted(planted, make)
 
 
+@pytest.fixture
+def docker_container_planted(
+    request: pytest.FixtureRequest, image_with_secret: tuple[str, str, str]
+) -> Iterator[Planted]:
+    """Container mode: an existing container (not the executor's) whose ``Env`` holds secrets."""
+    from docker_support import start_idle_container  # noqa: PLC0415
+
+    tag, image_name, image_value = image_with_secret
+    container_env = {"DSHSEC_EXISTING_SECRET": _value("existing-secret")}
+    container = start_idle_container(tag, container_env)
+    try:
+
+        def make(**fields: Any) -> BashExecutor:
+            from dsh_bash_docker import DockerBashExecutor, DockerConfig  # noqa: PLC0415
+
+            fields.setdefault("grace_ms", 300)
+            return DockerBashExecutor(DockerConfig(container=container.get_container_id(), **fields))
+
+        yield Planted({image_name: image_value, **container_env}, make)
+    finally:
+        container.stop()
+
+
 @pytest.fixture(scope="module")
 def ssh_env_server() -> Iterator[Any]:
     """An sshd of its own with ``SetEnv``, plus ``~/.ssh/environment`` and ``.bashrc`` exports."""
@@ -145,7 +168,7 @@ def ssh_planted(ssh_env_server: Any) -> Planted:
     return Planted(planted, make)
 
 
-@pytest.fixture(params=["local", "docker", "ssh"])
+@pytest.fixture(params=["local", "docker", "docker_container", "ssh"])
 def planted(request: pytest.FixtureRequest) -> Planted:
     value = request.getfixturevalue(f"{request.param}_planted")
     assert isinstance(value, Planted)
@@ -247,3 +270,32 @@ async def test_the_watch_catches_a_value_put_on_a_command_line(local_planted: Pl
     assert result.exit_code == 0
     assert watch.canary_seen > 0
     assert any(value == leaked for _, value, _ in watch.leaks), watch.leaks
+
+
+async def test_docker_inspect_shows_no_explicit_value(request: pytest.FixtureRequest) -> None:
+    """``docker inspect`` of the container and ``exec inspect`` of every exec show no explicit value."""
+    import json  # noqa: PLC0415
+
+    import docker  # noqa: PLC0415
+    from dsh_bash_docker import DockerBashExecutor  # noqa: PLC0415
+
+    explicit = {"DSHSEC_EXPLICIT_TOKEN": _value("explicit"), "PLAIN": _value("plain")}
+    client = docker.from_env()
+    try:
+        async with make_executor(request, "docker", max_output_bytes=100) as ex:
+            assert isinstance(ex, DockerBashExecutor)
+            task = await ex.start(_spec(ex, 'yes "$PLAIN" | head -c 5000; sleep 30', env=explicit))
+            await anyio.sleep(0.5)
+            container = client.containers.get(ex.container_id)
+            exec_ids = container.attrs.get("ExecIDs") or []
+            assert exec_ids, "no exec is running: nothing was inspected"
+            shown = [json.dumps(container.attrs.get(key)) for key in ("Path", "Args", "Config")]
+            shown += [json.dumps(client.api.exec_inspect(exec_id)) for exec_id in exec_ids]
+            await ex.kill(task.id)
+            await task.wait()
+    finally:
+        client.close()
+    # Control: the inspected exec's arguments are there (the boot script's name argument).
+    assert any('"dsh-bash"' in text for text in shown[3:]), shown
+    for value in explicit.values():
+        assert not [text for text in shown if value in text], value

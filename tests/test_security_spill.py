@@ -29,7 +29,7 @@ from security_support import (
 )
 
 import dsh_bash._remote_bash
-from dsh_bash import BashExecutor, BashInfrastructureError, BashRunResult
+from dsh_bash import BashExecRequest, BashExecutor, BashInfrastructureError, BashRunResult
 
 pytestmark = [pytest.mark.faults, pytest.mark.anyio]
 
@@ -85,12 +85,23 @@ SSH_REPORTS_REFUSED_SPILL = pytest.mark.xfail(
 )
 
 
+async def _big_background(ex: BashExecutor) -> tuple[str | None, int]:
+    """A background task writing BIG bytes: (stdout spill path its final read names, bytes read)."""
+    task = await ex.start(ex.resolve(BashExecRequest(command=BIG_OUTPUT)))
+    with anyio.fail_after(60):
+        await task.wait()
+    read = await ex.read_output(task.id)
+    assert task.status == "completed" and task.exit_code == 0, task
+    return read.stdout_spill_path, len(read.delta.encode()) + read.dropped_bytes
+
+
+@pytest.mark.parametrize("mode", ["foreground", "background"])
 @pytest.mark.parametrize("link", ["victim_file", "dangling", "fifo"])
 @pytest.mark.parametrize(
     "backend", [pytest.param(b, marks=SSH_REPORTS_REFUSED_SPILL) if b == "ssh" else b for b in BACKENDS]
 )
 async def test_planted_link_at_the_spill_path_is_never_followed(
-    request: pytest.FixtureRequest, tokens: PredictableTokens, backend: str, link: LinkKind
+    request: pytest.FixtureRequest, tokens: PredictableTokens, backend: str, link: LinkKind, mode: str
 ) -> None:
     async with make_executor(request, backend, max_output_bytes=MAX_OUTPUT) as ex:
         first = await _big_run(ex)
@@ -108,14 +119,18 @@ async def test_planted_link_at_the_spill_path_is_never_followed(
             await _sh(ex, f"mkfifo {victim}")
         await _sh(ex, f"ln -s {victim} {planted}")
 
-        result = await _big_run(ex)
-
         # The caller is told the truth: the stream was cut, all bytes counted, and the whole stream
         # is either in a real private file or reported lost; never "in" the planted link.
-        assert result.exit_code == 0
-        assert result.stdout.truncated and result.stdout.total_bytes == BIG
-        if result.stdout.spill_path is not None:
-            await _assert_private_spill(ex, result.stdout.spill_path, BIG)
+        if mode == "foreground":
+            result = await _big_run(ex)
+            assert result.exit_code == 0
+            assert result.stdout.truncated and result.stdout.total_bytes == BIG
+            spill_path = result.stdout.spill_path
+        else:
+            spill_path, accounted = await _big_background(ex)
+            assert accounted == BIG
+        if spill_path is not None:
+            await _assert_private_spill(ex, spill_path, BIG)
         # The link was not followed: the victim is as it was and the link is still a link.
         assert (await _sh(ex, f"[ -L {planted} ] && readlink {planted}")).strip() == victim
         if link == "victim_file":
