@@ -126,7 +126,11 @@ class OutputStream:
             return
         self.total_bytes += size
         if self._spill_state == "active":
-            self._spill_append(data, size)
+            if self._spill_failed():
+                # The writer gave up behind the scenes: stop queueing into it and free its budget.
+                self._lose_spill()
+            else:
+                self._spill_append(data, size)
         elif self._spill_state == "none" and self.total_bytes > self.max_bytes:
             # First overflow: nothing was dropped yet, so the tail plus this chunk is the whole stream.
             self._spill_begin(data)
@@ -207,9 +211,12 @@ class OutputStream:
     def spill_path(self) -> str | None:
         """The whole stream's file, once the tail no longer holds it all and while the file exists."""
         spill = self._spill
-        if self._spill_state == "active" and spill is not None and not getattr(spill, "lost", False):
+        if self._spill_state == "active" and spill is not None and not self._spill_failed():
             return spill.path
         return None
+
+    def _spill_failed(self) -> bool:
+        return bool(getattr(self._spill, "lost", False))
 
     def collected(self) -> CollectedOutput:
         """The foreground view: the whole kept tail, decoded."""

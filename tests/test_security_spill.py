@@ -254,3 +254,41 @@ async def test_spill_files_are_unreadable_to_another_user_in_the_container(
             assert listing.exit_code != 0 and b"Permission denied" in listing.output, listing
         finally:
             client.close()
+
+
+def test_a_spill_lost_behind_the_scenes_frees_its_budget_and_is_no_longer_fed() -> None:
+    """A remote writer that failed (a refused path) marks its file ``lost``: the stream reports no
+    spill path, stops queueing into it (it would hold up to ``max_spill_bytes`` in memory for
+    nothing) and gives its reservation back to the executor-wide budget."""
+    from dsh_bash._output import OutputStream, SpillBudget  # noqa: PLC0415
+
+    class QueuedFile:
+        path = "/spill/file.stdout"
+
+        def __init__(self) -> None:
+            self.lost = False
+            self.queued = 0
+            self.deleted = False
+
+        def write(self, data: bytes | bytearray | memoryview) -> None:
+            self.queued += len(data)
+
+        def close(self) -> None:
+            pass
+
+        def delete(self) -> None:
+            self.deleted = True
+
+    spill = QueuedFile()
+    budget = SpillBudget(1_000_000)
+    stream = OutputStream(
+        "stdout", max_bytes=10, max_spill_bytes=100_000, budget=budget, open_spill=lambda: spill
+    )
+    stream.feed(b"x" * 50)
+    assert stream.spill_path == spill.path and budget.used == 50 and spill.queued == 50
+    spill.lost = True
+    assert stream.spill_path is None
+    stream.feed(b"y" * 50)
+    assert spill.queued == 50 and spill.deleted and budget.used == 0
+    stream.close()
+    assert stream.collected().spill_path is None and stream.total_bytes == 100
