@@ -29,7 +29,7 @@ from security_support import (
 )
 
 import dsh_bash._remote_bash
-from dsh_bash import BashExecRequest, BashExecutor, BashInfrastructureError, BashRunResult
+from dsh_bash import BashExecRequest, BashExecutor, BashInfrastructureError, BashRunResult, BashTask
 
 pytestmark = [pytest.mark.faults, pytest.mark.anyio]
 
@@ -193,6 +193,29 @@ async def test_planted_link_at_the_local_spill_directory_is_never_followed(
     assert (parent / "dsh-bash-planted").is_symlink()
 
 
+async def _spill_paths(ex: BashExecutor, mode: str) -> tuple[list[str], BashTask | None]:
+    """Both streams' spill paths of a command writing BIG bytes to each: after a foreground run, or
+    while a background task still runs (once both files hold every byte)."""
+    both = f"{BIG_OUTPUT}; {BIG_OUTPUT} >&2"
+    if mode == "foreground":
+        result = await ex.exec(both, timeout_ms=40_000)
+        paths = [result.stdout.spill_path, result.stderr.spill_path]
+        assert None not in paths, result
+        return [str(path) for path in paths], None
+    task = await ex.start(ex.resolve(BashExecRequest(command=f"{both}; sleep 30")))
+    with anyio.fail_after(30):
+        while True:
+            read = await ex.read_output(task.id)
+            paths = [read.stdout_spill_path, read.stderr_spill_path]
+            if None not in paths:
+                sizes = await _sh(ex, f"wc -c < {paths[0]}; wc -c < {paths[1]}")
+                if sizes.split() == [str(BIG), str(BIG)]:
+                    break
+            await anyio.sleep(0.05)
+    assert task.status == "running"
+    return [str(path) for path in paths], task
+
+
 # -- other users ------------------------------------------------------------------------------------
 
 
@@ -204,14 +227,13 @@ def other_user() -> str:
     return OTHER_USER
 
 
+@pytest.mark.parametrize("mode", ["foreground", "background"])
 @pytest.mark.parametrize("backend", ["local", "ssh"])
 async def test_spill_files_are_unreadable_to_another_user_on_the_host(
-    request: pytest.FixtureRequest, other_user: str, backend: str
+    request: pytest.FixtureRequest, other_user: str, backend: str, mode: str
 ) -> None:
     async with make_executor(request, backend, max_output_bytes=MAX_OUTPUT) as ex:
-        result = await ex.exec(f"{BIG_OUTPUT}; {BIG_OUTPUT} >&2", timeout_ms=40_000)
-        paths = [result.stdout.spill_path, result.stderr.spill_path]
-        assert None not in paths, result
+        paths, _ = await _spill_paths(ex, mode)
         directory = os.path.dirname(str(paths[0]))
         dir_info = os.lstat(directory)
         assert stat.S_ISDIR(dir_info.st_mode) and stat.S_IMODE(dir_info.st_mode) == 0o700
@@ -226,17 +248,16 @@ async def test_spill_files_are_unreadable_to_another_user_on_the_host(
         assert listing.returncode != 0 and "Permission denied" in listing.stderr, listing
 
 
+@pytest.mark.parametrize("mode", ["foreground", "background"])
 async def test_spill_files_are_unreadable_to_another_user_in_the_container(
-    request: pytest.FixtureRequest,
+    request: pytest.FixtureRequest, mode: str
 ) -> None:
     import docker  # noqa: PLC0415
     from dsh_bash_docker import DockerBashExecutor  # noqa: PLC0415
 
     async with make_executor(request, "docker", max_output_bytes=MAX_OUTPUT) as ex:
         assert isinstance(ex, DockerBashExecutor)
-        result = await ex.exec(f"{BIG_OUTPUT}; {BIG_OUTPUT} >&2", timeout_ms=40_000)
-        paths = [result.stdout.spill_path, result.stderr.spill_path]
-        assert None not in paths, result
+        paths, _ = await _spill_paths(ex, mode)
         directory = posixpath.dirname(str(paths[0]))
         assert (await _sh(ex, f"stat -c %a {directory}")).strip() == "700"
         for path in paths:
