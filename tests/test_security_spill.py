@@ -9,8 +9,10 @@ of the same executor: the same user, inside the private directory, the strongest
 
 from __future__ import annotations
 
+import glob
 import os
 import posixpath
+import shutil
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -46,6 +48,17 @@ LATER = "c" * 24
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"  # the SSH backend is asyncio-only
+
+
+#: Where the victims live (local and SSH: this host's /tmp; Docker: the container's, removed with it).
+VICTIM_DIRS = "/tmp/dshsec-victim-XXXXXX"
+
+
+@pytest.fixture(autouse=True)
+def _remove_victims() -> Iterator[None]:
+    yield
+    for path in glob.glob(VICTIM_DIRS.replace("XXXXXX", "*")):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
@@ -112,7 +125,7 @@ async def test_planted_link_at_the_spill_path_is_never_followed(
         )
         directory = posixpath.dirname(learned)
         planted = f"{directory}/{PLANTED}.stdout"
-        victim = f"{await _sh(ex, 'mktemp -d')}".strip() + "/victim"
+        victim = (await _sh(ex, f"mktemp -d {VICTIM_DIRS}")).strip() + "/victim"
         if link == "victim_file":
             await _sh(ex, f"printf original > {victim}")
         elif link == "fifo":
@@ -155,7 +168,7 @@ async def test_planted_link_at_the_long_command_script_path_is_never_followed(
         learned = first.stdout.spill_path
         assert learned is not None and posixpath.basename(learned) == f"{LEARN}.stdout", learned
         planted = f"{posixpath.dirname(learned)}/{PLANTED}.sh"
-        victim = (await _sh(ex, "mktemp -d")).strip() + "/victim"
+        victim = (await _sh(ex, f"mktemp -d {VICTIM_DIRS}")).strip() + "/victim"
         await _sh(ex, f"printf original > {victim}; ln -s {victim} {planted}")
         long_command = "# " + "x" * 110_000 + "\necho long-command-ran\n"
         try:
@@ -208,8 +221,9 @@ async def _spill_paths(ex: BashExecutor, mode: str) -> tuple[list[str], BashTask
             read = await ex.read_output(task.id)
             paths = [read.stdout_spill_path, read.stderr_spill_path]
             if None not in paths:
-                sizes = await _sh(ex, f"wc -c < {paths[0]}; wc -c < {paths[1]}")
-                if sizes.split() == [str(BIG), str(BIG)]:
+                # A remote writer creates the file a moment after the path is known.
+                sizes = await ex.exec(f"wc -c < {paths[0]}; wc -c < {paths[1]}", timeout_ms=20_000)
+                if sizes.stdout.text.split() == [str(BIG), str(BIG)]:
                     break
             await anyio.sleep(0.05)
     assert task.status == "running"
