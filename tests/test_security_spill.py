@@ -327,3 +327,23 @@ def test_a_spill_lost_behind_the_scenes_frees_its_budget_and_is_no_longer_fed() 
     assert spill.queued == 50 and spill.deleted and budget.used == 0
     stream.close()
     assert stream.collected().spill_path is None and stream.total_bytes == 100
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param(b, marks=SSH_REPORTS_REFUSED_SPILL) if b == "ssh" else b for b in BACKENDS]
+)
+async def test_the_bash_tool_tells_the_model_a_refused_spill_is_unavailable(
+    request: pytest.FixtureRequest, tokens: PredictableTokens, backend: str
+) -> None:
+    from dsh_tool_bash import BashToolset  # noqa: PLC0415
+
+    async with make_executor(request, backend, max_output_bytes=MAX_OUTPUT) as ex:
+        learned = (await _big_run(ex)).stdout.spill_path
+        assert learned is not None and posixpath.basename(learned) == f"{LEARN}.stdout", learned
+        planted = f"{posixpath.dirname(learned)}/{PLANTED}.stdout"
+        await _sh(ex, f"ln -s /nonexistent-dshsec-target {planted}")
+        with anyio.fail_after(60):
+            result = await BashToolset(ex).call("bash", {"command": BIG_OUTPUT})
+        assert not result.is_error, result
+        assert "[output truncated; full output: (unavailable)]" in result.text, result.text
+        assert result.data["stdout_spill_path"] is None and result.data["stdout_total_bytes"] == BIG
