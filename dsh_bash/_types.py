@@ -45,9 +45,9 @@ def _no_nul(value: str | None, field: str) -> str | None:
 
 def _encodable(value: str | None, field: str) -> str | None:
     """Refuse text that has no UTF-8 form (a lone surrogate, including the ``os.fsdecode`` escapes
-    of raw bytes): backends encode every text field as UTF-8 on their way to bash (the Docker
-    engine's JSON would turn such a character into U+FFFD, stdin writers would fail mid-run), so
-    it is refused here with the field's name. Raw bytes go in ``stdin`` as ``bytes``."""
+    of raw bytes): backends encode every text field as UTF-8 on their way to bash, and a failure
+    there surfaced as an unnamed "could not start the command" (or, for stdin, mid-run), so it is
+    refused here with the field's name. Raw bytes go in ``stdin`` as ``bytes``."""
     if value is None:
         return None
     try:
