@@ -235,6 +235,9 @@ async def _spill_paths(ex: BashExecutor, mode: str) -> tuple[list[str], BashTask
 
 @pytest.fixture(scope="module")
 def other_user() -> str:
+    if os.geteuid() != 0:
+        # The prefix makes CI (CI=true) fail instead of skipping: the case must run there.
+        pytest.skip(f"backend unavailable: a second user ({OTHER_USER}) and runuser need root")
     ensure_other_user()
     control = as_other_user("cat", "/etc/hostname")
     assert control.returncode == 0, f"runuser cannot run commands as {OTHER_USER}: {control.stderr}"
