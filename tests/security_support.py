@@ -34,6 +34,7 @@ __all__ = [
     "ensure_other_user",
     "make_executor",
     "scan_cmdlines",
+    "scan_environs",
 ]
 
 #: The second account: no home, no login shell, never root.
@@ -77,6 +78,24 @@ def scan_cmdlines(needles: Iterable[bytes]) -> list[tuple[int, bytes, bytes]]:
             if needle in cmdline:
                 hits.append((int(entry.name), needle, cmdline))
     return hits
+
+
+def scan_environs(needle: bytes) -> list[int]:
+    """Pids of live (not zombie) processes whose initial environment contains ``needle``."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as handle:
+                state = handle.read().rsplit(b")", 1)[1].split()[0]
+            with open(f"/proc/{entry.name}/environ", "rb") as handle:
+                environ = handle.read()
+        except (OSError, IndexError):
+            continue
+        if state not in (b"Z", b"X") and needle in environ:
+            found.append(int(entry.name))
+    return found
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import Any
 
 import anyio
 import pytest
-from security_support import CmdlineWatch, make_executor
+from security_support import CmdlineWatch, make_executor, scan_environs
 
 from dsh_bash import BashExecutor
 
@@ -253,9 +253,18 @@ async def test_no_secret_or_explicit_value_is_ever_on_a_command_line(planted: Pl
             # A background task with an escaped (setsid) child: kill and leftover sweeps.
             task = await ex.start(_spec(ex, "setsid sleep 30 & sleep 30", env=explicit))
             await anyio.sleep(0.3)
+            # Control for the orphan check below: the task's processes are found by their env.
+            assert len(scan_environs(explicit["PLAIN_SETTING"].encode())) >= 2
             assert await ex.kill(task.id)
             await task.wait()
             assert task.status == "killed"
+    # No orphan: every process that got the explicit env (the setsid child included) is gone.
+    with anyio.fail_after(10):
+        while True:
+            survivors = scan_environs(explicit["PLAIN_SETTING"].encode())
+            if not survivors:
+                break
+            await anyio.sleep(0.1)
     assert watch.scans > 50, watch.scans
     assert watch.canary_seen > 0, "the watch never saw the canary: it would not see a leak either"
     assert watch.leaks == [], watch.leaks
