@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import anyio
@@ -29,7 +30,7 @@ from dsh_bash_local import LocalBashExecutor, LocalConfig
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dsh_bash import AbortController, BashExecRequest, BashInfrastructureError, OwnerToken
+from dsh_bash import AbortController, BashExecRequest, BashExecutor, BashInfrastructureError, OwnerToken
 from dsh_tool_bash import BashToolset
 
 pytestmark = [pytest.mark.faults]
@@ -282,18 +283,22 @@ async def _run_one(
     env: dict[str, str],
     stdin: bytes | str | None,
     timeout_ms: float | None,
+    *,
+    make: Callable[..., BashExecutor] | None = None,
 ) -> None:
-    config = LocalConfig(grace_ms=200, max_output_bytes=4096, timeout_ms=5000, max_timeout_ms=10_000)
+    fields = {"grace_ms": 200, "max_output_bytes": 4096, "timeout_ms": 5000, "max_timeout_ms": 10_000}
+    executor = LocalBashExecutor(LocalConfig(**fields)) if make is None else make(**fields)
     names = sorted(env)
     show_env = "".join(f'; printf "\\0%s" "${name}"' for name in names)
     stdin_part = "; wc -c | tr -d ' \\n' >&2" if stdin is not None else ""
     command = _heredoc(payload) + "\n:" + show_env + stdin_part
     request = BashExecRequest(command=command, workdir=workdir, env=env, stdin=stdin, timeout_ms=timeout_ms)
     with anyio.fail_after(EXAMPLE_BOUND_S):
-        async with LocalBashExecutor(config) as ex:
+        async with executor as ex:
             spec = ex.resolve(request)
             assert spec.timeout_ms <= 10_000
-            usable = os.path.isdir(spec.workdir) and os.access(spec.workdir, os.X_OK)
+            # Remote examples keep the default workdir, which exists where they run.
+            usable = make is not None or (os.path.isdir(spec.workdir) and os.access(spec.workdir, os.X_OK))
             try:
                 result = await ex.run(spec)
             except BashInfrastructureError as exc:
@@ -326,6 +331,43 @@ def test_fuzzed_requests_run_or_fail_with_a_named_error(
     payload: str, workdir: str | None, env: dict[str, str], stdin: bytes | str | None, timeout: float | None
 ) -> None:
     anyio.run(_run_one, payload, workdir, env, stdin, timeout)
+
+
+@pytest.mark.parametrize("backend", ["docker", "ssh"])
+@settings(
+    max_examples=15,
+    deadline=None,
+    database=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.filter_too_much,
+    ],
+)
+@given(
+    payload=safe_payload,
+    env=env_for_run,
+    stdin=st.one_of(st.none(), st.binary(max_size=2000), odd_text.filter(_utf8_clean)),
+)
+def test_fuzzed_requests_cross_the_remote_transports_intact(
+    request: pytest.FixtureRequest, backend: str, payload: str, env: dict[str, str], stdin: bytes | str | None
+) -> None:
+    """The same property through Docker's exec API (JSON Env) and SSH's stdin header."""
+    if backend == "docker":
+        from dsh_bash_docker import DockerBashExecutor, DockerConfig  # noqa: PLC0415
+
+        container = request.getfixturevalue("docker_session_container")
+
+        def make(**fields: Any) -> BashExecutor:
+            return DockerBashExecutor(DockerConfig(container=container, **fields))
+
+    else:
+        server = request.getfixturevalue("ssh_server")
+
+        def make(**fields: Any) -> BashExecutor:
+            return server.executor(**fields)  # type: ignore[no-any-return]
+
+    anyio.run(partial(_run_one, payload, None, env, stdin, None, make=make))
 
 
 def test_a_megabyte_command_and_stdin_run_intact() -> None:
