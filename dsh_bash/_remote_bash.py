@@ -23,6 +23,7 @@ __all__ = [
     "EXIT_PREFIX",
     "KILL",
     "SPILL_DIR",
+    "SPILL_HIGH_WATER_BYTES",
     "SPILL_WRITER",
     "CommandSpills",
     "ExitTrailerFilter",
@@ -83,6 +84,11 @@ exit 0
 SPILL_WRITER = r"""umask 077; set -C; exec cat > "$1" """
 
 SPILL_DIR = r"""umask 077; mktemp -d "${TMPDIR:-/tmp}/dsh-bash-XXXXXX" """
+
+#: Bytes a spill file may hold queued (received, not yet sent to its writer) before the command's
+#: output pump stops reading until the writer caught up. Without it the queue grows as fast as the
+#: transport delivers output, up to ``max_spill_bytes`` of memory per stream.
+SPILL_HIGH_WATER_BYTES = 1024 * 1024
 
 
 class ExitTrailerFilter:
@@ -153,15 +159,21 @@ class QueuedSpillFile(ABC):
 
     A spill exists only for streams that outgrow ``max_output_bytes``, so most commands never pay
     for one. The :class:`dsh_bash.SpillFile` methods are synchronous (output accounting calls them
-    for every chunk): they queue (bounded by ``max_spill_bytes``), and :meth:`run`, started by the
-    backend as a helper task, sends the queue through the backend's writer. A backend's release
-    waits for :attr:`done`, so the next command can read the complete file.
+    for every chunk): they queue, and :meth:`run`, started by the backend as a helper task, sends
+    the queue through the backend's writer. The queue is kept small by the backend's output pump,
+    which awaits :meth:`wait_drained` (through :meth:`CommandSpills.wait_writable`) after feeding
+    each chunk it read. A backend's release waits for :attr:`done`, so the next command can read
+    the complete file.
     """
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._queue: list[bytes] = []
+        #: Bytes written and not yet sent (including those :meth:`run` took off the queue).
+        self._queued_bytes = 0
         self._wake = anyio.Event()
+        #: Set (and replaced) whenever the backlog may have fallen under the high-water mark.
+        self._drained = anyio.Event()
         self._closed = False
         self._deleted = False
         self.done = anyio.Event()
@@ -175,7 +187,10 @@ class QueuedSpillFile(ABC):
         """Remove the file (``rm -f -- PATH``) where the commands run."""
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self.done.is_set():  # the writer failed: the file stays incomplete, queueing would only grow
+            return
         self._queue.append(bytes(data))
+        self._queued_bytes += len(data)
         self._wake.set()
 
     def close(self) -> None:
@@ -186,7 +201,23 @@ class QueuedSpillFile(ABC):
         self._deleted = True
         self._closed = True
         self._queue.clear()
+        self._queued_bytes = 0
         self._wake.set()
+        self._signal_drained()
+
+    @property
+    def backlogged(self) -> bool:
+        """More than :data:`SPILL_HIGH_WATER_BYTES` wait to be sent, and the writer may still send them."""
+        return self._queued_bytes >= SPILL_HIGH_WATER_BYTES and not self._deleted and not self.done.is_set()
+
+    async def wait_drained(self) -> None:
+        """Return once the backlog is under the high-water mark, or the spill is done, failed or deleted."""
+        while self.backlogged:
+            await self._drained.wait()
+
+    def _signal_drained(self) -> None:
+        self._drained.set()
+        self._drained = anyio.Event()
 
     async def run(self) -> None:
         """Send queued bytes into the file; on delete, stop and remove it. Sets :attr:`done` at the end."""
@@ -201,6 +232,11 @@ class QueuedSpillFile(ABC):
                         if self._deleted:
                             break
                         await writer.send(chunk)
+                        if self._deleted:  # delete() forgot the whole backlog already
+                            break
+                        self._queued_bytes -= len(chunk)
+                        if self._queued_bytes < SPILL_HIGH_WATER_BYTES:
+                            self._signal_drained()
                     if self._closed and not self._queue:
                         break
                 await writer.finish()
@@ -216,7 +252,10 @@ class QueuedSpillFile(ABC):
                         await self._remove()
                     except Exception as exc:
                         log.warning("spill file %s: removing failed: %s", self.path, exc)
+            self._queue.clear()
+            self._queued_bytes = 0
             self.done.set()
+            self._signal_drained()
 
 
 def spill_file_path(directory: str, stream: str) -> str:
@@ -237,6 +276,17 @@ class CommandSpills:
         self._by_marker.setdefault(marker, []).append(spill)
         self._start_helper(spill.run)
         return spill
+
+    async def wait_writable(self, marker: str) -> None:
+        """Backpressure for the command's output pump: await after feeding each chunk it read.
+
+        Returns at once while every spill of the command holds less than
+        :data:`SPILL_HIGH_WATER_BYTES` unsent, else waits until its writer drained it below that;
+        never waits on a spill that is done, failed or deleted.
+        """
+        for spill in self._by_marker.get(marker, ()):
+            if spill.backlogged:
+                await spill.wait_drained()
 
     async def wait_complete(self, marker: str) -> None:
         """Wait (bounded) until every spill file of the command is complete; forget them."""
