@@ -1,0 +1,140 @@
+"""Background tasks on one backend: 200 at once, and the cost of ``read_output`` as a task's output grows.
+
+Runs in a fresh interpreter per backend (``bench/run.py`` starts it), so the peak RSS growth is this
+backend's own. Two measurements on one executor with the backend's default configuration:
+
+* ``--tasks N`` tasks started at once (each prints five lines over about half a second): wall time
+  from the first ``start`` to the last task's end, the slowest ``start``, peak RSS growth, and
+  every task's output read back and checked.
+* One task writes about 8 KiB every 10 ms for ``--read-seconds``; it is read every 20 ms. The cost
+  of a read is timed when the task's total output is small (the first ``--window`` seconds) and when
+  it is large (the last ``--window`` seconds). A read must cost what its delta costs, not what the
+  total costs: the figure is the ratio of the median cost per delta byte, large total over small.
+
+    python bench/background.py --backend local [--tasks 200] [--read-seconds 15] [--context JSON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import anyio
+from rss import PeakMeter
+
+from dsh_bash import BashExecRequest, BashExecutor, BashTask
+
+TASK_COMMAND = "for i in 1 2 3 4 5; do echo line $i; sleep 0.1; done"
+EXPECTED_TASK_OUTPUT = "".join(f"line {i}\n" for i in range(1, 6))
+# 8 KiB of 'x' per line (no NULs: busybox tr in the test image), one line every 10 ms.
+WRITER_COMMAND = "s=$(head -c 8191 /dev/zero | tr '\\0' x); while :; do echo \"$s\"; sleep 0.01; done"
+READ_INTERVAL_S = 0.02
+
+
+async def _start(ex: BashExecutor, command: str) -> BashTask:
+    return await ex.start(ex.resolve(BashExecRequest(command=command)))
+
+
+async def many_tasks(ex: BashExecutor, count: int) -> dict[str, Any]:
+    meter = PeakMeter()
+    tasks: list[BashTask] = []
+    start_seconds: list[float] = []
+
+    async def start_one() -> None:
+        started = time.perf_counter()
+        tasks.append(await _start(ex, TASK_COMMAND))
+        start_seconds.append(time.perf_counter() - started)
+
+    began = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for _ in range(count):
+            tg.start_soon(start_one)
+    for task in tasks:
+        await task.wait()
+    wall = time.perf_counter() - began
+    growth = meter.growth_mib()
+    wrong = 0
+    for task in tasks:
+        read = await ex.read_output(task.id)
+        if task.status != "completed" or task.exit_code != 0 or read.delta != EXPECTED_TASK_OUTPUT:
+            wrong += 1
+    if wrong:
+        raise RuntimeError(f"{wrong} of {count} background tasks did not complete with their full output")
+    return {
+        "tasks": count,
+        "wall_s": wall,
+        "slowest_start_s": max(start_seconds),
+        "median_start_s": statistics.median(start_seconds),
+        "rss_growth_mib": growth,
+    }
+
+
+async def read_cost(ex: BashExecutor, seconds: float, window: float) -> dict[str, Any]:
+    task = await _start(ex, WRITER_COMMAND)
+    samples: list[tuple[float, int, float, int]] = []  # (elapsed, total so far, cost, delta bytes)
+    total = 0
+    lossy = 0
+    began = time.perf_counter()
+    try:
+        while (elapsed := time.perf_counter() - began) < seconds:
+            await anyio.sleep(READ_INTERVAL_S)
+            started = time.perf_counter()
+            read = await ex.read_output(task.id)
+            cost = time.perf_counter() - started
+            delta = len(read.delta)
+            total += delta
+            lossy += read.lossy  # a late read (a loaded machine) lost bytes: counted, still a read
+            if delta:
+                samples.append((elapsed, total, cost, delta))
+    finally:
+        await ex.kill(task.id)
+        await task.wait()
+    small = [s for s in samples if s[0] < window]
+    large = [s for s in samples if s[0] >= seconds - window]
+    if len(small) < 5 or len(large) < 5:
+        raise RuntimeError(f"too few reads with output: {len(small)} early, {len(large)} late")
+
+    def per_kib(group: list[tuple[float, int, float, int]]) -> float:
+        return statistics.median(cost / (delta / 1024) for _, _, cost, delta in group) * 1e6
+
+    return {
+        "seconds": seconds,
+        "small_total_mib": statistics.median(s[1] for s in small) / 2**20,
+        "large_total_mib": statistics.median(s[1] for s in large) / 2**20,
+        "small_read_us": statistics.median(s[2] for s in small) * 1e6,
+        "large_read_us": statistics.median(s[2] for s in large) * 1e6,
+        "small_delta_kib": statistics.median(s[3] for s in small) / 1024,
+        "large_delta_kib": statistics.median(s[3] for s in large) / 1024,
+        "small_us_per_kib": per_kib(small),
+        "large_us_per_kib": per_kib(large),
+        "reads": len(samples),
+        "lossy_reads": lossy,
+    }
+
+
+async def measure(backend: str, context: dict[str, Any], tasks: int, seconds: float) -> dict[str, Any]:
+    from targets import make_executor  # noqa: PLC0415
+
+    async with make_executor(backend, context) as ex:
+        result = {"backend": backend, "many": await many_tasks(ex, tasks)}
+    async with make_executor(backend, context) as ex:
+        result["read"] = await read_cost(ex, seconds, window=min(1.0, seconds / 4))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--tasks", type=int, default=200)
+    parser.add_argument("--read-seconds", type=float, default=15.0)
+    parser.add_argument("--context", default="{}", help="JSON: image, labels, ssh (see bench/targets.py)")
+    args = parser.parse_args()
+    context = json.loads(args.context)
+    print(json.dumps(anyio.run(measure, args.backend, context, args.tasks, args.read_seconds)))
+
+
+if __name__ == "__main__":
+    main()
