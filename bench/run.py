@@ -397,6 +397,22 @@ def render(data: dict[str, Any]) -> tuple[str, list[Row]]:
     return "\n".join(lines) + "\n", rows
 
 
+README_BEGIN = "<!-- results: written by bench/run.py -->"
+README_END = "<!-- end of results -->"
+
+
+def _update_readme(readme: Path, results: str) -> None:
+    """Put the results (without their title) between the markers of ``readme``, if it has them."""
+    if not readme.exists():
+        return
+    text = readme.read_text()
+    begin, end = text.find(README_BEGIN), text.find(README_END)
+    if begin < 0 or end < begin:
+        return
+    body = results.split("\n", 2)[2] if results.startswith("# ") else results
+    readme.write_text(f"{text[: begin + len(README_BEGIN)]}\n{body}\n![chart](results.png)\n\n{text[end:]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=(__doc__ or "").splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -416,7 +432,17 @@ def main() -> None:
         help="replace only the rows of these backends and parts in OUT/results.json, keep the others "
         "(e.g. re-measure SSH alone: --backends ssh --merge)",
     )
+    parser.add_argument(
+        "--render",
+        action="store_true",
+        help="measure nothing: rewrite the table, README and chart from results.json",
+    )
     args = parser.parse_args()
+    if args.render:
+        data = _load(args.out / "results.json")
+        text, ordered = render(data)
+        _write(args.out, data, text, ordered)
+        return
     backends = [b for b in args.backends.split(",") if b]
     parts = [p for p in args.only.split(",") if p]
     for name in backends:
@@ -473,10 +499,16 @@ def main() -> None:
     used = {r["run"] for r in data["rows"]}
     data["runs"] = [run for run in data["runs"] if run["run"] in used]
     text, ordered = render(data)
+    _write(args.out, data, text, ordered)
+
+
+def _write(out: Path, data: dict[str, Any], text: str, rows: list[Row]) -> None:
     print(text)
-    (args.out / "results.md").write_text(text)
-    (args.out / "results.json").write_text(json.dumps(data, indent=1) + "\n")
-    chart(ordered, args.out / "results.png", f"dsh-bash vs baselines; {about['cpu']}; {about['when']}")
+    (out / "results.md").write_text(text)
+    _update_readme(out / "README.md", text)
+    (out / "results.json").write_text(json.dumps(data, indent=1) + "\n")
+    latest = data["runs"][-1]["machine"]
+    chart(rows, out / "results.png", f"dsh-bash vs baselines; {latest['cpu']}; {latest['when']}")
 
 
 if __name__ == "__main__":
