@@ -111,28 +111,50 @@ class ExitTrailerFilter:
         if self.exit_code is not None:
             self._sink(data)
             return
-        held = self._held + bytes(data)
-        index = held.find(self._prefix)
+        held = self._held + bytes(data) if self._held else bytes(data)
+        self._held = b""
+        if held.find(b"\0") < 0:  # one memchr: ordinary output has no NUL, so no trailer either
+            self._sink(held)
+            return
+        index = self._find_prefix(held)
         if index >= 0 and len(held) >= index + self._size:
             trailer = held[index : index + self._size]
-            self._held = b""
             self.exit_code = int(trailer[len(self._prefix) : -1])
             if index:
                 self._sink(held[:index])
             if len(held) > index + self._size:
                 self._sink(held[index + self._size :])
             return
+        # Hold back a tail that may be the trailer's start. Only the last NUL within the trailer's
+        # length of the end can begin one: the prefix holds no other NUL, and a complete trailer
+        # (which does end in one) was found above.
         keep = 0
-        floor = max(0, len(held) - self._size)
-        start = held.rfind(b"\0", floor)
-        while start >= 0:
-            if self._prefix.startswith(held[start : start + len(self._prefix)]):
-                keep = len(held) - start
-                break
-            start = held.rfind(b"\0", floor, start)
+        start = held.rfind(b"\0", max(0, len(held) - self._size))
+        if start >= 0 and self._prefix.startswith(held[start : start + len(self._prefix)]):
+            keep = len(held) - start
         if keep < len(held):
-            self._sink(held[: len(held) - keep])
-        self._held = held[len(held) - keep :]
+            self._sink(held[: len(held) - keep] if keep else held)
+        self._held = held[len(held) - keep :] if keep else b""
+
+    def _find_prefix(self, held: bytes) -> int:
+        """Where the trailer's prefix first starts in ``held``, or -1.
+
+        Anchored on the prefix's second byte (one memchr per candidate): ``bytes.find`` with the
+        whole prefix pays a fixed set-up of several microseconds per call, and in NUL-heavy
+        output (``/dev/zero``) it advances a byte at a time. After a few false candidates the
+        whole-prefix search takes over, so binary output full of that byte stays linear.
+        """
+        prefix = self._prefix
+        second = prefix[1:2]
+        at = held.find(second, 1)
+        for _ in range(8):
+            if at < 0:
+                return -1
+            if held[at - 1] == 0 and held.startswith(prefix, at - 1):
+                return at - 1
+            at = held.find(second, at + 1)
+        # Output full of that byte (binary data): let the C search take the rest.
+        return -1 if at < 0 else held.find(prefix, at - 1)
 
     def flush(self) -> None:
         """The stream ended: whatever was held back was output after all."""
