@@ -6,10 +6,11 @@ backend's own. Two measurements on one executor with the backend's default confi
 * ``--tasks N`` tasks started at once (each prints five lines over about half a second): wall time
   from the first ``start`` to the last task's end, the slowest ``start``, peak RSS growth, and
   every task's output read back and checked.
-* One task writes about 8 KiB every 10 ms for ``--read-seconds``; it is read every 20 ms. The cost
-  of a read is timed when the task's total output is small (the first ``--window`` seconds) and when
-  it is large (the last ``--window`` seconds). A read must cost what its delta costs, not what the
-  total costs: the figure is the ratio of the median cost per delta byte, large total over small.
+* A task writes about 8 KiB every 10 ms and is read every 20 ms; after ``--read-seconds`` a second,
+  identical task starts, and for a few more seconds both are read in turns: the old one has a large
+  total, the fresh one a small total, and both get the same deltas. A read must cost what its delta
+  costs, not what the total costs: the figure is the ratio of the median cost per delta byte, old
+  task over fresh task.
 
     python bench/background.py --backend local [--tasks 200] [--read-seconds 15] [--context JSON]
 """
@@ -73,44 +74,61 @@ async def many_tasks(ex: BashExecutor, count: int) -> dict[str, Any]:
 
 
 async def read_cost(ex: BashExecutor, seconds: float, window: float) -> dict[str, Any]:
-    task = await _start(ex, WRITER_COMMAND)
-    samples: list[tuple[float, int, float, int]] = []  # (elapsed, total so far, cost, delta bytes)
-    total = 0
+    """Two identical writers: one started ``seconds`` ago (a large total), one fresh (a small total).
+
+    For the last ``window`` seconds both are read in turns, so load on the machine hits both alike.
+    """
+    old = await _start(ex, WRITER_COMMAND)
+    fresh: BashTask | None = None
+    # (total so far, cost in seconds, delta bytes) of each task's reads in the window.
+    samples: dict[str, list[tuple[int, float, int]]] = {"large": [], "small": []}
+    totals = {"large": 0, "small": 0}
     lossy = 0
+    turn = 0
     began = time.perf_counter()
     try:
-        while (elapsed := time.perf_counter() - began) < seconds:
+        while (elapsed := time.perf_counter() - began) < seconds + window:
             await anyio.sleep(READ_INTERVAL_S)
-            started = time.perf_counter()
-            read = await ex.read_output(task.id)
-            cost = time.perf_counter() - started
-            delta = len(read.delta)
-            total += delta
-            lossy += read.lossy  # a late read (a loaded machine) lost bytes: counted, still a read
-            if delta:
-                samples.append((elapsed, total, cost, delta))
+            if fresh is None and elapsed >= seconds:
+                fresh = await _start(ex, WRITER_COMMAND)
+                continue
+            pairs = [("large", old)] if fresh is None else [("large", old), ("small", fresh)]
+            turn += 1
+            if turn % 2:  # who goes first after the sleep may pay for other tasks' wake-ups: take turns
+                pairs.reverse()
+            for name, task in pairs:
+                started = time.perf_counter()
+                read = await ex.read_output(task.id)
+                cost = time.perf_counter() - started
+                delta = len(read.delta)
+                totals[name] += delta
+                lossy += read.lossy  # a late read (a loaded machine) lost bytes: counted, still a read
+                if fresh is not None and delta:
+                    samples[name].append((totals[name], cost, delta))
     finally:
-        await ex.kill(task.id)
-        await task.wait()
-    small = [s for s in samples if s[0] < window]
-    large = [s for s in samples if s[0] >= seconds - window]
+        for task in (old, fresh):
+            if task is not None:
+                await ex.kill(task.id)
+                await task.wait()
+    large, small = samples["large"], samples["small"]
     if len(small) < 5 or len(large) < 5:
-        raise RuntimeError(f"too few reads with output: {len(small)} early, {len(large)} late")
+        raise RuntimeError(f"too few reads with output: {len(small)} fresh, {len(large)} old")
 
-    def per_kib(group: list[tuple[float, int, float, int]]) -> float:
-        return statistics.median(cost / (delta / 1024) for _, _, cost, delta in group) * 1e6
+    def per_kib(group: list[tuple[int, float, int]]) -> float:
+        return statistics.median(cost / (delta / 1024) for _, cost, delta in group) * 1e6
 
     return {
         "seconds": seconds,
-        "small_total_mib": statistics.median(s[1] for s in small) / 2**20,
-        "large_total_mib": statistics.median(s[1] for s in large) / 2**20,
-        "small_read_us": statistics.median(s[2] for s in small) * 1e6,
-        "large_read_us": statistics.median(s[2] for s in large) * 1e6,
-        "small_delta_kib": statistics.median(s[3] for s in small) / 1024,
-        "large_delta_kib": statistics.median(s[3] for s in large) / 1024,
+        "window": window,
+        "small_total_mib": statistics.median(s[0] for s in small) / 2**20,
+        "large_total_mib": statistics.median(s[0] for s in large) / 2**20,
+        "small_read_us": statistics.median(s[1] for s in small) * 1e6,
+        "large_read_us": statistics.median(s[1] for s in large) * 1e6,
+        "small_delta_kib": statistics.median(s[2] for s in small) / 1024,
+        "large_delta_kib": statistics.median(s[2] for s in large) / 1024,
         "small_us_per_kib": per_kib(small),
         "large_us_per_kib": per_kib(large),
-        "reads": len(samples),
+        "reads": len(small) + len(large),
         "lossy_reads": lossy,
     }
 
@@ -121,7 +139,7 @@ async def measure(backend: str, context: dict[str, Any], tasks: int, seconds: fl
     async with make_executor(backend, context) as ex:
         result = {"backend": backend, "many": await many_tasks(ex, tasks)}
     async with make_executor(backend, context) as ex:
-        result["read"] = await read_cost(ex, seconds, window=min(1.0, seconds / 4))
+        result["read"] = await read_cost(ex, seconds, window=min(3.0, seconds / 2))
     return result
 
 
