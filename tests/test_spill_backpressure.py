@@ -166,3 +166,20 @@ async def test_docker_streaming_keeps_the_spill_queue_bounded(docker_test_image:
         assert peak <= SPILL_HIGH_WATER_BYTES + 512 * 1024, f"spill queue peaked at {peak / MIB:.1f} MiB"
         spilled = await ex.exec(f"wc -c < {result.stdout.spill_path}")
         assert int(spilled.stdout.text.strip()) == size
+
+
+@pytest.mark.docker
+async def test_docker_stream_outgrowing_its_spill_is_not_held_back(docker_test_image: str) -> None:
+    """Past max_spill_bytes the spill is deleted: the pump must not wait on it any longer."""
+    config = DockerConfig(
+        image=docker_test_image, grace_ms=300, max_spill_bytes=2 * MIB, labels={SESSION_LABEL: SESSION_ID}
+    )
+    async with DockerBashExecutor(config) as ex:
+        with anyio.fail_after(60):
+            result = await ex.exec(f"head -c {16 * MIB} /dev/zero; echo done >&2", timeout_ms=60_000)
+        assert result.exit_code == 0
+        assert not result.timed_out
+        assert result.stdout.total_bytes == 16 * MIB
+        assert result.stdout.spill_path is None
+        assert result.stderr.text == "done\n"
+        assert all(not spills for spills in ex._spills._by_marker.values())
