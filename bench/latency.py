@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from dsh_bash_local import LocalBashExecutor, LocalConfig
 
@@ -85,7 +86,8 @@ async def bench_docker(runs: int, image: str) -> list[tuple[str, str, float, flo
     ]
 
 
-async def bench_ssh(runs: int) -> list[tuple[str, str, float, float]]:
+async def bench_ssh(runs: int, server: Any = None) -> list[tuple[str, str, float, float]]:
+    """Against ``server`` (a running tests/ssh_support.SshServer), else a throwaway one started here."""
     import sys  # noqa: PLC0415
 
     import asyncssh  # noqa: PLC0415
@@ -93,7 +95,9 @@ async def bench_ssh(runs: int) -> list[tuple[str, str, float, float]]:
     sys.path.insert(0, _TESTS)
     import ssh_support  # noqa: PLC0415
 
-    server = ssh_support.start_server()
+    own_server = server is None
+    if own_server:
+        server = ssh_support.start_server()
     try:
         options = server.config()
         cli = [
@@ -122,12 +126,15 @@ async def bench_ssh(runs: int) -> list[tuple[str, str, float, float]]:
             medians = await _alternate(runs, subject, {"raw": raw})
 
             async def ssh_cli() -> None:
-                process = await asyncio.create_subprocess_exec(*cli, stderr=asyncio.subprocess.DEVNULL)
+                process = await asyncio.create_subprocess_exec(
+                    *cli, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+                )
                 await process.wait()
 
             cli_medians = await _alternate(max(5, runs // 10), subject, {"cli": ssh_cli})
     finally:
-        ssh_support.stop_server(server)
+        if own_server:
+            ssh_support.stop_server(server)
     return [
         ("ssh", 'asyncssh conn.run("true") on a reused connection', medians["subject"], medians["raw"]),
         ("ssh", "ssh CLI (new connection each time)", cli_medians["subject"], cli_medians["cli"]),

@@ -23,6 +23,7 @@ __all__ = [
     "EXIT_PREFIX",
     "KILL",
     "SPILL_DIR",
+    "SPILL_HIGH_WATER_BYTES",
     "SPILL_WRITER",
     "CommandSpills",
     "ExitTrailerFilter",
@@ -90,6 +91,11 @@ exec cat > "$1" """
 
 SPILL_DIR = r"""umask 077; mktemp -d "${TMPDIR:-/tmp}/dsh-bash-XXXXXX" """
 
+#: Bytes a spill file may hold queued (received, not yet sent to its writer) before the command's
+#: output pump stops reading until the writer caught up. Without it the queue grows as fast as the
+#: transport delivers output, up to ``max_spill_bytes`` of memory per stream.
+SPILL_HIGH_WATER_BYTES = 1024 * 1024
+
 
 class ExitTrailerFilter:
     """Passes stdout on while taking out the boot script's exit trailer, which may span two chunks.
@@ -111,28 +117,50 @@ class ExitTrailerFilter:
         if self.exit_code is not None:
             self._sink(data)
             return
-        held = self._held + bytes(data)
-        index = held.find(self._prefix)
+        held = self._held + bytes(data) if self._held else bytes(data)
+        self._held = b""
+        if held.find(b"\0") < 0:  # one memchr: ordinary output has no NUL, so no trailer either
+            self._sink(held)
+            return
+        index = self._find_prefix(held)
         if index >= 0 and len(held) >= index + self._size:
             trailer = held[index : index + self._size]
-            self._held = b""
             self.exit_code = int(trailer[len(self._prefix) : -1])
             if index:
                 self._sink(held[:index])
             if len(held) > index + self._size:
                 self._sink(held[index + self._size :])
             return
+        # Hold back a tail that may be the trailer's start. Only the last NUL within the trailer's
+        # length of the end can begin one: the prefix holds no other NUL, and a complete trailer
+        # (which does end in one) was found above.
         keep = 0
-        floor = max(0, len(held) - self._size)
-        start = held.rfind(b"\0", floor)
-        while start >= 0:
-            if self._prefix.startswith(held[start : start + len(self._prefix)]):
-                keep = len(held) - start
-                break
-            start = held.rfind(b"\0", floor, start)
+        start = held.rfind(b"\0", max(0, len(held) - self._size))
+        if start >= 0 and self._prefix.startswith(held[start : start + len(self._prefix)]):
+            keep = len(held) - start
         if keep < len(held):
-            self._sink(held[: len(held) - keep])
-        self._held = held[len(held) - keep :]
+            self._sink(held[: len(held) - keep] if keep else held)
+        self._held = held[len(held) - keep :] if keep else b""
+
+    def _find_prefix(self, held: bytes) -> int:
+        """Where the trailer's prefix first starts in ``held``, or -1.
+
+        Anchored on the prefix's second byte (one memchr per candidate): ``bytes.find`` with the
+        whole prefix pays a fixed set-up of several microseconds per call, and in NUL-heavy
+        output (``/dev/zero``) it advances a byte at a time. After a few false candidates the
+        whole-prefix search takes over, so binary output full of that byte stays linear.
+        """
+        prefix = self._prefix
+        second = prefix[1:2]
+        at = held.find(second, 1)
+        for _ in range(8):
+            if at < 0:
+                return -1
+            if held[at - 1] == 0 and held.startswith(prefix, at - 1):
+                return at - 1
+            at = held.find(second, at + 1)
+        # Output full of that byte (binary data): let the C search take the rest.
+        return -1 if at < 0 else held.find(prefix, at - 1)
 
     def flush(self) -> None:
         """The stream ended: whatever was held back was output after all."""
@@ -159,15 +187,21 @@ class QueuedSpillFile(ABC):
 
     A spill exists only for streams that outgrow ``max_output_bytes``, so most commands never pay
     for one. The :class:`dsh_bash.SpillFile` methods are synchronous (output accounting calls them
-    for every chunk): they queue (bounded by ``max_spill_bytes``), and :meth:`run`, started by the
-    backend as a helper task, sends the queue through the backend's writer. A backend's release
-    waits for :attr:`done`, so the next command can read the complete file.
+    for every chunk): they queue, and :meth:`run`, started by the backend as a helper task, sends
+    the queue through the backend's writer. The queue is kept small by the backend's output pump,
+    which awaits :meth:`wait_drained` (through :meth:`CommandSpills.wait_writable`) after feeding
+    each chunk it read. A backend's release waits for :attr:`done`, so the next command can read
+    the complete file.
     """
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._queue: list[bytes] = []
+        #: Bytes written and not yet sent (including those :meth:`run` took off the queue).
+        self._queued_bytes = 0
         self._wake = anyio.Event()
+        #: Set (and replaced) whenever the backlog may have fallen under the high-water mark.
+        self._drained = anyio.Event()
         self._closed = False
         self._deleted = False
         self.done = anyio.Event()
@@ -181,7 +215,10 @@ class QueuedSpillFile(ABC):
         """Remove the file (``rm -f -- PATH``) where the commands run."""
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self.done.is_set():  # the writer failed: the file stays incomplete, queueing would only grow
+            return
         self._queue.append(bytes(data))
+        self._queued_bytes += len(data)
         self._wake.set()
 
     def close(self) -> None:
@@ -192,7 +229,23 @@ class QueuedSpillFile(ABC):
         self._deleted = True
         self._closed = True
         self._queue.clear()
+        self._queued_bytes = 0
         self._wake.set()
+        self._signal_drained()
+
+    @property
+    def backlogged(self) -> bool:
+        """More than :data:`SPILL_HIGH_WATER_BYTES` wait to be sent, and the writer may still send them."""
+        return self._queued_bytes >= SPILL_HIGH_WATER_BYTES and not self._deleted and not self.done.is_set()
+
+    async def wait_drained(self) -> None:
+        """Return once the backlog is under the high-water mark, or the spill is done, failed or deleted."""
+        while self.backlogged:
+            await self._drained.wait()
+
+    def _signal_drained(self) -> None:
+        self._drained.set()
+        self._drained = anyio.Event()
 
     async def run(self) -> None:
         """Send queued bytes into the file; on delete, stop and remove it. Sets :attr:`done` at the end."""
@@ -207,6 +260,11 @@ class QueuedSpillFile(ABC):
                         if self._deleted:
                             break
                         await writer.send(chunk)
+                        if self._deleted:  # delete() forgot the whole backlog already
+                            break
+                        self._queued_bytes -= len(chunk)
+                        if self._queued_bytes < SPILL_HIGH_WATER_BYTES:
+                            self._signal_drained()
                     if self._closed and not self._queue:
                         break
                 await writer.finish()
@@ -222,7 +280,10 @@ class QueuedSpillFile(ABC):
                         await self._remove()
                     except Exception as exc:
                         log.warning("spill file %s: removing failed: %s", self.path, exc)
+            self._queue.clear()
+            self._queued_bytes = 0
             self.done.set()
+            self._signal_drained()
 
 
 def spill_file_path(directory: str, stream: str) -> str:
@@ -243,6 +304,17 @@ class CommandSpills:
         self._by_marker.setdefault(marker, []).append(spill)
         self._start_helper(spill.run)
         return spill
+
+    async def wait_writable(self, marker: str) -> None:
+        """Backpressure for the command's output pump: await after feeding each chunk it read.
+
+        Returns at once while every spill of the command holds less than
+        :data:`SPILL_HIGH_WATER_BYTES` unsent, else waits until its writer drained it below that;
+        never waits on a spill that is done, failed or deleted.
+        """
+        for spill in self._by_marker.get(marker, ()):
+            if spill.backlogged:
+                await spill.wait_drained()
 
     async def wait_complete(self, marker: str) -> None:
         """Wait (bounded) until every spill file of the command is complete; forget them."""

@@ -46,3 +46,26 @@ def test_nul_bytes_that_only_look_like_a_start_are_released_at_the_end() -> None
 def test_output_after_the_trailer_passes_straight_through() -> None:
     out, code = _run([_trailer(0), b"late", b"\0dsh-bash-exit:"])
     assert (out, code) == (b"late\0dsh-bash-exit:", 0)
+
+
+@pytest.mark.parametrize("split", range(0, 140, 3))
+def test_a_trailer_inside_nul_bytes_split_anywhere(split: int) -> None:
+    """/dev/zero-like output: every byte is a NUL, as is the trailer's first."""
+    stream = b"\0" * 100 + _trailer(3) + b"\0" * 5
+    assert _run([stream[:split], stream[split:]]) == (b"\0" * 105, 3)
+
+
+NEAR_MISSES = [b"d\0x", b"\0d", b"\0dsh-bash-exit:", b"\0dsh-bash-exit:" + NONCE.encode()]
+
+
+@pytest.mark.parametrize("filler", NEAR_MISSES)
+def test_a_trailer_after_many_false_starts_is_found(filler: bytes) -> None:
+    """Near misses of the prefix (more than the filter checks one by one) neither hide nor fake it."""
+    before = filler * 50
+    assert _run([before + _trailer(42) + b"tail"]) == (before + b"tail", 42)
+    assert _run([before, _trailer(42)[:9], _trailer(42)[9:]]) == (before, 42)
+
+
+def test_output_ending_in_a_partial_prefix_is_output_at_flush() -> None:
+    partial = b"\0\0" + _trailer(0)[:10]
+    assert _run([b"abc", partial]) == (b"abc" + partial, None)

@@ -323,6 +323,7 @@ class DockerBashExecutor(BashExecutor):
             start_helper=self._start_helper,
             on_release=on_release,
             nonce=nonce,
+            wait_writable=lambda: self._spills.wait_writable(marker),
         )
         try:
             await process.read_preamble()

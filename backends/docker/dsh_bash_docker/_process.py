@@ -149,6 +149,7 @@ class DockerProcess(CommandProcess):
         start_helper: StartHelper,
         on_release: Callable[[], Awaitable[None]],
         nonce: str,
+        wait_writable: Callable[[], Awaitable[None]],
     ) -> None:
         self._engine = engine
         self._container = container
@@ -162,6 +163,10 @@ class DockerProcess(CommandProcess):
         self._stdout = ExitTrailerFilter(nonce, launch.stdout.feed)
         self._pending_out: list[bytes] = []
         self._pending_err: list[bytes] = []
+        # Backpressure: the command's spill files (CommandSpills.wait_writable) must catch up
+        # before more output is read, or their queues would hold whatever the engine delivers.
+        self._wait_writable = wait_writable
+        self._fed = False
 
     async def read_preamble(self) -> None:
         """Wait for the boot script's verdict; raise BashInfrastructureError when the command cannot start."""
@@ -202,9 +207,17 @@ class DockerProcess(CommandProcess):
         )
 
     def _feed_stdout(self, data: memoryview | bytes) -> None:
+        self._fed = True
         self._stdout.feed(data)
         if self._stdout.exit_code is not None:
             self._eof_or_exit.set()
+
+    def _feed_stderr(self, data: memoryview | bytes) -> None:
+        self._fed = True
+        self._launch.stderr.feed(data)
+
+    def _fed_since_wait(self) -> bool:
+        return self._fed
 
     async def pump_output(self) -> None:
         launch = self._launch
@@ -219,7 +232,12 @@ class DockerProcess(CommandProcess):
                     launch.stderr.feed(data)
                 self._pending_out = []
                 self._pending_err = []
-                await self._stream.pump(self._feed_stdout, launch.stderr.feed)
+                # pump_until returns after each read that fed output (True) or at end of stream.
+                while await self._stream.pump_until(
+                    self._feed_stdout, self._feed_stderr, self._fed_since_wait
+                ):
+                    self._fed = False
+                    await self._wait_writable()
                 tg.cancel_scope.cancel()
         finally:
             if self._stream.at_eof:
