@@ -7,6 +7,7 @@ import logging
 import math
 import posixpath
 import secrets
+import signal as _signal
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
@@ -242,10 +243,12 @@ class BashExecutor(ABC):
             try:
                 for command in list(self._live):
                     self._request_kill(command, "closed")
-                with anyio.move_on_after(2 * grace_s + 0.5):
+                with anyio.move_on_after(2 * grace_s + 0.5) as bound:
                     await kill_sequence(self._leftovers(), grace_s, f"{type(self).__name__} leftovers")
                     for command in list(self._live):
                         await command.finished.wait()
+                if bound.cancelled_caught:
+                    await self._last_sigkill(grace_s)
                 for command in list(self._live):
                     log.warning("command %s did not finish within the close bound", command.launch.marker)
                     await self._finalize(command)
@@ -259,6 +262,21 @@ class BashExecutor(ABC):
                 self._state = "closed"
                 assert self._closed_event is not None
                 self._closed_event.set()
+
+    async def _last_sigkill(self, grace_s: float) -> None:
+        """One more SIGKILL to everything still marked, when the close bound cut the kills short.
+
+        On a slow backend (a saturated engine, a loaded host) the bound can end the sequences before
+        their SIGKILL went out, and a process that traps SIGTERM would then outlive the executor.
+        Sending is bounded too, but apart from the wait: it is never skipped for lack of time.
+        """
+        with anyio.move_on_after(max(5.0, 2 * grace_s)) as scope:
+            try:
+                await self._leftovers().signal_all(_signal.SIGKILL)
+            except Exception:
+                log.exception("%s: the last SIGKILL to leftovers failed", type(self).__name__)
+        if scope.cancelled_caught:
+            log.warning("%s: the last SIGKILL to leftovers did not finish in time", type(self).__name__)
 
     def _ensure_open(self) -> None:
         if self._state != "open":
