@@ -116,6 +116,19 @@ class _Command:
         return code, None
 
 
+class _SentToAll(set[int]):
+    """The signals aclose's one kill sequence sends, recorded for every command it kills."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.commands: list[_Command] = []
+
+    def add(self, sig: int) -> None:
+        super().add(sig)
+        for command in self.commands:
+            command.sent_signals.add(sig)
+
+
 class BashExecutor(ABC):
     """An async shell executor. Use as ``async with Executor(config) as ex: ...``.
 
@@ -127,6 +140,11 @@ class BashExecutor(ABC):
     signals_as_exit_codes: ClassVar[bool] = False
     #: The backend's config model: :meth:`from_fields` validates plain fields with it.
     config_class: ClassVar[type[BudgetConfig]] = BudgetConfig
+    #: False for backends whose :meth:`_leftovers` reaches every process of every command (their
+    #: groups included) and whose every look at processes is costly (Docker: an exec each): aclose
+    #: then runs that one kill sequence for all commands instead of one per command, whose polls
+    #: would pile up in the engine by the thousand with many tasks running.
+    close_kills_each_command: ClassVar[bool] = True
 
     @classmethod
     def from_fields(cls, **fields: Any) -> Self:
@@ -241,10 +259,15 @@ class BashExecutor(ABC):
         grace_s = self._config.grace_ms / 1000
         with anyio.CancelScope(shield=True):
             try:
+                sent = _SentToAll()
                 for command in list(self._live):
-                    self._request_kill(command, "closed")
+                    if self.close_kills_each_command:
+                        self._request_kill(command, "closed")
+                    elif not (command.finishing or command.finalized) and command.kill_cause is None:
+                        command.kill_cause = "closed"  # the leftovers' sequence below kills it
+                        sent.commands.append(command)
                 with anyio.move_on_after(2 * grace_s + 0.5) as bound:
-                    await kill_sequence(self._leftovers(), grace_s, f"{type(self).__name__} leftovers")
+                    await kill_sequence(self._leftovers(), grace_s, f"{type(self).__name__} leftovers", sent)
                     for command in list(self._live):
                         await command.finished.wait()
                 if bound.cancelled_caught:

@@ -65,8 +65,10 @@ async def test_cancelled_start_leaves_nothing(backend: Backend, marker: str) -> 
     assert await eventually_gone(marker, 2) == []
 
 
-#: The contract's bound on aclose (about twice grace_ms), plus slack for a loaded 2-CPU host.
-ACLOSE_BOUND_S = 2 * GRACE_MS / 1000 + 1.5
+#: aclose's own bound on kills (2 x grace + 0.5 s, the contract's "about twice grace_ms"), plus 4 s for
+#: the backend's release (removing a container) on a loaded 2-CPU host. Before the fixes recorded in
+#: docs/faults.md, Docker took 9-100 s here and left a SIGTERM-trapping process behind.
+ACLOSE_BOUND_S = 2 * GRACE_MS / 1000 + 0.5 + 4.0
 
 
 @pytest.mark.timeout(240)
@@ -113,11 +115,6 @@ async def test_aclose_with_a_hundred_tasks_running(backend: Backend, marker: str
             await ex.exec("true")
         for kind in ("plain", "trap", "daemon"):
             assert find_host_processes(f"{marker}-{kind}") == [], kind
-    if elapsed > ACLOSE_BOUND_S and backend.is_docker:
-        # Known, not fixed yet: every command's kill sequence runs its own execs (signal, then a
-        # poll every 15 ms) and 100 of them at once queue thousands of execs in the engine, which
-        # it works off long after the client gave up on them. Everything still ends, nothing survives.
-        pytest.xfail(f"docker: aclose with 100 tasks took {elapsed:.1f}s, above {ACLOSE_BOUND_S:.1f}s")
     assert elapsed < ACLOSE_BOUND_S, elapsed
 
 

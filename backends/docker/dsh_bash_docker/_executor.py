@@ -77,6 +77,8 @@ class DockerBashExecutor(BashExecutor):
     config_class = DockerConfig
 
     signals_as_exit_codes = True
+    # The leftovers' kill script reaches every command's marked processes and their groups.
+    close_kills_each_command = False
 
     def __init__(self, config: DockerConfig) -> None:
         super().__init__(config)
