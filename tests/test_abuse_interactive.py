@@ -167,6 +167,7 @@ async def test_fork_bomb_is_bounded_by_the_pids_limit(backend: Backend, marker: 
         assert await ex.kill(task.id) is True
         with anyio.fail_after(20):
             await task.wait()
+        print(f"fork bomb under pids_limit=64: {task.status}, {task.end_cause}, signal {task.signal}")
         assert task.status == "killed"
         assert task.end_cause in ("killed", "lost"), task.end_cause
         assert await eventually_gone(marker, 10) == []
