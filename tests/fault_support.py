@@ -9,7 +9,7 @@ Loaded as a pytest plugin by ``tests/conftest.py`` (``pytest_plugins``), like ``
   find the command's processes from outside (the kit's ``find_host_processes``: every backend here runs
   its processes on this host). Whatever still carries it at the end of the test is SIGKILLed.
 - :class:`SecondEngine` / :func:`second_engine`: a private ``dockerd`` (own socket, data and exec roots,
-  no bridge, no iptables) that a test may restart without disturbing the shared engine.
+  own bridge interface, no iptables) that a test may restart without disturbing the shared engine.
 - :func:`restart_sshd`, :func:`session_sshds`: cutting and restarting the test SSH server.
 """
 
@@ -173,6 +173,11 @@ class SecondEngine:
         self.socket = self.root / "d.sock"
         self.url = f"unix://{self.socket}"
         self.process: subprocess.Popen[bytes] | None = None
+        # A bridge of its own. NOT `--bridge none`: a dockerd started with it deletes the host's
+        # `docker0` (moby's removeDefaultBridgeInterface), which breaks the shared engine's default
+        # network for everyone until docker0 is made again.
+        self.bridge = f"dshe{os.urandom(4).hex()}"  # interface names: at most 15 characters
+        self._bridge_made = False
 
     def _command(self) -> list[str]:
         return [
@@ -181,12 +186,15 @@ class SecondEngine:
             "--data-root", str(self.root / "data"),
             "--exec-root", str(self.root / "x"),
             "--pidfile", str(self.root / "pid"),
-            "--bridge", "none",
+            "--bridge", self.bridge,
             "--iptables=false",
             "--ip6tables=false",
         ]  # fmt: skip
 
     def start(self, within_s: float = 30.0) -> None:
+        if not self._bridge_made:
+            subprocess.run(["ip", "link", "add", self.bridge, "type", "bridge"], check=True)
+            self._bridge_made = True
         log = open(self.root / "dockerd.log", "ab")  # noqa: SIM115 - the daemon keeps writing to it
         self.process = subprocess.Popen(self._command(), stdout=log, stderr=log, start_new_session=True)
         log.close()
@@ -238,6 +246,9 @@ class SecondEngine:
             if ids:
                 self.docker("rm", "-f", *ids)
         self.stop()
+        if self._bridge_made:
+            subprocess.run(["ip", "link", "del", self.bridge], check=False)
+            self._bridge_made = False
         # Its overlay mounts are gone once the daemon stopped cleanly; anything left is only files.
         subprocess.run(["rm", "-rf", "--one-file-system", str(self.root)], check=False)
         shutil.rmtree(self.root, ignore_errors=True)
@@ -246,8 +257,8 @@ class SecondEngine:
 @pytest.fixture(scope="module")
 def second_engine(docker_test_image: str) -> Iterator[SecondEngine]:
     """A private dockerd with the test image loaded (module-scoped: starting one takes seconds)."""
-    if shutil.which("dockerd") is None or os.geteuid() != 0:
-        pytest.skip(f"{BACKEND_UNAVAILABLE} a second dockerd needs the dockerd binary and root")
+    if shutil.which("dockerd") is None or shutil.which("ip") is None or os.geteuid() != 0:
+        pytest.skip(f"{BACKEND_UNAVAILABLE} a second dockerd needs the dockerd and ip binaries, and root")
     engine = SecondEngine()
     engine.start()
     try:

@@ -107,6 +107,10 @@ async def test_aclose_with_a_hundred_tasks_running(backend: Backend, marker: str
         # That it ends at all is the pytest timeout's business; its bound is checked last, below.
         assert [task.status for task in tasks] == ["killed"] * 100
         assert {task.end_cause for task in tasks} == {"closed"}
+        # The signal each died of is told, also where only 128+n is seen (Docker): the plain ones
+        # died of SIGTERM, the trapping ones only of SIGKILL.
+        assert {(task.signal, task.exit_code) for task in tasks[:40]} == {("SIGTERM", None)}
+        assert {(task.signal, task.exit_code) for task in tasks[40:70]} == {("SIGKILL", None)}
         assert notified == []  # no listener once aclose has begun
         for task in tasks:
             with anyio.fail_after(1):
