@@ -271,7 +271,7 @@ class BashExecutor(ABC):
                     for command in list(self._live):
                         await command.finished.wait()
                 if bound.cancelled_caught:
-                    await self._last_sigkill(grace_s)
+                    await self._last_sigkill(grace_s, sent)
                 for command in list(self._live):
                     log.warning("command %s did not finish within the close bound", command.launch.marker)
                     await self._finalize(command)
@@ -286,13 +286,14 @@ class BashExecutor(ABC):
                 assert self._closed_event is not None
                 self._closed_event.set()
 
-    async def _last_sigkill(self, grace_s: float) -> None:
+    async def _last_sigkill(self, grace_s: float, sent: set[int]) -> None:
         """One more SIGKILL to everything still marked, when the close bound cut the kills short.
 
         On a slow backend (a saturated engine, a loaded host) the bound can end the sequences before
         their SIGKILL went out, and a process that traps SIGTERM would then outlive the executor.
         Sending is bounded too, but apart from the wait: it is never skipped for lack of time.
         """
+        sent.add(_signal.SIGKILL)  # so that a 137 it causes reads as SIGKILL, not as an exit code
         with anyio.move_on_after(max(5.0, 2 * grace_s)) as scope:
             try:
                 await self._leftovers().signal_all(_signal.SIGKILL)

@@ -107,10 +107,15 @@ async def test_aclose_with_a_hundred_tasks_running(backend: Backend, marker: str
         # That it ends at all is the pytest timeout's business; its bound is checked last, below.
         assert [task.status for task in tasks] == ["killed"] * 100
         assert {task.end_cause for task in tasks} == {"closed"}
-        # The signal each died of is told, also where only 128+n is seen (Docker): the plain ones
-        # died of SIGTERM, the trapping ones only of SIGKILL.
-        assert {(task.signal, task.exit_code) for task in tasks[:40]} == {("SIGTERM", None)}
-        assert {(task.signal, task.exit_code) for task in tasks[40:70]} == {("SIGKILL", None)}
+        # Never a wrong claim about how each died, also where only 128+n is seen (Docker): the plain
+        # ones died of SIGTERM, the trapping ones only of SIGKILL. (None, None) is honest only for a
+        # command whose end aclose stopped waiting for (its bound expired: a loaded engine).
+        plain_ends = {(task.signal, task.exit_code) for task in tasks[:40]}
+        trap_ends = {(task.signal, task.exit_code) for task in tasks[40:70]}
+        assert plain_ends <= {("SIGTERM", None), (None, None)}, plain_ends
+        assert trap_ends <= {("SIGKILL", None), (None, None)}, trap_ends
+        if elapsed < 2 * GRACE_MS / 1000 + 0.5:  # within aclose's bound every end was seen
+            assert (plain_ends, trap_ends) == ({("SIGTERM", None)}, {("SIGKILL", None)})
         assert notified == []  # no listener once aclose has begun
         for task in tasks:
             with anyio.fail_after(1):
