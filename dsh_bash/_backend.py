@@ -118,14 +118,17 @@ async def kill_sequence(
         return []
     if sent is not None:
         sent.add(_signal.SIGKILL)
-    survivors: list[str] = []
+    # The first SIGKILL goes out whatever it costs: on a loaded host finding the processes can take
+    # longer than the grace, and a bound here would leave SIGTERM-proof processes running for good.
+    await target.signal_all(_signal.SIGKILL)
+    survivors: list[str] = ["(not known: the bound ended the scan)"]
     with anyio.move_on_after(grace_s):
         while True:
-            await target.signal_all(_signal.SIGKILL)
             survivors = await target.remaining()
             if not survivors:
                 return []
             await anyio.sleep(poll)
+            await target.signal_all(_signal.SIGKILL)
     log.warning("%s: processes survived SIGKILL and are left behind: %s", what, ", ".join(survivors))
     return survivors
 

@@ -7,6 +7,7 @@ import logging
 import math
 import posixpath
 import secrets
+import signal as _signal
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
@@ -115,6 +116,19 @@ class _Command:
         return code, None
 
 
+class _SentToAll(set[int]):
+    """The signals aclose's one kill sequence sends, recorded for every command it kills."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.commands: list[_Command] = []
+
+    def add(self, sig: int) -> None:
+        super().add(sig)
+        for command in self.commands:
+            command.sent_signals.add(sig)
+
+
 class BashExecutor(ABC):
     """An async shell executor. Use as ``async with Executor(config) as ex: ...``.
 
@@ -126,6 +140,11 @@ class BashExecutor(ABC):
     signals_as_exit_codes: ClassVar[bool] = False
     #: The backend's config model: :meth:`from_fields` validates plain fields with it.
     config_class: ClassVar[type[BudgetConfig]] = BudgetConfig
+    #: False for backends whose :meth:`_leftovers` reaches every process of every command (their
+    #: groups included) and whose every look at processes is costly (Docker: an exec each): aclose
+    #: then runs that one kill sequence for all commands instead of one per command, whose polls
+    #: would pile up in the engine by the thousand with many tasks running.
+    close_kills_each_command: ClassVar[bool] = True
 
     @classmethod
     def from_fields(cls, **fields: Any) -> Self:
@@ -240,12 +259,19 @@ class BashExecutor(ABC):
         grace_s = self._config.grace_ms / 1000
         with anyio.CancelScope(shield=True):
             try:
+                sent = _SentToAll()
                 for command in list(self._live):
-                    self._request_kill(command, "closed")
-                with anyio.move_on_after(2 * grace_s + 0.5):
-                    await kill_sequence(self._leftovers(), grace_s, f"{type(self).__name__} leftovers")
+                    if self.close_kills_each_command:
+                        self._request_kill(command, "closed")
+                    elif not (command.finishing or command.finalized) and command.kill_cause is None:
+                        command.kill_cause = "closed"  # the leftovers' sequence below kills it
+                        sent.commands.append(command)
+                with anyio.move_on_after(2 * grace_s + 0.5) as bound:
+                    await kill_sequence(self._leftovers(), grace_s, f"{type(self).__name__} leftovers", sent)
                     for command in list(self._live):
                         await command.finished.wait()
+                if bound.cancelled_caught:
+                    await self._last_sigkill(grace_s, sent)
                 for command in list(self._live):
                     log.warning("command %s did not finish within the close bound", command.launch.marker)
                     await self._finalize(command)
@@ -259,6 +285,22 @@ class BashExecutor(ABC):
                 self._state = "closed"
                 assert self._closed_event is not None
                 self._closed_event.set()
+
+    async def _last_sigkill(self, grace_s: float, sent: set[int]) -> None:
+        """One more SIGKILL to everything still marked, when the close bound cut the kills short.
+
+        On a slow backend (a saturated engine, a loaded host) the bound can end the sequences before
+        their SIGKILL went out, and a process that traps SIGTERM would then outlive the executor.
+        Sending is bounded too, but apart from the wait: it is never skipped for lack of time.
+        """
+        sent.add(_signal.SIGKILL)  # so that a 137 it causes reads as SIGKILL, not as an exit code
+        with anyio.move_on_after(max(5.0, 2 * grace_s)) as scope:
+            try:
+                await self._leftovers().signal_all(_signal.SIGKILL)
+            except Exception:
+                log.exception("%s: the last SIGKILL to leftovers failed", type(self).__name__)
+        if scope.cancelled_caught:
+            log.warning("%s: the last SIGKILL to leftovers did not finish in time", type(self).__name__)
 
     def _ensure_open(self) -> None:
         if self._state != "open":

@@ -113,11 +113,18 @@ class ProcScanner:
         self._max_age_s = max_age_s
         self._entries: list[ProcEntry] = []
         self._taken_at = -1.0
+        self._started_at = -1.0
         self._lock = anyio.Lock()
 
     async def entries(self) -> list[ProcEntry]:
+        asked_at = time.monotonic()
         async with self._lock:
-            if time.monotonic() - self._taken_at > self._max_age_s:
+            # A scan that started after this call began saw every signal its caller sent before:
+            # reuse it. Without this, N commands killed at once (aclose) would queue N full scans
+            # behind the lock, one per invalidation, and outlast every kill bound.
+            fresh = self._started_at >= asked_at or time.monotonic() - self._taken_at <= self._max_age_s
+            if not fresh:
+                self._started_at = time.monotonic()
                 self._entries = await anyio.to_thread.run_sync(scan, self._prefix_bytes)
                 self._taken_at = time.monotonic()
             return self._entries

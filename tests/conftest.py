@@ -15,8 +15,8 @@ from collections.abc import Generator
 import pluggy
 import pytest
 
-#: Docker fixtures (``docker_test_image``, ``docker_session_container``) for every test module.
-pytest_plugins = ["docker_support", "ssh_support"]
+#: Docker, SSH and fault-suite fixtures for every test module.
+pytest_plugins = ["docker_support", "ssh_support", "fault_support"]
 
 #: Reason prefix of skips that CI turns into failures.
 BACKEND_UNAVAILABLE = "backend unavailable:"

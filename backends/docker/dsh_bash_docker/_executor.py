@@ -77,6 +77,8 @@ class DockerBashExecutor(BashExecutor):
     config_class = DockerConfig
 
     signals_as_exit_codes = True
+    # The leftovers' kill script reaches every command's marked processes and their groups.
+    close_kills_each_command = False
 
     def __init__(self, config: DockerConfig) -> None:
         super().__init__(config)
@@ -230,6 +232,8 @@ class DockerBashExecutor(BashExecutor):
             if exc.status not in (404, 409):
                 raise
             if self._docker_config.image is None:
+                if await self._find_container_again():
+                    return await self._spawn_in(self._container_id, launch)
                 state = "does not exist" if exc.status == 404 else "is not running"
                 raise BashInfrastructureError(
                     f"container {self._docker_config.container!r} {state}; the executor never starts or "
@@ -238,6 +242,28 @@ class DockerBashExecutor(BashExecutor):
         # Image mode: the container is gone or stopped; make a fresh one and try once more.
         await self._recreate()
         return await self._spawn_in(self._container_id, launch)
+
+    async def _find_container_again(self) -> bool:
+        """Container mode: look the configured name up afresh; True when it now runs.
+
+        The container may have been removed and made again under the same name (a new id, a new
+        filesystem): then commands run in the new one, with a new spill directory.
+        """
+        config = self._docker_config
+        assert config.container is not None
+        async with self._recreate_lock:
+            previous = self._container_id
+            self._container_id = config.container
+            try:
+                await self._learn_container()
+            except BashInfrastructureError:
+                self._container_id = previous
+                return False
+            if self._container_id != previous:
+                log.warning(
+                    "container %r is another container now: %s", config.container, self._container_id[:12]
+                )
+            return True
 
     async def _recreate(self) -> None:
         async with self._recreate_lock:

@@ -1,0 +1,226 @@
+"""Docker faults: the container killed or removed mid-command and mid-task; the engine restarted.
+
+Image mode recovers with a fresh container; container mode raises until the container is back, then
+works again. The engine restart uses a private dockerd (``second_engine`` in fault_support), never
+the shared one. See docs/faults.md for each outcome.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, Literal
+
+import anyio
+import docker
+import docker.errors
+import pytest
+from docker_support import IDLE_COMMAND, SESSION_ID, SESSION_LABEL
+from dsh_bash_docker import DockerBashExecutor, DockerConfig
+from fault_support import GRACE_MS, SecondEngine, eventually_gone, wait_for_processes
+
+from dsh_bash import BashExecRequest, BashInfrastructureError
+
+pytestmark = [pytest.mark.faults, pytest.mark.docker, pytest.mark.anyio]
+
+Fault = Literal["kill", "remove"]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def client() -> Iterator[docker.DockerClient]:
+    handle = docker.from_env()
+    yield handle
+    handle.close()
+
+
+def _image_executor(image: str, **fields: Any) -> DockerBashExecutor:
+    return DockerBashExecutor(
+        DockerConfig(image=image, grace_ms=GRACE_MS, labels={SESSION_LABEL: SESSION_ID}, **fields)
+    )
+
+
+def _fault(client: docker.DockerClient, container_id: str, fault: Fault) -> Callable[[], None]:
+    def act() -> None:
+        container = client.containers.get(container_id)
+        if fault == "kill":
+            container.kill()
+        else:
+            container.remove(force=True)
+
+    return act
+
+
+async def _run_fails_when(marker: str, run: Awaitable[Any], fault: Callable[[], None]) -> float:
+    """Await ``run`` while ``fault`` strikes once the command runs; return how long ``run`` took to fail."""
+    started = time.monotonic()
+    failed_at = 0.0
+
+    async def strike() -> None:
+        await wait_for_processes(marker)
+        await anyio.to_thread.run_sync(fault)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(strike)
+        with pytest.raises(BashInfrastructureError) as raised:
+            await run
+        failed_at = time.monotonic()
+    print(f"the run was told: {raised.value}")
+    return failed_at - started
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("fault", ["kill", "remove"])
+async def test_image_mode_container_lost_mid_command_and_mid_task(
+    docker_test_image: str, client: docker.DockerClient, marker: str, fault: Fault
+) -> None:
+    async with _image_executor(docker_test_image) as ex:
+        first = ex.container_id
+        task = await ex.start(
+            ex.resolve(BashExecRequest(command=f"echo task-before; bash -c 'sleep 60; :' {marker}-task"))
+        )
+        await wait_for_processes(f"{marker}-task")
+        took = await _run_fails_when(
+            f"{marker}-run",
+            ex.exec(f"echo run-before; bash -c 'sleep 60; :' {marker}-run"),
+            _fault(client, first, fault),
+        )
+        assert took < 10, took
+        with anyio.fail_after(10):
+            await task.wait()
+        # The task is told the truth: the backend failed under it; what it printed is still readable.
+        assert (task.status, task.end_cause) == ("killed", "lost")
+        assert (task.exit_code, task.signal) == (None, None)
+        assert (await ex.read_output(task.id)).delta == "task-before\n"
+        assert await eventually_gone(marker, 5) == []
+        assert await eventually_gone(f"{marker}-task", 5) == []
+        # Recovery: the next command runs in a fresh container.
+        result = await ex.exec("echo back")
+        assert result.stdout.text == "back\n"
+        assert ex.container_id != first
+        second = ex.container_id
+    with pytest.raises(docker.errors.NotFound):
+        client.containers.get(second)
+    if fault == "kill":  # the killed container is not left behind either
+        with pytest.raises(docker.errors.NotFound):
+            client.containers.get(first)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("fault", ["kill", "remove"])
+async def test_container_mode_raises_until_the_container_is_back(
+    docker_test_image: str, client: docker.DockerClient, marker: str, fault: Fault
+) -> None:
+    name = f"dshfault-{marker[-12:]}"
+
+    def start_container() -> None:
+        client.containers.run(
+            docker_test_image,
+            command=["bash", "-c", IDLE_COMMAND],
+            name=name,
+            detach=True,
+            init=True,
+            network_mode="none",
+            labels={SESSION_LABEL: SESSION_ID},
+        )
+
+    start_container()
+    try:
+        async with DockerBashExecutor(DockerConfig(container=name, grace_ms=GRACE_MS)) as ex:
+            task = await ex.start(
+                ex.resolve(BashExecRequest(command=f"echo task-before; bash -c 'sleep 60; :' {marker}-t"))
+            )
+            await wait_for_processes(f"{marker}-t")
+            took = await _run_fails_when(
+                f"{marker}-run", ex.exec(f"bash -c 'sleep 60; :' {marker}-run"), _fault(client, name, fault)
+            )
+            assert took < 10, took
+            with anyio.fail_after(10):
+                await task.wait()
+            assert (task.status, task.end_cause) == ("killed", "lost")
+            assert (await ex.read_output(task.id)).delta == "task-before\n"
+            assert await eventually_gone(marker, 5) == []
+            # Until the container is back, every call raises and names the problem.
+            state = "is not running" if fault == "kill" else "does not exist"
+            for _ in range(2):
+                with pytest.raises(BashInfrastructureError, match=state):
+                    await ex.exec("true")
+            with pytest.raises(BashInfrastructureError, match=state):
+                await ex.start(ex.resolve(BashExecRequest(command="true")))
+            # Back (restarted, or made again under the same name): the executor works again.
+            if fault == "kill":
+                await anyio.to_thread.run_sync(lambda: client.containers.get(name).start())
+            else:
+                await anyio.to_thread.run_sync(start_container)
+            assert (await ex.exec("echo again")).stdout.text == "again\n"
+    finally:
+        with contextlib.suppress(docker.errors.NotFound):
+            client.containers.get(name).remove(force=True)
+
+
+# -- the engine restarted ----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+async def test_engine_restart_image_mode_recovers_with_a_fresh_container(
+    second_engine: SecondEngine, docker_test_image: str, marker: str
+) -> None:
+    config = DockerConfig(image=docker_test_image, docker_host=second_engine.url, grace_ms=GRACE_MS)
+    async with DockerBashExecutor(config) as ex:
+        first = ex.container_id
+        task = await ex.start(
+            ex.resolve(BashExecRequest(command=f"echo task-before; bash -c 'sleep 60; :' {marker}-t"))
+        )
+        await wait_for_processes(f"{marker}-t")
+        took = await _run_fails_when(
+            f"{marker}-run",
+            ex.exec(f"echo run-before; bash -c 'sleep 60; :' {marker}-run"),
+            second_engine.restart,
+        )
+        print(f"engine restart: the run failed after {took:.1f}s")
+        with anyio.fail_after(20):
+            await task.wait()
+        assert (task.status, task.end_cause) == ("killed", "lost")
+        assert (await ex.read_output(task.id)).delta == "task-before\n"
+        assert await eventually_gone(marker, 5) == []
+        assert await eventually_gone(f"{marker}-t", 5) == []
+        result = await ex.exec("echo back")
+        assert result.stdout.text == "back\n"
+        assert ex.container_id != first
+        second = ex.container_id
+    # Both containers are gone: the stopped one (removed at recreation) and the fresh one (at close).
+    remaining = second_engine.docker("ps", "-aq", "--no-trunc").split()
+    assert first not in remaining
+    assert second not in remaining
+
+
+@pytest.mark.timeout(150)
+async def test_engine_restart_container_mode_raises_until_restarted(
+    second_engine: SecondEngine, docker_test_image: str, marker: str
+) -> None:
+    container = second_engine.docker(
+        "run", "-d", "--init", "--network", "none", docker_test_image, "bash", "-c", IDLE_COMMAND
+    )
+    config = DockerConfig(container=container, docker_host=second_engine.url, grace_ms=GRACE_MS)
+    try:
+        async with DockerBashExecutor(config) as ex:
+            task = await ex.start(ex.resolve(BashExecRequest(command=f"bash -c 'sleep 60; :' {marker}-t")))
+            await wait_for_processes(f"{marker}-t")
+            await _run_fails_when(
+                f"{marker}-run", ex.exec(f"bash -c 'sleep 60; :' {marker}-run"), second_engine.restart
+            )
+            with anyio.fail_after(20):
+                await task.wait()
+            assert (task.status, task.end_cause) == ("killed", "lost")
+            assert await eventually_gone(f"{marker}-t", 5) == []
+            with pytest.raises(BashInfrastructureError, match="is not running"):
+                await ex.exec("true")
+            second_engine.docker("start", container)
+            assert (await ex.exec("echo again")).stdout.text == "again\n"
+    finally:
+        second_engine.docker("rm", "-f", container)
