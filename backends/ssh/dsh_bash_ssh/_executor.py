@@ -6,6 +6,7 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Mapping
+from functools import partial
 
 import anyio
 
@@ -23,7 +24,7 @@ from dsh_bash._remote_bash import CommandSpills, spill_file_path
 
 from ._config import SshConfig
 from ._connection import ChannelPool
-from ._process import RemoteMarked, SshProcess
+from ._process import CommandSession, RemoteMarked, SshProcess
 from ._scripts import BOOT, SETUP, SETUP_END, SETUP_HOME, cmdline
 from ._spill import SshSpillFile
 
@@ -31,7 +32,8 @@ __all__ = ["SshBashExecutor"]
 
 log = logging.getLogger("dsh_bash.ssh")
 
-#: Commands longer than this (in bytes) run from a file: one execve argument is limited to 128 KiB.
+#: Command lines longer than this (in bytes) take the command from the header and run it from a
+#: file: one execve argument is limited to 128 KiB.
 _MAX_INLINE_COMMAND = 100_000
 _SPILL_FLUSH_BOUND_S = 30.0
 #: Variables of the setup script's own shell, not of the login.
@@ -129,57 +131,84 @@ class SshBashExecutor(BashExecutor):
     def _ambient_env(self) -> Mapping[str, str]:
         return self._ambient
 
+    def _boot_header(
+        self, launch: Launch, marker: str, env: dict[str, str], long_command: bytes | None
+    ) -> bytes:
+        """The header BOOT reads from stdin: only what differs from the login's environment travels."""
+        ambient = self._ambient
+        keep = [name for name, value in env.items() if ambient.get(name) == value]
+        entries = [
+            b"",  # the count, below
+            launch.spec.workdir.encode("utf-8", "surrogateescape"),
+            marker.encode(),
+            b"0" if launch.spec.stdin is None else b"1",
+            " ".join(keep).encode(),
+            long_command or b"",
+            *(
+                f"{name}={value}".encode("utf-8", "surrogateescape")
+                for name, value in env.items()
+                if ambient.get(name) != value
+            ),
+        ]
+        entries[0] = str(len(entries) - 1).encode()
+        return b"".join(entry + b"\0" for entry in entries)
+
     async def _spawn(self, launch: Launch) -> CommandProcess:
         spec = launch.spec
         env = dict(launch.env)
         marker = env.pop(MARKER_VAR)
+        shell_level = env.get("SHLVL", "")
+        if shell_level.isdigit():
+            # BOOT's `exec` lowers SHLVL by one and the command's bash raises it again: the command
+            # sees its parent's level plus one, as a child shell does (a bash at level 1 under sshd
+            # would read ~/.bashrc in every nested `bash -c`).
+            env["SHLVL"] = str(int(shell_level) + 1)
         nonce = secrets.token_hex(8)
-        command = spec.command.encode("utf-8", "surrogateescape")
-        long = len(command) > _MAX_INLINE_COMMAND
-        entries = [
-            b"",  # the count, below
-            command,
-            spec.workdir.encode("utf-8", "surrogateescape"),
-            marker.encode(),
-            b"1" if long else b"0",
-            b"0" if spec.stdin is None else b"1",
-            *(f"{name}={value}".encode("utf-8", "surrogateescape") for name, value in env.items()),
-        ]
-        entries[0] = str(len(entries) - 1).encode()
-        header = b"".join(entry + b"\0" for entry in entries)
-        channel = await self._pool.open(cmdline(BOOT, self._spill_dir, nonce, begin_marker=False))
+        command_line = cmdline(BOOT, self._spill_dir, nonce, spec.command, begin_marker=False)
+        long_command: bytes | None = None
+        if len(command_line.encode("utf-8", "surrogateescape")) > _MAX_INLINE_COMMAND or not spec.command:
+            long_command = spec.command.encode("utf-8", "surrogateescape")
+            command_line = cmdline(BOOT, self._spill_dir, nonce, "", begin_marker=False)
+        header = self._boot_header(launch, marker, env, long_command)
+        session = await self._pool.open_session(command_line, partial(CommandSession, launch))
+        script = f"{self._spill_dir}/{nonce}.sh" if long_command is not None else None
 
         async def on_release() -> None:
+            if script is not None:
+                self._start_helper(self._remove_quietly, script)
             await self._spills.wait_complete(marker)
 
         marked = RemoteMarked(self._pool, marker=launch.marker, exact=True)
         process = SshProcess(
-            pool=self._pool,
-            channel=channel,
-            launch=launch,
-            marked=marked,
-            start_helper=self._start_helper,
-            on_release=on_release,
-            nonce=nonce,
+            pool=self._pool, session=session, launch=launch, marked=marked, on_release=on_release
         )
         try:
             # asyncssh buffers writes: the header, stdin and EOF are queued at once, sent as the
             # channel's window allows.
-            stdin = channel.process.stdin
-            stdin.write(header)
+            chan = session.chan
+            assert chan is not None
+            chan.write(header)
             if spec.stdin is not None:
-                stdin.write(spec.stdin.encode() if isinstance(spec.stdin, str) else bytes(spec.stdin))
-            stdin.write_eof()
+                chan.write(spec.stdin.encode() if isinstance(spec.stdin, str) else bytes(spec.stdin))
+            chan.write_eof()
             await process.read_preamble()
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await channel.close()
+                session.stop_feeding()
+                session.close()
                 try:
                     await kill_abandoned_start(marked, self._config.grace_ms / 1000)
                 except Exception as exc:  # the connection may be what failed
                     log.warning("cleaning up after a failed start of %s failed: %s", marker, exc)
             raise
         return process
+
+    async def _remove_quietly(self, path: str) -> None:
+        try:
+            with anyio.move_on_after(10):
+                await self._pool.run_script('rm -f -- "$1"', path)
+        except (BashInfrastructureError, OSError) as exc:
+            log.debug("removing %s failed: %s", path, exc)
 
     def _open_spill(self, command_marker: str, stream: str) -> SpillFile:
         if not self._spill_dir:

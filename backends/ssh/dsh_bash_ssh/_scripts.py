@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import shlex
 
-from dsh_bash._remote_bash import BOOT_FAIL, BOOT_OK, EXIT_PREFIX, KILL, SPILL_DIR, SPILL_WRITER
+from dsh_bash._remote_bash import BOOT_FAIL, BOOT_OK, KILL, SPILL_DIR, SPILL_WRITER
 
 __all__ = [
     "BOOT",
     "BOOT_FAIL",
     "BOOT_OK",
-    "EXIT_PREFIX",
     "KILL",
     "SCRIPT_BEGIN",
     "SETUP",
@@ -57,63 +56,48 @@ printf '\0dsh-bash-end\0%s\0' "$dir"
 """
 )
 
-# $1: spill directory, $2: nonce.
+# $1: spill directory, $2: nonce, $3: the command text, or empty when it is long and comes in the
+# header (it then runs from a 0600 file: one execve argument is limited to 128 KiB). The command
+# text is no secret here: the command's own `bash -c COMMAND` shows it to `ps` anyway.
 #
 # Values never travel on a command line (`ps` shows it): stdin starts with a header of
-# NUL-terminated entries: their count, the command text, the workdir, the command's marker, "1" when
-# the command is long (then it runs from a 0600 file: one execve argument is limited to 128 KiB),
-# "1" when stdin data follows the header, then every NAME=VALUE of the command's final environment. Bash's `read` takes a pipe one byte at a
-# time, so it never reads past the header: the command's own stdin follows intact. The login's
-# exported variables are all unset (found with ${!prefix@}, no subshell) and exactly the header's
-# exported, so the environment is the policy's, whatever the login added.
+# NUL-terminated entries: their count, the workdir, the command's marker, "1" when stdin data follows
+# the header, the names of the login's variables the command keeps as they are (space-separated),
+# the long command (or nothing), then NAME=VALUE for every other variable of the command's final
+# environment. Bash's `read` takes a pipe one byte at a time, so it never reads past the header: the
+# command's own stdin follows intact (sshd gives the session pipes). Every exported variable that is
+# neither kept nor in the header is unset (found with ${!prefix@}, no subshell), so the environment
+# is the policy's, whatever the login's rc files added.
 #
-# Then, like the Docker backend's boot script: the command runs in a new session, in the foreground
-# (with `&`, bash would start it with SIGINT and SIGQUIT ignored), its output relayed through two
-# `cat`s; its exit status goes out in-band as a trailer carrying the nonce, and the script exits only
-# once every holder of the command's pipes is gone (so the channel ends when the output really ends).
-# The command alone carries the marker, so kills by marker never hit this script or its relays.
+# Then the script reports "started" on both streams (whatever came before is rc noise) and becomes
+# the command's shell (`exec`): the channel's process is a session leader under sshd, so the
+# command's process group is the channel's, and the channel's exit-status or exit-signal is the
+# command's. Only the command carries the marker, so kills by marker never hit this script.
 BOOT = r"""
 umask 077
-h=() n=0
-IFS= read -r -d '' n
-for ((i = 0; i < n; i++)); do IFS= read -r -d '' e || break; h+=("$e"); done
-if [ "${#h[@]}" -lt 5 ] || [ "${#h[@]}" != "$n" ]; then printf '\0dsh-bash-boot-fail:incomplete header\0'; exit 125; fi
-command=${h[0]} workdir=${h[1]} mark=${h[2]} long=${h[3]} input=${h[4]} nonce=$2 spill=$1
-for v in ALL_VARIABLES; do [[ ${!v@a} == *x* ]] && unset -v "$v" 2>/dev/null; done
-for e in "${h[@]:5}"; do export "$e" 2>/dev/null; done
-unset -v h e v i n
-if [ ! -e "$workdir" ]; then printf '\0dsh-bash-boot-fail:does not exist\0'; exit 125; fi
-if [ ! -d "$workdir" ]; then printf '\0dsh-bash-boot-fail:is not a directory\0'; exit 125; fi
-if ! cd -- "$workdir" 2>/dev/null; then printf '\0dsh-bash-boot-fail:cannot be entered\0'; exit 125; fi
-if ! command -v setsid >/dev/null; then printf '\0dsh-bash-boot-fail:cannot start a session: no setsid\0'; exit 125; fi
-script=
-if [ "$long" = 1 ]; then
-  script=$spill/$nonce.sh
-  if ! (set -C; printf '%s' "$command" > "$script") 2>/dev/null; then printf '\0dsh-bash-boot-fail:cannot store the long command\0'; exit 125; fi
-  command=
+_dsh_h=() _dsh_n=0
+IFS= read -r -d '' _dsh_n
+for ((_dsh_i = 0; _dsh_i < _dsh_n; _dsh_i++)); do IFS= read -r -d '' _dsh_e || break; _dsh_h+=("$_dsh_e"); done
+if [ "${#_dsh_h[@]}" -lt 5 ] || [ "${#_dsh_h[@]}" != "$_dsh_n" ]; then printf '\0dsh-bash-boot-fail:incomplete header\0'; exit 125; fi
+_dsh_workdir=${_dsh_h[0]} _dsh_mark=${_dsh_h[1]} _dsh_input=${_dsh_h[2]} _dsh_keep=" ${_dsh_h[3]} " _dsh_command=${3-}
+for _dsh_v in ALL_VARIABLES; do
+  [[ $_dsh_v != _dsh_* && ${!_dsh_v@a} == *x* && $_dsh_keep != *" $_dsh_v "* ]] && unset -v "$_dsh_v" 2>/dev/null
+done
+for _dsh_e in "${_dsh_h[@]:5}"; do export "$_dsh_e" 2>/dev/null; done
+if [ ! -e "$_dsh_workdir" ]; then printf '\0dsh-bash-boot-fail:does not exist\0'; exit 125; fi
+if [ ! -d "$_dsh_workdir" ]; then printf '\0dsh-bash-boot-fail:is not a directory\0'; exit 125; fi
+if ! cd -- "$_dsh_workdir" 2>/dev/null; then printf '\0dsh-bash-boot-fail:cannot be entered\0'; exit 125; fi
+_dsh_script=
+if [ -z "$_dsh_command" ]; then
+  _dsh_script=$1/$2.sh
+  if ! (set -C; printf '%s' "${_dsh_h[4]}" > "$_dsh_script") 2>/dev/null; then printf '\0dsh-bash-boot-fail:cannot store the long command\0'; exit 125; fi
 fi
 printf '\0dsh-bash-boot-ok\0'
 printf '\0dsh-bash-stderr-ok\0' >&2
-exec 5> >(exec cat); out=$!
-exec 6> >(exec cat >&2); err=$!
-# From here this shell's own notices ("Terminated" when the command dies of a signal) must not
-# reach the command's stderr: the relay above holds the real one.
-exec 2>/dev/null
-# stdin: /dev/null, or the channel's data through a pipe (a bash whose stdin is the channel's
-# socket would take itself for an ssh login and read ~/.bashrc).
-if [ "$input" = 1 ]; then exec 7< <(exec cat); else exec 7</dev/null; fi
-exec 0</dev/null
-if [ -n "$script" ]; then
-  DSH_BASH_MARK=$mark setsid bash --noprofile --norc "$script" <&7 >&5 2>&6 5>&- 6>&- 7<&-
-else
-  DSH_BASH_MARK=$mark setsid bash --noprofile --norc -c "$command" <&7 >&5 2>&6 5>&- 6>&- 7<&-
-fi
-status=$?
-exec 5>&- 6>&- 7<&-
-[ -n "$script" ] && rm -f -- "$script"
-printf '\0dsh-bash-exit:%s:%03d\0' "$nonce" "$status"
-# Bash 5.1+ waits for process substitutions by pid; older ones refuse, so poll them.
-wait "$out" "$err" 2>/dev/null || while kill -0 "$out" 2>/dev/null || kill -0 "$err" 2>/dev/null; do sleep 0.05; done
+[ "$_dsh_input" = 1 ] || exec </dev/null
+export DSH_BASH_MARK=$_dsh_mark
+if [ -n "$_dsh_script" ]; then exec bash --noprofile --norc "$_dsh_script"; fi
+exec bash --noprofile --norc -c "$_dsh_command"
 """
 
 BOOT = BOOT.replace(
