@@ -20,12 +20,13 @@ from dsh_bash import (
     SpillFile,
     kill_abandoned_start,
 )
+from dsh_bash._env import MODEL_FRIENDLY_ENV
 from dsh_bash._remote_bash import CommandSpills, spill_file_path
 
 from ._config import SshConfig
 from ._connection import ChannelPool
 from ._process import CommandSession, RemoteMarked, SshProcess
-from ._scripts import BOOT, SETUP, SETUP_END, SETUP_HOME, cmdline
+from ._scripts import SETUP, SETUP_END, SETUP_HOME, boot_line
 from ._spill import SshSpillFile
 
 __all__ = ["SshBashExecutor"]
@@ -131,29 +132,13 @@ class SshBashExecutor(BashExecutor):
     def _ambient_env(self) -> Mapping[str, str]:
         return self._ambient
 
-    def _boot_header(
-        self, launch: Launch, marker: str, env: dict[str, str], long_command: bytes | None
-    ) -> bytes:
-        """The header BOOT reads from stdin: only what differs from the login's environment travels."""
-        ambient = self._ambient
-        keep = [name for name, value in env.items() if ambient.get(name) == value]
-        entries = [
-            b"",  # the count, below
-            launch.spec.workdir.encode("utf-8", "surrogateescape"),
-            marker.encode(),
-            b"0" if launch.spec.stdin is None else b"1",
-            " ".join(keep).encode(),
-            long_command or b"",
-            *(
-                f"{name}={value}".encode("utf-8", "surrogateescape")
-                for name, value in env.items()
-                if ambient.get(name) != value
-            ),
-        ]
-        entries[0] = str(len(entries) - 1).encode()
-        return b"".join(entry + b"\0" for entry in entries)
+    def _boot_line(self, launch: Launch, nonce: str, mode: str) -> tuple[str, bytes | None, str | None]:
+        """BOOT's command line, the header for its stdin (None when no value needs one), and the
+        path of the long command's file (None when the command fits on the line).
 
-    async def _spawn(self, launch: Launch) -> CommandProcess:
+        Only names, the command text and the library's own constant values go on the line; a
+        value from the login's or the caller's environment always travels in the header.
+        """
         spec = launch.spec
         env = dict(launch.env)
         marker = env.pop(MARKER_VAR)
@@ -163,15 +148,49 @@ class SshBashExecutor(BashExecutor):
             # sees its parent's level plus one, as a child shell does (a bash at level 1 under sshd
             # would read ~/.bashrc in every nested `bash -c`).
             env["SHLVL"] = str(int(shell_level) + 1)
-        nonce = secrets.token_hex(8)
-        command_line = cmdline(BOOT, self._spill_dir, nonce, spec.command, begin_marker=False)
+        ambient = self._ambient
+        keep: list[str] = []
+        public: list[str] = []
+        secret: list[bytes] = []
+        for name, value in env.items():
+            if ambient.get(name) == value:
+                keep.append(name)
+            elif MODEL_FRIENDLY_ENV.get(name) == value or (name == "SHLVL" and value.isdigit()):
+                public.append(f"{name}={value}")
+            else:
+                secret.append(f"{name}={value}".encode("utf-8", "surrogateescape"))
+
+        def line(command: str, header: bool) -> str:
+            return boot_line(
+                self._spill_dir,
+                nonce,
+                mode,
+                command,
+                spec.workdir,
+                marker,
+                "0" if spec.stdin is None else "1",
+                "1" if header else "0",
+                " ".join(keep),
+                *public,
+            )
+
+        command_line = line(spec.command, bool(secret))
         long_command: bytes | None = None
-        if len(command_line.encode("utf-8", "surrogateescape")) > _MAX_INLINE_COMMAND or not spec.command:
+        if not spec.command or len(command_line.encode("utf-8", "surrogateescape")) > _MAX_INLINE_COMMAND:
             long_command = spec.command.encode("utf-8", "surrogateescape")
-            command_line = cmdline(BOOT, self._spill_dir, nonce, "", begin_marker=False)
-        header = self._boot_header(launch, marker, env, long_command)
+            command_line = line("", True)
+        if long_command is None and not secret:
+            return command_line, None, None
+        entries = [str(len(secret) + 1).encode(), long_command or b"", *secret]
+        header = b"".join(entry + b"\0" for entry in entries)
+        return command_line, header, None if long_command is None else f"{self._spill_dir}/{nonce}.sh"
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        spec = launch.spec
+        marker = launch.marker
+        nonce = secrets.token_hex(8)
+        command_line, header, script = self._boot_line(launch, nonce, "fg")
         session = await self._pool.open_session(command_line, partial(CommandSession, launch))
-        script = f"{self._spill_dir}/{nonce}.sh" if long_command is not None else None
 
         async def on_release() -> None:
             if script is not None:
@@ -185,12 +204,14 @@ class SshBashExecutor(BashExecutor):
         try:
             # asyncssh buffers writes: the header, stdin and EOF are queued at once, sent as the
             # channel's window allows.
+            # Without stdin data the command's stdin is /dev/null: no EOF needs sending.
             chan = session.chan
             assert chan is not None
-            chan.write(header)
+            if header is not None:
+                chan.write(header)
             if spec.stdin is not None:
                 chan.write(spec.stdin.encode() if isinstance(spec.stdin, str) else bytes(spec.stdin))
-            chan.write_eof()
+                chan.write_eof()
             await process.read_preamble()
         except BaseException:
             with anyio.CancelScope(shield=True):

@@ -18,6 +18,8 @@ __all__ = ["CommandSession", "RemoteMarked", "SshProcess", "signal_number"]
 
 log = logging.getLogger("dsh_bash.ssh")
 
+#: How long one signal delivery (a KILL script run) may take even after its caller gave up.
+_SIGNAL_BOUND_S = 10.0
 _WORKDIR_REASONS = ("does not exist", "is not a directory", "cannot be entered")
 #: rc-file noise kept while looking for the boot verdict (only its tail can hold a marker).
 _MAX_NOISE = 64 * 1024
@@ -39,7 +41,10 @@ class RemoteMarked:
         return (mode, signal_name(sig) if sig else "0", self._marker, "1" if self._exact else "0")
 
     async def signal_all(self, sig: int) -> None:
-        await self._pool.run_script(KILL, *self._args("signal", sig), kill=True)
+        # Shielded: a kill sequence's bound may expire while the script runs (a slow login's rc
+        # files, a busy /proc); a signal whose delivery already began is delivered all the same.
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_SIGNAL_BOUND_S):
+            await self._pool.run_script(KILL, *self._args("signal", sig), kill=True)
 
     async def remaining(self) -> list[str]:
         _, out, _ = await self._pool.run_script(KILL, *self._args("list", 0), kill=True)

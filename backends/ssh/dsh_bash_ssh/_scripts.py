@@ -21,6 +21,7 @@ __all__ = [
     "SETUP_HOME",
     "SPILL_WRITER",
     "STDERR_OK",
+    "boot_line",
     "cmdline",
 ]
 
@@ -56,50 +57,84 @@ printf '\0dsh-bash-end\0%s\0' "$dir"
 """
 )
 
-# $1: spill directory, $2: nonce, $3: the command text, or empty when it is long and comes in the
-# header (it then runs from a 0600 file: one execve argument is limited to 128 KiB). The command
-# text is no secret here: the command's own `bash -c COMMAND` shows it to `ps` anyway.
+# BOOT's arguments: spill directory, nonce, mode ("fg"), the command text (empty when it is long
+# and comes in the header; it then runs from a 0600 file: one execve argument is limited to 128
+# KiB), workdir, the command's marker, "1" when stdin data follows, "1" when a header comes on stdin,
+# the names of the login's variables the command keeps as they are (space-separated), then
+# NAME=VALUE entries whose values are the library's own constants (the model-friendly set, SHLVL).
+# None of that is secret: the command's own `bash -c COMMAND` shows its text to `ps` anyway.
 #
-# Values never travel on a command line (`ps` shows it): stdin starts with a header of
-# NUL-terminated entries: their count, the workdir, the command's marker, "1" when stdin data follows
-# the header, the names of the login's variables the command keeps as they are (space-separated),
-# the long command (or nothing), then NAME=VALUE for every other variable of the command's final
-# environment. Bash's `read` takes a pipe one byte at a time, so it never reads past the header: the
-# command's own stdin follows intact (sshd gives the session pipes). Every exported variable that is
-# neither kept nor in the header is unset (found with ${!prefix@}, no subshell), so the environment
-# is the policy's, whatever the login's rc files added.
+# Values of the login's or the caller's environment never travel on a command line (`ps` shows it):
+# when there are any, stdin starts with a header of NUL-terminated entries: their count, the long
+# command (or nothing), then NAME=VALUE entries. Bash's `read` takes a pipe one byte at a time, so it
+# never reads past the header: the command's own stdin follows intact (sshd gives the session
+# pipes). Every variable loses its export attribute (all found with ${!prefix@}: one builtin call,
+# no subshell), then the kept names and the set entries are exported again, so the environment is
+# the policy's, whatever the login's rc files added (readonly variables included).
 #
 # Then the script reports "started" on both streams (whatever came before is rc noise) and becomes
 # the command's shell (`exec`): the channel's process is a session leader under sshd, so the
 # command's process group is the channel's, and the channel's exit-status or exit-signal is the
 # command's. Only the command carries the marker, so kills by marker never hit this script.
+#
+# BOOT runs in the login shell itself when that is a bash whose rc files defined no function (so
+# no builtin is shadowed), saving a bash start; otherwise in `bash --noprofile --norc` (see
+# boot_line). Either way it resets what rc files may have changed for a script (options, traps,
+# IFS) and calls builtins through `builtin`. Functions a fresh bash imported from the environment
+# are exported functions, not part of the policy's environment: they are removed.
 BOOT = r"""
-umask 077
-_dsh_h=() _dsh_n=0
-IFS= read -r -d '' _dsh_n
-for ((_dsh_i = 0; _dsh_i < _dsh_n; _dsh_i++)); do IFS= read -r -d '' _dsh_e || break; _dsh_h+=("$_dsh_e"); done
-if [ "${#_dsh_h[@]}" -lt 5 ] || [ "${#_dsh_h[@]}" != "$_dsh_n" ]; then printf '\0dsh-bash-boot-fail:incomplete header\0'; exit 125; fi
-_dsh_workdir=${_dsh_h[0]} _dsh_mark=${_dsh_h[1]} _dsh_input=${_dsh_h[2]} _dsh_keep=" ${_dsh_h[3]} " _dsh_command=${3-}
-for _dsh_v in ALL_VARIABLES; do
-  [[ $_dsh_v != _dsh_* && ${!_dsh_v@a} == *x* && $_dsh_keep != *" $_dsh_v "* ]] && unset -v "$_dsh_v" 2>/dev/null
-done
-for _dsh_e in "${_dsh_h[@]:5}"; do export "$_dsh_e" 2>/dev/null; done
-if [ ! -e "$_dsh_workdir" ]; then printf '\0dsh-bash-boot-fail:does not exist\0'; exit 125; fi
-if [ ! -d "$_dsh_workdir" ]; then printf '\0dsh-bash-boot-fail:is not a directory\0'; exit 125; fi
-if ! cd -- "$_dsh_workdir" 2>/dev/null; then printf '\0dsh-bash-boot-fail:cannot be entered\0'; exit 125; fi
-_dsh_script=
-if [ -z "$_dsh_command" ]; then
-  _dsh_script=$1/$2.sh
-  if ! (set -C; printf '%s' "${_dsh_h[4]}" > "$_dsh_script") 2>/dev/null; then printf '\0dsh-bash-boot-fail:cannot store the long command\0'; exit 125; fi
+builtin set +euvx +o pipefail +o noglob +o noclobber; builtin trap - DEBUG ERR RETURN; IFS=$' \t\n'
+_dsh_spill=$1 _dsh_nonce=$2 _dsh_mode=$3 _dsh_command=$4 _dsh_workdir=$5 _dsh_mark=$6 _dsh_input=$7 _dsh_header=$8 _dsh_keep=$9
+builtin shift 9
+_dsh_set=("$@") _dsh_long=
+if [[ $_dsh_header == 1 ]]; then
+  _dsh_n=0 _dsh_h=()
+  IFS= builtin read -r -d '' _dsh_n
+  for ((_dsh_i = 0; _dsh_i < _dsh_n; _dsh_i++)); do IFS= builtin read -r -d '' _dsh_e || break; _dsh_h+=("$_dsh_e"); done
+  if (( ${#_dsh_h[@]} < 1 || ${#_dsh_h[@]} != _dsh_n )); then builtin printf '\0dsh-bash-boot-fail:incomplete header\0'; builtin exit 125; fi
+  _dsh_long=${_dsh_h[0]} _dsh_set+=("${_dsh_h[@]:1}")
 fi
-printf '\0dsh-bash-boot-ok\0'
-printf '\0dsh-bash-stderr-ok\0' >&2
-[ "$_dsh_input" = 1 ] || exec </dev/null
-export DSH_BASH_MARK=$_dsh_mark
-if [ -n "$_dsh_script" ]; then exec bash --noprofile --norc "$_dsh_script"; fi
+if builtin compgen -A function >/dev/null 2>&1; then
+  builtin mapfile -t _dsh_f < <(builtin compgen -A function)
+  builtin unset -f -- "${_dsh_f[@]}"
+fi
+builtin declare +x -- ALL_VARIABLES 2>/dev/null
+builtin export -- $_dsh_keep 2>/dev/null
+for _dsh_e in "${_dsh_set[@]}"; do builtin export "$_dsh_e" 2>/dev/null; done
+if [[ ! -e $_dsh_workdir ]]; then builtin printf '\0dsh-bash-boot-fail:does not exist\0'; builtin exit 125; fi
+if [[ ! -d $_dsh_workdir ]]; then builtin printf '\0dsh-bash-boot-fail:is not a directory\0'; builtin exit 125; fi
+if ! builtin cd -- "$_dsh_workdir" 2>/dev/null; then builtin printf '\0dsh-bash-boot-fail:cannot be entered\0'; builtin exit 125; fi
+_dsh_script=
+if [[ -z $_dsh_command ]]; then
+  _dsh_script=$_dsh_spill/$_dsh_nonce.sh
+  if ! (builtin umask 077; builtin set -C; builtin printf '%s' "$_dsh_long" > "$_dsh_script") 2>/dev/null; then
+    builtin printf '\0dsh-bash-boot-fail:cannot store the long command\0'; builtin exit 125
+  fi
+fi
+builtin printf '\0dsh-bash-boot-ok\0'
+builtin printf '\0dsh-bash-stderr-ok\0' >&2
+# Plain `exec` from here: no function is defined (see above), and `builtin exec <file` would undo
+# its redirection once the builtin returned.
+[[ $_dsh_input == 1 ]] || exec </dev/null
+builtin export DSH_BASH_MARK=$_dsh_mark
+if [[ -n $_dsh_script ]]; then exec bash --noprofile --norc "$_dsh_script"; fi
 exec bash --noprofile --norc -c "$_dsh_command"
 """
 
 BOOT = BOOT.replace(
     "ALL_VARIABLES", " ".join(f"${{!{c}@}}" for c in "_ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 )
+
+
+def boot_line(*args: str) -> str:
+    """The command line running BOOT with ``args``: in the login shell when it is a bash without
+    functions, else in a clean bash. Any POSIX login shell parses it (BOOT itself is a quoted string)."""
+    quoted = " ".join(shlex.quote(arg) for arg in args)
+    return (
+        f"_dsh_b={_BOOT_QUOTED}; set -- {quoted}; "
+        'if [ -n "${BASH_VERSION-}" ] && ! compgen -A function >/dev/null 2>&1; then eval "$_dsh_b"; '
+        'else BASH_ENV= ENV= exec bash --noprofile --norc -c "$_dsh_b" dsh-bash "$@"; fi'
+    )
+
+
+_BOOT_QUOTED = shlex.quote(BOOT)
