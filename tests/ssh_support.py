@@ -143,7 +143,7 @@ def keygen(path: Path) -> None:
     )
 
 
-def start_server() -> SshServer:
+def start_server(*, sftp: bool = True) -> SshServer:
     home = _ensure_user()
     directory = Path(tempfile.mkdtemp(prefix="dsh-bash-sshd-"))
     directory.chmod(0o755)  # sshd reads authorized keys as the logging-in user
@@ -168,8 +168,8 @@ def start_server() -> SshServer:
         "PermitRootLogin yes\n"
         "PermitUserEnvironment yes\n"
         "MaxSessions 10\n"
-        "Subsystem sftp internal-sftp\n"
-        f"PidFile {directory}/sshd.pid\n"
+        + ("Subsystem sftp internal-sftp\n" if sftp else "")
+        + f"PidFile {directory}/sshd.pid\n"
     )
     process = subprocess.Popen(
         [SSHD, "-D", "-f", str(directory / "sshd_config"), "-E", str(directory / "sshd.log")]

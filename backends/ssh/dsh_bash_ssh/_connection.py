@@ -172,7 +172,9 @@ class ChannelPool:
 
     # -- channels -------------------------------------------------------------------------------------
 
-    async def _create(self, create: Callable[[asyncssh.SSHClientConnection], Awaitable[T]]) -> T:
+    async def _create(
+        self, create: Callable[[asyncssh.SSHClientConnection], Awaitable[T]], *, retry_refused: bool = True
+    ) -> T:
         """Open a channel with ``create``: reconnect once if the connection dropped under us, and retry
         briefly when the server refuses while the connection is fine: sshd frees a closed session
         only after the packets that arrived with its close (the next open among them) are handled.
@@ -194,7 +196,11 @@ class ChannelPool:
                     if not reconnected:
                         reconnected = True
                         continue
-                elif isinstance(exc, asyncssh.ChannelOpenError) and anyio.current_time() < deadline:
+                elif (
+                    retry_refused
+                    and isinstance(exc, asyncssh.ChannelOpenError)
+                    and anyio.current_time() < deadline
+                ):
                     await anyio.sleep(delay)
                     delay = min(delay * 2, 0.1)
                     continue
@@ -232,6 +238,18 @@ class ChannelPool:
         if session.lost_channel:
             session.free_slot()  # closed before the slot was handed over
         return session
+
+    async def open_sftp(self) -> asyncssh.SFTPClient:
+        """An SFTP channel holding one slot until :meth:`release_slot` (after closing it)."""
+        await self._slots.acquire()
+        try:
+            return await self._create(lambda conn: conn.start_sftp_client(), retry_refused=False)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def release_slot(self) -> None:
+        self._slots.release()
 
     async def run_script(
         self, script: str, *args: str, stdin: bytes | None = None, kill: bool = False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 
 import anyio
@@ -25,6 +25,7 @@ from dsh_bash._remote_bash import CommandSpills, spill_file_path
 
 from ._config import SshConfig
 from ._connection import ChannelPool
+from ._detached import DetachedProcess, DetachedSpill, Follower
 from ._process import CommandSession, RemoteMarked, SshProcess
 from ._scripts import SETUP, SETUP_END, SETUP_HOME, boot_line
 from ._spill import SshSpillFile
@@ -72,6 +73,12 @@ class SshBashExecutor(BashExecutor):
         self._ambient: dict[str, str] = {}
         self._spill_dir = ""
         self._spills = CommandSpills(self._start_helper, _SPILL_FLUSH_BOUND_S)
+        self._follower = Follower(self._pool, self._start_helper)
+        #: Whether background tasks run detached: None until the first one asks the server (SFTP).
+        self._detach: bool | None = None
+        self._detach_lock = anyio.Lock()
+        #: Detached tasks by marker: their files' base path and their streams' spill files.
+        self._detached: dict[str, tuple[str, dict[str, DetachedSpill]]] = {}
 
     @property
     def config(self) -> SshConfig:
@@ -103,6 +110,7 @@ class SshBashExecutor(BashExecutor):
                 if code != 0:
                     raise ValueError(f"exit status {code}")
                 self._ambient, self._home, self._spill_dir = parse_setup(out)
+                self._follower.directory = self._spill_dir
                 if not self._spill_dir.startswith("/"):
                     raise ValueError("no spill directory")
             except ValueError as exc:
@@ -116,6 +124,7 @@ class SshBashExecutor(BashExecutor):
             raise
 
     async def _release(self) -> None:
+        self._follower.close()
         if self._spill_dir:
             try:
                 with anyio.move_on_after(5):
@@ -183,28 +192,53 @@ class SshBashExecutor(BashExecutor):
             return command_line, None, None
         entries = [str(len(secret) + 1).encode(), long_command or b"", *secret]
         header = b"".join(entry + b"\0" for entry in entries)
-        return command_line, header, None if long_command is None else f"{self._spill_dir}/{nonce}.sh"
+        return command_line, header, None if long_command is None else f"{self._spill_dir}/{nonce}.cmd"
+
+    async def _detached_mode(self) -> bool:
+        if self._detach is None:
+            async with self._detach_lock:
+                if self._detach is None:
+                    self._detach = await self._follower.probe()
+        return self._detach
 
     async def _spawn(self, launch: Launch) -> CommandProcess:
-        spec = launch.spec
         marker = launch.marker
         nonce = secrets.token_hex(8)
-        command_line, header, script = self._boot_line(launch, nonce, "fg")
-        session = await self._pool.open_session(command_line, partial(CommandSession, launch))
+        detached = launch.background and await self._detached_mode()
+        command_line, header, script = self._boot_line(launch, nonce, "bg" if detached else "fg")
+        if detached:
+            return await self._spawn_detached(launch, nonce, command_line, header)
 
         async def on_release() -> None:
             if script is not None:
                 self._start_helper(self._remove_quietly, script)
             await self._spills.wait_complete(marker)
 
+        process, _ = await self._boot(launch, command_line, header, on_release)
+        return process
+
+    async def _boot(
+        self,
+        launch: Launch,
+        command_line: str,
+        header: bytes | None,
+        on_release: Callable[[], Awaitable[None]],
+    ) -> tuple[SshProcess, CommandSession]:
+        """Open the channel running BOOT, feed it, wait for its verdict.
+
+        A start given up half-way (an error, a cancellation, even while the channel opens: the
+        server may already run the command) is killed by marker before the error propagates.
+        """
+        spec = launch.spec
         marked = RemoteMarked(self._pool, marker=launch.marker, exact=True)
-        process = SshProcess(
-            pool=self._pool, session=session, launch=launch, marked=marked, on_release=on_release
-        )
+        session: CommandSession | None = None
         try:
+            session = await self._pool.open_session(command_line, partial(CommandSession, launch))
+            process = SshProcess(
+                pool=self._pool, session=session, launch=launch, marked=marked, on_release=on_release
+            )
             # asyncssh buffers writes: the header, stdin and EOF are queued at once, sent as the
-            # channel's window allows.
-            # Without stdin data the command's stdin is /dev/null: no EOF needs sending.
+            # channel's window allows. Without stdin data the command's stdin is /dev/null: no EOF.
             chan = session.chan
             assert chan is not None
             if header is not None:
@@ -215,14 +249,44 @@ class SshBashExecutor(BashExecutor):
             await process.read_preamble()
         except BaseException:
             with anyio.CancelScope(shield=True):
-                session.stop_feeding()
-                session.close()
+                if session is not None:
+                    session.stop_feeding()
+                    session.close()
                 try:
                     await kill_abandoned_start(marked, self._config.grace_ms / 1000)
                 except Exception as exc:  # the connection may be what failed
-                    log.warning("cleaning up after a failed start of %s failed: %s", marker, exc)
+                    log.warning("cleaning up after a failed start of %s failed: %s", launch.marker, exc)
             raise
-        return process
+        return process, session
+
+    async def _spawn_detached(
+        self, launch: Launch, nonce: str, command_line: str, header: bytes | None
+    ) -> CommandProcess:
+        marker = launch.marker
+        base = f"{self._spill_dir}/{nonce}"
+        spills: dict[str, DetachedSpill] = {}
+        self._detached[marker] = (base, spills)
+        try:
+            _, session = await self._boot(launch, command_line, header, _nothing)
+        except BaseException:
+            self._detached.pop(marker, None)
+            raise
+        # BOOT exits once the supervisor runs: the channel is done.
+        session.stop_feeding()
+        session.close()
+        followed = self._follower.add(base, launch)
+
+        async def on_release() -> None:
+            self._detached.pop(marker, None)
+
+        return DetachedProcess(
+            pool=self._pool,
+            follower=self._follower,
+            followed=followed,
+            marked=RemoteMarked(self._pool, marker=marker, exact=True),
+            spills=spills,
+            on_release=on_release,
+        )
 
     async def _remove_quietly(self, path: str) -> None:
         try:
@@ -234,9 +298,18 @@ class SshBashExecutor(BashExecutor):
     def _open_spill(self, command_marker: str, stream: str) -> SpillFile:
         if not self._spill_dir:
             raise OSError("no spill directory")
+        detached = self._detached.get(command_marker)
+        if detached is not None:
+            base, spills = detached
+            spill = spills[stream] = DetachedSpill(f"{base}.{stream}")
+            return spill
         return self._spills.add(
             command_marker, SshSpillFile(self._pool, spill_file_path(self._spill_dir, stream))
         )
 
     def _leftovers(self) -> Killable:
         return RemoteMarked(self._pool, marker=self._token + "-", exact=False)
+
+
+async def _nothing() -> None:
+    pass

@@ -57,7 +57,7 @@ printf '\0dsh-bash-end\0%s\0' "$dir"
 """
 )
 
-# BOOT's arguments: spill directory, nonce, mode ("fg"), the command text (empty when it is long
+# BOOT's arguments: spill directory, nonce, mode ("fg", or "bg" for a detached task, see SUPERVISOR), the command text (empty when it is long
 # and comes in the header; it then runs from a 0600 file: one execve argument is limited to 128
 # KiB), workdir, the command's marker, "1" when stdin data follows, "1" when a header comes on stdin,
 # the names of the login's variables the command keeps as they are (space-separated), then
@@ -106,10 +106,26 @@ if [[ ! -d $_dsh_workdir ]]; then builtin printf '\0dsh-bash-boot-fail:is not a 
 if ! builtin cd -- "$_dsh_workdir" 2>/dev/null; then builtin printf '\0dsh-bash-boot-fail:cannot be entered\0'; builtin exit 125; fi
 _dsh_script=
 if [[ -z $_dsh_command ]]; then
-  _dsh_script=$_dsh_spill/$_dsh_nonce.sh
+  _dsh_script=$_dsh_spill/$_dsh_nonce.cmd
   if ! (builtin umask 077; builtin set -C; builtin printf '%s' "$_dsh_long" > "$_dsh_script") 2>/dev/null; then
     builtin printf '\0dsh-bash-boot-fail:cannot store the long command\0'; builtin exit 125
   fi
+fi
+if [[ $_dsh_mode == bg ]]; then
+  _dsh_base=$_dsh_spill/$_dsh_nonce _dsh_islong=0
+  [[ -n $_dsh_script ]] && _dsh_islong=1
+  if ! (builtin umask 077; builtin set -C
+        [[ -n $_dsh_script ]] || builtin printf '%s' "$_dsh_command" > "$_dsh_base.cmd" || builtin exit 1
+        : > "$_dsh_base.stdout" && : > "$_dsh_base.stderr" || builtin exit 1
+        if [[ $_dsh_input == 1 ]]; then exec cat > "$_dsh_base.in"; fi) 2>/dev/null; then
+    builtin printf '\0dsh-bash-boot-fail:cannot create the task files\0'; builtin exit 125
+  fi
+  if ! setsid -f bash --noprofile --norc -c SUPERVISOR_QUOTED dsh-bash-task "$_dsh_base" "$_dsh_mark" "$_dsh_input" "$_dsh_islong" </dev/null >/dev/null 2>&1; then
+    builtin printf '\0dsh-bash-boot-fail:cannot start the task supervisor (setsid -f)\0'; builtin exit 125
+  fi
+  builtin printf '\0dsh-bash-boot-ok\0'
+  builtin printf '\0dsh-bash-stderr-ok\0' >&2
+  builtin exit 0
 fi
 builtin printf '\0dsh-bash-boot-ok\0'
 builtin printf '\0dsh-bash-stderr-ok\0' >&2
@@ -121,6 +137,36 @@ if [[ -n $_dsh_script ]]; then exec bash --noprofile --norc "$_dsh_script"; fi
 exec bash --noprofile --norc -c "$_dsh_command"
 """
 
+# A detached background task's supervisor, started by BOOT (mode "bg") with `setsid -f`, stdio on
+# /dev/null, so it holds no channel. $1: the task's files' base path, $2: marker, $3: "1" when stdin
+# data was stored in BASE.in, $4: "1" when BASE.cmd is a long command to run as a script. The command
+# text comes from BASE.cmd, so no command line but the command's own shows it. The command runs in
+# the foreground (background jobs of a non-interactive bash start with SIGINT and SIGQUIT ignored),
+# in its own session, marked; the supervisor is unmarked and outside its group, so kills by marker
+# never hit it. Output goes through two `cat` relays into BASE.stdout/BASE.stderr; BASE.exit-STATUS
+# (128+n for a signal death) appears when the command's shell ended, BASE.eof once every holder of
+# its output is gone.
+SUPERVISOR = r"""
+b=$1 mark=$2 input=$3 long=$4 in=/dev/null
+[ "$input" = 1 ] && in=$b.in
+# BOOT's bash and this one each raised SHLVL: the command sees its parent's level plus one.
+case ${SHLVL-} in ''|*[!0-9]*) ;; *) SHLVL=$((SHLVL > 2 ? SHLVL - 2 : 0)) ;; esac
+exec 5> >(exec cat >> "$b.stdout"); o=$!
+exec 6> >(exec cat >> "$b.stderr"); e=$!
+if [ "$long" = 1 ]; then
+  DSH_BASH_MARK=$mark setsid bash --noprofile --norc "$b.cmd" <"$in" >&5 2>&6 5>&- 6>&-
+else
+  IFS= read -r -d '' c < "$b.cmd"
+  DSH_BASH_MARK=$mark setsid bash --noprofile --norc -c "$c" <"$in" >&5 2>&6 5>&- 6>&-
+fi
+s=$?
+exec 5>&- 6>&-
+(set -C; : > "$b.exit-$s")
+wait "$o" "$e" 2>/dev/null || while kill -0 "$o" 2>/dev/null || kill -0 "$e" 2>/dev/null; do sleep 0.05; done
+(set -C; : > "$b.eof")
+"""
+
+BOOT = BOOT.replace("SUPERVISOR_QUOTED", shlex.quote(SUPERVISOR))
 BOOT = BOOT.replace(
     "ALL_VARIABLES", " ".join(f"${{!{c}@}}" for c in "_ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 )
