@@ -336,3 +336,31 @@ async def test_without_sftp_background_tasks_stay_attached(
         assert _task_files(ex.spill_dir) == []
     warnings = [r.getMessage() for r in caplog.records if "no SFTP subsystem" in r.getMessage()]
     assert len(warnings) == 1, warnings
+
+
+async def test_a_lost_detached_spill_frees_its_disk_space(ssh_server: SshServer) -> None:
+    """Past max_spill_bytes the task's output file keeps its size but gives its read part back."""
+    total = 400_000_000
+    async with ssh_server.executor(max_output_bytes=1000, max_spill_bytes=1_000_000) as ex:
+        task = await ex.start(
+            ex.resolve(BashExecRequest(command=f"head -c {total} /dev/zero | tr '\\0' y; sleep 30"))
+        )
+        spill_dir = Path(ex.spill_dir)
+        deadline = time.monotonic() + 60
+        while True:
+            files = list(spill_dir.glob("*.stdout"))
+            size = files[0].stat().st_size if files else 0
+            if size >= total:
+                break
+            assert time.monotonic() < deadline, f"the task wrote only {size} bytes"
+            await anyio.sleep(0.1)
+        stat = files[0].stat()
+        deadline = time.monotonic() + 20
+        while stat.st_blocks * 512 > 200_000_000:
+            assert time.monotonic() < deadline, f"{stat.st_blocks * 512} bytes still on disk"
+            await anyio.sleep(0.1)
+            stat = files[0].stat()
+        assert stat.st_size == total  # offsets stay valid: holes, not truncation
+        read = await ex.read_output(task.id)
+        assert read.delta == "y" * 1000 and read.stdout_spill_path is None
+        assert await ex.kill(task.id)

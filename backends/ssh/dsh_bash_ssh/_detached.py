@@ -40,6 +40,8 @@ _IDLE_LINGER_S = 1.0
 STREAMS = ("stdout", "stderr")
 #: Stands in for bytes that are counted but never read (see Follower._read).
 _PLACEHOLDER = bytes(1 << 20)
+#: A lost spill's file gets its read part freed each time this many more bytes were read.
+_PUNCH_STEP = 64 << 20
 #: Listings in a row that show a task's eof file but no exit file before the task counts as lost.
 _EOF_WITHOUT_EXIT_TICKS = 5
 
@@ -70,8 +72,12 @@ class DetachedSpill:
 class _Followed:
     """What the follower knows about one task."""
 
-    def __init__(self, base: str, launch: Launch) -> None:
+    def __init__(self, base: str, launch: Launch, spills: dict[str, DetachedSpill]) -> None:
         self.base = base
+        self.spills = spills
+        #: Per stream, how far the file's start was freed (punched) and whether a punch runs.
+        self.punched = {stream: 0 for stream in STREAMS}
+        self.punching: set[str] = set()
         self.name = base.rsplit("/", 1)[-1]
         self.launch = launch
         self.offsets = {stream: 0 for stream in STREAMS}
@@ -101,6 +107,7 @@ class Follower:
         self._wake = anyio.Event()
         self._sftp: asyncssh.SFTPClient | None = None
         self._closed = False
+        self._punch_works = True
         self.directory = ""
 
     async def probe(self) -> bool:
@@ -117,8 +124,8 @@ class Follower:
         self._ensure_running()
         return True
 
-    def add(self, base: str, launch: Launch) -> _Followed:
-        followed = _Followed(base, launch)
+    def add(self, base: str, launch: Launch, spills: dict[str, DetachedSpill]) -> _Followed:
+        followed = _Followed(base, launch, spills)
         self._tasks[followed.name] = followed
         self._ensure_running()
         self._wake.set()
@@ -301,7 +308,44 @@ class Follower:
                 target.feed(memoryview(_PLACEHOLDER)[:step])
                 skip -= step
             target.feed(data)
+        # No spill file kept (refused or lost past max_spill_bytes): the bytes read are needed
+        # nowhere any more.
+        if (
+            target.total_bytes > target.max_bytes
+            and target.spill_path is None
+            and self._punch_works
+            and stream not in followed.punching
+            and followed.offsets[stream] - followed.punched[stream] >= _PUNCH_STEP
+        ):
+            followed.punching.add(stream)
+            self._start_helper(self._punch, followed, stream, followed.offsets[stream])
         return True
+
+    async def _punch(self, followed: _Followed, stream: str, upto: int) -> None:
+        """Free the disk blocks of a lost spill's bytes already read: the file keeps its size and
+        offsets (a hole reads as zeros), so following goes on, and the disk does not fill up
+        with output nobody keeps."""
+        length = upto - upto % (1 << 20)
+        try:
+            code, _, err = await self._pool.run_script(
+                'exec fallocate --punch-hole --offset 0 --length "$2" -- "$1"',
+                f"{followed.base}.{stream}",
+                str(length),
+            )
+            if code == 0:
+                followed.punched[stream] = length
+            elif self._punch_works:
+                self._punch_works = False
+                log.warning(
+                    "cannot free the disk space of lost output on %s (fallocate --punch-hole: %s); "
+                    "a detached task's output file keeps growing until the task ends",
+                    self._pool.where,
+                    err.decode("utf-8", "replace").strip() or f"exit status {code}",
+                )
+        except (BashInfrastructureError, OSError) as exc:
+            log.debug("punching %s.%s failed: %s", followed.base, stream, exc)
+        finally:
+            followed.punching.discard(stream)
 
 
 class _NoSftp(Exception):

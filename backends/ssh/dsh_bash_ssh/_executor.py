@@ -274,7 +274,7 @@ class SshBashExecutor(BashExecutor):
         # BOOT exits once the supervisor runs: the channel is done.
         session.stop_feeding()
         session.close()
-        followed = self._follower.add(base, launch)
+        followed = self._follower.add(base, launch, spills)
 
         async def on_release() -> None:
             self._detached.pop(marker, None)
