@@ -150,7 +150,7 @@ class CommandSession(SlotSession):
 
     def eof_received(self) -> bool:
         self.eof.set()
-        return False
+        return True  # keep our side half-open: an EOF from here would be one more packet for nothing
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -235,8 +235,10 @@ class SshProcess(CommandProcess):
     async def release(self) -> None:
         session = self._session
         session.stop_feeding()
-        if session.eof.is_set():
+        if session.eof.is_set() and session.exit is None:
             session.close()
-        # Otherwise leftovers still hold the command's output: the channel stays open, its data
-        # discarded as it comes (so their writes never block), and frees its slot when it closes.
+        # With an exit status and EOF, sshd closes the channel itself (closing it from here would
+        # cost an EOF and a CLOSE packet). Without EOF, leftovers still hold the command's output:
+        # the channel stays open, its data discarded as it comes (so their writes never block).
+        # Either way the session frees its slot when the channel closes.
         await self._on_release()
