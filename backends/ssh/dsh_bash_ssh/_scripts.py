@@ -176,11 +176,20 @@ def boot_line(*args: str) -> str:
     """The command line running BOOT with ``args``: in the login shell when it is a bash without
     functions, else in a clean bash. Any POSIX login shell parses it (BOOT itself is a quoted string)."""
     quoted = " ".join(shlex.quote(arg) for arg in args)
+    boot = _BOOT_BG_QUOTED if args[2] == "bg" else _BOOT_FG_QUOTED
     return (
-        f"_dsh_b={_BOOT_QUOTED}; set -- {quoted}; "
+        f"_dsh_b={boot}; set -- {quoted}; "
         'if [ -n "${BASH_VERSION-}" ] && ! compgen -A function >/dev/null 2>&1; then eval "$_dsh_b"; '
         'else BASH_ENV= ENV= exec bash --noprofile --norc -c "$_dsh_b" dsh-bash "$@"; fi'
     )
 
 
-_BOOT_QUOTED = shlex.quote(BOOT)
+def _without_detached_branch(script: str) -> str:
+    start = script.index("if [[ $_dsh_mode == bg ]]; then\n")
+    end = script.index("\n  builtin exit 0\nfi\n", start) + len("\n  builtin exit 0\nfi\n")
+    return script[:start] + script[end:]
+
+
+# The login shell parses BOOT for every command: a foreground one gets it without the detached branch.
+_BOOT_BG_QUOTED = shlex.quote(BOOT)
+_BOOT_FG_QUOTED = shlex.quote(_without_detached_branch(BOOT))
