@@ -364,3 +364,17 @@ async def test_a_lost_detached_spill_frees_its_disk_space(ssh_server: SshServer)
         read = await ex.read_output(task.id)
         assert read.delta == "y" * 1000 and read.stdout_spill_path is None
         assert await ex.kill(task.id)
+
+
+async def test_detached_tasks_and_commands_share_two_channels(ssh_server: SshServer) -> None:
+    """With the smallest budget (one command slot), the follower's channel blocks nothing."""
+    async with ssh_server.executor(max_channels=2) as ex:
+        with anyio.fail_after(20):
+            tasks = [
+                await ex.start(ex.resolve(BashExecRequest(command=f"sleep 0.5; echo task-{i}")))
+                for i in range(3)
+            ]
+            assert (await ex.exec("echo fg")).stdout.text == "fg\n"
+            for i, task in enumerate(tasks):
+                await task.wait()
+                assert (await ex.read_output(task.id)).delta == f"task-{i}\n"

@@ -240,16 +240,11 @@ class ChannelPool:
         return session
 
     async def open_sftp(self) -> asyncssh.SFTPClient:
-        """An SFTP channel holding one slot until :meth:`release_slot` (after closing it)."""
-        await self._slots.acquire()
-        try:
-            return await self._create(lambda conn: conn.start_sftp_client(), retry_refused=False)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def release_slot(self) -> None:
-        self._slots.release()
+        """The SFTP channel following detached tasks. It takes no slot: a slot held for as long
+        as background tasks run would leave none to start another with ``max_channels=2``. So the
+        connection has at most ``max_channels + 1`` sessions, within the server's ``MaxSessions``
+        when ``max_channels`` is below it, as advised."""
+        return await self._create(lambda conn: conn.start_sftp_client(), retry_refused=False)
 
     async def run_script(
         self, script: str, *args: str, stdin: bytes | None = None, kill: bool = False

@@ -177,8 +177,6 @@ class Follower:
                     await sftp.wait_closed()
             except Exception as exc:  # a dead connection: nothing left to close
                 log.debug("closing the SFTP channel: %r", exc)
-            finally:
-                self._pool.release_slot()
 
     async def _run(self) -> None:
         delay = _FAST_TICK_S
