@@ -1,4 +1,4 @@
-"""One command on the SSH host: a session channel, an in-band exit trailer, kills over a reserved channel."""
+"""One command on the SSH host: its channel's exit status is the command's; kills use a reserved channel."""
 
 from __future__ import annotations
 
