@@ -378,3 +378,18 @@ async def test_detached_tasks_and_commands_share_two_channels(ssh_server: SshSer
             for i, task in enumerate(tasks):
                 await task.wait()
                 assert (await ex.read_output(task.id)).delta == f"task-{i}\n"
+
+
+async def test_aclose_kills_many_live_detached_tasks(ssh_server: SshServer, marker: str) -> None:
+    """Every task's kill and the kill by the executor's prefix share one kill channel: aclose
+    neither raises (a refused kill channel would) nor leaves a task behind."""
+    async with ssh_server.executor(grace_ms=500) as ex:
+        token = ex._token
+        for _ in range(40):
+            await ex.start(ex.resolve(BashExecRequest(command=f"sleep 60; : {marker}")))
+        deadline = time.monotonic() + 20
+        while len(_marked_by(token + "-")) < 40:
+            assert time.monotonic() < deadline, "the tasks never all started"
+            await anyio.sleep(0.1)
+    assert _marked_by(token + "-") == []
+    assert find_host_processes(marker) == []

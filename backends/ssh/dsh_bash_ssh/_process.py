@@ -7,6 +7,7 @@ import signal as signal_module
 from collections.abc import Awaitable, Callable
 
 import anyio
+import anyio.lowlevel
 import asyncssh
 
 from dsh_bash import BashInfrastructureError, CommandProcess, ExitStatus, Launch, signal_name
@@ -47,8 +48,15 @@ class RemoteMarked:
             await self._pool.run_script(KILL, *self._args("signal", sig), kill=True)
 
     async def remaining(self) -> list[str]:
-        _, out, _ = await self._pool.run_script(KILL, *self._args("list", 0), kill=True)
-        return sorted(set(out.decode(errors="replace").split()))
+        # Shielded as well: a script cancelled half-way keeps its server session until it exits
+        # (sshd frees a session only once its process is gone), so cancelled scans in a row would
+        # exhaust MaxSessions while the pool believes its kill slot free.
+        found: list[str] = []
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_SIGNAL_BOUND_S):
+            _, out, _ = await self._pool.run_script(KILL, *self._args("list", 0), kill=True)
+            found = sorted(set(out.decode(errors="replace").split()))
+        await anyio.lowlevel.checkpoint()  # a cancellation that came meanwhile takes effect here
+        return found
 
 
 def signal_number(name: str) -> int | None:
