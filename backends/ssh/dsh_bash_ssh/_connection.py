@@ -8,15 +8,20 @@ from typing import Any, TypeVar, cast
 
 import anyio
 import asyncssh
+from asyncssh.constants import OPEN_REQUEST_SESSION_FAILED
 
 from dsh_bash import BashInfrastructureError
 
 from ._config import SshConfig
 from ._scripts import SCRIPT_BEGIN, cmdline
 
-__all__ = ["Channel", "ChannelPool", "ScriptResult", "SlotSession"]
+__all__ = ["Channel", "ChannelPool", "RequestRefused", "ScriptResult", "SlotSession"]
 
 log = logging.getLogger("dsh_bash.ssh")
+
+
+class RequestRefused(BashInfrastructureError):
+    """The server opened the channel but refused what it was for (a subsystem it does not offer)."""
 
 
 class SlotSession(asyncssh.SSHClientSession[bytes]):
@@ -172,9 +177,7 @@ class ChannelPool:
 
     # -- channels -------------------------------------------------------------------------------------
 
-    async def _create(
-        self, create: Callable[[asyncssh.SSHClientConnection], Awaitable[T]], *, retry_refused: bool = True
-    ) -> T:
+    async def _create(self, create: Callable[[asyncssh.SSHClientConnection], Awaitable[T]]) -> T:
         """Open a channel with ``create``: reconnect once if the connection dropped under us, and retry
         briefly when the server refuses while the connection is fine: sshd frees a closed session
         only after the packets that arrived with its close (the next open among them) are handled.
@@ -197,14 +200,20 @@ class ChannelPool:
                         reconnected = True
                         continue
                 elif (
-                    retry_refused
-                    and isinstance(exc, asyncssh.ChannelOpenError)
+                    isinstance(exc, asyncssh.ChannelOpenError)
+                    and exc.code == asyncssh.OPEN_CONNECT_FAILED
                     and anyio.current_time() < deadline
                 ):
                     await anyio.sleep(delay)
                     delay = min(delay * 2, 0.1)
                     continue
                 reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
+                if (
+                    isinstance(exc, asyncssh.ChannelOpenError)
+                    and exc.code == OPEN_REQUEST_SESSION_FAILED
+                    and not conn.is_closed()
+                ):
+                    raise RequestRefused(f"{self.where} refused the session request: {reason}") from None
                 raise BashInfrastructureError(
                     f"cannot open an SSH channel on {self.where}: {reason}"
                 ) from None
@@ -244,7 +253,7 @@ class ChannelPool:
         as background tasks run would leave none to start another with ``max_channels=2``. So the
         connection has at most ``max_channels + 1`` sessions, within the server's ``MaxSessions``
         when ``max_channels`` is below it, as advised."""
-        return await self._create(lambda conn: conn.start_sftp_client(), retry_refused=False)
+        return await self._create(lambda conn: conn.start_sftp_client())
 
     async def run_script(
         self, script: str, *args: str, stdin: bytes | None = None, kill: bool = False

@@ -22,7 +22,7 @@ import asyncssh
 
 from dsh_bash import BashInfrastructureError, CommandProcess, ExitStatus, Launch
 
-from ._connection import ChannelPool
+from ._connection import ChannelPool, RequestRefused
 from ._process import RemoteMarked
 
 __all__ = ["DetachedProcess", "DetachedSpill", "Follower"]
@@ -160,10 +160,8 @@ class Follower:
             return self._sftp
         try:
             self._sftp = await self._pool.open_sftp()
-        except BashInfrastructureError as exc:
-            if self._pool.connected():
-                raise _NoSftp(str(exc)) from None
-            raise
+        except RequestRefused as exc:
+            raise _NoSftp(str(exc)) from None
         return self._sftp
 
     async def _drop_sftp(self) -> None:
