@@ -393,3 +393,27 @@ async def test_aclose_kills_many_live_detached_tasks(ssh_server: SshServer, mark
             await anyio.sleep(0.1)
     assert _marked_by(token + "-") == []
     assert find_host_processes(marker) == []
+
+
+async def test_detached_task_files_are_private(ssh_server: SshServer) -> None:
+    async with ssh_server.executor() as ex:
+        spill_dir = Path(ex.spill_dir)
+        gate = spill_dir / "gate"
+        # The leftover `sleep` holds the output after the command's exit: the exit file is there
+        # for a while before the eof file ends the task (and its files are removed).
+        command = f"echo hi; until [ -e {gate} ]; do sleep 0.05; done; sleep 2 &"
+        task = await ex.start(ex.resolve(BashExecRequest(command=command, stdin="x")))
+
+        def modes() -> dict[str, int]:
+            return {p.name.split(".", 1)[1]: p.stat().st_mode & 0o777 for p in spill_dir.glob("*.*")}
+
+        await anyio.sleep(0.3)  # the supervisor runs the command from the .cmd file
+        assert modes() == {"cmd": 0o600, "in": 0o600, "stdout": 0o600, "stderr": 0o600}
+        gate.touch()
+        deadline = time.monotonic() + 10
+        while not any(name.startswith("exit-") for name in modes()):
+            assert time.monotonic() < deadline, "no exit file"
+            await anyio.sleep(0.02)
+        assert set(modes().values()) == {0o600}, modes()
+        with anyio.fail_after(10):
+            await task.wait()

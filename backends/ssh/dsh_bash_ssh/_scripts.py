@@ -161,9 +161,9 @@ else
 fi
 s=$?
 exec 5>&- 6>&-
-(set -C; : > "$b.exit-$s")
+(umask 077; set -C; : > "$b.exit-$s")
 wait "$o" "$e" 2>/dev/null || while kill -0 "$o" 2>/dev/null || kill -0 "$e" 2>/dev/null; do sleep 0.05; done
-(set -C; : > "$b.eof")
+(umask 077; set -C; : > "$b.eof")
 """
 
 BOOT = BOOT.replace("SUPERVISOR_QUOTED", shlex.quote(SUPERVISOR))
