@@ -143,9 +143,9 @@ def keygen(path: Path) -> None:
     )
 
 
-def start_server(extra_config: str = "") -> SshServer:
+def start_server(extra_config: str = "", *, sftp: bool = True) -> SshServer:
     """Start a test sshd; ``extra_config`` lines are appended to its config (the security suite's
-    ``SetEnv``, say); the session server passes none."""
+    ``SetEnv``, say; the session server passes none); ``sftp=False`` leaves out the SFTP subsystem."""
     home = _ensure_user()
     directory = Path(tempfile.mkdtemp(prefix="dsh-bash-sshd-"))
     directory.chmod(0o755)  # sshd reads authorized keys as the logging-in user
@@ -170,8 +170,9 @@ def start_server(extra_config: str = "") -> SshServer:
         "PermitRootLogin yes\n"
         "PermitUserEnvironment yes\n"
         "MaxSessions 10\n"
-        "Subsystem sftp internal-sftp\n"
-        f"PidFile {directory}/sshd.pid\n" + extra_config
+        + ("Subsystem sftp internal-sftp\n" if sftp else "")
+        + f"PidFile {directory}/sshd.pid\n"
+        + extra_config
     )
     process = subprocess.Popen(
         [SSHD, "-D", "-f", str(directory / "sshd_config"), "-E", str(directory / "sshd.log")]

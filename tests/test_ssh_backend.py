@@ -14,7 +14,7 @@ import pytest
 from dsh_bash_conformance import find_host_processes
 from ssh_support import TEST_USER, SshServer, keygen
 
-from dsh_bash import BashExecRequest, BashInfrastructureError, ConfigError
+from dsh_bash import BashExecRequest, BashInfrastructureError, BashTask, ConfigError
 
 pytestmark = [pytest.mark.anyio, pytest.mark.ssh]
 
@@ -221,3 +221,199 @@ def test_config_requires_a_way_to_trust_the_host() -> None:
         SshBashExecutor.from_fields(
             host="example.invalid", client_keys=["k"], known_hosts="kh", max_channels=1
         )
+
+
+# -- background tasks detached on the host ----------------------------------------------------------
+
+
+def _task_files(directory: str) -> list[str]:
+    """The detached-task files (not spill files of foreground commands) in a spill directory."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return sorted(
+        name
+        for name in names
+        if name.split(".", 1)[-1] in ("cmd", "in", "eof", "stdout", "stderr") or ".exit-" in name
+    )
+
+
+async def test_two_hundred_concurrent_background_tasks(ssh_server: SshServer, marker: str) -> None:
+    """Detached tasks hold no channel: 200 run at once on the default 8 channels."""
+    count = 200
+    async with ssh_server.executor() as ex:
+        assert ex.config.max_channels == 8
+        gate = Path(ex.spill_dir) / "gate"  # no task ends before every task runs
+        tasks: dict[int, BashTask] = {}
+
+        async def start(i: int) -> None:
+            command = f"until [ -e {gate} ]; do sleep 0.1; done; echo out-{i}; echo err-{i} >&2; exit {i % 5}"
+            command += f" # {marker}"
+            tasks[i] = await ex.start(ex.resolve(BashExecRequest(command=command)))
+
+        with anyio.fail_after(90):
+            async with anyio.create_task_group() as tg:
+                for i in range(count):
+                    tg.start_soon(start, i)
+        deadline = time.monotonic() + 20  # start returns once a task's supervisor runs
+        while len(_marked_by(ex._token + "-")) < count:
+            assert time.monotonic() < deadline, f"only {len(_marked_by(ex._token + '-'))} tasks run at once"
+            await anyio.sleep(0.1)
+        gate.touch()
+        for i, task in tasks.items():
+            with anyio.fail_after(30):
+                await task.wait()
+            read = await ex.read_output(task.id)
+            assert (task.status, task.end_cause, task.exit_code) == ("completed", "exited", i % 5), task
+            assert f"out-{i}\n" in read.delta and f"err-{i}\n" in read.delta, read.delta
+        # Finished tasks leave no files behind (none of them needed a spill file).
+        deadline = time.monotonic() + 5
+        while _task_files(ex.spill_dir):
+            assert time.monotonic() < deadline, f"task files left: {_task_files(ex.spill_dir)[:5]}"
+            await anyio.sleep(0.05)
+    assert find_host_processes(marker) == []
+
+
+async def test_a_detached_task_outlives_a_connection_drop(ssh_server: SshServer, marker: str) -> None:
+    async with ssh_server.executor(grace_ms=300) as ex:
+        task = await ex.start(
+            ex.resolve(BashExecRequest(command=f"echo before; sleep 1.5; echo after; exit 3 # {marker}"))
+        )
+        deadline = time.monotonic() + 5
+        while not find_host_processes(marker):
+            assert time.monotonic() < deadline, "the task never started"
+            await anyio.sleep(0.02)
+        for pid in _session_sshds(ssh_server, TEST_USER):
+            os.kill(pid, signal.SIGKILL)
+        with anyio.fail_after(20):
+            await task.wait()
+        read = await ex.read_output(task.id)
+        assert (task.status, task.end_cause, task.exit_code) == ("completed", "exited", 3), task
+        assert read.delta == "before\nafter\n"
+
+
+async def test_a_flooding_detached_task_reads_only_the_tail(ssh_server: SshServer) -> None:
+    """50 MB of output with a 1000-byte window: the follower reads about the window per tick."""
+    async with ssh_server.executor(max_output_bytes=1000) as ex:
+        task = await ex.start(
+            ex.resolve(BashExecRequest(command="head -c 50000000 /dev/zero | tr '\\0' y; echo; echo end"))
+        )
+        with anyio.fail_after(30):
+            await task.wait()
+        read = await ex.read_output(task.id)
+        assert read.delta.endswith("yyy\nend\n") and len(read.delta) == 1000
+        assert read.dropped_bytes == 50_000_005 - 1000
+        assert task.exit_code == 0
+
+
+@pytest.fixture(scope="module")
+def server_without_sftp() -> Iterator[SshServer]:
+    from ssh_support import start_server, stop_server  # noqa: PLC0415
+
+    if os.geteuid() != 0:
+        pytest.skip("backend unavailable: the SSH tests start their own sshd and need root")
+    server = start_server(sftp=False)
+    try:
+        yield server
+    finally:
+        stop_server(server)
+
+
+async def test_without_sftp_background_tasks_stay_attached(
+    server_without_sftp: SshServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with server_without_sftp.executor() as ex:
+        tasks = [
+            await ex.start(ex.resolve(BashExecRequest(command=f"sleep 0.2; echo {i}; exit {i}")))
+            for i in range(3)
+        ]
+        for i, task in enumerate(tasks):
+            with anyio.fail_after(10):
+                await task.wait()
+            assert task.exit_code == i
+            assert (await ex.read_output(task.id)).delta == f"{i}\n"
+        assert _task_files(ex.spill_dir) == []
+    warnings = [r.getMessage() for r in caplog.records if "no SFTP subsystem" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+
+
+async def test_a_lost_detached_spill_frees_its_disk_space(ssh_server: SshServer) -> None:
+    """Past max_spill_bytes the task's output file keeps its size but gives its read part back."""
+    total = 400_000_000
+    async with ssh_server.executor(max_output_bytes=1000, max_spill_bytes=1_000_000) as ex:
+        task = await ex.start(
+            ex.resolve(BashExecRequest(command=f"head -c {total} /dev/zero | tr '\\0' y; sleep 30"))
+        )
+        spill_dir = Path(ex.spill_dir)
+        deadline = time.monotonic() + 60
+        while True:
+            files = list(spill_dir.glob("*.stdout"))
+            size = files[0].stat().st_size if files else 0
+            if size >= total:
+                break
+            assert time.monotonic() < deadline, f"the task wrote only {size} bytes"
+            await anyio.sleep(0.1)
+        stat = files[0].stat()
+        deadline = time.monotonic() + 20
+        while stat.st_blocks * 512 > 200_000_000:
+            assert time.monotonic() < deadline, f"{stat.st_blocks * 512} bytes still on disk"
+            await anyio.sleep(0.1)
+            stat = files[0].stat()
+        assert stat.st_size == total  # offsets stay valid: holes, not truncation
+        read = await ex.read_output(task.id)
+        assert read.delta == "y" * 1000 and read.stdout_spill_path is None
+        assert await ex.kill(task.id)
+
+
+async def test_detached_tasks_and_commands_share_two_channels(ssh_server: SshServer) -> None:
+    """With the smallest budget (one command slot), the follower's channel blocks nothing."""
+    async with ssh_server.executor(max_channels=2) as ex:
+        with anyio.fail_after(20):
+            tasks = [
+                await ex.start(ex.resolve(BashExecRequest(command=f"sleep 0.5; echo task-{i}")))
+                for i in range(3)
+            ]
+            assert (await ex.exec("echo fg")).stdout.text == "fg\n"
+            for i, task in enumerate(tasks):
+                await task.wait()
+                assert (await ex.read_output(task.id)).delta == f"task-{i}\n"
+
+
+async def test_aclose_kills_many_live_detached_tasks(ssh_server: SshServer, marker: str) -> None:
+    """Every task's kill and the kill by the executor's prefix share one kill channel: aclose
+    neither raises (a refused kill channel would) nor leaves a task behind."""
+    async with ssh_server.executor(grace_ms=500) as ex:
+        token = ex._token
+        for _ in range(40):
+            await ex.start(ex.resolve(BashExecRequest(command=f"sleep 60; : {marker}")))
+        deadline = time.monotonic() + 20
+        while len(_marked_by(token + "-")) < 40:
+            assert time.monotonic() < deadline, "the tasks never all started"
+            await anyio.sleep(0.1)
+    assert _marked_by(token + "-") == []
+    assert find_host_processes(marker) == []
+
+
+async def test_detached_task_files_are_private(ssh_server: SshServer) -> None:
+    async with ssh_server.executor() as ex:
+        spill_dir = Path(ex.spill_dir)
+        gate = spill_dir / "gate"
+        # The leftover `sleep` holds the output after the command's exit: the exit file is there
+        # for a while before the eof file ends the task (and its files are removed).
+        command = f"echo hi; until [ -e {gate} ]; do sleep 0.05; done; sleep 2 &"
+        task = await ex.start(ex.resolve(BashExecRequest(command=command, stdin="x")))
+
+        def modes() -> dict[str, int]:
+            return {p.name.split(".", 1)[1]: p.stat().st_mode & 0o777 for p in spill_dir.glob("*.*")}
+
+        await anyio.sleep(0.3)  # the supervisor runs the command from the .cmd file
+        assert modes() == {"cmd": 0o600, "in": 0o600, "stdout": 0o600, "stderr": 0o600}
+        gate.touch()
+        deadline = time.monotonic() + 10
+        while not any(name.startswith("exit-") for name in modes()):
+            assert time.monotonic() < deadline, "no exit file"
+            await anyio.sleep(0.02)
+        assert set(modes().values()) == {0o600}, modes()
+        with anyio.fail_after(10):
+            await task.wait()

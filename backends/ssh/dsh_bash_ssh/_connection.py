@@ -3,19 +3,58 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
 
 import anyio
 import asyncssh
+from asyncssh.constants import OPEN_REQUEST_SESSION_FAILED
 
 from dsh_bash import BashInfrastructureError
 
 from ._config import SshConfig
 from ._scripts import SCRIPT_BEGIN, cmdline
 
-__all__ = ["Channel", "ChannelPool", "ScriptResult"]
+__all__ = ["Channel", "ChannelPool", "RequestRefused", "ScriptResult", "SlotSession"]
 
 log = logging.getLogger("dsh_bash.ssh")
+
+
+class RequestRefused(BashInfrastructureError):
+    """The server opened the channel but refused what it was for (a subsystem it does not offer)."""
+
+
+class SlotSession(asyncssh.SSHClientSession[bytes]):
+    """A session that holds one slot of the pool until its channel is closed (by either side).
+
+    Subclasses override the asyncssh callbacks and call ``super().connection_lost``.
+    """
+
+    def __init__(self) -> None:
+        self._slot: anyio.Semaphore | None = None
+        self.lost_channel = False
+        self.chan: asyncssh.SSHClientChannel[bytes] | None = None
+
+    def _hold(self, slot: anyio.Semaphore) -> None:
+        self._slot = slot
+
+    def connection_made(self, chan: asyncssh.SSHClientChannel[bytes]) -> None:
+        self.chan = chan
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost_channel = True
+        self.free_slot()
+
+    def free_slot(self) -> None:
+        slot, self._slot = self._slot, None
+        if slot is not None:
+            slot.release()
+
+
+SessionT = TypeVar("SessionT", bound=SlotSession)
+T = TypeVar("T")
+#: How long a refused channel open is retried while the connection itself is fine.
+_REFUSED_RETRY_S = 2.0
 
 
 class Channel:
@@ -138,32 +177,83 @@ class ChannelPool:
 
     # -- channels -------------------------------------------------------------------------------------
 
+    async def _create(self, create: Callable[[asyncssh.SSHClientConnection], Awaitable[T]]) -> T:
+        """Open a channel with ``create``: reconnect once if the connection dropped under us, and retry
+        briefly when the server refuses while the connection is fine: sshd frees a closed session
+        only after the packets that arrived with its close (the next open among them) are handled.
+        """
+        reconnected = False
+        deadline = anyio.current_time() + _REFUSED_RETRY_S
+        delay = 0.005
+        while True:
+            conn = await self.connection()
+            try:
+                return await create(conn)
+            except (
+                asyncssh.ChannelOpenError,
+                asyncssh.ConnectionLost,
+                asyncssh.DisconnectError,
+                OSError,
+            ) as exc:
+                if conn.is_closed():
+                    if not reconnected:
+                        reconnected = True
+                        continue
+                elif (
+                    isinstance(exc, asyncssh.ChannelOpenError)
+                    and exc.code == asyncssh.OPEN_CONNECT_FAILED
+                    and anyio.current_time() < deadline
+                ):
+                    await anyio.sleep(delay)
+                    delay = min(delay * 2, 0.1)
+                    continue
+                reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
+                if (
+                    isinstance(exc, asyncssh.ChannelOpenError)
+                    and exc.code == OPEN_REQUEST_SESSION_FAILED
+                    and not conn.is_closed()
+                ):
+                    raise RequestRefused(f"{self.where} refused the session request: {reason}") from None
+                raise BashInfrastructureError(
+                    f"cannot open an SSH channel on {self.where}: {reason}"
+                ) from None
+
     async def open(self, command_line: str, *, kill: bool = False) -> Channel:
         """Open a channel running ``command_line`` (through the login shell); waits for a free slot."""
         slot = self._kill_slot if kill else self._slots
         await slot.acquire()
         try:
-            for attempt in (1, 2):
-                conn = await self.connection()
-                try:
-                    process = await conn.create_process(command_line, encoding=None)
-                except (
-                    asyncssh.ChannelOpenError,
-                    asyncssh.ConnectionLost,
-                    asyncssh.DisconnectError,
-                    OSError,
-                ) as exc:
-                    if attempt == 1 and conn.is_closed():
-                        continue  # dropped under us: reconnect once
-                    reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
-                    raise BashInfrastructureError(
-                        f"cannot open an SSH channel on {self.where}: {reason}"
-                    ) from None
-                return Channel(process, slot)
-            raise AssertionError("unreachable")
+            process = await self._create(lambda conn: conn.create_process(command_line, encoding=None))
         except BaseException:
             slot.release()
             raise
+        return Channel(process, slot)
+
+    async def open_session(self, command_line: str, factory: Callable[[], SessionT]) -> SessionT:
+        """Open a channel running ``command_line`` with a session object taking its data as it comes.
+
+        The session holds a slot until the channel closes (its ``connection_lost``).
+        """
+        await self._slots.acquire()
+        try:
+            _, opened = await self._create(
+                lambda conn: conn.create_session(factory, command_line, encoding=None)
+            )
+        except BaseException:
+            self._slots.release()
+            raise
+        session = cast(SessionT, opened)  # the factory's own object
+        session._hold(self._slots)
+        if session.lost_channel:
+            session.free_slot()  # closed before the slot was handed over
+        return session
+
+    async def open_sftp(self) -> asyncssh.SFTPClient:
+        """The SFTP channel following detached tasks. It takes no slot: a slot held for as long
+        as background tasks run would leave none to start another with ``max_channels=2``. So the
+        connection has at most ``max_channels + 1`` sessions, within the server's ``MaxSessions``
+        when ``max_channels`` is below it, as advised."""
+        return await self._create(lambda conn: conn.start_sftp_client())
 
     async def run_script(
         self, script: str, *args: str, stdin: bytes | None = None, kill: bool = False

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 
 import anyio
 
@@ -19,19 +20,22 @@ from dsh_bash import (
     SpillFile,
     kill_abandoned_start,
 )
+from dsh_bash._env import MODEL_FRIENDLY_ENV
 from dsh_bash._remote_bash import CommandSpills, spill_file_path
 
 from ._config import SshConfig
 from ._connection import ChannelPool
-from ._process import RemoteMarked, SshProcess
-from ._scripts import BOOT, SETUP, SETUP_END, SETUP_HOME, cmdline
+from ._detached import DetachedProcess, DetachedSpill, Follower
+from ._process import CommandSession, RemoteMarked, SshProcess
+from ._scripts import SETUP, SETUP_END, SETUP_HOME, boot_line
 from ._spill import SshSpillFile
 
 __all__ = ["SshBashExecutor"]
 
 log = logging.getLogger("dsh_bash.ssh")
 
-#: Commands longer than this (in bytes) run from a file: one execve argument is limited to 128 KiB.
+#: Command lines longer than this (in bytes) take the command from the header and run it from a
+#: file: one execve argument is limited to 128 KiB.
 _MAX_INLINE_COMMAND = 100_000
 _SPILL_FLUSH_BOUND_S = 30.0
 #: Variables of the setup script's own shell, not of the login.
@@ -69,6 +73,12 @@ class SshBashExecutor(BashExecutor):
         self._ambient: dict[str, str] = {}
         self._spill_dir = ""
         self._spills = CommandSpills(self._start_helper, _SPILL_FLUSH_BOUND_S)
+        self._follower = Follower(self._pool, self._start_helper)
+        #: Whether background tasks run detached: None until the first one asks the server (SFTP).
+        self._detach: bool | None = None
+        self._detach_lock = anyio.Lock()
+        #: Detached tasks by marker: their files' base path and their streams' spill files.
+        self._detached: dict[str, tuple[str, dict[str, DetachedSpill]]] = {}
 
     @property
     def config(self) -> SshConfig:
@@ -100,6 +110,7 @@ class SshBashExecutor(BashExecutor):
                 if code != 0:
                     raise ValueError(f"exit status {code}")
                 self._ambient, self._home, self._spill_dir = parse_setup(out)
+                self._follower.directory = self._spill_dir
                 if not self._spill_dir.startswith("/"):
                     raise ValueError("no spill directory")
             except ValueError as exc:
@@ -113,6 +124,7 @@ class SshBashExecutor(BashExecutor):
             raise
 
     async def _release(self) -> None:
+        self._follower.close()
         if self._spill_dir:
             try:
                 with anyio.move_on_after(5):
@@ -129,64 +141,175 @@ class SshBashExecutor(BashExecutor):
     def _ambient_env(self) -> Mapping[str, str]:
         return self._ambient
 
-    async def _spawn(self, launch: Launch) -> CommandProcess:
+    def _boot_line(self, launch: Launch, nonce: str, mode: str) -> tuple[str, bytes | None, str | None]:
+        """BOOT's command line, the header for its stdin (None when no value needs one), and the
+        path of the long command's file (None when the command fits on the line).
+
+        Only names, the command text and the library's own constant values go on the line; a
+        value from the login's or the caller's environment always travels in the header.
+        """
         spec = launch.spec
         env = dict(launch.env)
         marker = env.pop(MARKER_VAR)
-        nonce = secrets.token_hex(8)
-        command = spec.command.encode("utf-8", "surrogateescape")
-        long = len(command) > _MAX_INLINE_COMMAND
-        entries = [
-            b"",  # the count, below
-            command,
-            spec.workdir.encode("utf-8", "surrogateescape"),
-            marker.encode(),
-            b"1" if long else b"0",
-            b"0" if spec.stdin is None else b"1",
-            *(f"{name}={value}".encode("utf-8", "surrogateescape") for name, value in env.items()),
-        ]
-        entries[0] = str(len(entries) - 1).encode()
+        shell_level = env.get("SHLVL", "")
+        if shell_level.isdigit():
+            # BOOT's `exec` lowers SHLVL by one and the command's bash raises it again: the command
+            # sees its parent's level plus one, as a child shell does (a bash at level 1 under sshd
+            # would read ~/.bashrc in every nested `bash -c`).
+            env["SHLVL"] = str(int(shell_level) + 1)
+        ambient = self._ambient
+        keep: list[str] = []
+        public: list[str] = []
+        secret: list[bytes] = []
+        for name, value in env.items():
+            if ambient.get(name) == value:
+                keep.append(name)
+            elif MODEL_FRIENDLY_ENV.get(name) == value or (name == "SHLVL" and value.isdigit()):
+                public.append(f"{name}={value}")
+            else:
+                secret.append(f"{name}={value}".encode("utf-8", "surrogateescape"))
+
+        def line(command: str, header: bool) -> str:
+            return boot_line(
+                self._spill_dir,
+                nonce,
+                mode,
+                command,
+                spec.workdir,
+                marker,
+                "0" if spec.stdin is None else "1",
+                "1" if header else "0",
+                " ".join(keep),
+                *public,
+            )
+
+        command_line = line(spec.command, bool(secret))
+        long_command: bytes | None = None
+        if not spec.command or len(command_line.encode("utf-8", "surrogateescape")) > _MAX_INLINE_COMMAND:
+            long_command = spec.command.encode("utf-8", "surrogateescape")
+            command_line = line("", True)
+        if long_command is None and not secret:
+            return command_line, None, None
+        entries = [str(len(secret) + 1).encode(), long_command or b"", *secret]
         header = b"".join(entry + b"\0" for entry in entries)
-        channel = await self._pool.open(cmdline(BOOT, self._spill_dir, nonce, begin_marker=False))
+        return command_line, header, None if long_command is None else f"{self._spill_dir}/{nonce}.cmd"
+
+    async def _detached_mode(self) -> bool:
+        if self._detach is None:
+            async with self._detach_lock:
+                if self._detach is None:
+                    self._detach = await self._follower.probe()
+        return self._detach
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        marker = launch.marker
+        nonce = secrets.token_hex(8)
+        detached = launch.background and await self._detached_mode()
+        command_line, header, script = self._boot_line(launch, nonce, "bg" if detached else "fg")
+        if detached:
+            return await self._spawn_detached(launch, nonce, command_line, header)
 
         async def on_release() -> None:
+            if script is not None:
+                self._start_helper(self._remove_quietly, script)
             await self._spills.wait_complete(marker)
 
+        process, _ = await self._boot(launch, command_line, header, on_release)
+        return process
+
+    async def _boot(
+        self,
+        launch: Launch,
+        command_line: str,
+        header: bytes | None,
+        on_release: Callable[[], Awaitable[None]],
+    ) -> tuple[SshProcess, CommandSession]:
+        """Open the channel running BOOT, feed it, wait for its verdict.
+
+        A start given up half-way (an error, a cancellation, even while the channel opens: the
+        server may already run the command) is killed by marker before the error propagates.
+        """
+        spec = launch.spec
         marked = RemoteMarked(self._pool, marker=launch.marker, exact=True)
-        process = SshProcess(
-            pool=self._pool,
-            channel=channel,
-            launch=launch,
-            marked=marked,
-            start_helper=self._start_helper,
-            on_release=on_release,
-            nonce=nonce,
-        )
+        session: CommandSession | None = None
         try:
+            session = await self._pool.open_session(command_line, partial(CommandSession, launch))
+            process = SshProcess(
+                pool=self._pool, session=session, launch=launch, marked=marked, on_release=on_release
+            )
             # asyncssh buffers writes: the header, stdin and EOF are queued at once, sent as the
-            # channel's window allows.
-            stdin = channel.process.stdin
-            stdin.write(header)
+            # channel's window allows. Without stdin data the command's stdin is /dev/null: no EOF.
+            chan = session.chan
+            assert chan is not None
+            if header is not None:
+                chan.write(header)
             if spec.stdin is not None:
-                stdin.write(spec.stdin.encode() if isinstance(spec.stdin, str) else bytes(spec.stdin))
-            stdin.write_eof()
+                chan.write(spec.stdin.encode() if isinstance(spec.stdin, str) else bytes(spec.stdin))
+                chan.write_eof()
             await process.read_preamble()
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await channel.close()
+                if session is not None:
+                    session.stop_feeding()
+                    session.close()
                 try:
                     await kill_abandoned_start(marked, self._config.grace_ms / 1000)
                 except Exception as exc:  # the connection may be what failed
-                    log.warning("cleaning up after a failed start of %s failed: %s", marker, exc)
+                    log.warning("cleaning up after a failed start of %s failed: %s", launch.marker, exc)
             raise
-        return process
+        return process, session
+
+    async def _spawn_detached(
+        self, launch: Launch, nonce: str, command_line: str, header: bytes | None
+    ) -> CommandProcess:
+        marker = launch.marker
+        base = f"{self._spill_dir}/{nonce}"
+        spills: dict[str, DetachedSpill] = {}
+        self._detached[marker] = (base, spills)
+        try:
+            _, session = await self._boot(launch, command_line, header, _nothing)
+        except BaseException:
+            self._detached.pop(marker, None)
+            raise
+        # BOOT exits once the supervisor runs: the channel is done.
+        session.stop_feeding()
+        session.close()
+        followed = self._follower.add(base, launch, spills)
+
+        async def on_release() -> None:
+            self._detached.pop(marker, None)
+
+        return DetachedProcess(
+            pool=self._pool,
+            follower=self._follower,
+            followed=followed,
+            marked=RemoteMarked(self._pool, marker=marker, exact=True),
+            spills=spills,
+            on_release=on_release,
+        )
+
+    async def _remove_quietly(self, path: str) -> None:
+        try:
+            with anyio.move_on_after(10):
+                await self._pool.run_script('rm -f -- "$1"', path)
+        except (BashInfrastructureError, OSError) as exc:
+            log.debug("removing %s failed: %s", path, exc)
 
     def _open_spill(self, command_marker: str, stream: str) -> SpillFile:
         if not self._spill_dir:
             raise OSError("no spill directory")
+        detached = self._detached.get(command_marker)
+        if detached is not None:
+            base, spills = detached
+            spill = spills[stream] = DetachedSpill(f"{base}.{stream}")
+            return spill
         return self._spills.add(
             command_marker, SshSpillFile(self._pool, spill_file_path(self._spill_dir, stream))
         )
 
     def _leftovers(self) -> Killable:
         return RemoteMarked(self._pool, marker=self._token + "-", exact=False)
+
+
+async def _nothing() -> None:
+    pass

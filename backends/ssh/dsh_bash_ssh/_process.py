@@ -1,27 +1,26 @@
-"""One command on the SSH host: a session channel, an in-band exit trailer, kills over a reserved channel."""
+"""One command on the SSH host: its channel's exit status is the command's; kills use a reserved channel."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import signal as signal_module
 from collections.abc import Awaitable, Callable
 
 import anyio
+import anyio.lowlevel
 import asyncssh
 
 from dsh_bash import BashInfrastructureError, CommandProcess, ExitStatus, Launch, signal_name
-from dsh_bash._remote_bash import ExitTrailerFilter
 
-from ._connection import Channel, ChannelPool
+from ._connection import ChannelPool, SlotSession
 from ._scripts import BOOT_FAIL, BOOT_OK, KILL, STDERR_OK
 
-__all__ = ["RemoteMarked", "SshProcess"]
+__all__ = ["CommandSession", "RemoteMarked", "SshProcess", "signal_number"]
 
 log = logging.getLogger("dsh_bash.ssh")
 
-StartHelper = Callable[..., None]
-
-_CHUNK = 256 * 1024
+#: How long one signal delivery (a KILL script run) may take even after its caller gave up.
+_SIGNAL_BOUND_S = 10.0
 _WORKDIR_REASONS = ("does not exist", "is not a directory", "cannot be entered")
 #: rc-file noise kept while looking for the boot verdict (only its tail can hold a marker).
 _MAX_NOISE = 64 * 1024
@@ -43,11 +42,135 @@ class RemoteMarked:
         return (mode, signal_name(sig) if sig else "0", self._marker, "1" if self._exact else "0")
 
     async def signal_all(self, sig: int) -> None:
-        await self._pool.run_script(KILL, *self._args("signal", sig), kill=True)
+        # Shielded: a kill sequence's bound may expire while the script runs (a slow login's rc
+        # files, a busy /proc); a signal whose delivery already began is delivered all the same.
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_SIGNAL_BOUND_S):
+            await self._pool.run_script(KILL, *self._args("signal", sig), kill=True)
 
     async def remaining(self) -> list[str]:
-        _, out, _ = await self._pool.run_script(KILL, *self._args("list", 0), kill=True)
-        return sorted(set(out.decode(errors="replace").split()))
+        # Shielded as well: a script cancelled half-way keeps its server session until it exits
+        # (sshd frees a session only once its process is gone), so cancelled scans in a row would
+        # exhaust MaxSessions while the pool believes its kill slot free.
+        found: list[str] = []
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_SIGNAL_BOUND_S):
+            _, out, _ = await self._pool.run_script(KILL, *self._args("list", 0), kill=True)
+            found = sorted(set(out.decode(errors="replace").split()))
+        await anyio.lowlevel.checkpoint()  # a cancellation that came meanwhile takes effect here
+        return found
+
+
+def signal_number(name: str) -> int | None:
+    """The number of a signal as sshd names it in exit-signal ('TERM', 'KILL', 'USR1@openssh.com')."""
+    name = name.removesuffix("@openssh.com").upper()
+    try:
+        return int(getattr(signal_module.Signals, name if name.startswith("SIG") else "SIG" + name))
+    except AttributeError:
+        return None
+
+
+class CommandSession(SlotSession):
+    """The channel of one foreground command: its data, its end, as asyncssh reports them.
+
+    The boot script writes BOOT_OK (or BOOT_FAIL) on stdout and STDERR_OK on stderr before it
+    becomes the command; whatever comes before them is rc-file noise and is dropped. Output is
+    fed to the launch's streams as it arrives (that feed is synchronous and cheap, so nothing is
+    buffered and no reader task is needed); after :meth:`stop_feeding` it is discarded, which also
+    keeps the channel drained while leftovers hold it.
+    """
+
+    def __init__(self, launch: Launch) -> None:
+        super().__init__()
+        self._launch = launch
+        self._out_started = False
+        self._err_started = False
+        self._out_held = bytearray()
+        self._err_held = b""
+        self._feeding = True
+        self.boot_failure: str | None = None
+        self.preamble_done = anyio.Event()
+        self.exit: ExitStatus | None = None
+        self.exit_signal_name: str | None = None
+        self.ended = anyio.Event()  # exit reported, or the channel closed
+        self.eof = anyio.Event()  # output complete, or the channel closed
+        self.lost: Exception | None = None
+        self.closed = False
+
+    def stop_feeding(self) -> None:
+        self._feeding = False
+
+    def data_received(self, data: bytes, datatype: int | None) -> None:
+        if datatype == asyncssh.EXTENDED_DATA_STDERR:
+            if not self._err_started:
+                held = self._err_held + data
+                index = held.find(STDERR_OK)
+                if index < 0:
+                    self._err_held = held[-(len(STDERR_OK) - 1) :]
+                    return
+                self._err_started = True
+                self._err_held = b""
+                data = held[index + len(STDERR_OK) :]
+            if data and self._feeding:
+                self._launch.stderr.feed(data)
+            return
+        if not self._out_started:
+            self._preamble(data)
+            return
+        if self._feeding:
+            self._launch.stdout.feed(data)
+
+    def _preamble(self, data: bytes) -> None:
+        buf = self._out_held
+        buf += data
+        ok = buf.find(BOOT_OK)
+        if ok >= 0:
+            self._out_started = True
+            rest = bytes(buf[ok + len(BOOT_OK) :])
+            self._out_held = bytearray()
+            self.preamble_done.set()
+            if rest and self._feeding:
+                self._launch.stdout.feed(rest)
+            return
+        fail = buf.find(BOOT_FAIL)
+        if fail >= 0:
+            end = buf.find(b"\0", fail + len(BOOT_FAIL))
+            if end >= 0:
+                self.boot_failure = bytes(buf[fail + len(BOOT_FAIL) : end]).decode("utf-8", "replace")
+                self.preamble_done.set()
+                return
+        if len(buf) > _MAX_NOISE:
+            del buf[: len(buf) - _MAX_NOISE // 2]
+
+    def noise(self) -> str:
+        return bytes(self._out_held).decode("utf-8", "replace").strip("\0 \n")
+
+    def exit_status_received(self, status: int) -> None:
+        self.exit = ExitStatus(code=status)
+        self.ended.set()
+
+    def exit_signal_received(self, signal: str, core_dumped: bool, msg: str, lang: str) -> None:
+        number = signal_number(signal)
+        self.exit_signal_name = signal
+        if number is not None:
+            # As a 128+n status, like a detached task's (whose supervisor sees only that): the
+            # executor names the signal when its kill sequence sent it (signals_as_exit_codes).
+            self.exit = ExitStatus(code=128 + number)
+        self.ended.set()
+
+    def eof_received(self) -> bool:
+        self.eof.set()
+        return True  # keep our side half-open: an EOF from here would be one more packet for nothing
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.lost = exc
+        self.preamble_done.set()
+        self.ended.set()
+        self.eof.set()
+        super().connection_lost(exc)
+
+    def close(self) -> None:
+        if self.chan is not None:
+            self.chan.close()
 
 
 class SshProcess(CommandProcess):
@@ -55,128 +178,61 @@ class SshProcess(CommandProcess):
         self,
         *,
         pool: ChannelPool,
-        channel: Channel,
+        session: CommandSession,
         launch: Launch,
         marked: RemoteMarked,
-        start_helper: StartHelper,
         on_release: Callable[[], Awaitable[None]],
-        nonce: str,
     ) -> None:
         self._pool = pool
-        self._channel = channel
+        self._session = session
         self._launch = launch
         self._marked = marked
-        self._start_helper = start_helper
         self._on_release = on_release
-        self._stdout = ExitTrailerFilter(nonce, launch.stdout.feed)
-        self._ended = anyio.Event()
-        self._out_done = False
-        self._err_done = anyio.Event()
-        self._err_started = False
-        self._err_held = b""
-        self._pending_out = b""
-        self._failure: str | None = None
 
     async def read_preamble(self) -> None:
-        """Wait for the boot script's verdict, skipping rc-file noise; raise when the command cannot start."""
-        process = self._channel.process
-        buf = bytearray()
-        while True:
-            ok = buf.find(BOOT_OK)
-            if ok >= 0:
-                self._pending_out = bytes(buf[ok + len(BOOT_OK) :])
-                return
-            fail = buf.find(BOOT_FAIL)
-            if fail >= 0:
-                end = buf.find(b"\0", fail + len(BOOT_FAIL))
-                if end >= 0:
-                    reason = bytes(buf[fail + len(BOOT_FAIL) : end]).decode("utf-8", "replace")
-                    if reason in _WORKDIR_REASONS:
-                        raise BashInfrastructureError(f"workdir {self._launch.spec.workdir!r} {reason}")
-                    raise BashInfrastructureError(
-                        f"the command could not start on {self._pool.where}: {reason}"
-                    )
-            try:
-                chunk = await process.stdout.read(_CHUNK)
-            except (asyncssh.Error, OSError) as exc:
-                raise BashInfrastructureError(
-                    f"the connection to {self._pool.where} failed while starting the command: {exc}"
-                ) from None
-            if not chunk:
-                detail = b""
-                with anyio.move_on_after(1):
-                    with contextlib.suppress(asyncssh.Error, OSError):
-                        detail = await process.stderr.read(_CHUNK)
-                text = (bytes(buf) + detail).decode("utf-8", "replace").strip("\0 \n")
-                raise BashInfrastructureError(
-                    f"the command could not start on {self._pool.where} "
-                    f"(exit status {process.exit_status}): {text or 'no output'}"
-                )
-            buf += chunk
-            if len(buf) > _MAX_NOISE:
-                del buf[: len(buf) - _MAX_NOISE // 2]
+        """Wait for the boot script's verdict; raise when the command cannot start."""
+        session = self._session
+        await session.preamble_done.wait()
+        reason = session.boot_failure
+        if reason is not None:
+            if reason in _WORKDIR_REASONS:
+                raise BashInfrastructureError(f"workdir {self._launch.spec.workdir!r} {reason}")
+            raise BashInfrastructureError(f"the command could not start on {self._pool.where}: {reason}")
+        if session.closed and session.exit is None and session.lost is not None:
+            raise BashInfrastructureError(
+                f"the connection to {self._pool.where} failed while starting the command: {session.lost}"
+            )
+        if not session._out_started:
+            status = session.exit.code if session.exit is not None else None
+            raise BashInfrastructureError(
+                f"the command could not start on {self._pool.where} "
+                f"(exit status {status}): {session.noise() or 'no output'}"
+            )
 
     async def wait(self) -> ExitStatus:
-        await self._ended.wait()
-        if self._stdout.exit_code is not None:
-            return ExitStatus(code=self._stdout.exit_code)
-        if self._failure is not None or not self._pool.connected():
+        session = self._session
+        await session.ended.wait()
+        if session.exit is not None:
+            return session.exit
+        if session.exit_signal_name is not None:
+            raise BashInfrastructureError(
+                f"the command on {self._pool.where} died of a signal the server named "
+                f"{session.exit_signal_name!r}, unknown here"
+            )
+        if session.lost is not None or not self._pool.connected():
             raise BashInfrastructureError(
                 f"lost the command: the SSH connection to {self._pool.where} failed"
-                + (f" ({self._failure})" if self._failure else "")
+                + (f" ({session.lost})" if session.lost else "")
             )
         raise BashInfrastructureError(
-            f"the command's supervisor on {self._pool.where} ended without reporting an exit status "
-            f"(channel exit status {self._channel.process.exit_status})"
+            f"the command's channel on {self._pool.where} closed without reporting an exit status"
         )
-
-    def _feed_stdout(self, data: bytes) -> None:
-        self._stdout.feed(data)
-        if self._stdout.exit_code is not None:
-            self._ended.set()
-
-    def _feed_stderr(self, data: bytes) -> None:
-        if not self._err_started:
-            held = self._err_held + data
-            index = held.find(STDERR_OK)
-            if index < 0:
-                # Everything before the marker is rc-file noise of the login shell.
-                self._err_held = held[-(len(STDERR_OK) - 1) :]
-                return
-            self._err_started = True
-            self._err_held = b""
-            data = held[index + len(STDERR_OK) :]
-            if not data:
-                return
-        self._launch.stderr.feed(data)
-
-    async def _pump_stderr(self) -> None:
-        try:
-            while chunk := await self._channel.process.stderr.read(_CHUNK):
-                self._feed_stderr(chunk)
-        except (asyncssh.Error, OSError) as exc:
-            self._failure = self._failure or str(exc) or type(exc).__name__
-        finally:
-            self._err_done.set()
 
     async def pump_output(self) -> None:
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._pump_stderr)
-                if self._pending_out:
-                    self._feed_stdout(self._pending_out)
-                    self._pending_out = b""
-                try:
-                    while chunk := await self._channel.process.stdout.read(_CHUNK):
-                        self._feed_stdout(chunk)
-                except (asyncssh.Error, OSError) as exc:
-                    self._failure = self._failure or str(exc) or type(exc).__name__
-                else:
-                    self._stdout.flush()
-                self._out_done = True
-                await self._err_done.wait()
+            await self._session.eof.wait()
         finally:
-            self._ended.set()
+            self._session.stop_feeding()
 
     async def signal_all(self, sig: int) -> None:
         await self._marked.signal_all(sig)
@@ -185,26 +241,12 @@ class SshProcess(CommandProcess):
         return await self._marked.remaining()
 
     async def release(self) -> None:
-        if self._out_done and self._err_done.is_set():
-            await self._channel.close()
-        else:
-            # Leftovers still hold the command's output: keep draining so their writes never block.
-            self._start_helper(_discard_until_eof, self._channel)
+        session = self._session
+        session.stop_feeding()
+        if session.eof.is_set() and session.exit is None:
+            session.close()
+        # With an exit status and EOF, sshd closes the channel itself (closing it from here would
+        # cost an EOF and a CLOSE packet). Without EOF, leftovers still hold the command's output:
+        # the channel stays open, its data discarded as it comes (so their writes never block).
+        # Either way the session frees its slot when the channel closes.
         await self._on_release()
-
-
-async def _discard_until_eof(channel: Channel) -> None:
-    async def discard(reader: asyncssh.SSHReader[bytes]) -> None:
-        try:
-            while await reader.read(_CHUNK):
-                pass
-        except (asyncssh.Error, OSError):
-            pass
-
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(discard, channel.process.stderr)
-            await discard(channel.process.stdout)
-    finally:
-        with anyio.CancelScope(shield=True):
-            await channel.close()

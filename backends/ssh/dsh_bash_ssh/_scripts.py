@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import shlex
 
-from dsh_bash._remote_bash import BOOT_FAIL, BOOT_OK, EXIT_PREFIX, KILL, SPILL_DIR, SPILL_WRITER
+from dsh_bash._remote_bash import BOOT_FAIL, BOOT_OK, KILL, SPILL_DIR, SPILL_WRITER
 
 __all__ = [
     "BOOT",
     "BOOT_FAIL",
     "BOOT_OK",
-    "EXIT_PREFIX",
     "KILL",
     "SCRIPT_BEGIN",
     "SETUP",
@@ -22,6 +21,7 @@ __all__ = [
     "SETUP_HOME",
     "SPILL_WRITER",
     "STDERR_OK",
+    "boot_line",
     "cmdline",
 ]
 
@@ -57,65 +57,139 @@ printf '\0dsh-bash-end\0%s\0' "$dir"
 """
 )
 
-# $1: spill directory, $2: nonce.
+# BOOT's arguments: spill directory, nonce, mode ("fg", or "bg" for a detached task, see SUPERVISOR), the command text (empty when it is long
+# and comes in the header; it then runs from a 0600 file: one execve argument is limited to 128
+# KiB), workdir, the command's marker, "1" when stdin data follows, "1" when a header comes on stdin,
+# the names of the login's variables the command keeps as they are (space-separated), then
+# NAME=VALUE entries whose values are the library's own constants (the model-friendly set, SHLVL).
+# None of that is secret: the command's own `bash -c COMMAND` shows its text to `ps` anyway.
 #
-# Values never travel on a command line (`ps` shows it): stdin starts with a header of
-# NUL-terminated entries: their count, the command text, the workdir, the command's marker, "1" when
-# the command is long (then it runs from a 0600 file: one execve argument is limited to 128 KiB),
-# "1" when stdin data follows the header, then every NAME=VALUE of the command's final environment. Bash's `read` takes a pipe one byte at a
-# time, so it never reads past the header: the command's own stdin follows intact. The login's
-# exported variables are all unset (found with ${!prefix@}, no subshell) and exactly the header's
-# exported, so the environment is the policy's, whatever the login added.
+# Values of the login's or the caller's environment never travel on a command line (`ps` shows it):
+# when there are any, stdin starts with a header of NUL-terminated entries: their count, the long
+# command (or nothing), then NAME=VALUE entries. Bash's `read` takes a pipe one byte at a time, so it
+# never reads past the header: the command's own stdin follows intact (sshd gives the session
+# pipes). Every variable loses its export attribute (all found with ${!prefix@}: one builtin call,
+# no subshell), then the kept names and the set entries are exported again, so the environment is
+# the policy's, whatever the login's rc files added (readonly variables included).
 #
-# Then, like the Docker backend's boot script: the command runs in a new session, in the foreground
-# (with `&`, bash would start it with SIGINT and SIGQUIT ignored), its output relayed through two
-# `cat`s; its exit status goes out in-band as a trailer carrying the nonce, and the script exits only
-# once every holder of the command's pipes is gone (so the channel ends when the output really ends).
-# The command alone carries the marker, so kills by marker never hit this script or its relays.
+# Then the script reports "started" on both streams (whatever came before is rc noise) and becomes
+# the command's shell (`exec`): the channel's process is a session leader under sshd, so the
+# command's process group is the channel's, and the channel's exit-status or exit-signal is the
+# command's. Only the command carries the marker, so kills by marker never hit this script.
+#
+# BOOT runs in the login shell itself when that is a bash whose rc files defined no function (so
+# no builtin is shadowed), saving a bash start; otherwise in `bash --noprofile --norc` (see
+# boot_line). Either way it resets what rc files may have changed for a script (options, traps,
+# IFS) and calls builtins through `builtin`. Functions a fresh bash imported from the environment
+# are exported functions, not part of the policy's environment: they are removed.
 BOOT = r"""
-umask 077
-h=() n=0
-IFS= read -r -d '' n
-for ((i = 0; i < n; i++)); do IFS= read -r -d '' e || break; h+=("$e"); done
-if [ "${#h[@]}" -lt 5 ] || [ "${#h[@]}" != "$n" ]; then printf '\0dsh-bash-boot-fail:incomplete header\0'; exit 125; fi
-command=${h[0]} workdir=${h[1]} mark=${h[2]} long=${h[3]} input=${h[4]} nonce=$2 spill=$1
-for v in ALL_VARIABLES; do [[ ${!v@a} == *x* ]] && unset -v "$v" 2>/dev/null; done
-for e in "${h[@]:5}"; do export "$e" 2>/dev/null; done
-unset -v h e v i n
-if [ ! -e "$workdir" ]; then printf '\0dsh-bash-boot-fail:does not exist\0'; exit 125; fi
-if [ ! -d "$workdir" ]; then printf '\0dsh-bash-boot-fail:is not a directory\0'; exit 125; fi
-if ! cd -- "$workdir" 2>/dev/null; then printf '\0dsh-bash-boot-fail:cannot be entered\0'; exit 125; fi
-if ! command -v setsid >/dev/null; then printf '\0dsh-bash-boot-fail:cannot start a session: no setsid\0'; exit 125; fi
-script=
-if [ "$long" = 1 ]; then
-  script=$spill/$nonce.sh
-  if ! (set -C; printf '%s' "$command" > "$script") 2>/dev/null; then printf '\0dsh-bash-boot-fail:cannot store the long command\0'; exit 125; fi
-  command=
+builtin set +euvx +o pipefail +o noglob +o noclobber; builtin trap - DEBUG ERR RETURN; IFS=$' \t\n'
+_dsh_spill=$1 _dsh_nonce=$2 _dsh_mode=$3 _dsh_command=$4 _dsh_workdir=$5 _dsh_mark=$6 _dsh_input=$7 _dsh_header=$8 _dsh_keep=$9
+builtin shift 9
+_dsh_set=("$@") _dsh_long=
+if [[ $_dsh_header == 1 ]]; then
+  _dsh_n=0 _dsh_h=()
+  IFS= builtin read -r -d '' _dsh_n
+  for ((_dsh_i = 0; _dsh_i < _dsh_n; _dsh_i++)); do IFS= builtin read -r -d '' _dsh_e || break; _dsh_h+=("$_dsh_e"); done
+  if (( ${#_dsh_h[@]} < 1 || ${#_dsh_h[@]} != _dsh_n )); then builtin printf '\0dsh-bash-boot-fail:incomplete header\0'; builtin exit 125; fi
+  _dsh_long=${_dsh_h[0]} _dsh_set+=("${_dsh_h[@]:1}")
 fi
-printf '\0dsh-bash-boot-ok\0'
-printf '\0dsh-bash-stderr-ok\0' >&2
-exec 5> >(exec cat); out=$!
-exec 6> >(exec cat >&2); err=$!
-# From here this shell's own notices ("Terminated" when the command dies of a signal) must not
-# reach the command's stderr: the relay above holds the real one.
-exec 2>/dev/null
-# stdin: /dev/null, or the channel's data through a pipe (a bash whose stdin is the channel's
-# socket would take itself for an ssh login and read ~/.bashrc).
-if [ "$input" = 1 ]; then exec 7< <(exec cat); else exec 7</dev/null; fi
-exec 0</dev/null
-if [ -n "$script" ]; then
-  DSH_BASH_MARK=$mark setsid bash --noprofile --norc "$script" <&7 >&5 2>&6 5>&- 6>&- 7<&-
-else
-  DSH_BASH_MARK=$mark setsid bash --noprofile --norc -c "$command" <&7 >&5 2>&6 5>&- 6>&- 7<&-
+if builtin compgen -A function >/dev/null 2>&1; then
+  builtin mapfile -t _dsh_f < <(builtin compgen -A function)
+  builtin unset -f -- "${_dsh_f[@]}"
 fi
-status=$?
-exec 5>&- 6>&- 7<&-
-[ -n "$script" ] && rm -f -- "$script"
-printf '\0dsh-bash-exit:%s:%03d\0' "$nonce" "$status"
-# Bash 5.1+ waits for process substitutions by pid; older ones refuse, so poll them.
-wait "$out" "$err" 2>/dev/null || while kill -0 "$out" 2>/dev/null || kill -0 "$err" 2>/dev/null; do sleep 0.05; done
+builtin declare +x -- ALL_VARIABLES 2>/dev/null
+builtin export -- $_dsh_keep 2>/dev/null
+for _dsh_e in "${_dsh_set[@]}"; do builtin export "$_dsh_e" 2>/dev/null; done
+if [[ ! -e $_dsh_workdir ]]; then builtin printf '\0dsh-bash-boot-fail:does not exist\0'; builtin exit 125; fi
+if [[ ! -d $_dsh_workdir ]]; then builtin printf '\0dsh-bash-boot-fail:is not a directory\0'; builtin exit 125; fi
+if ! builtin cd -- "$_dsh_workdir" 2>/dev/null; then builtin printf '\0dsh-bash-boot-fail:cannot be entered\0'; builtin exit 125; fi
+_dsh_script=
+if [[ -z $_dsh_command ]]; then
+  _dsh_script=$_dsh_spill/$_dsh_nonce.cmd
+  if ! (builtin umask 077; builtin set -C; builtin printf '%s' "$_dsh_long" > "$_dsh_script") 2>/dev/null; then
+    builtin printf '\0dsh-bash-boot-fail:cannot store the long command\0'; builtin exit 125
+  fi
+fi
+if [[ $_dsh_mode == bg ]]; then
+  _dsh_base=$_dsh_spill/$_dsh_nonce _dsh_islong=0
+  [[ -n $_dsh_script ]] && _dsh_islong=1
+  if ! (builtin umask 077; builtin set -C
+        [[ -n $_dsh_script ]] || builtin printf '%s' "$_dsh_command" > "$_dsh_base.cmd" || builtin exit 1
+        : > "$_dsh_base.stdout" && : > "$_dsh_base.stderr" || builtin exit 1
+        if [[ $_dsh_input == 1 ]]; then exec cat > "$_dsh_base.in"; fi) 2>/dev/null; then
+    builtin printf '\0dsh-bash-boot-fail:cannot create the task files\0'; builtin exit 125
+  fi
+  if ! setsid -f bash --noprofile --norc -c SUPERVISOR_QUOTED dsh-bash-task "$_dsh_base" "$_dsh_mark" "$_dsh_input" "$_dsh_islong" </dev/null >/dev/null 2>&1; then
+    builtin printf '\0dsh-bash-boot-fail:cannot start the task supervisor (setsid -f)\0'; builtin exit 125
+  fi
+  builtin printf '\0dsh-bash-boot-ok\0'
+  builtin printf '\0dsh-bash-stderr-ok\0' >&2
+  builtin exit 0
+fi
+builtin printf '\0dsh-bash-boot-ok\0'
+builtin printf '\0dsh-bash-stderr-ok\0' >&2
+# Plain `exec` from here: no function is defined (see above), and `builtin exec <file` would undo
+# its redirection once the builtin returned.
+[[ $_dsh_input == 1 ]] || exec </dev/null
+builtin export DSH_BASH_MARK=$_dsh_mark
+if [[ -n $_dsh_script ]]; then exec bash --noprofile --norc "$_dsh_script"; fi
+exec bash --noprofile --norc -c "$_dsh_command"
 """
 
+# A detached background task's supervisor, started by BOOT (mode "bg") with `setsid -f`, stdio on
+# /dev/null, so it holds no channel. $1: the task's files' base path, $2: marker, $3: "1" when stdin
+# data was stored in BASE.in, $4: "1" when BASE.cmd is a long command to run as a script. The command
+# text comes from BASE.cmd, so no command line but the command's own shows it. The command runs in
+# the foreground (background jobs of a non-interactive bash start with SIGINT and SIGQUIT ignored),
+# in its own session, marked; the supervisor is unmarked and outside its group, so kills by marker
+# never hit it. Output goes through two `cat` relays into BASE.stdout/BASE.stderr; BASE.exit-STATUS
+# (128+n for a signal death) appears when the command's shell ended, BASE.eof once every holder of
+# its output is gone.
+SUPERVISOR = r"""
+b=$1 mark=$2 input=$3 long=$4 in=/dev/null
+[ "$input" = 1 ] && in=$b.in
+# BOOT's bash and this one each raised SHLVL: the command sees its parent's level plus one.
+case ${SHLVL-} in ''|*[!0-9]*) ;; *) SHLVL=$((SHLVL > 2 ? SHLVL - 2 : 0)) ;; esac
+exec 5> >(exec cat >> "$b.stdout"); o=$!
+exec 6> >(exec cat >> "$b.stderr"); e=$!
+if [ "$long" = 1 ]; then
+  DSH_BASH_MARK=$mark setsid bash --noprofile --norc "$b.cmd" <"$in" >&5 2>&6 5>&- 6>&-
+else
+  IFS= read -r -d '' c < "$b.cmd"
+  DSH_BASH_MARK=$mark setsid bash --noprofile --norc -c "$c" <"$in" >&5 2>&6 5>&- 6>&-
+fi
+s=$?
+exec 5>&- 6>&-
+(umask 077; set -C; : > "$b.exit-$s")
+wait "$o" "$e" 2>/dev/null || while kill -0 "$o" 2>/dev/null || kill -0 "$e" 2>/dev/null; do sleep 0.05; done
+(umask 077; set -C; : > "$b.eof")
+"""
+
+BOOT = BOOT.replace("SUPERVISOR_QUOTED", shlex.quote(SUPERVISOR))
 BOOT = BOOT.replace(
     "ALL_VARIABLES", " ".join(f"${{!{c}@}}" for c in "_ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 )
+
+
+def boot_line(*args: str) -> str:
+    """The command line running BOOT with ``args``: in the login shell when it is a bash without
+    functions, else in a clean bash. Any POSIX login shell parses it (BOOT itself is a quoted string)."""
+    quoted = " ".join(shlex.quote(arg) for arg in args)
+    boot = _BOOT_BG_QUOTED if args[2] == "bg" else _BOOT_FG_QUOTED
+    return (
+        f"_dsh_b={boot}; set -- {quoted}; "
+        'if [ -n "${BASH_VERSION-}" ] && ! compgen -A function >/dev/null 2>&1; then eval "$_dsh_b"; '
+        'else BASH_ENV= ENV= exec bash --noprofile --norc -c "$_dsh_b" dsh-bash "$@"; fi'
+    )
+
+
+def _without_detached_branch(script: str) -> str:
+    start = script.index("if [[ $_dsh_mode == bg ]]; then\n")
+    end = script.index("\n  builtin exit 0\nfi\n", start) + len("\n  builtin exit 0\nfi\n")
+    return script[:start] + script[end:]
+
+
+# The login shell parses BOOT for every command: a foreground one gets it without the detached branch.
+_BOOT_BG_QUOTED = shlex.quote(BOOT)
+_BOOT_FG_QUOTED = shlex.quote(_without_detached_branch(BOOT))

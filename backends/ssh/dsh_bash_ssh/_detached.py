@@ -1,0 +1,414 @@
+"""Background tasks detached on the host, followed through one SFTP channel per executor.
+
+A detached task runs under a supervisor started with ``setsid -f`` (see ``_scripts.SUPERVISOR``):
+its output goes to ``BASE.stdout``/``BASE.stderr`` in the private spill directory, its end to
+``BASE.exit-STATUS`` and ``BASE.eof``. No channel is held while it runs. One :class:`Follower`
+per executor lists the spill directory each tick (one ``readdir`` gives every file's size) and
+reads only the files that grew, from their offsets, through files it keeps open: a tick costs
+one round trip plus the new bytes, whatever the total output. Ticks are fast right after activity
+and slow down when idle. When the connection drops, the follower reconnects and goes on at the
+same offsets (the tasks keep running on the host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import asyncssh
+
+from dsh_bash import BashInfrastructureError, CommandProcess, ExitStatus, Launch
+
+from ._connection import ChannelPool, RequestRefused
+from ._process import RemoteMarked
+
+__all__ = ["DetachedProcess", "DetachedSpill", "Follower"]
+
+log = logging.getLogger("dsh_bash.ssh")
+
+_FAST_TICK_S = 0.02
+_SLOW_TICK_S = 0.2
+#: Reads per request; asyncssh splits larger ones itself.
+_READ_CHUNK = 1 << 20
+#: How long the follower keeps trying to reach the host again before it gives its tasks up.
+_RECONNECT_BOUND_S = 30.0
+#: How long an idle follower keeps its channel before it releases it.
+_IDLE_LINGER_S = 1.0
+STREAMS = ("stdout", "stderr")
+#: Stands in for bytes that are counted but never read (see Follower._read).
+_PLACEHOLDER = bytes(1 << 20)
+#: A lost spill's file gets its read part freed each time this many more bytes were read.
+_PUNCH_STEP = 64 << 20
+#: Listings in a row that show a task's eof file but no exit file before the task counts as lost.
+_EOF_WITHOUT_EXIT_TICKS = 5
+
+
+class DetachedSpill:
+    """The spill file of a detached task's stream: the task's own output file, which already holds
+    the whole stream. ``write`` and ``close`` have nothing to do; ``delete`` marks it for removal
+    once the task is done (the follower still reads it until then)."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self.deleted = False
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def delete(self) -> None:
+        self.deleted = True
+
+
+class _Followed:
+    """What the follower knows about one task."""
+
+    def __init__(self, base: str, launch: Launch, spills: dict[str, DetachedSpill]) -> None:
+        self.base = base
+        self.spills = spills
+        #: Per stream, how far the file's start was freed (punched) and whether a punch runs.
+        self.punched = {stream: 0 for stream in STREAMS}
+        self.punching: set[str] = set()
+        self.name = base.rsplit("/", 1)[-1]
+        self.launch = launch
+        self.offsets = {stream: 0 for stream in STREAMS}
+        self.files: dict[str, Any] = {}
+        self.exit = anyio.Event()
+        self.status: int | None = None
+        self.eof = anyio.Event()
+        self.failure: str | None = None
+        self.feeding = True
+        self.unexplained_eofs = 0
+
+    def fail(self, reason: str) -> None:
+        self.failure = reason
+        self.exit.set()
+        self.eof.set()
+
+
+class Follower:
+    """Reads every detached task's files through one SFTP channel, as long as tasks exist."""
+
+    def __init__(self, pool: ChannelPool, start_helper: Callable[..., None]) -> None:
+        self._pool = pool
+        self._start_helper = start_helper
+        self._tasks: dict[str, _Followed] = {}
+        self._to_remove: list[str] = []
+        self._running = False
+        self._wake = anyio.Event()
+        self._sftp: asyncssh.SFTPClient | None = None
+        self._closed = False
+        self._punch_works = True
+        self.directory = ""
+
+    async def probe(self) -> bool:
+        """Whether the server offers SFTP (opens the follower's channel when it does)."""
+        try:
+            await self._ensure_sftp()
+        except _NoSftp as exc:
+            log.warning(
+                "%s offers no SFTP subsystem (%s): background tasks stay attached to a channel",
+                self._pool.where,
+                exc,
+            )
+            return False
+        self._ensure_running()
+        return True
+
+    def add(self, base: str, launch: Launch, spills: dict[str, DetachedSpill]) -> _Followed:
+        followed = _Followed(base, launch, spills)
+        self._tasks[followed.name] = followed
+        self._ensure_running()
+        self._wake.set()
+        return followed
+
+    def forget(self, followed: _Followed, remove: list[str]) -> None:
+        """Stop following ``followed``; remove ``remove`` (paths) on the host."""
+        followed.feeding = False
+        self._tasks.pop(followed.name, None)
+        self._to_remove.extend(remove)
+        files, followed.files = followed.files, {}
+        for handle in files.values():
+            self._start_helper(_close_quietly, handle)
+        self._ensure_running()
+        self._wake.set()
+
+    def close(self) -> None:
+        self._closed = True
+        for followed in list(self._tasks.values()):
+            followed.fail("the executor closed")
+        self._wake.set()
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def _ensure_running(self) -> None:
+        if not self._running and not self._closed and (self._tasks or self._to_remove):
+            self._running = True
+            self._start_helper(self._run)
+
+    async def _ensure_sftp(self) -> asyncssh.SFTPClient:
+        if self._sftp is not None:
+            return self._sftp
+        try:
+            self._sftp = await self._pool.open_sftp()
+        except RequestRefused as exc:
+            raise _NoSftp(str(exc)) from None
+        return self._sftp
+
+    async def _drop_sftp(self) -> None:
+        sftp, self._sftp = self._sftp, None
+        for followed in self._tasks.values():
+            followed.files.clear()  # handles die with their channel
+        if sftp is not None:
+            try:
+                sftp.exit()
+                with anyio.move_on_after(2):
+                    await sftp.wait_closed()
+            except Exception as exc:  # a dead connection: nothing left to close
+                log.debug("closing the SFTP channel: %r", exc)
+
+    async def _run(self) -> None:
+        delay = _FAST_TICK_S
+        lost_since: float | None = None
+        idle_since: float | None = None
+        try:
+            while not self._closed:
+                if not self._tasks and not self._to_remove:
+                    now = anyio.current_time()
+                    idle_since = idle_since if idle_since is not None else now
+                    if now - idle_since >= _IDLE_LINGER_S:
+                        break
+                else:
+                    idle_since = None
+                try:
+                    sftp = await self._ensure_sftp()
+                    active = await self._tick(sftp)
+                    lost_since = None
+                except (asyncssh.Error, OSError, BashInfrastructureError, _NoSftp) as exc:
+                    await self._drop_sftp()
+                    now = anyio.current_time()
+                    lost_since = lost_since if lost_since is not None else now
+                    if now - lost_since > _RECONNECT_BOUND_S or isinstance(exc, _NoSftp):
+                        for followed in list(self._tasks.values()):
+                            followed.fail(f"cannot follow the task's output on {self._pool.where}: {exc}")
+                        self._tasks.clear()
+                        break
+                    log.warning(
+                        "following background tasks on %s failed (%s); retrying", self._pool.where, exc
+                    )
+                    active = False
+                    delay = _SLOW_TICK_S
+                delay = _FAST_TICK_S if active else min(delay * 2, _SLOW_TICK_S)
+                with anyio.move_on_after(delay):
+                    await self._wake.wait()
+                self._wake = anyio.Event()
+        finally:
+            self._running = False
+            with anyio.CancelScope(shield=True):
+                await self._drop_sftp()
+            if (self._tasks or self._to_remove) and not self._closed:
+                self._ensure_running()
+
+    async def _tick(self, sftp: asyncssh.SFTPClient) -> bool:
+        """One pass: list the directory, read what grew, report ends. True if anything happened."""
+        active = False
+        if self._to_remove:
+            paths, self._to_remove = self._to_remove, []
+            for path in paths:
+                with contextlib.suppress(asyncssh.SFTPNoSuchFile):
+                    await sftp.remove(path)
+            active = True
+        if not self._tasks:
+            return active
+        sizes: dict[str, int] = {}
+        ends: dict[str, int] = {}
+        eofs: set[str] = set()
+        for entry in await sftp.readdir(self.directory):
+            filename = entry.filename
+            assert isinstance(filename, str)
+            name, _, suffix = filename.partition(".")
+            if name not in self._tasks:
+                continue
+            if suffix in STREAMS:
+                sizes[filename] = entry.attrs.size or 0
+            elif suffix.startswith("exit-") and suffix[5:].isdigit():
+                ends[name] = int(suffix[5:])
+            elif suffix == "eof":
+                eofs.add(name)
+        for name, followed in list(self._tasks.items()):
+            at_eof = name in eofs
+            if at_eof and not followed.exit.is_set() and name not in ends:
+                # A listing spanning several requests may show a file created during it (the eof
+                # file) and miss an older one (the exit file): look again next tick.
+                followed.unexplained_eofs += 1
+                if followed.unexplained_eofs < _EOF_WITHOUT_EXIT_TICKS:
+                    at_eof = False
+            for stream in STREAMS:
+                size = sizes.get(f"{name}.{stream}", 0)
+                grew = size > followed.offsets[stream] or at_eof
+                if grew and await self._read(sftp, followed, stream, size, to_end=at_eof):
+                    active = True
+            status = ends.get(name)
+            if status is not None and not followed.exit.is_set():
+                followed.status = status
+                followed.exit.set()
+                active = True
+            if at_eof:
+                if not followed.exit.is_set():  # an eof file without exit file: never written so
+                    followed.fail("the task's supervisor ended without an exit status")
+                followed.eof.set()
+                self._tasks.pop(name, None)
+                active = True
+        return active
+
+    async def _read(
+        self, sftp: asyncssh.SFTPClient, followed: _Followed, stream: str, size: int, *, to_end: bool
+    ) -> bool:
+        """Feed what the file gained. Only the last ``max_output_bytes`` of the gain are read: the
+        stream keeps no more than that, and the file itself is the spill, so earlier bytes are
+        only counted. A tick's cost is bounded, however fast the task writes."""
+        handle = followed.files.get(stream)
+        if handle is None:
+            handle = followed.files[stream] = await sftp.open(f"{followed.base}.{stream}", "rb")
+        if to_end:
+            size = (await handle.stat()).size or 0  # the listing's size may predate the eof file
+        offset = followed.offsets[stream]
+        if size <= offset:
+            return False
+        target = followed.launch.stdout if stream == "stdout" else followed.launch.stderr
+        skip = max(0, size - offset - target.max_bytes)
+        data = bytearray()
+        while offset + skip + len(data) < size:
+            chunk = await handle.read(
+                min(_READ_CHUNK, size - offset - skip - len(data)), offset + skip + len(data)
+            )
+            if not chunk:
+                break
+            assert isinstance(chunk, bytes)  # opened in binary mode
+            data += chunk
+        followed.offsets[stream] = offset + skip + len(data)
+        if followed.feeding:
+            # Synchronous from here: no reader sees the placeholder bytes, which the real tail
+            # fed right after pushes out (and counts as dropped, as they were).
+            while skip:
+                step = min(skip, len(_PLACEHOLDER))
+                target.feed(memoryview(_PLACEHOLDER)[:step])
+                skip -= step
+            target.feed(data)
+        # No spill file kept (refused or lost past max_spill_bytes): the bytes read are needed
+        # nowhere any more.
+        if (
+            target.total_bytes > target.max_bytes
+            and target.spill_path is None
+            and self._punch_works
+            and stream not in followed.punching
+            and followed.offsets[stream] - followed.punched[stream] >= _PUNCH_STEP
+        ):
+            followed.punching.add(stream)
+            self._start_helper(self._punch, followed, stream, followed.offsets[stream])
+        return True
+
+    async def _punch(self, followed: _Followed, stream: str, upto: int) -> None:
+        """Free the disk blocks of a lost spill's bytes already read: the file keeps its size and
+        offsets (a hole reads as zeros), so following goes on, and the disk does not fill up
+        with output nobody keeps."""
+        length = upto - upto % (1 << 20)
+        try:
+            code, _, err = await self._pool.run_script(
+                'exec fallocate --punch-hole --offset 0 --length "$2" -- "$1"',
+                f"{followed.base}.{stream}",
+                str(length),
+            )
+            if code == 0:
+                followed.punched[stream] = length
+            elif self._punch_works:
+                self._punch_works = False
+                log.warning(
+                    "cannot free the disk space of lost output on %s (fallocate --punch-hole: %s); "
+                    "a detached task's output file keeps growing until the task ends",
+                    self._pool.where,
+                    err.decode("utf-8", "replace").strip() or f"exit status {code}",
+                )
+        except (BashInfrastructureError, OSError) as exc:
+            log.debug("punching %s.%s failed: %s", followed.base, stream, exc)
+        finally:
+            followed.punching.discard(stream)
+
+
+class _NoSftp(Exception):
+    pass
+
+
+async def _close_quietly(handle: Any) -> None:
+    try:
+        with anyio.move_on_after(2):
+            await handle.close()
+    except Exception as exc:
+        log.debug("closing an SFTP file: %r", exc)
+
+
+class DetachedProcess(CommandProcess):
+    """A background task detached on the host: its output and end come from the follower."""
+
+    def __init__(
+        self,
+        *,
+        pool: ChannelPool,
+        follower: Follower,
+        followed: _Followed,
+        marked: RemoteMarked,
+        spills: dict[str, DetachedSpill],
+        on_release: Callable[[], Awaitable[None]],
+    ) -> None:
+        self._pool = pool
+        self._follower = follower
+        self._followed = followed
+        self._marked = marked
+        self._spills = spills
+        self._on_release = on_release
+
+    async def wait(self) -> ExitStatus:
+        followed = self._followed
+        await followed.exit.wait()
+        if followed.status is not None:
+            return ExitStatus(code=followed.status)
+        raise BashInfrastructureError(followed.failure or f"lost the background task on {self._pool.where}")
+
+    async def pump_output(self) -> None:
+        try:
+            await self._followed.eof.wait()
+        finally:
+            self._followed.feeding = False
+
+    async def signal_all(self, sig: int) -> None:
+        await self._marked.signal_all(sig)
+
+    async def remaining(self) -> list[str]:
+        found = await self._marked.remaining()
+        followed = self._followed
+        if not found and not followed.exit.is_set() and followed.failure is None:
+            # The supervisor may not have started the command yet (start returns once the
+            # supervisor runs): the task counts as alive until its exit status is in.
+            return [f"the supervisor of {followed.name}"]
+        return found
+
+    async def release(self) -> None:
+        base = self._followed.base
+        remove = [f"{base}.cmd", f"{base}.in", f"{base}.eof"]
+        if self._followed.status is not None:
+            remove.append(f"{base}.exit-{self._followed.status}")
+        for stream in STREAMS:
+            spill = self._spills.get(stream)
+            if spill is None or spill.deleted:
+                remove.append(f"{base}.{stream}")
+        self._follower.forget(self._followed, remove)
+        await self._on_release()
