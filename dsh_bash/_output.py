@@ -27,13 +27,17 @@ class SpillFile(Protocol):
     ``write`` appends (a backend whose commands write the file themselves may make it a no-op);
     ``close`` ends writing and keeps the file; ``delete`` removes it. Errors are ``OSError``.
 
-    A file written behind the scenes (a remote writer fed from a queue) learns of a failure only
-    later: it may carry a ``lost`` attribute that becomes true then, and the stream reports no spill
-    path from that moment on (the file is incomplete, or was never created: a refused path).
+    ``lost`` is for files written behind the scenes (a remote writer fed from a queue), which learn
+    of a failure only later: it turns true then, and the stream reports no spill path from that
+    moment on (the file is incomplete, or was never created: a refused path). A file whose errors
+    surface as ``OSError`` from its methods keeps it false.
     """
 
     @property
     def path(self) -> str: ...
+
+    @property
+    def lost(self) -> bool: ...
 
     def write(self, data: bytes | bytearray | memoryview) -> None: ...
 
@@ -216,7 +220,7 @@ class OutputStream:
         return None
 
     def _spill_failed(self) -> bool:
-        return bool(getattr(self._spill, "lost", False))
+        return self._spill is not None and self._spill.lost
 
     def collected(self) -> CollectedOutput:
         """The foreground view: the whole kept tail, decoded."""

@@ -176,7 +176,9 @@ class SpillWriter(Protocol):
         """Write ``data`` to the file, waiting while the transport is full."""
 
     async def finish(self) -> None:
-        """No more data: end the input and wait until the file is complete."""
+        """No more data: end the input and wait until the file is complete.
+
+        Raise ``OSError`` when the writer reports a failure (it refused an existing path, say)."""
 
     async def aclose(self) -> None:
         """Release the channel (also after a failure)."""
@@ -204,6 +206,8 @@ class QueuedSpillFile(ABC):
         self._drained = anyio.Event()
         self._closed = False
         self._deleted = False
+        #: True once the writer failed or was refused: the file is incomplete or was never made.
+        self.lost = False
         self.done = anyio.Event()
 
     @abstractmethod
@@ -215,7 +219,7 @@ class QueuedSpillFile(ABC):
         """Remove the file (``rm -f -- PATH``) where the commands run."""
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        if self.done.is_set():  # the writer failed: the file stays incomplete, queueing would only grow
+        if self.done.is_set():  # the writer ended: nothing more reaches the file, queueing would only grow
             return
         self._queue.append(bytes(data))
         self._queued_bytes += len(data)
@@ -248,7 +252,11 @@ class QueuedSpillFile(ABC):
         self._drained = anyio.Event()
 
     async def run(self) -> None:
-        """Send queued bytes into the file; on delete, stop and remove it. Sets :attr:`done` at the end."""
+        """Send queued bytes into the file; on delete, stop and remove it. Sets :attr:`done` at the end.
+
+        Any failure of the writer (or a cancellation before the file was complete) sets :attr:`lost`.
+        """
+        complete = False
         try:
             writer = await self._open_writer()
             try:
@@ -268,12 +276,14 @@ class QueuedSpillFile(ABC):
                     if self._closed and not self._queue:
                         break
                 await writer.finish()
+                complete = True
             finally:
                 with anyio.CancelScope(shield=True):
                     await writer.aclose()
         except Exception as exc:  # each transport has its own errors; the spill is just incomplete
             log.warning("spill file %s: writing failed: %s", self.path, exc)
         finally:
+            self.lost = not complete and not self._deleted
             if self._deleted:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                     try:
@@ -304,6 +314,10 @@ class CommandSpills:
         self._by_marker.setdefault(marker, []).append(spill)
         self._start_helper(spill.run)
         return spill
+
+    def backlogged(self, marker: str) -> bool:
+        """Whether :meth:`wait_writable` would wait (for a pump fed by callbacks, which pauses)."""
+        return any(spill.backlogged for spill in self._by_marker.get(marker, ()))
 
     async def wait_writable(self, marker: str) -> None:
         """Backpressure for the command's output pump: await after feeding each chunk it read.

@@ -48,6 +48,8 @@ class FakeSpill:
     def delete(self) -> None:
         self.deleted = True
 
+    lost = False
+
 
 @dataclass
 class SpillFactory:

@@ -91,13 +91,6 @@ async def _big_run(ex: BashExecutor) -> BashRunResult:
 LinkKind = Literal["victim_file", "dangling", "fifo"]
 
 
-SSH_REPORTS_REFUSED_SPILL = pytest.mark.xfail(
-    strict=True,
-    reason="ssh: the spill writer's refusal is not noticed (its exit status is not checked), so the "
-    "result names the planted link as the spill file; the link itself is not followed",
-)
-
-
 async def _big_background(ex: BashExecutor) -> tuple[str | None, int]:
     """A background task writing BIG bytes: (stdout spill path its final read names, bytes read)."""
     task = await ex.start(ex.resolve(BashExecRequest(command=BIG_OUTPUT)))
@@ -110,9 +103,7 @@ async def _big_background(ex: BashExecutor) -> tuple[str | None, int]:
 
 @pytest.mark.parametrize("mode", ["foreground", "background"])
 @pytest.mark.parametrize("link", ["victim_file", "dangling", "fifo"])
-@pytest.mark.parametrize(
-    "backend", [pytest.param(b, marks=SSH_REPORTS_REFUSED_SPILL) if b == "ssh" else b for b in BACKENDS]
-)
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_planted_link_at_the_spill_path_is_never_followed(
     request: pytest.FixtureRequest, tokens: PredictableTokens, backend: str, link: LinkKind, mode: str
 ) -> None:
@@ -152,10 +143,46 @@ async def test_planted_link_at_the_spill_path_is_never_followed(
             assert await _sh(ex, f"[ -e {victim} ] || [ -L {victim} ] || echo absent") == "absent\n"
         else:
             assert (await _sh(ex, f"[ -p {victim} ] && echo fifo")) == "fifo\n"
+        if backend == "ssh" and mode == "background":
+            # A detached task writes its own files (their links are refused too:
+            # test_planted_link_at_a_detached_task_file_is_refused), so the planted name is still
+            # unused: the next foreground spill meets it, and is refused.
+            refused = await _big_run(ex)
+            assert refused.stdout.truncated and refused.stdout.spill_path is None
         # The executor keeps working, and its next spill is a real private file.
         after = await _big_run(ex)
         assert after.stdout.spill_path is not None
         await _assert_private_spill(ex, after.stdout.spill_path, BIG)
+
+
+@pytest.mark.parametrize("link", ["victim_file", "dangling", "fifo"])
+async def test_planted_link_at_a_detached_task_file_is_refused(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, link: LinkKind
+) -> None:
+    """SSH background tasks write BASE.stdout/BASE.stderr in the spill directory (BASE from an
+    8-byte nonce): a link planted there makes the start fail, and nothing is written through it."""
+    import dsh_bash_ssh._executor as ssh_executor  # noqa: PLC0415
+
+    nonce = "c" * 16
+    async with make_executor(request, "ssh", max_output_bytes=MAX_OUTPUT) as ex:
+        assert isinstance(ex, ssh_executor.SshBashExecutor)
+        victim = (await _sh(ex, f"mktemp -d {VICTIM_DIRS}")).strip() + "/victim"
+        if link == "victim_file":
+            await _sh(ex, f"printf original > {victim}")
+        elif link == "fifo":
+            await _sh(ex, f"mkfifo {victim}")
+        planted = f"{ex.spill_dir}/{nonce}.stdout"
+        await _sh(ex, f"ln -s {victim} {planted}")
+        monkeypatch.setattr(ssh_executor, "secrets", PredictableTokens(8, [nonce]))
+        with pytest.raises(BashInfrastructureError, match="cannot create the task files"):
+            await ex.start(ex.resolve(BashExecRequest(command=BIG_OUTPUT)))
+        assert (await _sh(ex, f"[ -L {planted} ] && readlink {planted}")).strip() == victim
+        if link == "victim_file":
+            assert await _sh(ex, f"cat {victim}") == "original"
+        elif link == "dangling":
+            assert await _sh(ex, f"[ -e {victim} ] || [ -L {victim} ] || echo absent") == "absent\n"
+        else:
+            assert (await _sh(ex, f"[ -p {victim} ] && echo fifo")) == "fifo\n"
 
 
 @pytest.mark.parametrize("backend", ["local", "docker"])
@@ -332,9 +359,7 @@ def test_a_spill_lost_behind_the_scenes_frees_its_budget_and_is_no_longer_fed() 
     assert stream.collected().spill_path is None and stream.total_bytes == 100
 
 
-@pytest.mark.parametrize(
-    "backend", [pytest.param(b, marks=SSH_REPORTS_REFUSED_SPILL) if b == "ssh" else b for b in BACKENDS]
-)
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_the_bash_tool_tells_the_model_a_refused_spill_is_unavailable(
     request: pytest.FixtureRequest, tokens: PredictableTokens, backend: str
 ) -> None:

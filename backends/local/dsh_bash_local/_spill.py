@@ -18,6 +18,9 @@ class LocalSpillFile:
 
     __slots__ = ("_dir", "_fd", "_name", "path")
 
+    #: Written synchronously: a failure raises OSError at once, the file is never lost later.
+    lost = False
+
     def __init__(self, directory: LocalSpillDir, name: str) -> None:
         self._dir = directory
         self._name = name

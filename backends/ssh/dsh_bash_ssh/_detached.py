@@ -51,6 +51,9 @@ class DetachedSpill:
     the whole stream. ``write`` and ``close`` have nothing to do; ``delete`` marks it for removal
     once the task is done (the follower still reads it until then)."""
 
+    #: The task writes the file itself: nothing is sent to it, so nothing can fail behind the scenes.
+    lost = False
+
     def __init__(self, path: str) -> None:
         self._path = path
         self.deleted = False

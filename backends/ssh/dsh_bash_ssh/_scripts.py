@@ -107,13 +107,21 @@ if ! builtin cd -- "$_dsh_workdir" 2>/dev/null; then builtin printf '\0dsh-bash-
 _dsh_script=
 if [[ -z $_dsh_command ]]; then
   _dsh_script=$_dsh_spill/$_dsh_nonce.cmd
-  if ! (builtin umask 077; builtin set -C; builtin printf '%s' "$_dsh_long" > "$_dsh_script") 2>/dev/null; then
+  # Any existing path is refused (noclobber alone would open a planted link to a FIFO or device).
+  if [[ -e $_dsh_script || -L $_dsh_script ]] || ! (builtin umask 077; builtin set -C; builtin printf '%s' "$_dsh_long" > "$_dsh_script") 2>/dev/null; then
     builtin printf '\0dsh-bash-boot-fail:cannot store the long command\0'; builtin exit 125
   fi
 fi
 if [[ $_dsh_mode == bg ]]; then
   _dsh_base=$_dsh_spill/$_dsh_nonce _dsh_islong=0
   [[ -n $_dsh_script ]] && _dsh_islong=1
+  # noclobber refuses existing regular files and dangling links, not a planted link to a FIFO or
+  # a device: any existing path is refused first (the directory is 0700, so only its owner can plant).
+  for _dsh_e in cmd stdout stderr in; do
+    if [[ -e $_dsh_base.$_dsh_e || -L $_dsh_base.$_dsh_e ]]; then
+      builtin printf '\0dsh-bash-boot-fail:cannot create the task files\0'; builtin exit 125
+    fi
+  done
   if ! (builtin umask 077; builtin set -C
         [[ -n $_dsh_script ]] || builtin printf '%s' "$_dsh_command" > "$_dsh_base.cmd" || builtin exit 1
         : > "$_dsh_base.stdout" && : > "$_dsh_base.stderr" || builtin exit 1

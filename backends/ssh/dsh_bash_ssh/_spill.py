@@ -22,9 +22,13 @@ class _ChannelWriter:
         await stdin.drain()
 
     async def finish(self) -> None:
-        self._channel.process.stdin.write_eof()
+        process = self._channel.process
+        process.stdin.write_eof()
         with anyio.move_on_after(30):
-            await self._channel.process.wait_closed()  # until cat exits
+            await process.wait_closed()  # until cat exits
+        if process.exit_status != 0:
+            # SPILL_WRITER refused the path (it existed: a planted link, say), or cat failed.
+            raise OSError(f"the spill writer exited with status {process.exit_status}")
 
     async def aclose(self) -> None:
         await self._channel.close()
