@@ -74,9 +74,7 @@ ACLOSE_BOUND_S = 2 * GRACE_MS / 1000 + 0.5 + 4.0
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "backend",
-    backend_params(
-        xfail={"ssh": "ssh: each background task holds a channel; the start after max_channels waits forever"}
-    ),
+    backend_params(),
     indirect=True,
 )
 async def test_aclose_with_a_hundred_tasks_running(backend: Backend, marker: str) -> None:

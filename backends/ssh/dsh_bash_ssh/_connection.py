@@ -96,6 +96,8 @@ class ChannelPool:
         self._kill_slot = anyio.Semaphore(1)
         self._closed = False
         self.where = f"{config.username}@{config.host}:{config.port}"
+        #: Called after every reconnection (not the first connect).
+        self.on_reconnect: Callable[[], None] | None = None
 
     # -- the connection ---------------------------------------------------------------------------
 
@@ -159,9 +161,12 @@ class ChannelPool:
                 raise BashInfrastructureError(f"the connection to {self.where} is closed")
             if self._conn is not None and not self._conn.is_closed():
                 return self._conn
-            if self._conn is not None:
+            reconnecting = self._conn is not None
+            if reconnecting:
                 log.warning("the SSH connection to %s was lost; reconnecting", self.where)
             self._conn = await self._connect()
+            if reconnecting and self.on_reconnect is not None:
+                self.on_reconnect()
             return self._conn
 
     def connected(self) -> bool:

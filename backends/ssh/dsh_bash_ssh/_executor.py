@@ -64,11 +64,17 @@ class SshBashExecutor(BashExecutor):
     config_class = SshConfig
 
     signals_as_exit_codes = True
+    #: Every look at processes is a KILL script over the one reserved kill channel: at aclose, one
+    #: kill sequence over all commands' leftovers instead of one per command queued on that channel.
+    close_kills_each_command = False
 
     def __init__(self, config: SshConfig) -> None:
         super().__init__(config)
         self._ssh_config = config
         self._pool = ChannelPool(config)
+        self._pool.on_reconnect = self._reconnected
+        #: Commands whose kill could not reach the host, by marker: killed once it is back.
+        self._unreached: dict[str, RemoteMarked] = {}
         self._home = "/"
         self._ambient: dict[str, str] = {}
         self._spill_dir = ""
@@ -230,12 +236,20 @@ class SshBashExecutor(BashExecutor):
         server may already run the command) is killed by marker before the error propagates.
         """
         spec = launch.spec
-        marked = RemoteMarked(self._pool, marker=launch.marker, exact=True)
+        marked = self._marked(launch.marker)
         session: CommandSession | None = None
         try:
-            session = await self._pool.open_session(command_line, partial(CommandSession, launch))
+            marker = launch.marker
+            session = await self._pool.open_session(
+                command_line, partial(CommandSession, launch, partial(self._spills.backlogged, marker))
+            )
             process = SshProcess(
-                pool=self._pool, session=session, launch=launch, marked=marked, on_release=on_release
+                pool=self._pool,
+                session=session,
+                launch=launch,
+                marked=marked,
+                on_release=on_release,
+                wait_writable=partial(self._spills.wait_writable, marker),
             )
             # asyncssh buffers writes: the header, stdin and EOF are queued at once, sent as the
             # channel's window allows. Without stdin data the command's stdin is /dev/null: no EOF.
@@ -283,7 +297,7 @@ class SshBashExecutor(BashExecutor):
             pool=self._pool,
             follower=self._follower,
             followed=followed,
-            marked=RemoteMarked(self._pool, marker=marker, exact=True),
+            marked=self._marked(marker),
             spills=spills,
             on_release=on_release,
         )
@@ -306,6 +320,26 @@ class SshBashExecutor(BashExecutor):
         return self._spills.add(
             command_marker, SshSpillFile(self._pool, spill_file_path(self._spill_dir, stream))
         )
+
+    def _marked(self, marker: str) -> RemoteMarked:
+        return RemoteMarked(self._pool, marker=marker, exact=True, unreached=self._note_unreached)
+
+    def _note_unreached(self, marked: RemoteMarked) -> None:
+        self._unreached[marked.marker] = marked
+
+    def _reconnected(self) -> None:
+        if self._unreached:
+            self._start_helper(self._kill_unreached)
+
+    async def _kill_unreached(self) -> None:
+        """Kill what a kill could not reach while the host was unreachable (issue: "remote processes
+        the executor can no longer account for are killed once it reconnects")."""
+        pending, self._unreached = self._unreached, {}
+        for marked in pending.values():
+            try:
+                await kill_abandoned_start(marked, self._config.grace_ms / 1000)
+            except BashInfrastructureError as exc:  # unreachable again: noted again by signal_all
+                log.warning("killing the unaccounted processes of %s failed: %s", marked.marker, exc)
 
     def _leftovers(self) -> Killable:
         return RemoteMarked(self._pool, marker=self._token + "-", exact=False)

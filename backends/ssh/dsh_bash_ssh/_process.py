@@ -33,10 +33,22 @@ class RemoteMarked:
     connection is re-established first when it dropped: a command outlives its connection).
     """
 
-    def __init__(self, pool: ChannelPool, *, marker: str, exact: bool) -> None:
+    def __init__(
+        self,
+        pool: ChannelPool,
+        *,
+        marker: str,
+        exact: bool,
+        unreached: Callable[[RemoteMarked], None] | None = None,
+    ) -> None:
         self._pool = pool
         self._marker = marker
         self._exact = exact
+        self._unreached = unreached
+
+    @property
+    def marker(self) -> str:
+        return self._marker
 
     def _args(self, mode: str, sig: int) -> tuple[str, ...]:
         return (mode, signal_name(sig) if sig else "0", self._marker, "1" if self._exact else "0")
@@ -45,7 +57,14 @@ class RemoteMarked:
         # Shielded: a kill sequence's bound may expire while the script runs (a slow login's rc
         # files, a busy /proc); a signal whose delivery already began is delivered all the same.
         with anyio.CancelScope(shield=True), anyio.move_on_after(_SIGNAL_BOUND_S):
-            await self._pool.run_script(KILL, *self._args("signal", sig), kill=True)
+            try:
+                await self._pool.run_script(KILL, *self._args("signal", sig), kill=True)
+            except BashInfrastructureError:
+                # The host cannot be reached (the server restarts, say): these processes are no
+                # longer accounted for; they are killed once the executor reconnects.
+                if self._unreached is not None:
+                    self._unreached(self)
+                raise
 
     async def remaining(self) -> list[str]:
         # Shielded as well: a script cancelled half-way keeps its server session until it exits
@@ -76,11 +95,19 @@ class CommandSession(SlotSession):
     fed to the launch's streams as it arrives (that feed is synchronous and cheap, so nothing is
     buffered and no reader task is needed); after :meth:`stop_feeding` it is discarded, which also
     keeps the channel drained while leftovers hold it.
+
+    Backpressure: when a feed leaves one of the command's spill files with a backlog
+    (``backlogged()``), reading pauses (the channel's window then holds the command back) and
+    :attr:`wake` is set, so the pump waits for the spill writers and calls :meth:`resume`.
     """
 
-    def __init__(self, launch: Launch) -> None:
+    def __init__(self, launch: Launch, backlogged: Callable[[], bool]) -> None:
         super().__init__()
         self._launch = launch
+        self._backlogged = backlogged
+        self.paused = False
+        #: Set when the pump has something to do: EOF arrived, or reading paused.
+        self.wake = anyio.Event()
         self._out_started = False
         self._err_started = False
         self._out_held = bytearray()
@@ -97,6 +124,20 @@ class CommandSession(SlotSession):
 
     def stop_feeding(self) -> None:
         self._feeding = False
+        self.resume()  # what still comes is discarded: never hold the command back for it
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            if self.chan is not None:
+                self.chan.resume_reading()
+
+    def _check_backlog(self) -> None:
+        if self._feeding and not self.paused and self._backlogged():
+            self.paused = True
+            if self.chan is not None:
+                self.chan.pause_reading()
+            self.wake.set()
 
     def data_received(self, data: bytes, datatype: int | None) -> None:
         if datatype == asyncssh.EXTENDED_DATA_STDERR:
@@ -111,12 +152,14 @@ class CommandSession(SlotSession):
                 data = held[index + len(STDERR_OK) :]
             if data and self._feeding:
                 self._launch.stderr.feed(data)
+                self._check_backlog()
             return
         if not self._out_started:
             self._preamble(data)
             return
         if self._feeding:
             self._launch.stdout.feed(data)
+            self._check_backlog()
 
     def _preamble(self, data: bytes) -> None:
         buf = self._out_held
@@ -158,6 +201,7 @@ class CommandSession(SlotSession):
 
     def eof_received(self) -> bool:
         self.eof.set()
+        self.wake.set()
         return True  # keep our side half-open: an EOF from here would be one more packet for nothing
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -166,6 +210,7 @@ class CommandSession(SlotSession):
         self.preamble_done.set()
         self.ended.set()
         self.eof.set()
+        self.wake.set()
         super().connection_lost(exc)
 
     def close(self) -> None:
@@ -182,8 +227,10 @@ class SshProcess(CommandProcess):
         launch: Launch,
         marked: RemoteMarked,
         on_release: Callable[[], Awaitable[None]],
+        wait_writable: Callable[[], Awaitable[None]],
     ) -> None:
         self._pool = pool
+        self._wait_writable = wait_writable
         self._session = session
         self._launch = launch
         self._marked = marked
@@ -229,10 +276,18 @@ class SshProcess(CommandProcess):
         )
 
     async def pump_output(self) -> None:
+        session = self._session
         try:
-            await self._session.eof.wait()
+            while True:
+                await session.wake.wait()
+                if session.eof.is_set():
+                    return
+                session.wake = anyio.Event()
+                if session.paused:
+                    await self._wait_writable()
+                    session.resume()
         finally:
-            self._session.stop_feeding()
+            session.stop_feeding()
 
     async def signal_all(self, sig: int) -> None:
         await self._marked.signal_all(sig)
