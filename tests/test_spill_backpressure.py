@@ -3,7 +3,8 @@
 Without it a remote spill (``QueuedSpillFile``) queues whatever the transport delivers faster than
 its writer sends it, up to ``max_spill_bytes`` per stream (measured: about 65 MiB of memory growth
 while streaming 1 GiB through Docker). The helper tests drive a real ``QueuedSpillFile`` whose
-writer is a gate the test opens and closes; the Docker test streams through a real engine.
+writer is a gate the test opens and closes; the Docker and SSH tests stream through a real engine
+and a real sshd.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import anyio.abc
 import pytest
 from docker_support import SESSION_ID, SESSION_LABEL
 from dsh_bash_docker import DockerBashExecutor, DockerConfig
+from ssh_support import SshServer
 
 from dsh_bash._remote_bash import SPILL_HIGH_WATER_BYTES, CommandSpills, QueuedSpillFile, SpillWriter
 
@@ -183,3 +185,47 @@ async def test_docker_stream_outgrowing_its_spill_is_not_held_back(docker_test_i
         assert result.stdout.spill_path is None
         assert result.stderr.text == "done\n"
         assert all(not spills for spills in ex._spills._by_marker.values())
+
+
+@pytest.mark.ssh
+async def test_ssh_streaming_keeps_the_spill_queue_bounded(ssh_server: SshServer) -> None:
+    """The SSH session feeds output from callbacks: a backlog pauses the channel's reading instead."""
+    size = 32 * MIB
+    async with ssh_server.executor(grace_ms=300) as ex:
+        peak = 0
+        samples = 0
+        streaming = True
+
+        async def watch_queues() -> None:
+            nonlocal peak, samples
+            while streaming:
+                for spills in list(ex._spills._by_marker.values()):
+                    for spill in spills:
+                        peak = max(peak, spill._queued_bytes)
+                        samples += 1
+                await anyio.sleep(0.002)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch_queues)
+            result = await ex.exec(f"head -c {size} /dev/zero", timeout_ms=90_000)
+            streaming = False
+        assert result.exit_code == 0
+        assert result.stdout.total_bytes == size
+        assert result.stdout.spill_path is not None
+        assert samples > 10, "the watcher never saw the spill while it was written"
+        # One SSH packet (at most 256 KiB here) may land on top of a queue just under the mark.
+        assert peak <= SPILL_HIGH_WATER_BYTES + 512 * 1024, f"spill queue peaked at {peak / MIB:.1f} MiB"
+        spilled = await ex.exec(f"wc -c < {result.stdout.spill_path}")
+        assert int(spilled.stdout.text.strip()) == size
+
+
+@pytest.mark.ssh
+async def test_ssh_stream_outgrowing_its_spill_is_not_held_back(ssh_server: SshServer) -> None:
+    async with ssh_server.executor(grace_ms=300, max_spill_bytes=2 * MIB) as ex:
+        with anyio.fail_after(60):
+            result = await ex.exec(f"head -c {16 * MIB} /dev/zero; echo done >&2", timeout_ms=60_000)
+        assert result.exit_code == 0
+        assert not result.timed_out
+        assert result.stdout.total_bytes == 16 * MIB
+        assert result.stdout.spill_path is None
+        assert result.stderr.text == "done\n"
