@@ -44,6 +44,8 @@ _PLACEHOLDER = bytes(1 << 20)
 _PUNCH_STEP = 64 << 20
 #: Listings in a row that show a task's eof file but no exit file before the task counts as lost.
 _EOF_WITHOUT_EXIT_TICKS = 5
+#: How long a release waits to remove a given-up spill file itself before leaving it to the loop.
+_REMOVE_NOW_BOUND_S = 5.0
 
 
 class DetachedSpill:
@@ -144,6 +146,23 @@ class Follower:
             self._start_helper(_close_quietly, handle)
         self._ensure_running()
         self._wake.set()
+
+    async def remove_now(self, paths: list[str]) -> None:
+        """Remove ``paths`` before returning (a spill file given up must be gone once its task is
+        reported done); what cannot be removed now is left to the loop."""
+        try:
+            with anyio.move_on_after(_REMOVE_NOW_BOUND_S):
+                sftp = await self._ensure_sftp()
+                while paths:
+                    with contextlib.suppress(asyncssh.SFTPNoSuchFile):
+                        await sftp.remove(paths[0])
+                    paths = paths[1:]
+        except (asyncssh.Error, OSError, BashInfrastructureError, _NoSftp) as exc:
+            log.debug("removing %s now failed (%s): left to the follower", paths, exc)
+        if paths:
+            self._to_remove.extend(paths)
+            self._ensure_running()
+            self._wake.set()
 
     def close(self) -> None:
         self._closed = True
@@ -409,9 +428,15 @@ class DetachedProcess(CommandProcess):
         remove = [f"{base}.cmd", f"{base}.in", f"{base}.eof"]
         if self._followed.status is not None:
             remove.append(f"{base}.exit-{self._followed.status}")
+        given_up: list[str] = []
         for stream in STREAMS:
             spill = self._spills.get(stream)
-            if spill is None or spill.deleted:
+            if spill is None:
                 remove.append(f"{base}.{stream}")
+            elif spill.deleted:
+                given_up.append(f"{base}.{stream}")
         self._follower.forget(self._followed, remove)
+        if given_up:
+            # A read named this file while it was the spill: it must not outlive the task's end.
+            await self._follower.remove_now(given_up)
         await self._on_release()

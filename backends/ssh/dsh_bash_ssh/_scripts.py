@@ -117,7 +117,9 @@ if [[ $_dsh_mode == bg ]]; then
   [[ -n $_dsh_script ]] && _dsh_islong=1
   # noclobber refuses existing regular files and dangling links, not a planted link to a FIFO or
   # a device: any existing path is refused first (the directory is 0700, so only its owner can plant).
-  for _dsh_e in cmd stdout stderr in; do
+  _dsh_files="stdout stderr in"
+  [[ -n $_dsh_script ]] || _dsh_files+=" cmd"  # a long command's script is BASE.cmd already
+  for _dsh_e in $_dsh_files; do
     if [[ -e $_dsh_base.$_dsh_e || -L $_dsh_base.$_dsh_e ]]; then
       builtin printf '\0dsh-bash-boot-fail:cannot create the task files\0'; builtin exit 125
     fi
