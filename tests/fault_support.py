@@ -65,7 +65,7 @@ class Backend:
 def backend_params(*names: str, xfail: dict[str, str] | None = None) -> list[Any]:
     """Parameters for ``@pytest.mark.parametrize("backend", ..., indirect=True)``.
 
-    ``names`` defaults to every backend, SSH last (the SSH backend is being rewritten; its cases run
+    ``names`` defaults to every backend, SSH last (its cases run
     after the others). ``xfail`` maps a backend name to the reason of a strict expected failure.
     """
     chosen = names or BACKEND_NAMES

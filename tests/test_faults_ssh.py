@@ -1,6 +1,6 @@
 """SSH faults: the connection cut mid-command and mid-task, three ways; the server restarted.
 
-Written against behaviour only (the SSH backend is being rewritten): the caller is told the truth,
+Written against behaviour only: the caller is told the truth,
 the executor reconnects for the next command, and no process of a cut command is left running.
 See docs/faults.md for each outcome.
 """
