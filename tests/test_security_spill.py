@@ -101,6 +101,27 @@ async def _big_background(ex: BashExecutor) -> tuple[str | None, int]:
     return read.stdout_spill_path, len(read.delta.encode()) + read.dropped_bytes
 
 
+async def _make_victim(ex: BashExecutor, link: LinkKind) -> str:
+    """Where the planted link points: a file, nothing (dangling), or a FIFO."""
+    victim = (await _sh(ex, f"mktemp -d {VICTIM_DIRS}")).strip() + "/victim"
+    if link == "victim_file":
+        await _sh(ex, f"printf original > {victim}")
+    elif link == "fifo":
+        await _sh(ex, f"mkfifo {victim}")
+    return victim
+
+
+async def _assert_link_not_followed(ex: BashExecutor, link: LinkKind, planted: str, victim: str) -> None:
+    """The planted link is still a link to the victim, and the victim is as it was planted."""
+    assert (await _sh(ex, f"[ -L {planted} ] && readlink {planted}")).strip() == victim
+    if link == "victim_file":
+        assert await _sh(ex, f"cat {victim}") == "original"
+    elif link == "dangling":
+        assert await _sh(ex, f"[ -e {victim} ] || [ -L {victim} ] || echo absent") == "absent\n"
+    else:
+        assert (await _sh(ex, f"[ -p {victim} ] && echo fifo")) == "fifo\n"
+
+
 @pytest.mark.parametrize("mode", ["foreground", "background"])
 @pytest.mark.parametrize("link", ["victim_file", "dangling", "fifo"])
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -116,11 +137,7 @@ async def test_planted_link_at_the_spill_path_is_never_followed(
         )
         directory = posixpath.dirname(learned)
         planted = f"{directory}/{PLANTED}.stdout"
-        victim = (await _sh(ex, f"mktemp -d {VICTIM_DIRS}")).strip() + "/victim"
-        if link == "victim_file":
-            await _sh(ex, f"printf original > {victim}")
-        elif link == "fifo":
-            await _sh(ex, f"mkfifo {victim}")
+        victim = await _make_victim(ex, link)
         await _sh(ex, f"ln -s {victim} {planted}")
 
         # The caller is told the truth: the stream was cut, all bytes counted, and the whole stream
@@ -136,13 +153,7 @@ async def test_planted_link_at_the_spill_path_is_never_followed(
         if spill_path is not None:
             await _assert_private_spill(ex, spill_path, BIG)
         # The link was not followed: the victim is as it was and the link is still a link.
-        assert (await _sh(ex, f"[ -L {planted} ] && readlink {planted}")).strip() == victim
-        if link == "victim_file":
-            assert await _sh(ex, f"cat {victim}") == "original"
-        elif link == "dangling":
-            assert await _sh(ex, f"[ -e {victim} ] || [ -L {victim} ] || echo absent") == "absent\n"
-        else:
-            assert (await _sh(ex, f"[ -p {victim} ] && echo fifo")) == "fifo\n"
+        await _assert_link_not_followed(ex, link, planted, victim)
         if backend == "ssh" and mode == "background":
             # A detached task writes its own files (their links are refused too:
             # test_planted_link_at_a_detached_task_file_is_refused), so the planted name is still
@@ -166,23 +177,13 @@ async def test_planted_link_at_a_detached_task_file_is_refused(
     nonce = "c" * 16
     async with make_executor(request, "ssh", max_output_bytes=MAX_OUTPUT) as ex:
         assert isinstance(ex, ssh_executor.SshBashExecutor)
-        victim = (await _sh(ex, f"mktemp -d {VICTIM_DIRS}")).strip() + "/victim"
-        if link == "victim_file":
-            await _sh(ex, f"printf original > {victim}")
-        elif link == "fifo":
-            await _sh(ex, f"mkfifo {victim}")
+        victim = await _make_victim(ex, link)
         planted = f"{ex.spill_dir}/{nonce}.stdout"
         await _sh(ex, f"ln -s {victim} {planted}")
         monkeypatch.setattr(ssh_executor, "secrets", PredictableTokens(8, [nonce]))
         with pytest.raises(BashInfrastructureError, match="cannot create the task files"):
             await ex.start(ex.resolve(BashExecRequest(command=BIG_OUTPUT)))
-        assert (await _sh(ex, f"[ -L {planted} ] && readlink {planted}")).strip() == victim
-        if link == "victim_file":
-            assert await _sh(ex, f"cat {victim}") == "original"
-        elif link == "dangling":
-            assert await _sh(ex, f"[ -e {victim} ] || [ -L {victim} ] || echo absent") == "absent\n"
-        else:
-            assert (await _sh(ex, f"[ -p {victim} ] && echo fifo")) == "fifo\n"
+        await _assert_link_not_followed(ex, link, planted, victim)
 
 
 @pytest.mark.parametrize("backend", ["local", "docker"])

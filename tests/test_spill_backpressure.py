@@ -9,6 +9,8 @@ and a real sshd.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import anyio
 import anyio.abc
 import pytest
@@ -17,6 +19,9 @@ from dsh_bash_docker import DockerBashExecutor, DockerConfig
 from ssh_support import SshServer
 
 from dsh_bash._remote_bash import SPILL_HIGH_WATER_BYTES, CommandSpills, QueuedSpillFile, SpillWriter
+
+if TYPE_CHECKING:
+    from dsh_bash_ssh import SshBashExecutor
 
 pytestmark = pytest.mark.anyio
 
@@ -137,95 +142,72 @@ async def test_wait_writable_never_waits_on_a_failed_spill_and_it_stops_queueing
         assert spill._queue == []
 
 
-@pytest.mark.docker
-async def test_docker_streaming_keeps_the_spill_queue_bounded(docker_test_image: str) -> None:
+async def _stream_and_watch_the_spill_queue(ex: DockerBashExecutor | SshBashExecutor) -> None:
     """32 MiB of stdout spills (under max_spill_bytes); the queue never holds much more than the mark."""
     size = 32 * MIB
+    peak = 0
+    samples = 0
+    streaming = True
+
+    async def watch_queues() -> None:
+        nonlocal peak, samples
+        while streaming:
+            for spills in list(ex._spills._by_marker.values()):
+                for spill in spills:
+                    peak = max(peak, spill._queued_bytes)
+                    samples += 1
+            await anyio.sleep(0.002)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch_queues)
+        result = await ex.exec(f"head -c {size} /dev/zero", timeout_ms=90_000)
+        streaming = False
+    assert result.exit_code == 0
+    assert result.stdout.total_bytes == size
+    assert result.stdout.spill_path is not None
+    assert samples > 10, "the watcher never saw the spill while it was written"
+    # One read of the transport (256 KiB at most) may land on top of a queue just under the mark.
+    assert peak <= SPILL_HIGH_WATER_BYTES + 512 * 1024, f"spill queue peaked at {peak / MIB:.1f} MiB"
+    spilled = await ex.exec(f"wc -c < {result.stdout.spill_path}")
+    assert int(spilled.stdout.text.strip()) == size
+
+
+async def _stream_past_the_spill_cap(ex: DockerBashExecutor | SshBashExecutor) -> None:
+    """Past max_spill_bytes the spill is deleted: the pump must not wait on it any longer."""
+    with anyio.fail_after(60):
+        result = await ex.exec(f"head -c {16 * MIB} /dev/zero; echo done >&2", timeout_ms=60_000)
+    assert result.exit_code == 0
+    assert not result.timed_out
+    assert result.stdout.total_bytes == 16 * MIB
+    assert result.stdout.spill_path is None
+    assert result.stderr.text == "done\n"
+    assert all(not spills for spills in ex._spills._by_marker.values())
+
+
+@pytest.mark.docker
+async def test_docker_streaming_keeps_the_spill_queue_bounded(docker_test_image: str) -> None:
     config = DockerConfig(image=docker_test_image, grace_ms=300, labels={SESSION_LABEL: SESSION_ID})
     async with DockerBashExecutor(config) as ex:
-        peak = 0
-        samples = 0
-        streaming = True
-
-        async def watch_queues() -> None:
-            nonlocal peak, samples
-            while streaming:
-                for spills in list(ex._spills._by_marker.values()):
-                    for spill in spills:
-                        peak = max(peak, spill._queued_bytes)
-                        samples += 1
-                await anyio.sleep(0.002)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watch_queues)
-            result = await ex.exec(f"head -c {size} /dev/zero", timeout_ms=90_000)
-            streaming = False
-        assert result.exit_code == 0
-        assert result.stdout.total_bytes == size
-        assert result.stdout.spill_path is not None
-        assert samples > 10, "the watcher never saw the spill while it was written"
-        # One read of the exec stream (256 KiB) may land on top of a queue just under the mark.
-        assert peak <= SPILL_HIGH_WATER_BYTES + 512 * 1024, f"spill queue peaked at {peak / MIB:.1f} MiB"
-        spilled = await ex.exec(f"wc -c < {result.stdout.spill_path}")
-        assert int(spilled.stdout.text.strip()) == size
+        await _stream_and_watch_the_spill_queue(ex)
 
 
 @pytest.mark.docker
 async def test_docker_stream_outgrowing_its_spill_is_not_held_back(docker_test_image: str) -> None:
-    """Past max_spill_bytes the spill is deleted: the pump must not wait on it any longer."""
     config = DockerConfig(
         image=docker_test_image, grace_ms=300, max_spill_bytes=2 * MIB, labels={SESSION_LABEL: SESSION_ID}
     )
     async with DockerBashExecutor(config) as ex:
-        with anyio.fail_after(60):
-            result = await ex.exec(f"head -c {16 * MIB} /dev/zero; echo done >&2", timeout_ms=60_000)
-        assert result.exit_code == 0
-        assert not result.timed_out
-        assert result.stdout.total_bytes == 16 * MIB
-        assert result.stdout.spill_path is None
-        assert result.stderr.text == "done\n"
-        assert all(not spills for spills in ex._spills._by_marker.values())
+        await _stream_past_the_spill_cap(ex)
 
 
 @pytest.mark.ssh
 async def test_ssh_streaming_keeps_the_spill_queue_bounded(ssh_server: SshServer) -> None:
     """The SSH session feeds output from callbacks: a backlog pauses the channel's reading instead."""
-    size = 32 * MIB
     async with ssh_server.executor(grace_ms=300) as ex:
-        peak = 0
-        samples = 0
-        streaming = True
-
-        async def watch_queues() -> None:
-            nonlocal peak, samples
-            while streaming:
-                for spills in list(ex._spills._by_marker.values()):
-                    for spill in spills:
-                        peak = max(peak, spill._queued_bytes)
-                        samples += 1
-                await anyio.sleep(0.002)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watch_queues)
-            result = await ex.exec(f"head -c {size} /dev/zero", timeout_ms=90_000)
-            streaming = False
-        assert result.exit_code == 0
-        assert result.stdout.total_bytes == size
-        assert result.stdout.spill_path is not None
-        assert samples > 10, "the watcher never saw the spill while it was written"
-        # One SSH packet (at most 256 KiB here) may land on top of a queue just under the mark.
-        assert peak <= SPILL_HIGH_WATER_BYTES + 512 * 1024, f"spill queue peaked at {peak / MIB:.1f} MiB"
-        spilled = await ex.exec(f"wc -c < {result.stdout.spill_path}")
-        assert int(spilled.stdout.text.strip()) == size
+        await _stream_and_watch_the_spill_queue(ex)
 
 
 @pytest.mark.ssh
 async def test_ssh_stream_outgrowing_its_spill_is_not_held_back(ssh_server: SshServer) -> None:
     async with ssh_server.executor(grace_ms=300, max_spill_bytes=2 * MIB) as ex:
-        with anyio.fail_after(60):
-            result = await ex.exec(f"head -c {16 * MIB} /dev/zero; echo done >&2", timeout_ms=60_000)
-        assert result.exit_code == 0
-        assert not result.timed_out
-        assert result.stdout.total_bytes == 16 * MIB
-        assert result.stdout.spill_path is None
-        assert result.stderr.text == "done\n"
+        await _stream_past_the_spill_cap(ex)
