@@ -69,6 +69,13 @@ async def test_cancelled_start_leaves_nothing(backend: Backend, marker: str) -> 
 #: the backend's release (removing a container) on a loaded 2-CPU host. Before the fixes recorded in
 #: docs/faults.md, Docker took 9-100 s here and left a SIGTERM-trapping process behind.
 ACLOSE_BOUND_S = 2 * GRACE_MS / 1000 + 0.5 + 4.0
+#: Docker: the same, plus the engine's own stalls. With 100 commands ending at once, Docker Engine
+#: 20.10 sometimes answers no exec for seconds (the kill then goes out from the host after 1 s, see
+#: ContainerMarked.signal_all), and removing the container (image mode) or the spill directory
+#: (container mode, waited for at most 2 s) waits for it: measured 1.0-1.4 s typically, 5.7-19.9 s
+#: in about one run in six here. The processes are gone when aclose returns either way (checked
+#: above); what this bound still catches is a hang.
+DOCKER_ACLOSE_BOUND_S = ACLOSE_BOUND_S + 1.0 + 25.0
 
 
 @pytest.mark.timeout(240)
@@ -122,7 +129,7 @@ async def test_aclose_with_a_hundred_tasks_running(backend: Backend, marker: str
             await ex.exec("true")
         for kind in ("plain", "trap", "daemon"):
             assert find_host_processes(f"{marker}-{kind}") == [], kind
-    assert elapsed < ACLOSE_BOUND_S, elapsed
+    assert elapsed < (DOCKER_ACLOSE_BOUND_S if backend.is_docker else ACLOSE_BOUND_S), elapsed
 
 
 class _SlowTarget:

@@ -42,6 +42,8 @@ OWNER_PID_LABEL = "dsh-bash.owner-pid"
 
 _MAX_INLINE_COMMAND = 100_000
 _SPILL_FLUSH_BOUND_S = 30.0
+#: How long aclose waits for the engine to remove the spill directory of a container it does not own.
+_RELEASE_WAIT_S = 2.0
 
 
 def _docker_client(config: DockerConfig) -> Any:
@@ -197,10 +199,19 @@ class DockerBashExecutor(BashExecutor):
         if config.image is not None:
             await anyio.to_thread.run_sync(self._remove_container, self._container_id)
         elif self._spill_dir:
+            # Bounded: an engine stalled by a burst of ending execs would hold aclose for seconds.
+            # The exec, once started, completes in the container whether or not it is waited for.
             try:
-                await run_script(
-                    self._engine, self._container_id, config.user, 'rm -rf -- "$1"', self._spill_dir
-                )
+                with anyio.move_on_after(_RELEASE_WAIT_S) as waited:
+                    await run_script(
+                        self._engine, self._container_id, config.user, 'rm -rf -- "$1"', self._spill_dir
+                    )
+                if waited.cancelled_caught:
+                    log.warning(
+                        "removing the spill directory %s: the engine did not answer within %.0f s",
+                        self._spill_dir,
+                        _RELEASE_WAIT_S,
+                    )
             except (EngineError, OSError) as exc:
                 log.warning("removing the spill directory %s failed: %s", self._spill_dir, exc)
 

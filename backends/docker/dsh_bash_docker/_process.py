@@ -17,6 +17,10 @@ from ._scripts import BOOT_FAIL, BOOT_OK, KILL
 
 __all__ = ["ContainerMarked", "DockerProcess", "run_script"]
 
+#: How long a kill waits for the engine to run its script before signalling from the host (when
+#: the host sees the container's processes).
+_ENGINE_ANSWER_BOUND_S = 1.0
+
 log = logging.getLogger("dsh_bash.docker")
 
 StartHelper = Callable[..., None]
@@ -91,7 +95,24 @@ class ContainerMarked:
 
     async def signal_all(self, sig: int) -> None:
         try:
-            await run_script(self._engine, self._container(), self._user, KILL, *self._args("signal", sig))
+            if self._host_sees_processes():
+                # A saturated engine (a hundred commands ending at once) can take seconds to run
+                # one exec: the signal then goes out from the host instead of waiting for it.
+                with anyio.fail_after(_ENGINE_ANSWER_BOUND_S):
+                    await run_script(
+                        self._engine, self._container(), self._user, KILL, *self._args("signal", sig)
+                    )
+            else:
+                await run_script(
+                    self._engine, self._container(), self._user, KILL, *self._args("signal", sig)
+                )
+        except TimeoutError:
+            log.warning(
+                "the engine did not run the kill script within %.0f s; signalling %s from the host",
+                _ENGINE_ANSWER_BOUND_S,
+                self._marker,
+            )
+            await self._host_signal(sig)
         except EngineError as exc:
             if exc.status in (404, 409):  # the container is gone or stopped: so are its processes
                 return
