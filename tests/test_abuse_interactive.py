@@ -117,7 +117,7 @@ IGNORE_ALL = "trap '' HUP INT QUIT USR1 USR2 PIPE ALRM TERM CHLD TSTP TTIN TTOU 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", ALL, indirect=True)
 async def test_command_ignoring_every_signal_is_killed(backend: Backend, marker: str) -> None:
-    loop = f'bash -c "{IGNORE_ALL}; while :; do sleep 0.05; done" {marker}'
+    loop = f'bash -c "{IGNORE_ALL}; echo ready; while :; do sleep 0.05; done" {marker}'
     async with backend.make() as ex:
         started = time.monotonic()
         result = await ex.exec(f"{IGNORE_ALL}; {loop}", timeout_ms=1000)
@@ -128,6 +128,13 @@ async def test_command_ignoring_every_signal_is_killed(backend: Backend, marker:
         assert await eventually_gone(marker, 2) == []
         task = await ex.start(ex.resolve(BashExecRequest(command=f"{IGNORE_ALL}; {loop}")))
         await wait_for_processes(marker)
+        # Killed only once the inner shell ignores everything too (its traps come before "ready"):
+        # a SIGTERM that beats them would end it, and the test would prove nothing.
+        seen = ""
+        with anyio.fail_after(10):
+            while "ready" not in seen:
+                seen += (await ex.read_output(task.id)).delta
+                await anyio.sleep(0.02)
         assert await ex.kill(task.id) is True
         with anyio.fail_after(10):
             await task.wait()
