@@ -53,6 +53,7 @@ printf '\0dsh-bash-home\0'; pwd -P; printf '\0'
 dir=$("""
     + SPILL_DIR.strip()
     + r""") || exit 1
+umask 077; : > "$dir/exported-names" || exit 1
 printf '\0dsh-bash-end\0%s\0' "$dir"
 """
 )
@@ -98,7 +99,12 @@ if builtin compgen -A function >/dev/null 2>&1; then
   builtin mapfile -t _dsh_f < <(builtin compgen -A function)
   builtin unset -f -- "${_dsh_f[@]}"
 fi
-builtin declare +x -- ALL_VARIABLES 2>/dev/null
+_dsh_x=()
+if [[ -f $_dsh_spill/exported-names && ! -L $_dsh_spill/exported-names ]] && builtin compgen -e 1<>"$_dsh_spill/exported-names" 2>/dev/null; then
+  builtin mapfile -t _dsh_x <"$_dsh_spill/exported-names" 2>/dev/null
+fi
+(( ${#_dsh_x[@]} )) && builtin declare +x -- "${_dsh_x[@]}" 2>/dev/null
+if (( ! ${#_dsh_x[@]} )) || builtin compgen -e >/dev/null 2>&1; then builtin declare +x -- ALL_VARIABLES 2>/dev/null; fi
 builtin export -- $_dsh_keep 2>/dev/null
 for _dsh_e in "${_dsh_set[@]}"; do builtin export "$_dsh_e" 2>/dev/null; done
 if [[ ! -e $_dsh_workdir ]]; then builtin printf '\0dsh-bash-boot-fail:does not exist\0'; builtin exit 125; fi
