@@ -72,7 +72,11 @@ class CommandProcess(ABC):
 
     @abstractmethod
     async def wait(self) -> ExitStatus:
-        """Return once the shell has exited; raise BashInfrastructureError if the backend lost it."""
+        """Return once the shell has exited; raise BashInfrastructureError if the backend lost it.
+
+        Cancellation-safe: at the command's timeout the executor cancels the wait, starts the kill
+        sequence and calls ``wait`` again.
+        """
 
     @abstractmethod
     async def pump_output(self) -> None:

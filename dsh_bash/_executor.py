@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import posixpath
 import secrets
 import signal as _signal
@@ -487,10 +486,10 @@ class BashExecutor(ABC):
         async with anyio.create_task_group() as tg:
             command.tg = tg
             tg.start_soon(self._pump, command)
-            if timeout_s is not None or command.spec.signal is not None:
-                tg.start_soon(self._watch, command, timeout_s)
+            if command.spec.signal is not None:
+                tg.start_soon(self._watch_abort, command)
             try:
-                command.exit = await command.process.wait()
+                command.exit = await self._wait_for_exit(command, timeout_s)
             except BashInfrastructureError as exc:
                 command.failure = exc
             except Exception as exc:
@@ -501,12 +500,16 @@ class BashExecutor(ABC):
                 self._request_kill(command, "lost")
             if command.kill_done is not None:
                 await command.kill_done.wait()
-            with anyio.move_on_after(grace_s):
-                await command.output_done.wait()
+            # Checked first: an event's wait is a checkpoint even when the event is set, and each
+            # costs a turn of the event loop, which a short command would feel.
+            if not command.output_done.is_set():
+                with anyio.move_on_after(grace_s):
+                    await command.output_done.wait()
             command.finishing = True
             if command.kill_done is not None:
                 await command.kill_done.wait()
-            tg.cancel_scope.cancel()
+            if not command.output_done.is_set():
+                tg.cancel_scope.cancel()  # the drain bound passed: the pump stops
 
     async def _pump(self, command: _Command) -> None:
         try:
@@ -516,17 +519,25 @@ class BashExecutor(ABC):
         finally:
             command.output_done.set()
 
-    async def _watch(self, command: _Command, timeout_s: float | None) -> None:
-        signal = command.spec.signal
-        with command.watch_scope:
-            with anyio.move_on_after(math.inf if timeout_s is None else timeout_s):
-                if signal is None:
-                    await anyio.sleep_forever()
-                else:
-                    await signal.wait()
-                    self._request_kill(command, "aborted")
-                    return
+    async def _wait_for_exit(self, command: _Command, timeout_s: float | None) -> ExitStatus:
+        """The shell's exit; at the timeout the kill sequence starts, and its exit is still awaited.
+
+        The timeout is a deadline on the wait itself rather than a watcher task: one task less
+        per command (a backend's ``wait`` is cancellation-safe and may be called again).
+        """
+        process = command.process
+        if timeout_s is not None:
+            with anyio.move_on_after(timeout_s):
+                return await process.wait()
             self._request_kill(command, "timeout")
+        return await process.wait()
+
+    async def _watch_abort(self, command: _Command) -> None:
+        signal = command.spec.signal
+        assert signal is not None
+        with command.watch_scope:
+            await signal.wait()
+            self._request_kill(command, "aborted")
 
     def _request_kill(self, command: _Command, cause: _KillCause) -> bool:
         """Start the kill sequence unless the command is ending anyway. True if it was still running."""

@@ -74,7 +74,7 @@ async def test_spill_dir_config_sets_the_parent(tmp_path: os.PathLike[str]) -> N
 
 async def test_long_command_script_file_is_removed_after_the_run() -> None:
     async with _executor() as ex:
-        result = await ex.exec(": " + "x" * 150_000 + "\necho \"$0\"")
+        result = await ex.exec(": " + "x" * 150_000 + '\necho "$0"')
         script = result.stdout.text.strip()
         assert result.exit_code == 0
         assert script.endswith(".sh")

@@ -417,3 +417,31 @@ async def test_detached_task_files_are_private(ssh_server: SshServer) -> None:
         assert set(modes().values()) == {0o600}, modes()
         with anyio.fail_after(10):
             await task.wait()
+
+
+async def test_the_boots_fast_unexport_holds_on_a_real_login(ssh_server: SshServer) -> None:
+    """The names SETUP saw are all that the login shell exports: BOOT's fast way alone gives the
+    policy's environment (its fallback, the prefix sweep, is taken out here; tests/test_ssh_boot.py
+    checks the fallback itself)."""
+    from dsh_bash_ssh import _scripts  # noqa: PLC0415
+
+    def names(text: str) -> list[str]:  # values differ: SSH_CLIENT names each connection's port
+        return [line.split("=", 1)[0] for line in text.splitlines() if "=" in line]
+
+    with ssh_server.plant({"DSHTEST_PLANTED_TOKEN": "planted-value"}):
+        async with ssh_server.executor() as ex:
+            normal = await ex.exec("env | sort")
+        environment = _scripts._ENVIRONMENT
+        _scripts._ENVIRONMENT = environment.replace("builtin declare +x -- ${!_@}", "false")
+        _scripts.boot_script.cache_clear()
+        _scripts._quoted_boot.cache_clear()
+        try:
+            assert environment != _scripts._ENVIRONMENT
+            async with ssh_server.executor() as ex:
+                fast = await ex.exec("env | sort")
+        finally:
+            _scripts._ENVIRONMENT = environment
+            _scripts.boot_script.cache_clear()
+            _scripts._quoted_boot.cache_clear()
+    assert "DSHTEST_PLANTED_TOKEN" not in normal.stdout.text
+    assert names(fast.stdout.text) == names(normal.stdout.text)

@@ -1,15 +1,16 @@
 """The SSH boot script's environment sweep, run by a local bash (no sshd needed).
 
 BOOT un-exports every variable of the login shell before it exports the policy's environment. Its
-fast way asks bash for the exported names (``compgen -e`` into a scratch file in the private
-directory) and then checks with ``compgen -e`` that nothing is left exported; when the scratch file
-cannot be used, or its list was incomplete, BOOT sweeps every variable by prefix. These tests run
-the real boot line as a login shell would and compare what the command sees.
+fast way un-exports the names the login exported at connect (a file SETUP wrote in the private
+directory) and then checks with ``compgen -e`` that nothing is left exported; when something is,
+or the file cannot be used, BOOT sweeps every variable by prefix. These tests run the real boot
+line (or BOOT itself) as a login shell would and compare what the command sees.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -30,98 +31,118 @@ LOGIN_ENV = {
 #: The policy's environment for the command: kept login names, then the library's own entries.
 KEEP = "PATH HOME LANG"
 PUBLIC = ("PAGER=cat", "SHLVL=1")
+EXPECTED = {
+    "PATH=/usr/bin:/bin",
+    "HOME=/nonexistent-home",
+    "LANG=C.UTF-8",
+    "PAGER=cat",
+    "DSH_BASH_MARK=dsh-boot-test-1",
+}
+#: The prefix sweep BOOT falls back to, and the check that decides it.
+SWEEP = "builtin declare +x -- ${!_@}"
+CHECK = "builtin compgen -e >/dev/null 2>&1"
+ARGS = ("0123456789abcdef", "fg", "env", "/", "dsh-boot-test-1", "0", "0", KEEP, *PUBLIC)
 
 
-def _run_boot(spill: Path, *, login_env: dict[str, str] | None = None, prefix: str = "") -> str:
-    """The command's environment (``env``, sorted) when BOOT runs in a login bash with ``login_env``."""
-    line = _scripts.boot_line(
-        str(spill), "0123456789abcdef", "fg", "env", "/", "dsh-boot-test-1", "0", "0", KEEP, *PUBLIC
-    )
+def _run(
+    spill: Path, *, prefix: str = "", without: str = "", raw: bool = False, env: dict[str, str] | None = None
+) -> str:
+    """The command's environment (``env`` output, sorted, without ``_``) when the boot line runs in
+    a login bash with ``env`` (LOGIN_ENV by default) after ``prefix``; ``without``: a piece of BOOT
+    replaced by ``false``; ``raw``: BOOT itself is evaluated, without the boot line's checks."""
+    if raw:
+        script = _scripts.boot_script(detached=False, header=False, long=False, stdin=False)
+        line = f"set -- {shlex.join([str(spill), *ARGS])}; eval {shlex.quote(script)}"
+    else:
+        line = _scripts.boot_line(str(spill), *ARGS)
+    if without:
+        assert without in line
+        line = line.replace(without, "false")
     result = subprocess.run(
         ["bash", "--noprofile", "--norc", "-c", prefix + line],
-        env=login_env if login_env is not None else LOGIN_ENV,
+        env=LOGIN_ENV if env is None else env,
         capture_output=True,
         timeout=20,
         check=False,
     )
     assert result.returncode == 0, result
-    out = result.stdout
     marker = b"\0dsh-bash-boot-ok\0"
-    assert marker in out, out
-    lines = out.split(marker, 1)[1].decode().splitlines()
+    assert marker in result.stdout, result
+    lines = result.stdout.split(marker, 1)[1].decode().splitlines()
     return "\n".join(sorted(line for line in lines if not line.startswith("_=")))
 
 
-def _expected() -> set[str]:
-    return {
-        "PATH=/usr/bin:/bin",
-        "HOME=/nonexistent-home",
-        "LANG=C.UTF-8",
-        "PAGER=cat",
-        "DSH_BASH_MARK=dsh-boot-test-1",
-    }
+def _names(env_text: str) -> set[str]:
+    return {line.split("=", 1)[0] for line in env_text.splitlines()}
 
 
 @pytest.fixture
 def spill(tmp_path: Path) -> Path:
+    """A private directory as SETUP leaves it: the login's exported names in ``exported-names``."""
     directory = tmp_path / "spill"
     directory.mkdir(mode=0o700)
-    (directory / "exported-names").write_text("")
+    names = subprocess.run(
+        ["bash", "--noprofile", "--norc", "-c", "compgen -e"], env=LOGIN_ENV, capture_output=True, check=True
+    ).stdout
+    (directory / "exported-names").write_bytes(names)
     return directory
 
 
-def _names_in_env(env_text: str) -> set[str]:
-    return {line.split("=", 1)[0] for line in env_text.splitlines()}
-
-
-def test_the_fast_sweep_leaves_only_the_policy(spill: Path) -> None:
-    env_text = _run_boot(spill)
+def _assert_policy(env_text: str) -> None:
     assert SECRET not in env_text
-    expected_names = {entry.split("=", 1)[0] for entry in _expected()} | {"SHLVL"}
-    assert _names_in_env(env_text) - {"PWD", "OLDPWD"} == expected_names
-    assert set(env_text.splitlines()) >= _expected()
-    # The fast way was taken: the scratch file holds the login's exported names.
-    assert SECRET in (spill / "exported-names").read_text().split()
+    assert _names(env_text) - {"PWD", "OLDPWD"} == _names("\n".join(EXPECTED)) | {"SHLVL"}
+    assert set(env_text.splitlines()) >= EXPECTED
 
 
-@pytest.mark.parametrize("plant", ["missing", "fifo", "dangling-link", "link-to-file", "directory"])
-def test_an_unusable_scratch_file_falls_back_without_hanging(spill: Path, plant: str) -> None:
-    baseline = _run_boot(spill)
-    scratch = spill / "exported-names"
-    scratch.unlink()
-    if plant == "fifo":
-        os.mkfifo(scratch)
+def test_the_fast_way_alone_leaves_only_the_policy(spill: Path) -> None:
+    _assert_policy(_run(spill, without=SWEEP))
+
+
+def test_the_sweep_alone_leaves_only_the_policy(spill: Path) -> None:
+    (spill / "exported-names").unlink()
+    _assert_policy(_run(spill))
+
+
+@pytest.mark.parametrize("plant", ["missing", "empty", "fifo", "dangling-link", "link-to-file", "directory"])
+def test_an_unusable_names_file_falls_back_without_hanging(spill: Path, plant: str) -> None:
+    names = spill / "exported-names"
+    if plant != "empty":
+        names.unlink()
+    if plant == "empty":
+        names.write_text("")
+    elif plant == "fifo":
+        os.mkfifo(names)
     elif plant == "dangling-link":
-        scratch.symlink_to(spill / "nowhere")
+        names.symlink_to(spill / "nowhere")
     elif plant == "link-to-file":
         target = spill / "elsewhere"
-        target.write_text("")
-        scratch.symlink_to(target)
+        target.write_text("HOME\n")
+        names.symlink_to(target)
     elif plant == "directory":
-        scratch.mkdir()
-    assert _run_boot(spill) == baseline
-    if plant == "link-to-file":
-        assert (spill / "elsewhere").read_text() == "", "BOOT wrote through a planted link"
+        names.mkdir()
+    _assert_policy(_run(spill))
 
 
-def test_an_incomplete_name_list_is_caught_by_the_check(spill: Path) -> None:
-    """compgen's write fails (file size limit): the stale list names only HOME; the check after the
-    un-export sees what is still exported and the full sweep runs."""
-    (spill / "exported-names").write_text("HOME\n")
-    assert SECRET not in _run_boot(spill, prefix="trap '' XFSZ; ulimit -f 0; ")
-    assert (spill / "exported-names").read_text() == "HOME\n", "the write was meant to fail"
+def test_a_name_exported_after_connect_is_caught_by_the_check(spill: Path) -> None:
+    """An rc file exports a name SETUP did not see: the check finds it exported, the sweep runs."""
+    _assert_policy(_run(spill, prefix=f"export {SECRET}_LATER=late; "))
+    assert f"{SECRET}_LATER" not in _run(spill, prefix=f"export {SECRET}_LATER=late; ")
 
 
-def test_the_check_is_what_catches_an_incomplete_list(spill: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without the check, the same incomplete list leaks the secret: the case above can fail."""
-    fg = _scripts._BOOT_FG_QUOTED
-    check = "builtin compgen -e >/dev/null 2>&1"
-    assert check in fg
-    monkeypatch.setattr(_scripts, "_BOOT_FG_QUOTED", fg.replace(check, "false"))
-    (spill / "exported-names").write_text("HOME\n")
-    assert SECRET in _run_boot(spill, prefix="trap '' XFSZ; ulimit -f 0; ")
+def test_without_the_check_a_late_name_leaks(spill: Path) -> None:
+    """The case above can fail: without the check, the name exported after connect reaches the command."""
+    leaked = _run(spill, prefix=f"export {SECRET}_LATER=late; ", without=CHECK)
+    assert f"{SECRET}_LATER=late" in leaked
+
+
+def test_a_bash_without_compgen_gets_the_sweep(spill: Path) -> None:
+    """`builtin compgen` failing (status 1, as for "nothing exported") must not pass for a clean
+    environment: BOOT itself sweeps (and the boot line runs it in a clean bash instead)."""
+    names = spill / "exported-names"
+    names.write_text("HOME\n")  # incomplete: only the sweep can make it right
+    _assert_policy(_run(spill, prefix="enable -n compgen; ", raw=True))
+    _assert_policy(_run(spill, prefix="enable -n compgen; "))
 
 
 def test_a_login_without_exported_variables(spill: Path) -> None:
-    env_text = _run_boot(spill, login_env={})
-    assert "DSH_BASH_MARK=dsh-boot-test-1" in env_text.splitlines()
+    assert "DSH_BASH_MARK=dsh-boot-test-1" in _run(spill, env={}).splitlines()

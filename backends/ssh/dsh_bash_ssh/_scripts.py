@@ -6,12 +6,12 @@ login shell, whose rc files may print anything: each script marks where its own 
 
 from __future__ import annotations
 
+import functools
 import shlex
 
 from dsh_bash._remote_bash import BOOT_FAIL, BOOT_OK, KILL, SPILL_DIR, SPILL_WRITER
 
 __all__ = [
-    "BOOT",
     "BOOT_FAIL",
     "BOOT_OK",
     "KILL",
@@ -22,6 +22,7 @@ __all__ = [
     "SPILL_WRITER",
     "STDERR_OK",
     "boot_line",
+    "boot_script",
     "cmdline",
 ]
 
@@ -53,14 +54,14 @@ printf '\0dsh-bash-home\0'; pwd -P; printf '\0'
 dir=$("""
     + SPILL_DIR.strip()
     + r""") || exit 1
-umask 077; : > "$dir/exported-names" || exit 1
+umask 077; compgen -e > "$dir/exported-names" || exit 1
 printf '\0dsh-bash-end\0%s\0' "$dir"
 """
 )
 
-# BOOT's arguments: spill directory, nonce, mode ("fg", or "bg" for a detached task, see SUPERVISOR), the command text (empty when it is long
-# and comes in the header; it then runs from a 0600 file: one execve argument is limited to 128
-# KiB), workdir, the command's marker, "1" when stdin data follows, "1" when a header comes on stdin,
+# BOOT's arguments: spill directory, nonce, mode ("fg", or "bg" for a detached task, see
+# SUPERVISOR), the command text (empty when it is long and comes in the header; it then runs from a
+# 0600 file: one execve argument is limited to 128 KiB), workdir, the command's marker, "1" when stdin data follows, "1" when a header comes on stdin,
 # the names of the login's variables the command keeps as they are (space-separated), then
 # NAME=VALUE entries whose values are the library's own constants (the model-friendly set, SHLVL).
 # None of that is secret: the command's own `bash -c COMMAND` shows its text to `ps` anyway.
@@ -69,89 +70,102 @@ printf '\0dsh-bash-end\0%s\0' "$dir"
 # when there are any, stdin starts with a header of NUL-terminated entries: their count, the long
 # command (or nothing), then NAME=VALUE entries. Bash's `read` takes a pipe one byte at a time, so it
 # never reads past the header: the command's own stdin follows intact (sshd gives the session
-# pipes). Every variable loses its export attribute (all found with ${!prefix@}: one builtin call,
-# no subshell), then the kept names and the set entries are exported again, so the environment is
-# the policy's, whatever the login's rc files added (readonly variables included).
+# pipes). Every variable loses its export attribute (see _ENVIRONMENT), then the kept names and the
+# set entries are exported again, so the environment is the policy's, whatever the login's rc files
+# added (readonly variables included).
 #
 # Then the script reports "started" on both streams (whatever came before is rc noise) and becomes
 # the command's shell (`exec`): the channel's process is a session leader under sshd, so the
 # command's process group is the channel's, and the channel's exit-status or exit-signal is the
 # command's. Only the command carries the marker, so kills by marker never hit this script.
 #
-# BOOT runs in the login shell itself when that is a bash whose rc files defined no function (so
-# no builtin is shadowed), saving a bash start; otherwise in `bash --noprofile --norc` (see
+# BOOT runs in the login shell itself when that is a bash with compgen whose rc files defined no
+# function (so no builtin is shadowed), saving a bash start; otherwise in `bash --noprofile --norc` (see
 # boot_line). Either way it resets what rc files may have changed for a script (options, traps,
 # IFS) and calls builtins through `builtin`. Functions a fresh bash imported from the environment
 # are exported functions, not part of the policy's environment: they are removed.
-BOOT = r"""
+#
+# BOOT is put together from sections for what each command needs (a header, a long command, stdin,
+# a detached task): the login shell parses it cold for every command, and parsing is most of its cost.
+_PRELUDE = r"""
 builtin set +euvx +o pipefail +o noglob +o noclobber; builtin trap - DEBUG ERR RETURN; IFS=$' \t\n'
 _dsh_spill=$1 _dsh_nonce=$2 _dsh_mode=$3 _dsh_command=$4 _dsh_workdir=$5 _dsh_mark=$6 _dsh_input=$7 _dsh_header=$8 _dsh_keep=$9
 builtin shift 9
-_dsh_set=("$@") _dsh_long=
-if [[ $_dsh_header == 1 ]]; then
-  _dsh_n=0 _dsh_h=()
-  IFS= builtin read -r -d '' _dsh_n
-  for ((_dsh_i = 0; _dsh_i < _dsh_n; _dsh_i++)); do IFS= builtin read -r -d '' _dsh_e || break; _dsh_h+=("$_dsh_e"); done
-  if (( ${#_dsh_h[@]} < 1 || ${#_dsh_h[@]} != _dsh_n )); then builtin printf '\0dsh-bash-boot-fail:incomplete header\0'; builtin exit 125; fi
-  _dsh_long=${_dsh_h[0]} _dsh_set+=("${_dsh_h[@]:1}")
-fi
+_dsh_set=("$@") _dsh_long= _dsh_script=
+"""
+_READ_HEADER = r"""
+_dsh_n=0 _dsh_h=()
+IFS= builtin read -r -d '' _dsh_n
+for ((_dsh_i = 0; _dsh_i < _dsh_n; _dsh_i++)); do IFS= builtin read -r -d '' _dsh_e || break; _dsh_h+=("$_dsh_e"); done
+if (( ${#_dsh_h[@]} < 1 || ${#_dsh_h[@]} != _dsh_n )); then builtin printf '\0dsh-bash-boot-fail:incomplete header\0'; builtin exit 125; fi
+_dsh_long=${_dsh_h[0]} _dsh_set+=("${_dsh_h[@]:1}")
+"""
+# The un-export: the names the login exported at connect (written by SETUP to a file in the private
+# directory) lose the attribute, then `compgen -e` proves nothing is left exported (status 1: no
+# match; `compgen -v` proves compgen itself is there, as status 1 also means "no such builtin"). When
+# something is (an rc file exported a new name since) or the file is unusable (missing, not a
+# regular file), every variable is swept by prefix: 53 scans of all variables, complete but
+# about 0.4 ms slower, so it is a quoted string, parsed only when it runs.
+_ENVIRONMENT = r"""
 if builtin compgen -A function >/dev/null 2>&1; then
   builtin mapfile -t _dsh_f < <(builtin compgen -A function)
   builtin unset -f -- "${_dsh_f[@]}"
 fi
 _dsh_x=()
-if [[ -f $_dsh_spill/exported-names && ! -L $_dsh_spill/exported-names ]] && builtin compgen -e 1<>"$_dsh_spill/exported-names" 2>/dev/null; then
-  builtin mapfile -t _dsh_x <"$_dsh_spill/exported-names" 2>/dev/null
-fi
+[[ -f $_dsh_spill/exported-names && ! -L $_dsh_spill/exported-names ]] && builtin mapfile -t _dsh_x <"$_dsh_spill/exported-names" 2>/dev/null
 (( ${#_dsh_x[@]} )) && builtin declare +x -- "${_dsh_x[@]}" 2>/dev/null
-if (( ! ${#_dsh_x[@]} )) || builtin compgen -e >/dev/null 2>&1; then builtin declare +x -- ALL_VARIABLES 2>/dev/null; fi
+if builtin compgen -e >/dev/null 2>&1 || ! builtin compgen -v _dsh_spill >/dev/null 2>&1; then
+  builtin eval 'builtin declare +x -- ALL_VARIABLES 2>/dev/null'
+fi
 builtin export -- $_dsh_keep 2>/dev/null
 for _dsh_e in "${_dsh_set[@]}"; do builtin export "$_dsh_e" 2>/dev/null; done
-if [[ ! -e $_dsh_workdir ]]; then builtin printf '\0dsh-bash-boot-fail:does not exist\0'; builtin exit 125; fi
-if [[ ! -d $_dsh_workdir ]]; then builtin printf '\0dsh-bash-boot-fail:is not a directory\0'; builtin exit 125; fi
-if ! builtin cd -- "$_dsh_workdir" 2>/dev/null; then builtin printf '\0dsh-bash-boot-fail:cannot be entered\0'; builtin exit 125; fi
-_dsh_script=
-if [[ -z $_dsh_command ]]; then
-  _dsh_script=$_dsh_spill/$_dsh_nonce.cmd
-  # Any existing path is refused (noclobber alone would open a planted link to a FIFO or device).
-  if [[ -e $_dsh_script || -L $_dsh_script ]] || ! (builtin umask 077; builtin set -C; builtin printf '%s' "$_dsh_long" > "$_dsh_script") 2>/dev/null; then
-    builtin printf '\0dsh-bash-boot-fail:cannot store the long command\0'; builtin exit 125
-  fi
+if ! builtin cd -- "$_dsh_workdir" 2>/dev/null; then
+  if [[ ! -e $_dsh_workdir ]]; then _dsh_e='does not exist'; elif [[ ! -d $_dsh_workdir ]]; then _dsh_e='is not a directory'; else _dsh_e='cannot be entered'; fi
+  builtin printf '\0dsh-bash-boot-fail:%s\0' "$_dsh_e"; builtin exit 125
 fi
-if [[ $_dsh_mode == bg ]]; then
-  _dsh_base=$_dsh_spill/$_dsh_nonce _dsh_islong=0
-  [[ -n $_dsh_script ]] && _dsh_islong=1
-  # noclobber refuses existing regular files and dangling links, not a planted link to a FIFO or
-  # a device: any existing path is refused first (the directory is 0700, so only its owner can plant).
-  _dsh_files="stdout stderr in"
-  [[ -n $_dsh_script ]] || _dsh_files+=" cmd"  # a long command's script is BASE.cmd already
-  for _dsh_e in $_dsh_files; do
-    if [[ -e $_dsh_base.$_dsh_e || -L $_dsh_base.$_dsh_e ]]; then
-      builtin printf '\0dsh-bash-boot-fail:cannot create the task files\0'; builtin exit 125
-    fi
-  done
-  if ! (builtin umask 077; builtin set -C
-        [[ -n $_dsh_script ]] || builtin printf '%s' "$_dsh_command" > "$_dsh_base.cmd" || builtin exit 1
-        : > "$_dsh_base.stdout" && : > "$_dsh_base.stderr" || builtin exit 1
-        if [[ $_dsh_input == 1 ]]; then exec cat > "$_dsh_base.in"; fi) 2>/dev/null; then
+"""
+_STORE_LONG_COMMAND = r"""
+_dsh_script=$_dsh_spill/$_dsh_nonce.cmd
+# Any existing path is refused (noclobber alone would open a planted link to a FIFO or device).
+if [[ -e $_dsh_script || -L $_dsh_script ]] || ! (builtin umask 077; builtin set -C; builtin printf '%s' "$_dsh_long" > "$_dsh_script") 2>/dev/null; then
+  builtin printf '\0dsh-bash-boot-fail:cannot store the long command\0'; builtin exit 125
+fi
+"""
+_DETACH = r"""
+_dsh_base=$_dsh_spill/$_dsh_nonce _dsh_islong=0
+[[ -n $_dsh_script ]] && _dsh_islong=1
+# noclobber refuses existing regular files and dangling links, not a planted link to a FIFO or
+# a device: any existing path is refused first (the directory is 0700, so only its owner can plant).
+_dsh_files="stdout stderr in"
+[[ -n $_dsh_script ]] || _dsh_files+=" cmd"  # a long command's script is BASE.cmd already
+for _dsh_e in $_dsh_files; do
+  if [[ -e $_dsh_base.$_dsh_e || -L $_dsh_base.$_dsh_e ]]; then
     builtin printf '\0dsh-bash-boot-fail:cannot create the task files\0'; builtin exit 125
   fi
-  if ! setsid -f bash --noprofile --norc -c SUPERVISOR_QUOTED dsh-bash-task "$_dsh_base" "$_dsh_mark" "$_dsh_input" "$_dsh_islong" </dev/null >/dev/null 2>&1; then
-    builtin printf '\0dsh-bash-boot-fail:cannot start the task supervisor (setsid -f)\0'; builtin exit 125
-  fi
-  builtin printf '\0dsh-bash-boot-ok\0'
-  builtin printf '\0dsh-bash-stderr-ok\0' >&2
-  builtin exit 0
+done
+if ! (builtin umask 077; builtin set -C
+      [[ -n $_dsh_script ]] || builtin printf '%s' "$_dsh_command" > "$_dsh_base.cmd" || builtin exit 1
+      : > "$_dsh_base.stdout" && : > "$_dsh_base.stderr" || builtin exit 1
+      if [[ $_dsh_input == 1 ]]; then exec cat > "$_dsh_base.in"; fi) 2>/dev/null; then
+  builtin printf '\0dsh-bash-boot-fail:cannot create the task files\0'; builtin exit 125
+fi
+if ! setsid -f bash --noprofile --norc -c SUPERVISOR_QUOTED dsh-bash-task "$_dsh_base" "$_dsh_mark" "$_dsh_input" "$_dsh_islong" </dev/null >/dev/null 2>&1; then
+  builtin printf '\0dsh-bash-boot-fail:cannot start the task supervisor (setsid -f)\0'; builtin exit 125
 fi
 builtin printf '\0dsh-bash-boot-ok\0'
 builtin printf '\0dsh-bash-stderr-ok\0' >&2
+builtin exit 0
+"""
 # Plain `exec` from here: no function is defined (see above), and `builtin exec <file` would undo
 # its redirection once the builtin returned.
-[[ $_dsh_input == 1 ]] || exec </dev/null
+_STARTED = r"""
+builtin printf '\0dsh-bash-boot-ok\0'
+builtin printf '\0dsh-bash-stderr-ok\0' >&2
 builtin export DSH_BASH_MARK=$_dsh_mark
-if [[ -n $_dsh_script ]]; then exec bash --noprofile --norc "$_dsh_script"; fi
-exec bash --noprofile --norc -c "$_dsh_command"
 """
+_NO_STDIN = "exec </dev/null\n"
+_RUN_INLINE = 'exec bash --noprofile --norc -c "$_dsh_command"\n'
+_RUN_STORED = 'exec bash --noprofile --norc "$_dsh_script"\n'
 
 # A detached background task's supervisor, started by BOOT (mode "bg") with `setsid -f`, stdio on
 # /dev/null, so it holds no channel. $1: the task's files' base path, $2: marker, $3: "1" when stdin
@@ -182,30 +196,45 @@ wait "$o" "$e" 2>/dev/null || while kill -0 "$o" 2>/dev/null || kill -0 "$e" 2>/
 (umask 077; set -C; : > "$b.eof")
 """
 
-BOOT = BOOT.replace("SUPERVISOR_QUOTED", shlex.quote(SUPERVISOR))
-BOOT = BOOT.replace(
+_DETACH = _DETACH.replace("SUPERVISOR_QUOTED", shlex.quote(SUPERVISOR))
+_ENVIRONMENT = _ENVIRONMENT.replace(
     "ALL_VARIABLES", " ".join(f"${{!{c}@}}" for c in "_ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 )
 
 
+@functools.cache
+def boot_script(*, detached: bool, header: bool, long: bool, stdin: bool) -> str:
+    """BOOT with just the sections a command of this shape runs."""
+    parts = [_PRELUDE]
+    if header:
+        parts.append(_READ_HEADER)
+    parts.append(_ENVIRONMENT)
+    if long:
+        parts.append(_STORE_LONG_COMMAND)
+    if detached:
+        parts.append(_DETACH)
+    else:
+        parts.append(_STARTED)
+        if not stdin:
+            parts.append(_NO_STDIN)
+        parts.append(_RUN_STORED if long else _RUN_INLINE)
+    return "".join(parts)
+
+
+@functools.cache
+def _quoted_boot(detached: bool, header: bool, long: bool, stdin: bool) -> str:
+    return shlex.quote(boot_script(detached=detached, header=header, long=long, stdin=stdin))
+
+
 def boot_line(*args: str) -> str:
-    """The command line running BOOT with ``args``: in the login shell when it is a bash without
-    functions, else in a clean bash. Any POSIX login shell parses it (BOOT itself is a quoted string)."""
+    """The command line running BOOT with ``args`` (see BOOT's arguments above): in the login shell
+    when it is a bash without functions, else in a clean bash. Any POSIX login shell parses it (BOOT
+    itself is a quoted string)."""
     quoted = " ".join(shlex.quote(arg) for arg in args)
-    boot = _BOOT_BG_QUOTED if args[2] == "bg" else _BOOT_FG_QUOTED
+    boot = _quoted_boot(args[2] == "bg", args[7] == "1", args[3] == "", args[6] == "1")
     return (
         f"_dsh_b={boot}; set -- {quoted}; "
-        'if [ -n "${BASH_VERSION-}" ] && ! compgen -A function >/dev/null 2>&1; then eval "$_dsh_b"; '
+        'if [ -n "${BASH_VERSION-}" ] && compgen -v BASH_VERSION >/dev/null 2>&1 '
+        '&& ! compgen -A function >/dev/null 2>&1; then eval "$_dsh_b"; '
         'else BASH_ENV= ENV= exec bash --noprofile --norc -c "$_dsh_b" dsh-bash "$@"; fi'
     )
-
-
-def _without_detached_branch(script: str) -> str:
-    start = script.index("if [[ $_dsh_mode == bg ]]; then\n")
-    end = script.index("\n  builtin exit 0\nfi\n", start) + len("\n  builtin exit 0\nfi\n")
-    return script[:start] + script[end:]
-
-
-# The login shell parses BOOT for every command: a foreground one gets it without the detached branch.
-_BOOT_BG_QUOTED = shlex.quote(BOOT)
-_BOOT_FG_QUOTED = shlex.quote(_without_detached_branch(BOOT))
