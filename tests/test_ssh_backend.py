@@ -6,7 +6,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import anyio
@@ -419,29 +419,130 @@ async def test_detached_task_files_are_private(ssh_server: SshServer) -> None:
             await task.wait()
 
 
-async def test_the_boots_fast_unexport_holds_on_a_real_login(ssh_server: SshServer) -> None:
-    """The names SETUP saw are all that the login shell exports: BOOT's fast way alone gives the
-    policy's environment (its fallback, the prefix sweep, is taken out here; tests/test_ssh_boot.py
-    checks the fallback itself)."""
+async def test_the_boots_fast_unexport_holds_on_a_real_login(
+    ssh_server: SshServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The names SETUP saw are all that the login shell exports: BOOT's (and a warm channel's) fast
+    way alone gives the policy's environment (its fallback, the prefix sweep, is taken out here;
+    tests/test_ssh_boot.py checks the fallback itself)."""
     from dsh_bash_ssh import _scripts  # noqa: PLC0415
 
     def names(text: str) -> list[str]:  # values differ: SSH_CLIENT names each connection's port
         return [line.split("=", 1)[0] for line in text.splitlines() if "=" in line]
 
-    with ssh_server.plant({"DSHTEST_PLANTED_TOKEN": "planted-value"}):
-        async with ssh_server.executor() as ex:
-            normal = await ex.exec("env | sort")
-        environment = _scripts._ENVIRONMENT
-        _scripts._ENVIRONMENT = environment.replace("builtin declare +x -- ${!_@}", "false")
+    def clear_caches() -> None:
         _scripts.boot_script.cache_clear()
         _scripts._quoted_boot.cache_clear()
+
+    sweep = "builtin declare +x -- ${!_@}"
+    with ssh_server.plant({"DSHTEST_PLANTED_TOKEN": "planted-value"}):
+        async with ssh_server.executor(warm_channel=False) as ex:
+            normal = await ex.exec("env | sort")
+        for name in ("_UNEXPORT", "WAITER"):
+            assert sweep in getattr(_scripts, name)
+            monkeypatch.setattr(_scripts, name, getattr(_scripts, name).replace(sweep, "false"))
+        clear_caches()
         try:
-            assert environment != _scripts._ENVIRONMENT
-            async with ssh_server.executor() as ex:
-                fast = await ex.exec("env | sort")
+            for warm in (False, True):
+                async with ssh_server.executor(warm_channel=warm) as ex:
+                    assert await ex.warm_up() is warm
+                    fast = await ex.exec("env | sort")
+                assert "DSHTEST_PLANTED_TOKEN" not in normal.stdout.text
+                assert names(fast.stdout.text) == names(normal.stdout.text), f"warm_channel={warm}"
         finally:
-            _scripts._ENVIRONMENT = environment
-            _scripts.boot_script.cache_clear()
-            _scripts._quoted_boot.cache_clear()
-    assert "DSHTEST_PLANTED_TOKEN" not in normal.stdout.text
-    assert names(fast.stdout.text) == names(normal.stdout.text)
+            monkeypatch.undo()
+            clear_caches()
+
+
+# -- the warm channel (dsh_bash_ssh._warm) -----------------------------------------------------------
+
+
+def _waiters(user: str) -> list[int]:
+    """Live processes of ``user`` running a warm channel's WAITER (its text is on their command line)."""
+    uid = int(subprocess.run(["id", "-u", user], capture_output=True, text=True, check=True).stdout)
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid != uid:
+                continue
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+            state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and b"dsh-bash-ready" in cmdline:
+            found.append(int(name))
+    return found
+
+
+async def _until(condition: Callable[[], bool], seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await anyio.sleep(0.02)
+    return True
+
+
+async def test_a_warm_channel_waits_while_open_and_is_gone_after_aclose(ssh_server: SshServer) -> None:
+    async with ssh_server.executor() as ex:
+        assert await ex.warm_up()
+        assert len(_waiters(TEST_USER)) == 1
+        result = await ex.exec("echo on a warm channel")  # takes it; the next one starts
+        assert result.stdout.text == "on a warm channel\n"
+        assert await ex.warm_up()
+        assert len(_waiters(TEST_USER)) == 1
+    assert await _until(lambda: _waiters(TEST_USER) == []), _waiters(TEST_USER)
+
+
+async def test_without_a_warm_channel_none_waits(ssh_server: SshServer) -> None:
+    async with ssh_server.executor(warm_channel=False) as ex:
+        assert not await ex.warm_up()
+        assert (await ex.exec("echo cold")).stdout.text == "cold\n"
+        assert _waiters(TEST_USER) == []
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+async def test_warm_and_cold_channels_run_commands_alike(ssh_server: SshServer, warm: bool) -> None:
+    async with ssh_server.executor(warm_channel=warm, grace_ms=300) as ex:
+        for _ in range(2):  # the first may open its own channel; the second is on a warm one
+            await ex.warm_up()
+            result = await ex.exec(
+                'printf \'%s|%s|\' "$DSHTEST_EXPLICIT" "$PWD"; cat; echo err >&2',
+                env={"DSHTEST_EXPLICIT": "explicit value é"},
+                stdin="from stdin\n",
+                workdir="/tmp",
+            )
+            assert (result.exit_code, result.stdout.text, result.stderr.text) == (
+                0,
+                "explicit value é|/tmp|from stdin\n",
+                "err\n",
+            )
+            await ex.warm_up()
+            timed_out = await ex.exec("sleep 30", timeout_ms=300)
+            assert timed_out.timed_out
+            await ex.warm_up()
+            with pytest.raises(BashInfrastructureError, match="does not exist"):
+                await ex.exec("true", workdir="/nonexistent/dsh-bash")
+
+
+async def test_a_spare_gives_its_channel_to_whoever_needs_one(ssh_server: SshServer) -> None:
+    """With one command channel, a warm spare holds it: a helper script needing a channel reclaims
+    the spare instead of waiting for the next command."""
+    async with ssh_server.executor(max_channels=2) as ex:
+        assert await ex.warm_up()
+        with anyio.fail_after(10):
+            code, out, _ = await ex._pool.run_script("echo helper")
+        assert (code, out) == (0, b"helper\n")
+        assert (await ex.exec("echo after")).stdout.text == "after\n"
+
+
+async def test_a_killed_spare_is_replaced(ssh_server: SshServer) -> None:
+    async with ssh_server.executor() as ex:
+        assert await ex.warm_up()
+        for pid in _waiters(TEST_USER):
+            os.kill(pid, signal.SIGKILL)
+        assert (await ex.exec("echo still runs")).stdout.text == "still runs\n"
+        assert await ex.warm_up()
+        assert (await ex.exec("echo and again")).stdout.text == "and again\n"

@@ -40,7 +40,7 @@ EXPECTED = {
 }
 #: The prefix sweep BOOT falls back to, and the check that decides it.
 SWEEP = "builtin declare +x -- ${!_@}"
-CHECK = "builtin compgen -e >/dev/null 2>&1"
+CHECK = "builtin compgen -e ||"
 ARGS = ("0123456789abcdef", "fg", "env", "/", "dsh-boot-test-1", "0", "0", KEEP, *PUBLIC)
 
 
@@ -146,3 +146,73 @@ def test_a_bash_without_compgen_gets_the_sweep(spill: Path) -> None:
 
 def test_a_login_without_exported_variables(spill: Path) -> None:
     assert "DSH_BASH_MARK=dsh-boot-test-1" in _run(spill, env={}).splitlines()
+
+
+# -- the warm channel: WAITER un-exports ahead of the request, then runs BOOT from it ---------------
+
+
+def _run_warm(spill: Path, request: bytes, *, prefix: str = "", stdin: bytes = b"") -> bytes:
+    """What the command printed when a warm channel's login shell gets ``request`` (then ``stdin``)."""
+    result = subprocess.run(
+        ["bash", "--noprofile", "--norc", "-c", prefix + _scripts.warm_line(str(spill))],
+        env=LOGIN_ENV,
+        input=request + stdin,
+        capture_output=True,
+        timeout=20,
+        check=False,
+    )
+    assert result.returncode == 0, result
+    _noise, ready, rest = result.stdout.partition(_scripts.READY)
+    assert ready, result
+    marker = b"\0dsh-bash-boot-ok\0"
+    assert rest.startswith(marker), result
+    return rest[len(marker) :]
+
+
+def test_a_warm_channel_gives_the_policys_environment(spill: Path) -> None:
+    out = _run_warm(spill, _scripts.boot_request(str(spill), *ARGS)).decode()
+    _assert_policy("\n".join(sorted(line for line in out.splitlines() if not line.startswith("_="))))
+
+
+def test_a_warm_channel_sweeps_a_late_name(spill: Path) -> None:
+    out = _run_warm(spill, _scripts.boot_request(str(spill), *ARGS), prefix=f"export {SECRET}_LATER=late; ")
+    assert SECRET not in out.decode()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "printf '%s|' \"$0\" 'single' \"double\" $'tab\\there'",
+        "printf '%s\\n' 'é€😀'",
+        "printf '\\377\\376 odd bytes\\n'",
+        "echo 'line one'\necho \"line two\" # comment\n",
+        "x='$HOME `id` $(id) \\\\ !'; printf '%s' \"$x\"",
+    ],
+)
+def test_a_warm_channel_runs_any_command_text(spill: Path, command: str) -> None:
+    args = (ARGS[0], ARGS[1], command, *ARGS[3:])
+    warm = _run_warm(spill, _scripts.boot_request(str(spill), *args))
+    cold = subprocess.run(["bash", "--noprofile", "--norc", "-c", command], capture_output=True, check=False)
+    assert warm == cold.stdout
+
+
+def test_a_warm_channel_leaves_stdin_to_the_command(spill: Path) -> None:
+    # ARGS without the spill directory: nonce, mode, command, workdir, marker, stdin, header, ...
+    args = (ARGS[0], ARGS[1], "cat", ARGS[3], ARGS[4], "1", *ARGS[6:])
+    assert (
+        _run_warm(spill, _scripts.boot_request(str(spill), *args), stdin=b"data\0for cat\n")
+        == b"data\0for cat\n"
+    )
+
+
+def test_a_warm_channel_closed_unused_exits_quietly(spill: Path) -> None:
+    for request in (b"", b"00000", b"0000000009builtin"):  # nothing, a cut length, a cut request
+        result = subprocess.run(
+            ["bash", "--noprofile", "--norc", "-c", _scripts.warm_line(str(spill))],
+            env=LOGIN_ENV,
+            input=request,
+            capture_output=True,
+            timeout=20,
+            check=False,
+        )
+        assert (result.returncode, result.stdout) == (0, _scripts.READY), result

@@ -41,6 +41,10 @@ class SshConfig(BudgetConfig):
     keepalive_interval_ms: float = 15_000
     #: Channels open at once on the connection (commands, spill writers, plus one kept for kills).
     max_channels: int = 8
+    #: Keep one channel logged in ahead of the next command (a login shell waiting on the host):
+    #: commands then skip opening a channel and the login shell's start. Holds one of the
+    #: ``max_channels`` (given up to whoever needs it) and one idle shell process on the host.
+    warm_channel: bool = True
     #: Use ``~/.ssh/config``, ``~/.ssh/known_hosts``, default keys and ``SSH_AUTH_SOCK``.
     use_user_ssh_config: bool = False
 

@@ -98,6 +98,8 @@ class ChannelPool:
         self.where = f"{config.username}@{config.host}:{config.port}"
         #: Called after every reconnection (not the first connect).
         self.on_reconnect: Callable[[], None] | None = None
+        #: Called when a slot is wanted and none is free: closes an idle warm channel, if any.
+        self.reclaim: Callable[[], None] | None = None
 
     # -- the connection ---------------------------------------------------------------------------
 
@@ -223,10 +225,23 @@ class ChannelPool:
                     f"cannot open an SSH channel on {self.where}: {reason}"
                 ) from None
 
+    def try_reserve(self) -> bool:
+        """Take a command slot if one is free right now (for :meth:`open_session` ``reserved``)."""
+        try:
+            self._slots.acquire_nowait()
+        except anyio.WouldBlock:
+            return False
+        return True
+
+    async def _acquire(self, slot: anyio.Semaphore) -> None:
+        if slot is self._slots and slot.value == 0 and self.reclaim is not None:
+            self.reclaim()  # its slot comes back once the warm channel closed
+        await slot.acquire()
+
     async def open(self, command_line: str, *, kill: bool = False) -> Channel:
         """Open a channel running ``command_line`` (through the login shell); waits for a free slot."""
         slot = self._kill_slot if kill else self._slots
-        await slot.acquire()
+        await self._acquire(slot)
         try:
             process = await self._create(lambda conn: conn.create_process(command_line, encoding=None))
         except BaseException:
@@ -234,12 +249,16 @@ class ChannelPool:
             raise
         return Channel(process, slot)
 
-    async def open_session(self, command_line: str, factory: Callable[[], SessionT]) -> SessionT:
+    async def open_session(
+        self, command_line: str, factory: Callable[[], SessionT], *, reserved: bool = False
+    ) -> SessionT:
         """Open a channel running ``command_line`` with a session object taking its data as it comes.
 
-        The session holds a slot until the channel closes (its ``connection_lost``).
+        The session holds a slot until the channel closes (its ``connection_lost``); ``reserved``:
+        the caller took it already (:meth:`try_reserve`).
         """
-        await self._slots.acquire()
+        if not reserved:
+            await self._acquire(self._slots)
         try:
             _, opened = await self._create(
                 lambda conn: conn.create_session(factory, command_line, encoding=None)

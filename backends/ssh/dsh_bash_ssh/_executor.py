@@ -27,8 +27,9 @@ from ._config import SshConfig
 from ._connection import ChannelPool
 from ._detached import DetachedProcess, DetachedSpill, Follower
 from ._process import CommandSession, RemoteMarked, SshProcess
-from ._scripts import SETUP, SETUP_END, SETUP_HOME, boot_line
+from ._scripts import SETUP, SETUP_END, SETUP_HOME, boot_line, boot_request
 from ._spill import SshSpillFile
+from ._warm import WarmChannel
 
 __all__ = ["SshBashExecutor"]
 
@@ -73,6 +74,8 @@ class SshBashExecutor(BashExecutor):
         self._ssh_config = config
         self._pool = ChannelPool(config)
         self._pool.on_reconnect = self._reconnected
+        self._warm = WarmChannel(self._pool, self._start_helper, enabled=config.warm_channel)
+        self._pool.reclaim = self._warm.reclaim
         #: Commands whose kill could not reach the host, by marker: killed once it is back.
         self._unreached: dict[str, RemoteMarked] = {}
         self._home = "/"
@@ -101,6 +104,13 @@ class SshBashExecutor(BashExecutor):
         """The private directory on the host holding this executor's spill files."""
         return self._spill_dir
 
+    async def warm_up(self) -> bool:
+        """Wait until a channel is logged in for the next command (see ``warm_channel``): call it
+        after opening, and the first command is as quick as the rest. False when there is none
+        to wait for (``warm_channel=False``, or every channel is busy)."""
+        self._ensure_open()
+        return await self._warm.ready()
+
     # -- opening and closing ------------------------------------------------------------------------
 
     async def _open(self) -> None:
@@ -116,7 +126,7 @@ class SshBashExecutor(BashExecutor):
                 if code != 0:
                     raise ValueError(f"exit status {code}")
                 self._ambient, self._home, self._spill_dir = parse_setup(out)
-                self._follower.directory = self._spill_dir
+                self._follower.directory = self._warm.spill_dir = self._spill_dir
                 if not self._spill_dir.startswith("/"):
                     raise ValueError("no spill directory")
             except ValueError as exc:
@@ -130,6 +140,7 @@ class SshBashExecutor(BashExecutor):
             raise
 
     async def _release(self) -> None:
+        self._warm.close()
         self._follower.close()
         if self._spill_dir:
             try:
@@ -147,12 +158,15 @@ class SshBashExecutor(BashExecutor):
     def _ambient_env(self) -> Mapping[str, str]:
         return self._ambient
 
-    def _boot_line(self, launch: Launch, nonce: str, mode: str) -> tuple[str, bytes | None, str | None]:
-        """BOOT's command line, the header for its stdin (None when no value needs one), and the
+    def _boot_args(
+        self, launch: Launch, nonce: str, mode: str
+    ) -> tuple[tuple[str, ...], bytes | None, str | None]:
+        """BOOT's arguments, the header for its stdin (None when no value needs one), and the
         path of the long command's file (None when the command fits on the line).
 
-        Only names, the command text and the library's own constant values go on the line; a
-        value from the login's or the caller's environment always travels in the header.
+        Only names, the command text and the library's own constant values are arguments (a cold
+        channel's command line shows them); a value from the login's or the caller's environment
+        always travels in the header.
         """
         spec = launch.spec
         env = dict(launch.env)
@@ -175,8 +189,8 @@ class SshBashExecutor(BashExecutor):
             else:
                 secret.append(f"{name}={value}".encode("utf-8", "surrogateescape"))
 
-        def line(command: str, header: bool) -> str:
-            return boot_line(
+        def args(command: str, header: bool) -> tuple[str, ...]:
+            return (
                 self._spill_dir,
                 nonce,
                 mode,
@@ -189,16 +203,19 @@ class SshBashExecutor(BashExecutor):
                 *public,
             )
 
-        command_line = line(spec.command, bool(secret))
+        boot_args = args(spec.command, bool(secret))
         long_command: bytes | None = None
-        if not spec.command or len(command_line.encode("utf-8", "surrogateescape")) > _MAX_INLINE_COMMAND:
+        # One execve argument is limited to 128 KiB: a cold channel's whole line, and the command
+        # text the command's own bash gets.
+        line_bytes = len(boot_line(*boot_args).encode("utf-8", "surrogateescape"))
+        if not spec.command or line_bytes > _MAX_INLINE_COMMAND:
             long_command = spec.command.encode("utf-8", "surrogateescape")
-            command_line = line("", True)
+            boot_args = args("", True)
         if long_command is None and not secret:
-            return command_line, None, None
+            return boot_args, None, None
         entries = [str(len(secret) + 1).encode(), long_command or b"", *secret]
         header = b"".join(entry + b"\0" for entry in entries)
-        return command_line, header, None if long_command is None else f"{self._spill_dir}/{nonce}.cmd"
+        return boot_args, header, None if long_command is None else f"{self._spill_dir}/{nonce}.cmd"
 
     async def _detached_mode(self) -> bool:
         if self._detach is None:
@@ -208,41 +225,65 @@ class SshBashExecutor(BashExecutor):
         return self._detach
 
     async def _spawn(self, launch: Launch) -> CommandProcess:
+        detached = launch.background and await self._detached_mode()
+        try:
+            return await self._spawn_once(launch, detached, warm=True)
+        except _SpareDied as exc:
+            # The warm channel's shell died before its BOOT wrote a word: nothing started.
+            log.info("%s; starting the command on a channel of its own", exc)
+            return await self._spawn_once(launch, detached, warm=False)
+
+    async def _spawn_once(self, launch: Launch, detached: bool, *, warm: bool) -> CommandProcess:
         marker = launch.marker
         nonce = secrets.token_hex(8)
-        detached = launch.background and await self._detached_mode()
-        command_line, header, script = self._boot_line(launch, nonce, "bg" if detached else "fg")
+        boot_args, header, script = self._boot_args(launch, nonce, "bg" if detached else "fg")
         if detached:
-            return await self._spawn_detached(launch, nonce, command_line, header)
+            return await self._spawn_detached(launch, nonce, boot_args, header, warm=warm)
 
         async def on_release() -> None:
             if script is not None:
                 self._start_helper(self._remove_quietly, script)
             await self._spills.wait_complete(marker)
 
-        process, _ = await self._boot(launch, command_line, header, on_release)
+        process, _ = await self._boot(launch, boot_args, header, on_release, warm=warm)
         return process
 
     async def _boot(
         self,
         launch: Launch,
-        command_line: str,
+        boot_args: tuple[str, ...],
         header: bytes | None,
         on_release: Callable[[], Awaitable[None]],
+        *,
+        warm: bool,
     ) -> tuple[SshProcess, CommandSession]:
-        """Open the channel running BOOT, feed it, wait for its verdict.
+        """Run BOOT on the warm channel (see _warm), if ``warm`` and there is one, or on a channel
+        of its own; feed it, wait for its verdict.
 
         A start given up half-way (an error, a cancellation, even while the channel opens: the
-        server may already run the command) is killed by marker before the error propagates.
+        server may already run the command) is killed by marker before the error propagates;
+        :class:`_SpareDied` when the warm channel died before BOOT started.
         """
         spec = launch.spec
-        marked = self._marked(launch.marker)
+        marker = launch.marker
+        marked = self._marked(marker)
+        backlogged = partial(self._spills.backlogged, marker)
         session: CommandSession | None = None
         try:
-            marker = launch.marker
-            session = await self._pool.open_session(
-                command_line, partial(CommandSession, launch, partial(self._spills.backlogged, marker))
-            )
+            if warm:
+                session = await self._warm.take()
+                self._warm.warm()  # the next command's
+            if session is not None:
+                session.adopt(launch, backlogged)
+                assert session.chan is not None
+                try:
+                    session.chan.write(boot_request(*boot_args))
+                except OSError as exc:  # closing already: the request was not sent
+                    raise _SpareDied(f"the warm channel on {self._pool.where} closed ({exc})") from None
+            else:
+                session = await self._pool.open_session(
+                    boot_line(*boot_args), partial(CommandSession, launch, backlogged)
+                )
             process = SshProcess(
                 pool=self._pool,
                 session=session,
@@ -261,27 +302,29 @@ class SshBashExecutor(BashExecutor):
                 chan.write(spec.stdin.encode() if isinstance(spec.stdin, str) else bytes(spec.stdin))
                 chan.write_eof()
             await process.read_preamble()
-        except BaseException:
+        except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 if session is not None:
                     session.stop_feeding()
                     session.close()
                 try:
                     await kill_abandoned_start(marked, self._config.grace_ms / 1000)
-                except Exception as exc:  # the connection may be what failed
-                    log.warning("cleaning up after a failed start of %s failed: %s", launch.marker, exc)
+                except Exception as kill_exc:  # the connection may be what failed
+                    log.warning("cleaning up after a failed start of %s failed: %s", launch.marker, kill_exc)
+            if isinstance(exc, BashInfrastructureError) and session is not None and session.died_unused:
+                raise _SpareDied(f"the warm channel on {self._pool.where} died unused ({exc})") from exc
             raise
         return process, session
 
     async def _spawn_detached(
-        self, launch: Launch, nonce: str, command_line: str, header: bytes | None
+        self, launch: Launch, nonce: str, boot_args: tuple[str, ...], header: bytes | None, *, warm: bool
     ) -> CommandProcess:
         marker = launch.marker
         base = f"{self._spill_dir}/{nonce}"
         spills: dict[str, DetachedSpill] = {}
         self._detached[marker] = (base, spills)
         try:
-            _, session = await self._boot(launch, command_line, header, _nothing)
+            _, session = await self._boot(launch, boot_args, header, _nothing, warm=warm)
         except BaseException:
             self._detached.pop(marker, None)
             raise
@@ -347,3 +390,7 @@ class SshBashExecutor(BashExecutor):
 
 async def _nothing() -> None:
     pass
+
+
+class _SpareDied(BashInfrastructureError):
+    """The warm channel's shell ended before its BOOT wrote anything: the command did not start."""

@@ -13,7 +13,7 @@ import asyncssh
 from dsh_bash import BashInfrastructureError, CommandProcess, ExitStatus, Launch, signal_name
 
 from ._connection import ChannelPool, SlotSession
-from ._scripts import BOOT_FAIL, BOOT_OK, KILL, STDERR_OK
+from ._scripts import BOOT_FAIL, BOOT_OK, KILL, READY, STDERR_OK
 
 __all__ = ["CommandSession", "RemoteMarked", "SshProcess", "signal_number"]
 
@@ -101,10 +101,16 @@ class CommandSession(SlotSession):
     :attr:`wake` is set, so the pump waits for the spill writers and calls :meth:`resume`.
     """
 
-    def __init__(self, launch: Launch, backlogged: Callable[[], bool]) -> None:
+    def __init__(self, launch: Launch | None = None, backlogged: Callable[[], bool] | None = None) -> None:
         super().__init__()
         self._launch = launch
         self._backlogged = backlogged
+        #: A warm channel's session (no launch yet) waits for WAITER's READY before the preamble.
+        self.warm = launch is None
+        self._ready = not self.warm
+        self._heard = False  # any stdout after READY: BOOT's verdict, or the start of it
+        #: Set once a warm channel's login shell waits for a request, or the channel closed.
+        self.ready_or_closed = anyio.Event()
         self.paused = False
         #: Set when the pump has something to do: EOF arrived, or reading paused.
         self.wake = anyio.Event()
@@ -122,6 +128,29 @@ class CommandSession(SlotSession):
         self.lost: Exception | None = None
         self.closed = False
 
+    @property
+    def ready(self) -> bool:
+        return self._ready and not self.closed
+
+    @property
+    def died_unused(self) -> bool:
+        """A warm channel whose shell ended (its connection fine) before BOOT wrote anything: BOOT
+        writes its verdict before it becomes the command, and sshd passes on all output before the
+        exit, so the command did not start."""
+        return (
+            self.warm
+            and not self._heard
+            and self.boot_failure is None
+            and self.exit is not None
+            and self.lost is None
+        )
+
+    def adopt(self, launch: Launch, backlogged: Callable[[], bool]) -> None:
+        """Take on a command: a warm channel's session, ready, becomes its command's."""
+        assert self._launch is None and self._ready
+        self._launch = launch
+        self._backlogged = backlogged
+
     def stop_feeding(self) -> None:
         self._feeding = False
         self.resume()  # what still comes is discarded: never hold the command back for it
@@ -133,6 +162,7 @@ class CommandSession(SlotSession):
                 self.chan.resume_reading()
 
     def _check_backlog(self) -> None:
+        assert self._backlogged is not None
         if self._feeding and not self.paused and self._backlogged():
             self.paused = True
             if self.chan is not None:
@@ -150,27 +180,37 @@ class CommandSession(SlotSession):
                 self._err_started = True
                 self._err_held = b""
                 data = held[index + len(STDERR_OK) :]
-            if data and self._feeding:
+            if data and self._feeding and self._launch is not None:
                 self._launch.stderr.feed(data)
                 self._check_backlog()
             return
         if not self._out_started:
             self._preamble(data)
             return
-        if self._feeding:
+        if self._feeding and self._launch is not None:
             self._launch.stdout.feed(data)
             self._check_backlog()
 
     def _preamble(self, data: bytes) -> None:
         buf = self._out_held
         buf += data
+        if not self._ready:
+            ready = buf.find(READY)
+            if ready < 0:
+                if len(buf) > _MAX_NOISE:
+                    del buf[: len(buf) - _MAX_NOISE // 2]
+                return
+            del buf[: ready + len(READY)]  # rc noise: no command saw it
+            self._ready = True
+            self.ready_or_closed.set()
+        self._heard = self._heard or bool(buf)
         ok = buf.find(BOOT_OK)
         if ok >= 0:
             self._out_started = True
             rest = bytes(buf[ok + len(BOOT_OK) :])
             self._out_held = bytearray()
             self.preamble_done.set()
-            if rest and self._feeding:
+            if rest and self._feeding and self._launch is not None:
                 self._launch.stdout.feed(rest)
             return
         fail = buf.find(BOOT_FAIL)
@@ -207,6 +247,7 @@ class CommandSession(SlotSession):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.lost = exc
+        self.ready_or_closed.set()
         self.preamble_done.set()
         self.ended.set()
         self.eof.set()

@@ -15,13 +15,16 @@ __all__ = [
     "BOOT_FAIL",
     "BOOT_OK",
     "KILL",
+    "READY",
     "SCRIPT_BEGIN",
     "SETUP",
     "SETUP_END",
     "SETUP_HOME",
     "SPILL_WRITER",
     "STDERR_OK",
+    "WAITER",
     "boot_line",
+    "boot_request",
     "boot_script",
     "cmdline",
 ]
@@ -106,19 +109,22 @@ _dsh_long=${_dsh_h[0]} _dsh_set+=("${_dsh_h[@]:1}")
 # something is (an rc file exported a new name since) or the file is unusable (missing, not a
 # regular file), every variable is swept by prefix: 53 scans of all variables, complete but
 # about 0.4 ms slower, so it is a quoted string, parsed only when it runs.
-_ENVIRONMENT = r"""
-if builtin compgen -A function >/dev/null 2>&1; then
-  builtin mapfile -t _dsh_f < <(builtin compgen -A function)
-  builtin unset -f -- "${_dsh_f[@]}"
-fi
+_UNEXPORT = r"""
 _dsh_x=()
-[[ -f $_dsh_spill/exported-names && ! -L $_dsh_spill/exported-names ]] && builtin mapfile -t _dsh_x <"$_dsh_spill/exported-names" 2>/dev/null
-(( ${#_dsh_x[@]} )) && builtin declare +x -- "${_dsh_x[@]}" 2>/dev/null
-if builtin compgen -e >/dev/null 2>&1 || ! builtin compgen -v _dsh_spill >/dev/null 2>&1; then
-  builtin eval 'builtin declare +x -- ALL_VARIABLES 2>/dev/null'
-fi
-builtin export -- $_dsh_keep 2>/dev/null
-for _dsh_e in "${_dsh_set[@]}"; do builtin export "$_dsh_e" 2>/dev/null; done
+[[ -f $_dsh_spill/exported-names && ! -L $_dsh_spill/exported-names ]] && builtin mapfile -t _dsh_x <"$_dsh_spill/exported-names"
+{
+  if builtin compgen -A function; then
+    builtin mapfile -t _dsh_f < <(builtin compgen -A function)
+    builtin unset -f -- "${_dsh_f[@]}"
+  fi
+  (( ${#_dsh_x[@]} )) && builtin declare +x -- "${_dsh_x[@]}"
+  if builtin compgen -e || ! builtin compgen -v _dsh_spill; then
+    builtin eval 'builtin declare +x -- ALL_VARIABLES'
+  fi
+} >/dev/null 2>&1
+"""
+_ENVIRONMENT = r"""
+builtin export -- $_dsh_keep "${_dsh_set[@]}" >/dev/null 2>&1
 if ! builtin cd -- "$_dsh_workdir" 2>/dev/null; then
   if [[ ! -e $_dsh_workdir ]]; then _dsh_e='does not exist'; elif [[ ! -d $_dsh_workdir ]]; then _dsh_e='is not a directory'; else _dsh_e='cannot be entered'; fi
   builtin printf '\0dsh-bash-boot-fail:%s\0' "$_dsh_e"; builtin exit 125
@@ -197,17 +203,20 @@ wait "$o" "$e" 2>/dev/null || while kill -0 "$o" 2>/dev/null || kill -0 "$e" 2>/
 """
 
 _DETACH = _DETACH.replace("SUPERVISOR_QUOTED", shlex.quote(SUPERVISOR))
-_ENVIRONMENT = _ENVIRONMENT.replace(
+_UNEXPORT = _UNEXPORT.replace(
     "ALL_VARIABLES", " ".join(f"${{!{c}@}}" for c in "_ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 )
 
 
 @functools.cache
-def boot_script(*, detached: bool, header: bool, long: bool, stdin: bool) -> str:
-    """BOOT with just the sections a command of this shape runs."""
+def boot_script(*, detached: bool, header: bool, long: bool, stdin: bool, warm: bool = False) -> str:
+    """BOOT with just the sections a command of this shape runs; ``warm``: for a warm channel's
+    WAITER, which un-exported every variable before it waited."""
     parts = [_PRELUDE]
     if header:
         parts.append(_READ_HEADER)
+    if not warm:
+        parts.append(_UNEXPORT)
     parts.append(_ENVIRONMENT)
     if long:
         parts.append(_STORE_LONG_COMMAND)
@@ -226,15 +235,73 @@ def _quoted_boot(detached: bool, header: bool, long: bool, stdin: bool) -> str:
     return shlex.quote(boot_script(detached=detached, header=header, long=long, stdin=stdin))
 
 
-def boot_line(*args: str) -> str:
-    """The command line running BOOT with ``args`` (see BOOT's arguments above): in the login shell
-    when it is a bash without functions, else in a clean bash. Any POSIX login shell parses it (BOOT
-    itself is a quoted string)."""
-    quoted = " ".join(shlex.quote(arg) for arg in args)
-    boot = _quoted_boot(args[2] == "bg", args[7] == "1", args[3] == "", args[6] == "1")
+def _in_login_shell(script_var: str, script: str, args: str) -> str:
+    """A line any POSIX login shell parses: ``script`` runs in the login shell itself when that is a
+    bash with compgen whose rc files defined no function, else in a clean bash."""
     return (
-        f"_dsh_b={boot}; set -- {quoted}; "
+        f"{script_var}={script}; set -- {args}; "
         'if [ -n "${BASH_VERSION-}" ] && compgen -v BASH_VERSION >/dev/null 2>&1 '
-        '&& ! compgen -A function >/dev/null 2>&1; then eval "$_dsh_b"; '
-        'else BASH_ENV= ENV= exec bash --noprofile --norc -c "$_dsh_b" dsh-bash "$@"; fi'
+        f'&& ! compgen -A function >/dev/null 2>&1; then eval "${script_var}"; '
+        f'else BASH_ENV= ENV= exec bash --noprofile --norc -c "${script_var}" dsh-bash "$@"; fi'
     )
+
+
+def boot_line(*args: str) -> str:
+    """The command line running BOOT with ``args`` (see BOOT's arguments above)."""
+    quoted = " ".join(shlex.quote(arg) for arg in args)
+    return _in_login_shell("_dsh_b", _quoted_boot(*_shape(args)), quoted)
+
+
+def _shape(args: tuple[str, ...]) -> tuple[bool, bool, bool, bool]:
+    """(detached, header, long, stdin) of a command from BOOT's arguments."""
+    return args[2] == "bg", args[7] == "1", args[3] == "", args[6] == "1"
+
+
+#: Written to stdout by WAITER once its login shell waits for a command.
+READY = b"\0dsh-bash-ready\0"
+#: A request's length: this many decimal digits.
+_LENGTH_DIGITS = 10
+
+# A warm channel: its login shell (rc files and all) starts ahead of the command and waits on stdin
+# for a request: the length of what follows (_LENGTH_DIGITS digits), then `builtin set -- ARGS`
+# and the BOOT for the command's shape. `read -N` takes a pipe in bulk and never past the count, so
+# a header and the command's stdin that follow stay for BOOT and the command. The request is ASCII
+# (see boot_request), so characters are bytes whatever the locale. At EOF (the channel closed
+# unused) it exits.
+WAITER = r"""
+builtin set +euvx +o pipefail +o noglob +o noclobber; builtin trap - DEBUG ERR RETURN; IFS=$' \t\n'
+_dsh_spill=$1
+UNEXPORT
+builtin printf '\0dsh-bash-ready\0'
+_dsh_len= _dsh_req=
+IFS= builtin read -r -N LENGTH_DIGITS _dsh_len || builtin exit 0
+[[ $_dsh_len =~ ^[0-9]{LENGTH_DIGITS}$ ]] || builtin exit 0
+IFS= builtin read -r -N "$((10#$_dsh_len))" _dsh_req || builtin exit 0
+builtin eval "$_dsh_req"
+""".replace("LENGTH_DIGITS", str(_LENGTH_DIGITS))
+WAITER = WAITER.replace("UNEXPORT\n", _UNEXPORT.lstrip("\n"))
+
+
+def warm_line(spill_dir: str) -> str:
+    """The command line of a warm channel (WAITER in the login shell, or in a clean bash)."""
+    return _in_login_shell("_dsh_w", shlex.quote(WAITER), shlex.quote(spill_dir))
+
+
+def boot_request(*args: str) -> bytes:
+    """What a warm channel's WAITER reads to run BOOT with ``args`` (see BOOT's arguments above)."""
+    script = "builtin set -- " + " ".join(_ascii_quote(arg) for arg in args) + "\n"
+    detached, header, long, stdin = _shape(args)
+    script += boot_script(detached=detached, header=header, long=long, stdin=stdin, warm=True)
+    body = script.encode("ascii")
+    return b"%0*d" % (_LENGTH_DIGITS, len(body)) + body
+
+
+_PLAIN = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_./=:,+@%-")
+
+
+def _ascii_quote(arg: str) -> str:
+    """``arg`` as one bash word in ASCII: plain, or ANSI-C quoted with every other byte escaped."""
+    data = arg.encode("utf-8", "surrogateescape")
+    if data and all(byte in _PLAIN for byte in data):
+        return arg
+    return "$'" + "".join(chr(b) if b in _PLAIN or b == 0x20 else f"\\x{b:02x}" for b in data) + "'"
