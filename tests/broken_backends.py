@@ -258,28 +258,23 @@ class AbortReportedAsTimeout(LocalBashExecutor):
 class LastCauseWins(LocalBashExecutor):
     """Breaks: never both `timed_out` and `aborted`; the first cause wins.
 
-    The timeout and the abort have a watcher each, and a cause arriving during the kill's grace
-    overwrites the first one.
+    A cause arriving during the kill's grace (the timeout, or the abort) overwrites the first one.
     """
 
-    async def _watch(self, command: _Command, timeout_s: float | None) -> None:
-        abort_signal = command.spec.signal
-
-        async def on_timeout(seconds: float) -> None:
-            await anyio.sleep(seconds)
+    async def _wait_for_exit(self, command: _Command, timeout_s: float | None) -> ExitStatus:
+        process = command.process
+        if timeout_s is not None:
+            with anyio.move_on_after(timeout_s):
+                return await process.wait()
             self._record(command, "timeout")
+        return await process.wait()
 
-        async def on_abort() -> None:
-            assert abort_signal is not None
+    async def _watch_abort(self, command: _Command) -> None:
+        abort_signal = command.spec.signal
+        assert abort_signal is not None
+        with command.watch_scope:
             await abort_signal.wait()
             self._record(command, "aborted")
-
-        with command.watch_scope:
-            async with anyio.create_task_group() as tg:
-                if timeout_s is not None:
-                    tg.start_soon(on_timeout, timeout_s)
-                if abort_signal is not None:
-                    tg.start_soon(on_abort)
 
     def _record(self, command: _Command, cause: _KillCause) -> None:
         if command.kill_cause in ("timeout", "aborted") and not command.finishing:
