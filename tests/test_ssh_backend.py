@@ -422,9 +422,10 @@ async def test_detached_task_files_are_private(ssh_server: SshServer) -> None:
 async def test_the_boots_fast_unexport_holds_on_a_real_login(
     ssh_server: SshServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The names SETUP saw are all that the login shell exports: BOOT's (and a warm channel's) fast
-    way alone gives the policy's environment (its fallback, the prefix sweep, is taken out here;
-    tests/test_ssh_boot.py checks the fallback itself)."""
+    """The names SETUP saw are all that the login shell exports: BOOT's fast way alone gives the
+    policy's environment (its fallback, the prefix sweep, is taken out here; tests/test_ssh_boot.py
+    checks the fallback itself), the same as a warm channel's (an empty environment filled from its
+    request)."""
     from dsh_bash_ssh import _scripts  # noqa: PLC0415
 
     def names(text: str) -> list[str]:  # values differ: SSH_CLIENT names each connection's port
@@ -438,9 +439,8 @@ async def test_the_boots_fast_unexport_holds_on_a_real_login(
     with ssh_server.plant({"DSHTEST_PLANTED_TOKEN": "planted-value"}):
         async with ssh_server.executor(warm_channel=False) as ex:
             normal = await ex.exec("env | sort")
-        for name in ("_UNEXPORT", "WAITER"):
-            assert sweep in getattr(_scripts, name)
-            monkeypatch.setattr(_scripts, name, getattr(_scripts, name).replace(sweep, "false"))
+        assert sweep in _scripts._UNEXPORT
+        monkeypatch.setattr(_scripts, "_UNEXPORT", _scripts._UNEXPORT.replace(sweep, "false"))
         clear_caches()
         try:
             for warm in (False, True):
@@ -486,13 +486,18 @@ async def _until(condition: Callable[[], bool], seconds: float = 5.0) -> bool:
 
 
 async def test_a_warm_channel_waits_while_open_and_is_gone_after_aclose(ssh_server: SshServer) -> None:
-    async with ssh_server.executor() as ex:
-        assert await ex.warm_up()
-        assert len(_waiters(TEST_USER)) == 1
-        result = await ex.exec("echo on a warm channel")  # takes it; the next one starts
-        assert result.stdout.text == "on a warm channel\n"
-        assert await ex.warm_up()
-        assert len(_waiters(TEST_USER)) == 1
+    with ssh_server.plant({"DSHTEST_WARM_TOKEN": "warm-secret-value"}):
+        async with ssh_server.executor() as ex:
+            assert await ex.warm_up()
+            (waiter,) = _waiters(TEST_USER)
+            # The waiting process holds no value of the login's environment (env -i).
+            assert b"warm-secret-value" not in Path(f"/proc/{waiter}/environ").read_bytes()
+            assert b"warm-secret-value" not in Path(f"/proc/{waiter}/cmdline").read_bytes()
+            result = await ex.exec("echo on a warm channel; env")  # takes it; the next one starts
+            assert result.stdout.text.startswith("on a warm channel\n")
+            assert "DSHTEST_WARM_TOKEN" not in result.stdout.text
+            assert await ex.warm_up()
+            assert len(_waiters(TEST_USER)) == 1
     assert await _until(lambda: _waiters(TEST_USER) == []), _waiters(TEST_USER)
 
 

@@ -148,35 +148,60 @@ def test_a_login_without_exported_variables(spill: Path) -> None:
     assert "DSH_BASH_MARK=dsh-boot-test-1" in _run(spill, env={}).splitlines()
 
 
-# -- the warm channel: WAITER un-exports ahead of the request, then runs BOOT from it ---------------
+# -- the warm channel: a bash with an empty environment, waiting for its request --------------------
+
+#: A warm request's arguments: no header, no kept names; the whole environment as entries.
+WARM_ARGS = (
+    "0123456789abcdef", "fg", "env", "/", "dsh-boot-test-1", "0", "0", "",
+    "PATH=/usr/bin:/bin", "HOME=/nonexistent-home", "LANG=C.UTF-8", *PUBLIC,
+)  # fmt: skip
 
 
-def _run_warm(spill: Path, request: bytes, *, prefix: str = "", stdin: bytes = b"") -> bytes:
-    """What the command printed when a warm channel's login shell gets ``request`` (then ``stdin``)."""
-    result = subprocess.run(
-        ["bash", "--noprofile", "--norc", "-c", prefix + _scripts.warm_line(str(spill))],
+def _warm_args(spill: Path, *, command: str = "env", stdin: bool = False) -> tuple[str, ...]:
+    return (str(spill), WARM_ARGS[0], WARM_ARGS[1], command, WARM_ARGS[3], WARM_ARGS[4],
+            "1" if stdin else "0", *WARM_ARGS[6:])  # fmt: skip
+
+
+def _start_warm(prefix: str = "") -> subprocess.Popen[bytes]:
+    """A warm channel's login shell (a bash with LOGIN_ENV), once it waits (READY read)."""
+    process = subprocess.Popen(
+        ["bash", "--noprofile", "--norc", "-c", prefix + _scripts.warm_line()],
         env=LOGIN_ENV,
-        input=request + stdin,
-        capture_output=True,
-        timeout=20,
-        check=False,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
-    assert result.returncode == 0, result
-    _noise, ready, rest = result.stdout.partition(_scripts.READY)
-    assert ready, result
+    assert process.stdout is not None
+    assert process.stdout.read(len(_scripts.READY)) == _scripts.READY
+    return process
+
+
+def _run_warm(request: bytes, *, prefix: str = "", stdin: bytes = b"") -> bytes:
+    """What the command printed when a warm channel gets ``request`` (then ``stdin``)."""
+    process = _start_warm(prefix)
+    out, err = process.communicate(request + stdin, timeout=20)
+    assert process.returncode == 0, (out, err)
     marker = b"\0dsh-bash-boot-ok\0"
-    assert rest.startswith(marker), result
-    return rest[len(marker) :]
+    assert out.startswith(marker), (out, err)
+    return out[len(marker) :]
 
 
-def test_a_warm_channel_gives_the_policys_environment(spill: Path) -> None:
-    out = _run_warm(spill, _scripts.boot_request(str(spill), *ARGS)).decode()
+def test_a_warm_channel_waits_without_the_logins_environment(spill: Path) -> None:
+    process = _start_warm(prefix=f"export {SECRET}_LATER=late; ")
+    try:
+        environ = Path(f"/proc/{process.pid}/environ").read_bytes()
+        cmdline = Path(f"/proc/{process.pid}/cmdline").read_bytes()
+    finally:
+        process.kill()
+        process.communicate()
+    assert SECRET.encode() not in environ, environ
+    assert b"s3cr3t-value" not in environ + cmdline
+    assert b"dsh-bash-ready" in cmdline  # the waiter itself was looked at
+
+
+def test_a_warm_channel_gives_the_request_environment(spill: Path) -> None:
+    out = _run_warm(_scripts.boot_request(_warm_args(spill), None)).decode()
     _assert_policy("\n".join(sorted(line for line in out.splitlines() if not line.startswith("_="))))
-
-
-def test_a_warm_channel_sweeps_a_late_name(spill: Path) -> None:
-    out = _run_warm(spill, _scripts.boot_request(str(spill), *ARGS), prefix=f"export {SECRET}_LATER=late; ")
-    assert SECRET not in out.decode()
 
 
 @pytest.mark.parametrize(
@@ -190,29 +215,25 @@ def test_a_warm_channel_sweeps_a_late_name(spill: Path) -> None:
     ],
 )
 def test_a_warm_channel_runs_any_command_text(spill: Path, command: str) -> None:
-    args = (ARGS[0], ARGS[1], command, *ARGS[3:])
-    warm = _run_warm(spill, _scripts.boot_request(str(spill), *args))
+    warm = _run_warm(_scripts.boot_request(_warm_args(spill, command=command), None))
     cold = subprocess.run(["bash", "--noprofile", "--norc", "-c", command], capture_output=True, check=False)
     assert warm == cold.stdout
 
 
+def test_a_warm_channel_runs_a_long_command_from_a_file(spill: Path) -> None:
+    command = "printf '%s' '" + "x" * 200_000 + "' | wc -c"
+    args = _warm_args(spill, command="")
+    assert _run_warm(_scripts.boot_request(args, command)).strip() == b"200000"
+    assert (spill / f"{WARM_ARGS[0]}.cmd").read_text() == command
+
+
 def test_a_warm_channel_leaves_stdin_to_the_command(spill: Path) -> None:
-    # ARGS without the spill directory: nonce, mode, command, workdir, marker, stdin, header, ...
-    args = (ARGS[0], ARGS[1], "cat", ARGS[3], ARGS[4], "1", *ARGS[6:])
-    assert (
-        _run_warm(spill, _scripts.boot_request(str(spill), *args), stdin=b"data\0for cat\n")
-        == b"data\0for cat\n"
-    )
+    request = _scripts.boot_request(_warm_args(spill, command="cat", stdin=True), None)
+    assert _run_warm(request, stdin=b"data\0for cat\n") == b"data\0for cat\n"
 
 
-def test_a_warm_channel_closed_unused_exits_quietly(spill: Path) -> None:
+def test_a_warm_channel_closed_unused_exits_quietly() -> None:
     for request in (b"", b"00000", b"0000000009builtin"):  # nothing, a cut length, a cut request
-        result = subprocess.run(
-            ["bash", "--noprofile", "--norc", "-c", _scripts.warm_line(str(spill))],
-            env=LOGIN_ENV,
-            input=request,
-            capture_output=True,
-            timeout=20,
-            check=False,
-        )
-        assert (result.returncode, result.stdout) == (0, _scripts.READY), result
+        process = _start_warm()
+        out, _ = process.communicate(request, timeout=20)
+        assert (process.returncode, out) == (0, b""), out

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 
 import anyio
@@ -126,7 +127,7 @@ class SshBashExecutor(BashExecutor):
                 if code != 0:
                     raise ValueError(f"exit status {code}")
                 self._ambient, self._home, self._spill_dir = parse_setup(out)
-                self._follower.directory = self._warm.spill_dir = self._spill_dir
+                self._follower.directory = self._spill_dir
                 if not self._spill_dir.startswith("/"):
                     raise ValueError("no spill directory")
             except ValueError as exc:
@@ -158,15 +159,13 @@ class SshBashExecutor(BashExecutor):
     def _ambient_env(self) -> Mapping[str, str]:
         return self._ambient
 
-    def _boot_args(
-        self, launch: Launch, nonce: str, mode: str
-    ) -> tuple[tuple[str, ...], bytes | None, str | None]:
-        """BOOT's arguments, the header for its stdin (None when no value needs one), and the
-        path of the long command's file (None when the command fits on the line).
+    def _plan(self, launch: Launch, nonce: str, mode: str) -> _Boot:
+        """How BOOT gets its arguments and the command's environment, cold or warm.
 
-        Only names, the command text and the library's own constant values are arguments (a cold
-        channel's command line shows them); a value from the login's or the caller's environment
-        always travels in the header.
+        On a cold channel only names, the command text and the library's own constant values are
+        arguments (its command line shows them); a value from the login's or the caller's
+        environment travels in the header on stdin. A warm channel's request is stdin itself: it
+        carries the whole environment.
         """
         spec = launch.spec
         env = dict(launch.env)
@@ -203,19 +202,20 @@ class SshBashExecutor(BashExecutor):
                 *public,
             )
 
+        environment = tuple(f"{name}={value}" for name, value in env.items())
         boot_args = args(spec.command, bool(secret))
-        long_command: bytes | None = None
         # One execve argument is limited to 128 KiB: a cold channel's whole line, and the command
         # text the command's own bash gets.
         line_bytes = len(boot_line(*boot_args).encode("utf-8", "surrogateescape"))
-        if not spec.command or line_bytes > _MAX_INLINE_COMMAND:
-            long_command = spec.command.encode("utf-8", "surrogateescape")
-            boot_args = args("", True)
-        if long_command is None and not secret:
-            return boot_args, None, None
-        entries = [str(len(secret) + 1).encode(), long_command or b"", *secret]
+        if spec.command and line_bytes <= _MAX_INLINE_COMMAND:
+            header = None
+            if secret:
+                header = b"".join(entry + b"\0" for entry in [str(len(secret) + 1).encode(), b"", *secret])
+            return _Boot(boot_args, header, None, environment, None)
+        entries = [str(len(secret) + 1).encode(), spec.command.encode("utf-8", "surrogateescape"), *secret]
         header = b"".join(entry + b"\0" for entry in entries)
-        return boot_args, header, None if long_command is None else f"{self._spill_dir}/{nonce}.cmd"
+        script = f"{self._spill_dir}/{nonce}.cmd"
+        return _Boot(args("", True), header, script, environment, spec.command)
 
     async def _detached_mode(self) -> bool:
         if self._detach is None:
@@ -236,23 +236,23 @@ class SshBashExecutor(BashExecutor):
     async def _spawn_once(self, launch: Launch, detached: bool, *, warm: bool) -> CommandProcess:
         marker = launch.marker
         nonce = secrets.token_hex(8)
-        boot_args, header, script = self._boot_args(launch, nonce, "bg" if detached else "fg")
+        plan = self._plan(launch, nonce, "bg" if detached else "fg")
+        script = plan.script
         if detached:
-            return await self._spawn_detached(launch, nonce, boot_args, header, warm=warm)
+            return await self._spawn_detached(launch, nonce, plan, warm=warm)
 
         async def on_release() -> None:
             if script is not None:
                 self._start_helper(self._remove_quietly, script)
             await self._spills.wait_complete(marker)
 
-        process, _ = await self._boot(launch, boot_args, header, on_release, warm=warm)
+        process, _ = await self._boot(launch, plan, on_release, warm=warm)
         return process
 
     async def _boot(
         self,
         launch: Launch,
-        boot_args: tuple[str, ...],
-        header: bytes | None,
+        plan: _Boot,
         on_release: Callable[[], Awaitable[None]],
         *,
         warm: bool,
@@ -269,6 +269,7 @@ class SshBashExecutor(BashExecutor):
         marked = self._marked(marker)
         backlogged = partial(self._spills.backlogged, marker)
         session: CommandSession | None = None
+        header = plan.header
         try:
             if warm:
                 session = await self._warm.take()
@@ -277,12 +278,13 @@ class SshBashExecutor(BashExecutor):
                 session.adopt(launch, backlogged)
                 assert session.chan is not None
                 try:
-                    session.chan.write(boot_request(*boot_args))
+                    session.chan.write(plan.warm_request())
                 except OSError as exc:  # closing already: the request was not sent
                     raise _SpareDied(f"the warm channel on {self._pool.where} closed ({exc})") from None
+                header = None  # the request carried it
             else:
                 session = await self._pool.open_session(
-                    boot_line(*boot_args), partial(CommandSession, launch, backlogged)
+                    boot_line(*plan.args), partial(CommandSession, launch, backlogged)
                 )
             process = SshProcess(
                 pool=self._pool,
@@ -316,15 +318,13 @@ class SshBashExecutor(BashExecutor):
             raise
         return process, session
 
-    async def _spawn_detached(
-        self, launch: Launch, nonce: str, boot_args: tuple[str, ...], header: bytes | None, *, warm: bool
-    ) -> CommandProcess:
+    async def _spawn_detached(self, launch: Launch, nonce: str, plan: _Boot, *, warm: bool) -> CommandProcess:
         marker = launch.marker
         base = f"{self._spill_dir}/{nonce}"
         spills: dict[str, DetachedSpill] = {}
         self._detached[marker] = (base, spills)
         try:
-            _, session = await self._boot(launch, boot_args, header, _nothing, warm=warm)
+            _, session = await self._boot(launch, plan, _nothing, warm=warm)
         except BaseException:
             self._detached.pop(marker, None)
             raise
@@ -390,6 +390,25 @@ class SshBashExecutor(BashExecutor):
 
 async def _nothing() -> None:
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Boot:
+    """What BOOT needs to start one command."""
+
+    #: BOOT's arguments on a cold channel's command line, and the header for its stdin.
+    args: tuple[str, ...]
+    header: bytes | None
+    #: The long command's file on the host (None when the command is inline).
+    script: str | None
+    #: NAME=VALUE of every variable of the command's environment but the marker.
+    environment: tuple[str, ...]
+    long_command: str | None
+
+    def warm_request(self) -> bytes:
+        # No header (the environment is in the arguments) and no kept names: WAITER's bash has an
+        # empty environment, so each value comes from here.
+        return boot_request((*self.args[:7], "0", "", *self.environment), self.long_command)
 
 
 class _SpareDied(BashInfrastructureError):

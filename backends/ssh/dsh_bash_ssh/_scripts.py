@@ -94,7 +94,7 @@ _PRELUDE = r"""
 builtin set +euvx +o pipefail +o noglob +o noclobber; builtin trap - DEBUG ERR RETURN; IFS=$' \t\n'
 _dsh_spill=$1 _dsh_nonce=$2 _dsh_mode=$3 _dsh_command=$4 _dsh_workdir=$5 _dsh_mark=$6 _dsh_input=$7 _dsh_header=$8 _dsh_keep=$9
 builtin shift 9
-_dsh_set=("$@") _dsh_long= _dsh_script=
+_dsh_set=("$@") _dsh_script=
 """
 _READ_HEADER = r"""
 _dsh_n=0 _dsh_h=()
@@ -211,7 +211,7 @@ _UNEXPORT = _UNEXPORT.replace(
 @functools.cache
 def boot_script(*, detached: bool, header: bool, long: bool, stdin: bool, warm: bool = False) -> str:
     """BOOT with just the sections a command of this shape runs; ``warm``: for a warm channel's
-    WAITER, which un-exported every variable before it waited."""
+    WAITER, whose bash started with an empty environment (so there is nothing to un-export)."""
     parts = [_PRELUDE]
     if header:
         parts.append(_READ_HEADER)
@@ -262,36 +262,41 @@ READY = b"\0dsh-bash-ready\0"
 #: A request's length: this many decimal digits.
 _LENGTH_DIGITS = 10
 
-# A warm channel: its login shell (rc files and all) starts ahead of the command and waits on stdin
-# for a request: the length of what follows (_LENGTH_DIGITS digits), then `builtin set -- ARGS`
-# and the BOOT for the command's shape. `read -N` takes a pipe in bulk and never past the count, so
-# a header and the command's stdin that follow stay for BOOT and the command. The request is ASCII
-# (see boot_request), so characters are bytes whatever the locale. At EOF (the channel closed
-# unused) it exits.
+# A warm channel: its login shell (rc files and all) starts ahead of the command and becomes a bash
+# with an empty environment (`env -i`: no value of the login's environment stays in a process that
+# waits), which waits on stdin for a request: the length of what follows (_LENGTH_DIGITS digits),
+# then `builtin set -- ARGS`, the long command if any, and the BOOT for the command's shape. The
+# request carries the command's whole environment as arguments (it is never on a command line).
+# `read -N` takes a pipe in bulk and never past the count, so the command's stdin that follows stays
+# for it. The request is ASCII (see boot_request), so characters are bytes in any locale. At EOF
+# (the channel closed unused) it exits.
 WAITER = r"""
-builtin set +euvx +o pipefail +o noglob +o noclobber; builtin trap - DEBUG ERR RETURN; IFS=$' \t\n'
-_dsh_spill=$1
-UNEXPORT
 builtin printf '\0dsh-bash-ready\0'
-_dsh_len= _dsh_req=
 IFS= builtin read -r -N LENGTH_DIGITS _dsh_len || builtin exit 0
 [[ $_dsh_len =~ ^[0-9]{LENGTH_DIGITS}$ ]] || builtin exit 0
 IFS= builtin read -r -N "$((10#$_dsh_len))" _dsh_req || builtin exit 0
 builtin eval "$_dsh_req"
 """.replace("LENGTH_DIGITS", str(_LENGTH_DIGITS))
-WAITER = WAITER.replace("UNEXPORT\n", _UNEXPORT.lstrip("\n"))
 
 
-def warm_line(spill_dir: str) -> str:
-    """The command line of a warm channel (WAITER in the login shell, or in a clean bash)."""
-    return _in_login_shell("_dsh_w", shlex.quote(WAITER), shlex.quote(spill_dir))
+def warm_line() -> str:
+    """The command line of a warm channel: any POSIX login shell runs it; no value on it."""
+    return (
+        "_dsh_sh=$(command -v bash) || _dsh_sh=bash; "
+        f'exec env -i "$_dsh_sh" --noprofile --norc -c {shlex.quote(WAITER)} dsh-bash'
+    )
 
 
-def boot_request(*args: str) -> bytes:
-    """What a warm channel's WAITER reads to run BOOT with ``args`` (see BOOT's arguments above)."""
+def boot_request(args: tuple[str, ...], long_command: str | None) -> bytes:
+    """What a warm channel's WAITER reads to run BOOT with ``args`` (see BOOT's arguments above; the
+    header flag "0", every variable of the command's environment as a NAME=VALUE entry) and the
+    long command, when ``args`` has none."""
     script = "builtin set -- " + " ".join(_ascii_quote(arg) for arg in args) + "\n"
+    if long_command is not None:
+        script += "_dsh_long=" + _ascii_quote(long_command) + "\n"
     detached, header, long, stdin = _shape(args)
-    script += boot_script(detached=detached, header=header, long=long, stdin=stdin, warm=True)
+    assert not header and long == (long_command is not None)
+    script += boot_script(detached=detached, header=False, long=long, stdin=stdin, warm=True)
     body = script.encode("ascii")
     return b"%0*d" % (_LENGTH_DIGITS, len(body)) + body
 

@@ -1,9 +1,10 @@
 """A warm channel: the next command's channel, opened and logged in ahead of it.
 
 Most of a command's latency over SSH is not the command: it is opening the channel, sshd forking
-the session and the login shell starting (its rc files). One spare channel runs WAITER in its login
-shell, which waits on stdin for a request (BOOT's arguments and BOOT itself); the next command takes
-it and sends the request, so it pays none of that. Taking a spare starts the next one.
+the session and the login shell starting (its rc files). One spare channel's login shell becomes
+WAITER, a bash with an empty environment that waits on stdin for a request (BOOT's arguments with the
+command's whole environment, and BOOT itself); the next command takes it and sends the request, so
+it pays none of that. Taking a spare starts the next one.
 
 A spare holds one of the pool's command slots. It is only started when a slot is free at that
 moment, and whoever needs a slot when none is free reclaims an idle spare (the pool calls
@@ -58,13 +59,11 @@ class WarmChannel:
         self._start_helper = start_helper
         self._spare: _Spare | None = None
         self._closed = not enabled
-        #: The executor's private directory (its names file: see WAITER), set once it is known.
-        self.spill_dir = ""
 
     def warm(self) -> None:
         """Start a spare unless there is one, no slot is free right now, or the connection is down
         (reconnecting is for a command to do, not for a spare)."""
-        if self._closed or not self.spill_dir or self._spare is not None or not self._pool.connected():
+        if self._closed or self._spare is not None or not self._pool.connected():
             return
         if not self._pool.try_reserve():
             return
@@ -73,9 +72,7 @@ class WarmChannel:
 
     async def _open(self, spare: _Spare) -> None:
         try:
-            spare.session = await self._pool.open_session(
-                warm_line(self.spill_dir), CommandSession, reserved=True
-            )
+            spare.session = await self._pool.open_session(warm_line(), CommandSession, reserved=True)
         except BashInfrastructureError as exc:
             log.debug("a warm channel did not open: %s", exc)
             if self._spare is spare:
