@@ -280,10 +280,13 @@ builtin eval "$_dsh_req"
 
 
 def warm_line() -> str:
-    """The command line of a warm channel: any POSIX login shell runs it; no value on it."""
+    """The command line of a warm channel: any POSIX login shell runs it; no value on it. A bash
+    login shell clears the environment itself (`exec -c`), others through `env -i`."""
+    waiter = shlex.quote(WAITER)
     return (
-        "_dsh_sh=$(command -v bash) || _dsh_sh=bash; "
-        f'exec env -i "$_dsh_sh" --noprofile --norc -c {shlex.quote(WAITER)} dsh-bash'
+        'if [ -n "${BASH_VERSION-}" ]; then '
+        f"exec -c bash --noprofile --norc -c {waiter} dsh-bash; "
+        f'else _dsh_sh=$(command -v bash) || _dsh_sh=bash; exec env -i "$_dsh_sh" --noprofile --norc -c {waiter} dsh-bash; fi'
     )
 
 
