@@ -237,3 +237,37 @@ def test_a_warm_channel_closed_unused_exits_quietly() -> None:
         process = _start_warm()
         out, _ = process.communicate(request, timeout=20)
         assert (process.returncode, out) == (0, b""), out
+
+
+# -- a login shell that is not bash ---------------------------------------------------------------
+
+needs_dash = pytest.mark.skipif(shutil.which("dash") is None, reason="needs dash (a POSIX sh login shell)")
+
+
+@needs_dash
+def test_a_posix_sh_login_runs_the_boot_line_in_a_clean_bash(spill: Path) -> None:
+    line = _scripts.boot_line(str(spill), *ARGS)
+    result = subprocess.run(["dash", "-c", line], env=LOGIN_ENV, capture_output=True, timeout=20, check=False)
+    assert result.returncode == 0, result
+    _, ok, out = result.stdout.partition(b"\0dsh-bash-boot-ok\0")
+    assert ok, result
+    _assert_policy("\n".join(sorted(x for x in out.decode().splitlines() if not x.startswith("_="))))
+
+
+@needs_dash
+def test_a_posix_sh_login_gives_a_warm_channel_an_empty_environment(spill: Path) -> None:
+    process = subprocess.Popen(
+        ["dash", "-c", _scripts.warm_line()],
+        env=LOGIN_ENV,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    assert process.stdout.read(len(_scripts.READY)) == _scripts.READY
+    assert SECRET.encode() not in Path(f"/proc/{process.pid}/environ").read_bytes()
+    out, err = process.communicate(_scripts.boot_request(_warm_args(spill), None), timeout=20)
+    assert process.returncode == 0, (out, err)
+    assert out.startswith(b"\0dsh-bash-boot-ok\0"), (out, err)
+    env_text = out[len(b"\0dsh-bash-boot-ok\0") :].decode()
+    _assert_policy("\n".join(sorted(x for x in env_text.splitlines() if not x.startswith("_="))))
