@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable
 
 import anyio
@@ -94,18 +95,13 @@ class ContainerMarked:
         return (mode, signal_name(sig) if sig else "0", self._marker, "1" if self._exact else "0")
 
     async def signal_all(self, sig: int) -> None:
+        # A saturated engine (a hundred commands ending at once) can take seconds to run one exec:
+        # when the host sees the container's processes, the signal then goes out from there instead.
+        bound = _ENGINE_ANSWER_BOUND_S if self._host_sees_processes() else math.inf
         try:
-            if self._host_sees_processes():
-                # A saturated engine (a hundred commands ending at once) can take seconds to run
-                # one exec: the signal then goes out from the host instead of waiting for it.
-                with anyio.fail_after(_ENGINE_ANSWER_BOUND_S):
-                    await run_script(
-                        self._engine, self._container(), self._user, KILL, *self._args("signal", sig)
-                    )
-            else:
-                await run_script(
-                    self._engine, self._container(), self._user, KILL, *self._args("signal", sig)
-                )
+            with anyio.fail_after(bound):
+                args = self._args("signal", sig)
+                await run_script(self._engine, self._container(), self._user, KILL, *args)
         except TimeoutError:
             log.warning(
                 "the engine did not run the kill script within %.0f s; signalling %s from the host",
