@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 from dsh_bash_ssh import _scripts
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
@@ -271,3 +273,29 @@ def test_a_posix_sh_login_gives_a_warm_channel_an_empty_environment(spill: Path)
     assert out.startswith(b"\0dsh-bash-boot-ok\0"), (out, err)
     env_text = out[len(b"\0dsh-bash-boot-ok\0") :].decode()
     _assert_policy("\n".join(sorted(x for x in env_text.splitlines() if not x.startswith("_="))))
+
+
+# -- the request's quoting: any text, one word, the same bytes --------------------------------------
+
+
+def _from_bytes(data: bytes) -> str:
+    return data.decode("utf-8", "surrogateescape")
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=40) | st.binary(max_size=40).map(_from_bytes))
+def test_a_request_word_is_any_text_exactly(text: str) -> None:
+    """What BOOT's `set --` gets from a request word is the text's bytes, whatever they are: quotes,
+    `$`, backslashes, newlines, non-UTF-8 bytes (surrogate-escaped). Nothing in it runs."""
+    if "\0" in text:
+        return  # no argument or variable can hold NUL; the executor refuses it earlier
+    word = _scripts._ascii_quote(text)
+    assert word.isascii()
+    result = subprocess.run(
+        ["bash", "--noprofile", "--norc", "-c", f"printf '%s' {word}"],
+        capture_output=True,
+        timeout=10,
+        check=False,
+    )
+    assert (result.returncode, result.stderr) == (0, b"")
+    assert result.stdout == text.encode("utf-8", "surrogateescape")
