@@ -8,6 +8,7 @@ import secrets
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
+from typing import Self
 
 import anyio
 
@@ -105,10 +106,15 @@ class SshBashExecutor(BashExecutor):
         """The private directory on the host holding this executor's spill files."""
         return self._spill_dir
 
+    async def __aenter__(self) -> Self:
+        await super().__aenter__()
+        self._warm.warm()  # the first command's: it logs in while the caller gets ready
+        return self
+
     async def warm_up(self) -> bool:
-        """Wait until a channel is logged in for the next command (see ``warm_channel``): call it
-        after opening, and the first command is as quick as the rest. False when there is none
-        to wait for (``warm_channel=False``, or every channel is busy)."""
+        """Wait until a channel is logged in for the next command (see ``warm_channel``). One starts
+        logging in when the executor opens and whenever a command takes the last one. False when
+        there is none to wait for (``warm_channel=False``, or every channel is busy)."""
         self._ensure_open()
         return await self._warm.ready()
 
