@@ -164,10 +164,12 @@ def _warm_args(spill: Path, *, command: str = "env", stdin: bool = False) -> tup
             "1" if stdin else "0", *WARM_ARGS[6:])  # fmt: skip
 
 
-def _start_warm(prefix: str = "") -> subprocess.Popen[bytes]:
-    """A warm channel's login shell (a bash with LOGIN_ENV), once it waits (READY read)."""
+def _start_warm(
+    prefix: str = "", *, login_shell: tuple[str, ...] = ("bash", "--noprofile", "--norc")
+) -> subprocess.Popen[bytes]:
+    """A warm channel's login shell (LOGIN_ENV), once it waits (READY read)."""
     process = subprocess.Popen(
-        ["bash", "--noprofile", "--norc", "-c", prefix + _scripts.warm_line()],
+        [*login_shell, "-c", prefix + _scripts.warm_line()],
         env=LOGIN_ENV,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -178,9 +180,12 @@ def _start_warm(prefix: str = "") -> subprocess.Popen[bytes]:
     return process
 
 
-def _run_warm(request: bytes, *, prefix: str = "", stdin: bytes = b"") -> bytes:
-    """What the command printed when a warm channel gets ``request`` (then ``stdin``)."""
-    process = _start_warm(prefix)
+def _run_warm(
+    request: bytes, *, prefix: str = "", stdin: bytes = b"", process: subprocess.Popen[bytes] | None = None
+) -> bytes:
+    """What the command printed when a warm channel (``process``, else a new one) gets ``request``
+    (then ``stdin``)."""
+    process = process or _start_warm(prefix)
     out, err = process.communicate(request + stdin, timeout=20)
     assert process.returncode == 0, (out, err)
     marker = b"\0dsh-bash-boot-ok\0"
@@ -258,21 +263,10 @@ def test_a_posix_sh_login_runs_the_boot_line_in_a_clean_bash(spill: Path) -> Non
 
 @needs_dash
 def test_a_posix_sh_login_gives_a_warm_channel_an_empty_environment(spill: Path) -> None:
-    process = subprocess.Popen(
-        ["dash", "-c", _scripts.warm_line()],
-        env=LOGIN_ENV,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    assert process.stdout is not None
-    assert process.stdout.read(len(_scripts.READY)) == _scripts.READY
+    process = _start_warm(login_shell=("dash",))
     assert SECRET.encode() not in Path(f"/proc/{process.pid}/environ").read_bytes()
-    out, err = process.communicate(_scripts.boot_request(_warm_args(spill), None), timeout=20)
-    assert process.returncode == 0, (out, err)
-    assert out.startswith(b"\0dsh-bash-boot-ok\0"), (out, err)
-    env_text = out[len(b"\0dsh-bash-boot-ok\0") :].decode()
-    _assert_policy("\n".join(sorted(x for x in env_text.splitlines() if not x.startswith("_="))))
+    out = _run_warm(_scripts.boot_request(_warm_args(spill), None), process=process).decode()
+    _assert_policy("\n".join(sorted(x for x in out.splitlines() if not x.startswith("_="))))
 
 
 # -- the request's quoting: any text, one word, the same bytes --------------------------------------
