@@ -8,7 +8,16 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal, NewType
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBytes, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBytes,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+)
 
 from ._abort import AbortSignal
 
@@ -112,7 +121,31 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True, extra="forbid")
 
 
-class BashExecRequest(_Frozen):
+class _CommandChecks(_Frozen):
+    """The checks a request and a spec share, on the fields both have."""
+
+    @field_validator("command", "workdir", mode="after", check_fields=False)
+    @classmethod
+    def _text(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return _no_nul(value, str(info.field_name))
+
+    @field_validator("env", mode="before", check_fields=False)
+    @classmethod
+    def _env(cls, value: object) -> dict[str, str] | None:
+        return _check_env(value)
+
+    @field_validator("stdin", mode="before", check_fields=False)
+    @classmethod
+    def _stdin_before(cls, value: object) -> object:
+        return _check_stdin(value)
+
+    @field_validator("stdin", mode="after", check_fields=False)
+    @classmethod
+    def _stdin(cls, value: str | bytes | None) -> str | bytes | None:
+        return value if not isinstance(value, str) else _encodable(value, "stdin")
+
+
+class BashExecRequest(_CommandChecks):
     """What a caller asks for; optional fields are filled by :meth:`BashExecutor.resolve`."""
 
     command: StrictStr
@@ -123,39 +156,13 @@ class BashExecRequest(_Frozen):
     env: dict[str, str] | None = None
     owner: Annotated[OwnerToken, Strict()] | None = None
 
-    @field_validator("command", mode="after")
-    @classmethod
-    def _command(cls, value: str) -> str:
-        _no_nul(value, "command")
-        return value
-
-    @field_validator("workdir", mode="after")
-    @classmethod
-    def _workdir(cls, value: str | None) -> str | None:
-        return _no_nul(value, "workdir")
-
     @field_validator("timeout_ms", mode="before")
     @classmethod
     def _timeout(cls, value: object) -> float | None:
         return _check_timeout(value)
 
-    @field_validator("env", mode="before")
-    @classmethod
-    def _env(cls, value: object) -> dict[str, str] | None:
-        return _check_env(value)
 
-    @field_validator("stdin", mode="before")
-    @classmethod
-    def _stdin_before(cls, value: object) -> object:
-        return _check_stdin(value)
-
-    @field_validator("stdin", mode="after")
-    @classmethod
-    def _stdin(cls, value: str | bytes | None) -> str | bytes | None:
-        return value if not isinstance(value, str) else _encodable(value, "stdin")
-
-
-class BashExecSpec(_Frozen):
+class BashExecSpec(_CommandChecks):
     """What the executor acts on: every choice made explicit. ``start`` ignores ``timeout_ms``."""
 
     command: StrictStr
@@ -166,18 +173,6 @@ class BashExecSpec(_Frozen):
     stdin: StrictStr | StrictBytes | None = None
     env: dict[str, str] | None = None
 
-    @field_validator("command", mode="after")
-    @classmethod
-    def _command(cls, value: str) -> str:
-        _no_nul(value, "command")
-        return value
-
-    @field_validator("workdir", mode="after")
-    @classmethod
-    def _workdir(cls, value: str) -> str:
-        _no_nul(value, "workdir")
-        return value
-
     @field_validator("timeout_ms", mode="before")
     @classmethod
     def _timeout(cls, value: object) -> float:
@@ -185,21 +180,6 @@ class BashExecSpec(_Frozen):
         if checked is None:
             raise ValueError("timeout_ms is required on a spec")
         return checked
-
-    @field_validator("env", mode="before")
-    @classmethod
-    def _env(cls, value: object) -> dict[str, str] | None:
-        return _check_env(value)
-
-    @field_validator("stdin", mode="before")
-    @classmethod
-    def _stdin_before(cls, value: object) -> object:
-        return _check_stdin(value)
-
-    @field_validator("stdin", mode="after")
-    @classmethod
-    def _stdin(cls, value: str | bytes | None) -> str | bytes | None:
-        return value if not isinstance(value, str) else _encodable(value, "stdin")
 
 
 class CollectedOutput(_Frozen):
