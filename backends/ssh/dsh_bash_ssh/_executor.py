@@ -208,20 +208,37 @@ class SshBashExecutor(BashExecutor):
                 *public,
             )
 
+        def header(long_command: str) -> bytes:
+            entries = [
+                str(len(secret) + 1).encode(),
+                long_command.encode("utf-8", "surrogateescape"),
+                *secret,
+            ]
+            return b"".join(entry + b"\0" for entry in entries)
+
         environment = tuple(f"{name}={value}" for name, value in env.items())
-        boot_args = args(spec.command, bool(secret))
+        inline = args(spec.command, bool(secret))
+        line = boot_line(*inline)
         # One execve argument is limited to 128 KiB: a cold channel's whole line, and the command
         # text the command's own bash gets.
-        line_bytes = len(boot_line(*boot_args).encode("utf-8", "surrogateescape"))
-        if spec.command and line_bytes <= _MAX_INLINE_COMMAND:
-            header = None
-            if secret:
-                header = b"".join(entry + b"\0" for entry in [str(len(secret) + 1).encode(), b"", *secret])
-            return _Boot(boot_args, header, None, environment, None)
-        entries = [str(len(secret) + 1).encode(), spec.command.encode("utf-8", "surrogateescape"), *secret]
-        header = b"".join(entry + b"\0" for entry in entries)
-        script = f"{self._spill_dir}/{nonce}.cmd"
-        return _Boot(args("", True), header, script, environment, spec.command)
+        if spec.command and len(line.encode("utf-8", "surrogateescape")) <= _MAX_INLINE_COMMAND:
+            return _Boot(
+                args=inline,
+                line=line,
+                header=header("") if secret else None,
+                script=None,
+                environment=environment,
+                long_command=None,
+            )
+        stored = args("", True)
+        return _Boot(
+            args=stored,
+            line=boot_line(*stored),
+            header=header(spec.command),
+            script=f"{self._spill_dir}/{nonce}.cmd",
+            environment=environment,
+            long_command=spec.command,
+        )
 
     async def _detached_mode(self) -> bool:
         if self._detach is None:
@@ -290,7 +307,7 @@ class SshBashExecutor(BashExecutor):
                 header = None  # the request carried it
             else:
                 session = await self._pool.open_session(
-                    boot_line(*plan.args), partial(CommandSession, launch, backlogged)
+                    plan.line, partial(CommandSession, launch, backlogged)
                 )
             process = SshProcess(
                 pool=self._pool,
@@ -402,8 +419,9 @@ async def _nothing() -> None:
 class _Boot:
     """What BOOT needs to start one command."""
 
-    #: BOOT's arguments on a cold channel's command line, and the header for its stdin.
+    #: BOOT's arguments, a cold channel's command line running it with them, the header for its stdin.
     args: tuple[str, ...]
+    line: str
     header: bytes | None
     #: The long command's file on the host (None when the command is inline).
     script: str | None

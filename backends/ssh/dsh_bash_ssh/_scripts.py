@@ -235,21 +235,17 @@ def _quoted_boot(detached: bool, header: bool, long: bool, stdin: bool) -> str:
     return shlex.quote(boot_script(detached=detached, header=header, long=long, stdin=stdin))
 
 
-def _in_login_shell(script_var: str, script: str, args: str) -> str:
-    """A line any POSIX login shell parses: ``script`` runs in the login shell itself when that is a
-    bash with compgen whose rc files defined no function, else in a clean bash."""
-    return (
-        f"{script_var}={script}; set -- {args}; "
-        'if [ -n "${BASH_VERSION-}" ] && compgen -v BASH_VERSION >/dev/null 2>&1 '
-        f'&& ! compgen -A function >/dev/null 2>&1; then eval "${script_var}"; '
-        f'else BASH_ENV= ENV= exec bash --noprofile --norc -c "${script_var}" dsh-bash "$@"; fi'
-    )
-
-
 def boot_line(*args: str) -> str:
-    """The command line running BOOT with ``args`` (see BOOT's arguments above)."""
+    """The command line running BOOT with ``args`` (see BOOT's arguments above). Any POSIX login
+    shell parses it: BOOT runs in the login shell itself when that is a bash with compgen whose rc
+    files defined no function, else in a clean bash."""
     quoted = " ".join(shlex.quote(arg) for arg in args)
-    return _in_login_shell("_dsh_b", _quoted_boot(*_shape(args)), quoted)
+    return (
+        f"_dsh_b={_quoted_boot(*_shape(args))}; set -- {quoted}; "
+        'if [ -n "${BASH_VERSION-}" ] && compgen -v BASH_VERSION >/dev/null 2>&1 '
+        '&& ! compgen -A function >/dev/null 2>&1; then eval "$_dsh_b"; '
+        'else BASH_ENV= ENV= exec bash --noprofile --norc -c "$_dsh_b" dsh-bash "$@"; fi'
+    )
 
 
 def _shape(args: tuple[str, ...]) -> tuple[bool, bool, bool, bool]:

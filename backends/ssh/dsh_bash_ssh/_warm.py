@@ -87,14 +87,7 @@ class WarmChannel:
         False when there is no spare: disabled, closed, or no slot free."""
         self.warm()
         spare = self._spare
-        if spare is None:
-            return False
-        await spare.opened.wait()
-        session = spare.session
-        if session is None:
-            return False
-        await session.ready_or_closed.wait()
-        return session.ready
+        return spare is not None and await _settled(spare) is not None
 
     async def take(self) -> CommandSession | None:
         """The spare, once its login shell waits for a request; None when there is none (or it died)."""
@@ -103,11 +96,7 @@ class WarmChannel:
             return None
         self._spare = None
         try:
-            await spare.opened.wait()
-            session = spare.session
-            if session is None:
-                return None
-            await session.ready_or_closed.wait()
+            session = await _settled(spare)
         except BaseException:
             # Cancelled while the spare warmed up: it is left for the next command.
             if self._spare is None and not self._closed and not spare.discarded:
@@ -115,9 +104,8 @@ class WarmChannel:
             else:
                 spare.discard()
             raise
-        if not session.ready:
-            session.close()
-            return None
+        if session is None:
+            spare.discard()
         return session
 
     def reclaim(self) -> None:
@@ -129,3 +117,13 @@ class WarmChannel:
     def close(self) -> None:
         self._closed = True
         self.reclaim()
+
+
+async def _settled(spare: _Spare) -> CommandSession | None:
+    """The spare's session once its login shell waits for a request; None when it failed or died."""
+    await spare.opened.wait()
+    session = spare.session
+    if session is None:
+        return None
+    await session.ready_or_closed.wait()
+    return session if session.ready else None
