@@ -36,6 +36,7 @@ import pytest
 from dsh_bash_conformance import KitTarget, find_host_processes
 
 if TYPE_CHECKING:
+    from docker import DockerClient
     from dsh_bash_docker import DockerBashExecutor
     from testcontainers.core.container import DockerContainer
 
@@ -333,6 +334,16 @@ def docker_test_image() -> Iterator[str]:
         yield tag
     finally:
         remove_session_containers()
+
+
+@pytest.fixture
+def docker_client() -> Iterator[DockerClient]:
+    """A docker-py client for the engine the tests use (from the environment), closed afterwards."""
+    import docker  # noqa: PLC0415
+
+    handle = docker.from_env()
+    yield handle
+    handle.close()
 
 
 @pytest.fixture(scope="session")

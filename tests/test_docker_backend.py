@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 
 import anyio
 import docker
@@ -25,13 +24,6 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture
-def client() -> Iterator[docker.DockerClient]:
-    handle = docker.from_env()
-    yield handle
-    handle.close()
-
-
 def _config(image: str, **fields: object) -> DockerConfig:
     labels = {SESSION_LABEL: SESSION_ID}  # removed at session end even if a test fails
     return DockerConfig(image=image, grace_ms=300, labels=labels, **fields)  # type: ignore[arg-type]
@@ -41,23 +33,25 @@ def _marked(token: str) -> int:
     return len([entry for entry in scan(token.encode()) if entry.alive and entry.marker])
 
 
-async def test_image_mode_leaves_no_container(docker_test_image: str, client: docker.DockerClient) -> None:
+async def test_image_mode_leaves_no_container(
+    docker_test_image: str, docker_client: docker.DockerClient
+) -> None:
     async with DockerBashExecutor(_config(docker_test_image)) as ex:
         await ex.exec("sleep 30 > /dev/null 2>&1 &")
         container_id = ex.container_id
-        labels = client.containers.get(container_id).labels
+        labels = docker_client.containers.get(container_id).labels
         assert labels[MANAGED_LABEL] == ex._token
-        config = client.containers.get(container_id).attrs["HostConfig"]
+        config = docker_client.containers.get(container_id).attrs["HostConfig"]
         assert config["CapDrop"] == ["ALL"]
         assert "no-new-privileges" in config["SecurityOpt"]
         assert config["NetworkMode"] == "none"
         assert config["Init"] is True
     with pytest.raises(docker.errors.NotFound):
-        client.containers.get(container_id)
+        docker_client.containers.get(container_id)
 
 
 async def test_container_mode_keeps_the_container_and_leaves_no_process(
-    docker_session_container: str, client: docker.DockerClient
+    docker_session_container: str, docker_client: docker.DockerClient
 ) -> None:
     async with DockerBashExecutor(DockerConfig(container=docker_session_container, grace_ms=300)) as ex:
         token = ex._token
@@ -67,15 +61,15 @@ async def test_container_mode_keeps_the_container_and_leaves_no_process(
         assert spill is not None
         assert _marked(token) >= 2
     assert _marked(token) == 0
-    assert client.containers.get(docker_session_container).status == "running"
-    check = client.containers.get(docker_session_container).exec_run(
+    assert docker_client.containers.get(docker_session_container).status == "running"
+    check = docker_client.containers.get(docker_session_container).exec_run(
         ["bash", "-c", f"test -e {spill}; echo $?"]
     )
     assert check.output.strip() == b"1"  # the spill directory is gone too
 
 
 async def test_removed_container_fails_runs_promptly_and_image_mode_recreates(
-    docker_test_image: str, client: docker.DockerClient
+    docker_test_image: str, docker_client: docker.DockerClient
 ) -> None:
     async with DockerBashExecutor(_config(docker_test_image)) as ex:
         task = await ex.start(ex.resolve(BashExecRequest(command="sleep 30")))
@@ -83,7 +77,7 @@ async def test_removed_container_fails_runs_promptly_and_image_mode_recreates(
 
         async def remove() -> None:
             await anyio.sleep(0.5)
-            await anyio.to_thread.run_sync(lambda: client.containers.get(first).remove(force=True))
+            await anyio.to_thread.run_sync(lambda: docker_client.containers.get(first).remove(force=True))
 
         started = time.monotonic()
         async with anyio.create_task_group() as tg:
@@ -126,7 +120,7 @@ async def test_unreachable_engine_and_missing_image_are_named(docker_test_image:
 
 
 async def test_env_values_never_reach_inspect_output(
-    docker_test_image: str, client: docker.DockerClient
+    docker_test_image: str, docker_client: docker.DockerClient
 ) -> None:
     secret = "kit-secret-value-8c1f"
     async with DockerBashExecutor(_config(docker_test_image)) as ex:
@@ -170,16 +164,16 @@ async def test_kill_works_when_the_pids_limit_is_exhausted(docker_test_image: st
 
 
 def test_sweep_removes_containers_whose_creator_is_gone(
-    docker_test_image: str, client: docker.DockerClient
+    docker_test_image: str, docker_client: docker.DockerClient
 ) -> None:
     dead_pid = 999_999_999  # above any pid_max: no process can have it
-    orphan = client.containers.run(
+    orphan = docker_client.containers.run(
         docker_test_image,
         command=["sleep", "300"],
         detach=True,
         labels={MANAGED_LABEL: "orphan", "dsh-bash.owner-pid": str(dead_pid), SESSION_LABEL: SESSION_ID},
     )
-    alive = client.containers.run(
+    alive = docker_client.containers.run(
         docker_test_image,
         command=["sleep", "300"],
         detach=True,
@@ -190,6 +184,6 @@ def test_sweep_removes_containers_whose_creator_is_gone(
         assert orphan.id in removed
         assert alive.id not in removed
         with pytest.raises(docker.errors.NotFound):
-            client.containers.get(orphan.id)
+            docker_client.containers.get(orphan.id)
     finally:
         alive.remove(force=True)

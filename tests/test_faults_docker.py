@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 import anyio
@@ -32,22 +32,15 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture
-def client() -> Iterator[docker.DockerClient]:
-    handle = docker.from_env()
-    yield handle
-    handle.close()
-
-
 def _image_executor(image: str, **fields: Any) -> DockerBashExecutor:
     return DockerBashExecutor(
         DockerConfig(image=image, grace_ms=GRACE_MS, labels={SESSION_LABEL: SESSION_ID}, **fields)
     )
 
 
-def _fault(client: docker.DockerClient, container_id: str, fault: Fault) -> Callable[[], None]:
+def _fault(docker_client: docker.DockerClient, container_id: str, fault: Fault) -> Callable[[], None]:
     def act() -> None:
-        container = client.containers.get(container_id)
+        container = docker_client.containers.get(container_id)
         if fault == "kill":
             container.kill()
         else:
@@ -77,7 +70,7 @@ async def _run_fails_when(marker: str, run: Awaitable[Any], fault: Callable[[], 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("fault", ["kill", "remove"])
 async def test_image_mode_container_lost_mid_command_and_mid_task(
-    docker_test_image: str, client: docker.DockerClient, marker: str, fault: Fault
+    docker_test_image: str, docker_client: docker.DockerClient, marker: str, fault: Fault
 ) -> None:
     async with _image_executor(docker_test_image) as ex:
         first = ex.container_id
@@ -88,7 +81,7 @@ async def test_image_mode_container_lost_mid_command_and_mid_task(
         took = await _run_fails_when(
             f"{marker}-run",
             ex.exec(f"echo run-before; bash -c 'sleep 60; :' {marker}-run"),
-            _fault(client, first, fault),
+            _fault(docker_client, first, fault),
         )
         assert took < 10, took
         with anyio.fail_after(10):
@@ -105,21 +98,21 @@ async def test_image_mode_container_lost_mid_command_and_mid_task(
         assert ex.container_id != first
         second = ex.container_id
     with pytest.raises(docker.errors.NotFound):
-        client.containers.get(second)
+        docker_client.containers.get(second)
     if fault == "kill":  # the killed container is not left behind either
         with pytest.raises(docker.errors.NotFound):
-            client.containers.get(first)
+            docker_client.containers.get(first)
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("fault", ["kill", "remove"])
 async def test_container_mode_raises_until_the_container_is_back(
-    docker_test_image: str, client: docker.DockerClient, marker: str, fault: Fault
+    docker_test_image: str, docker_client: docker.DockerClient, marker: str, fault: Fault
 ) -> None:
     name = f"dshfault-{marker[-12:]}"
 
     def start_container() -> None:
-        client.containers.run(
+        docker_client.containers.run(
             docker_test_image,
             command=["bash", "-c", IDLE_COMMAND],
             name=name,
@@ -137,7 +130,9 @@ async def test_container_mode_raises_until_the_container_is_back(
             )
             await wait_for_processes(f"{marker}-t")
             took = await _run_fails_when(
-                f"{marker}-run", ex.exec(f"bash -c 'sleep 60; :' {marker}-run"), _fault(client, name, fault)
+                f"{marker}-run",
+                ex.exec(f"bash -c 'sleep 60; :' {marker}-run"),
+                _fault(docker_client, name, fault),
             )
             assert took < 10, took
             with anyio.fail_after(10):
@@ -154,13 +149,13 @@ async def test_container_mode_raises_until_the_container_is_back(
                 await ex.start(ex.resolve(BashExecRequest(command="true")))
             # Back (restarted, or made again under the same name): the executor works again.
             if fault == "kill":
-                await anyio.to_thread.run_sync(lambda: client.containers.get(name).start())
+                await anyio.to_thread.run_sync(lambda: docker_client.containers.get(name).start())
             else:
                 await anyio.to_thread.run_sync(start_container)
             assert (await ex.exec("echo again")).stdout.text == "again\n"
     finally:
         with contextlib.suppress(docker.errors.NotFound):
-            client.containers.get(name).remove(force=True)
+            docker_client.containers.get(name).remove(force=True)
 
 
 # -- the engine restarted ----------------------------------------------------------------------------
