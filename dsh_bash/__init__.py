@@ -1,27 +1,23 @@
-"""dsh_bash: the executor seam. One flat namespace for callers and backend authors."""
+"""dsh_bash: the executor seam, as callers use it.
+
+Requests, specs and results, the abstract :class:`BashExecutor`, abort signals, errors, the shared
+budget config and :func:`load_executor`. What a backend author needs beyond that is public in
+:mod:`dsh_bash.backend`; fakes for testing a tool loop without processes are in
+:mod:`dsh_bash.testing`.
+"""
 
 from ._abort import AbortController, AbortSignal
-from ._backend import (
-    MARKER_VAR,
-    CommandProcess,
-    ExitStatus,
-    Killable,
-    Launch,
-    kill_abandoned_start,
-    kill_sequence,
-    signal_name,
-)
 from ._config import DEFAULT_ENV_SCRUB, BudgetConfig
-from ._env import MODEL_FRIENDLY_ENV, build_command_env, is_scrubbed
 from ._errors import (
+    INFRA_REASONS,
     BashInfrastructureError,
     ConfigError,
     DshBashError,
     ExecutorClosedError,
+    InfraReason,
     UnknownTaskError,
 )
 from ._executor import BashExecutor, TaskListener
-from ._output import OutputStream, SpillBudget, SpillFile, merge_streams
 from ._registry import ENTRY_POINT_GROUP, ExecutorFactory, backend_factory, load_executor, registered_backends
 from ._types import (
     BashExecRequest,
@@ -39,8 +35,7 @@ from ._types import (
 __all__ = [
     "DEFAULT_ENV_SCRUB",
     "ENTRY_POINT_GROUP",
-    "MARKER_VAR",
-    "MODEL_FRIENDLY_ENV",
+    "INFRA_REASONS",
     "AbortController",
     "AbortSignal",
     "BashExecRequest",
@@ -54,28 +49,16 @@ __all__ = [
     "BashTaskStatus",
     "BudgetConfig",
     "CollectedOutput",
-    "CommandProcess",
     "ConfigError",
     "DshBashError",
     "EndCause",
     "ExecutorClosedError",
     "ExecutorFactory",
-    "ExitStatus",
-    "Killable",
-    "Launch",
-    "OutputStream",
+    "InfraReason",
     "OwnerToken",
-    "SpillBudget",
-    "SpillFile",
     "TaskListener",
     "UnknownTaskError",
     "backend_factory",
-    "build_command_env",
-    "is_scrubbed",
-    "kill_abandoned_start",
-    "kill_sequence",
     "load_executor",
-    "merge_streams",
     "registered_backends",
-    "signal_name",
 ]

@@ -1,14 +1,49 @@
-"""The error hierarchy every backend raises."""
+"""The error hierarchy every backend raises, and the machine-readable reasons of infrastructure errors."""
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 __all__ = [
+    "INFRA_REASONS",
     "BashInfrastructureError",
     "ConfigError",
     "DshBashError",
     "ExecutorClosedError",
+    "InfraReason",
     "UnknownTaskError",
 ]
+
+#: Why an infrastructure error happened, for code that branches on it (never parse the message).
+#: The meaning of each value is documented in ``docs/contract.md``; the set only grows.
+InfraReason = Literal[
+    # Nothing was started.
+    "closed",  # the executor is not open (ExecutorClosedError)
+    "already_aborted",  # the spec's abort signal was aborted before the start
+    "workdir_missing",  # the working directory does not exist
+    "workdir_not_directory",  # it exists but is not a directory
+    "workdir_not_accessible",  # it is a directory the command's user cannot enter
+    "shell_missing",  # no usable bash where commands run
+    "start_failed",  # the process could not be created (fork, exec, descriptors, a refused start)
+    "spill_unavailable",  # the private spill directory could not be created or used (at open)
+    # Where commands run could not be reached or set up.
+    "engine_unreachable",  # the Docker engine does not answer
+    "image_missing",  # the image is not there and may not be pulled
+    "container_missing",  # the named container does not exist or is not running (at open)
+    "user_unknown",  # the configured user does not exist where commands run
+    "host_unreachable",  # the SSH host cannot be reached (DNS, refused, timed out)
+    "auth_failed",  # the SSH server refused every credential
+    "host_key_rejected",  # the SSH host key did not verify
+    # The backend failed under a command that was running.
+    "container_gone",  # the container stopped or was removed
+    "connection_lost",  # the connection to the engine or host dropped
+    "command_lost",  # the backend lost track of the command (its supervisor died, its status is gone)
+    # Anything else; the message says what.
+    "unclassified",
+]
+
+#: Every reason, in the order above.
+INFRA_REASONS: tuple[InfraReason, ...] = get_args(InfraReason)
 
 
 class DshBashError(Exception):
@@ -16,11 +51,35 @@ class DshBashError(Exception):
 
 
 class BashInfrastructureError(DshBashError):
-    """The command could not be started, or the backend failed under it so no truthful result exists."""
+    """The command could not be started, or the backend failed under it so no truthful result exists.
+
+    ``reason`` says why, as one of :data:`INFRA_REASONS`; the message is for people.
+    """
+
+    def __init__(self, message: str, *, reason: InfraReason = "unclassified") -> None:
+        super().__init__(message)
+        if reason not in INFRA_REASONS:
+            raise ValueError(f"unknown infrastructure error reason {reason!r}")
+        self.reason: InfraReason = reason
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keeps the reason across pickling (worker processes, logging handlers that copy records).
+        return (_rebuild, (type(self), str(self), self.reason))
+
+
+def _rebuild(
+    cls: type[BashInfrastructureError], message: str, reason: InfraReason
+) -> BashInfrastructureError:
+    error = cls.__new__(cls)
+    BashInfrastructureError.__init__(error, message, reason=reason)
+    return error
 
 
 class ExecutorClosedError(BashInfrastructureError):
     """The executor is not open: its block was not entered yet, or it was closed."""
+
+    def __init__(self, message: str, *, reason: InfraReason = "closed") -> None:
+        super().__init__(message, reason=reason)
 
 
 class UnknownTaskError(DshBashError, LookupError):

@@ -12,12 +12,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from types import TracebackType
-from typing import Any, ClassVar, Literal, Self
+from typing import Any, ClassVar, Generic, Literal, Self, cast
 
 import anyio
 import anyio.abc
 import anyio.lowlevel
 from pydantic import ValidationError
+from typing_extensions import TypeVar
 
 from ._backend import MARKER_VAR, CommandProcess, ExitStatus, Killable, Launch, kill_sequence, signal_name
 from ._config import BUDGET_FIELDS, BudgetConfig, config_error_from
@@ -36,11 +37,13 @@ from ._types import (
     OwnerToken,
 )
 
-__all__ = ["BashExecutor", "TaskListener"]
+__all__ = ["BashExecutor", "ConfigT_co", "TaskListener"]
 
 log = logging.getLogger("dsh_bash")
 
 TaskListener = Callable[[BashTask], None]
+#: The config class of a backend: ``class MyExecutor(BashExecutor[MyConfig])`` types ``self.config``.
+ConfigT_co = TypeVar("ConfigT_co", bound=BudgetConfig, covariant=True, default=BudgetConfig)
 _KillCause = Literal["timeout", "aborted", "killed", "closed", "cancelled", "lost"]
 _State = Literal["new", "open", "closing", "closed"]
 
@@ -128,7 +131,7 @@ class _SentToAll(set[int]):
             command.sent_signals.add(sig)
 
 
-class BashExecutor(ABC):
+class BashExecutor(ABC, Generic[ConfigT_co]):
     """An async shell executor. Use as ``async with Executor(config) as ex: ...``.
 
     Subclasses (backends) implement the hooks below; the public methods are the contract's.
@@ -155,9 +158,9 @@ class BashExecutor(ABC):
             config = cls.config_class(**fields)
         except ValidationError as exc:
             raise config_error_from(exc, f"{cls.__name__} config") from None
-        return cls(config)
+        return cls(cast(ConfigT_co, config))
 
-    def __init__(self, config: BudgetConfig) -> None:
+    def __init__(self, config: ConfigT_co) -> None:
         self._config = config
         self._state: _State = "new"
         self._tg: anyio.abc.TaskGroup | None = None
@@ -204,7 +207,7 @@ class BashExecutor(ABC):
     # -- lifecycle --------------------------------------------------------------------------------
 
     @property
-    def config(self) -> BudgetConfig:
+    def config(self) -> ConfigT_co:
         return self._config
 
     async def __aenter__(self) -> Self:
@@ -440,7 +443,9 @@ class BashExecutor(ABC):
         if not isinstance(spec, BashExecSpec):
             raise TypeError(f"expected a BashExecSpec (resolve a request first), got {type(spec).__name__}")
         if spec.signal is not None and spec.signal.aborted:
-            raise BashInfrastructureError("the abort signal was already aborted; nothing was started")
+            raise BashInfrastructureError(
+                "the abort signal was already aborted; nothing was started", reason="already_aborted"
+            )
         config = self._config
         marker = f"{self._token}-{next(self._command_numbers)}"
         env = build_command_env(
@@ -466,7 +471,9 @@ class BashExecutor(ABC):
         except BashInfrastructureError:
             raise
         except Exception as exc:
-            raise BashInfrastructureError(f"could not start the command: {exc}") from exc
+            raise BashInfrastructureError(
+                f"could not start the command: {exc}", reason="start_failed"
+            ) from exc
         task = None
         if background:
             task = BashTask(BashTaskId(f"bash-{next(self._task_numbers)}"), spec.command, spec.owner)
@@ -493,7 +500,9 @@ class BashExecutor(ABC):
             except BashInfrastructureError as exc:
                 command.failure = exc
             except Exception as exc:
-                command.failure = BashInfrastructureError(f"the backend lost the command: {exc!r}")
+                command.failure = BashInfrastructureError(
+                    f"the backend lost the command: {exc!r}", reason="command_lost"
+                )
             command.watch_scope.cancel()
             command.leader_exited = True
             if command.failure is not None:

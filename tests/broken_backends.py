@@ -40,7 +40,6 @@ from dsh_bash_local._spill import LocalSpillFile
 
 from dsh_bash import (
     DEFAULT_ENV_SCRUB,
-    MODEL_FRIENDLY_ENV,
     BashExecRequest,
     BashExecSpec,
     BashInfrastructureError,
@@ -49,22 +48,25 @@ from dsh_bash import (
     BashTaskId,
     BashTaskRead,
     CollectedOutput,
+    OwnerToken,
+    TaskListener,
+)
+from dsh_bash._executor import _Command, _KillCause
+from dsh_bash._output import _skip_continuation
+from dsh_bash._procscan import ProcScanner, signal_marked
+from dsh_bash.backend import (
+    MODEL_FRIENDLY_ENV,
     CommandProcess,
     ExitStatus,
     Killable,
     Launch,
     OutputStream,
-    OwnerToken,
     SpillBudget,
     SpillFile,
-    TaskListener,
     is_scrubbed,
     kill_sequence,
     merge_streams,
 )
-from dsh_bash._executor import _Command, _KillCause
-from dsh_bash._output import _skip_continuation
-from dsh_bash._procscan import ProcScanner, signal_marked
 
 log = logging.getLogger("dsh_bash.broken")
 

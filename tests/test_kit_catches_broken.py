@@ -20,7 +20,7 @@ import pytest
 from dsh_bash_conformance import CHECKS, CheckOutcome, CheckResult, KitTarget, run_kit
 from dsh_bash_local import LocalBashExecutor, LocalConfig
 
-from dsh_bash import MARKER_VAR
+from dsh_bash.backend import MARKER_VAR
 
 pytestmark = pytest.mark.kit
 

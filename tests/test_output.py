@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsh_bash import OutputStream, SpillBudget, merge_streams
+from dsh_bash.backend import OutputStream, SpillBudget, merge_streams
 
 
 class FakeSpill:

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from dsh_bash_local import LocalBashExecutor, LocalConfig
 
-from dsh_bash import MARKER_VAR, ConfigError, load_executor, registered_backends
+from dsh_bash import ConfigError, load_executor, registered_backends
+from dsh_bash.backend import MARKER_VAR
 
 
 def make_local(**fields: Any) -> LocalBashExecutor:

@@ -12,18 +12,18 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from dsh_bash import (
+from dsh_bash import BashExecutor, BashInfrastructureError
+from dsh_bash.backend import (
     MARKER_VAR,
-    BashExecutor,
-    BashInfrastructureError,
+    RC_FILE_VARIABLES,
     CommandProcess,
+    CommandSpills,
     Killable,
     Launch,
     SpillFile,
     kill_abandoned_start,
+    spill_file_path,
 )
-from dsh_bash._env import RC_FILE_VARIABLES
-from dsh_bash._remote_bash import CommandSpills, spill_file_path
 
 from ._config import DockerConfig
 from ._engine import Endpoint, EngineClient, EngineError
@@ -73,7 +73,7 @@ def sweep_orphaned_containers(docker_host: str | None = None) -> list[str]:
     return removed
 
 
-class DockerBashExecutor(BashExecutor):
+class DockerBashExecutor(BashExecutor[DockerConfig]):
     """Runs each command as ``bash --noprofile --norc -c COMMAND`` exec'd in a container."""
 
     config_class = DockerConfig
@@ -93,11 +93,6 @@ class DockerBashExecutor(BashExecutor):
         self._spills = CommandSpills(self._start_helper, _SPILL_FLUSH_BOUND_S)
         self._recreate_lock = anyio.Lock()
         self._host_visible = False
-
-    @property
-    def config(self) -> DockerConfig:
-        assert isinstance(self._config, DockerConfig)
-        return self._config
 
     @property
     def container_id(self) -> str:

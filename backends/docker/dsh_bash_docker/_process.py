@@ -9,9 +9,17 @@ from collections.abc import Awaitable, Callable
 import anyio
 import anyio.to_thread
 
-from dsh_bash import BashInfrastructureError, CommandProcess, ExitStatus, Launch, signal_name
-from dsh_bash._procscan import ProcEntry, scan, signal_marked
-from dsh_bash._remote_bash import ExitTrailerFilter
+from dsh_bash import BashInfrastructureError
+from dsh_bash.backend import (
+    CommandProcess,
+    ExitStatus,
+    ExitTrailerFilter,
+    Launch,
+    ProcEntry,
+    signal_marked,
+    signal_name,
+)
+from dsh_bash.backend import scan_processes as scan
 
 from ._engine import EngineClient, EngineError, ExecStream
 from ._scripts import BOOT_FAIL, BOOT_OK, KILL

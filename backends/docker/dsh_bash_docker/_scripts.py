@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsh_bash._remote_bash import BOOT_FAIL, BOOT_OK, EXIT_PREFIX, KILL, SPILL_DIR, SPILL_WRITER
+from dsh_bash.backend import BOOT_FAIL, BOOT_OK, EXIT_PREFIX, KILL, SPILL_DIR, SPILL_WRITER
 
 __all__ = ["BOOT", "BOOT_FAIL", "BOOT_OK", "EXIT_PREFIX", "KILL", "SPILL_DIR", "SPILL_WRITER"]
 

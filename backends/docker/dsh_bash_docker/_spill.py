@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsh_bash._remote_bash import QueuedSpillFile, SpillWriter
+from dsh_bash.backend import QueuedSpillFile, SpillWriter
 
 from ._engine import EngineClient, ExecStream
 from ._process import SCRIPT_ENV, run_script

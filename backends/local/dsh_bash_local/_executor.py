@@ -8,8 +8,8 @@ from collections.abc import Mapping
 
 import anyio.to_thread
 
-from dsh_bash import BashExecutor, BashInfrastructureError, CommandProcess, Killable, Launch, SpillFile
-from dsh_bash._procscan import ProcScanner, signal_marked
+from dsh_bash import BashExecutor, BashInfrastructureError
+from dsh_bash.backend import CommandProcess, Killable, Launch, ProcScanner, SpillFile, signal_marked
 
 from ._config import LocalConfig
 from ._process import spawn_local
@@ -34,7 +34,7 @@ class _Leftovers:
         return [str(e.pid) for e in await self._scanner.entries() if e.alive and e.marker is not None]
 
 
-class LocalBashExecutor(BashExecutor):
+class LocalBashExecutor(BashExecutor[LocalConfig]):
     """Runs each command as ``bash --noprofile --norc -c COMMAND`` in a new session on this host."""
 
     config_class = LocalConfig
@@ -48,11 +48,6 @@ class LocalBashExecutor(BashExecutor):
         self._scanner = ProcScanner(self._token)
         self._spill_dir: LocalSpillDir | None = None
         self._bash: str | None = None
-
-    @property
-    def config(self) -> LocalConfig:
-        assert isinstance(self._config, LocalConfig)
-        return self._config
 
     async def _open(self) -> None:
         self._spill_dir = LocalSpillDir(self._local_config.spill_dir)

@@ -13,8 +13,8 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from dsh_bash import BashInfrastructureError, CommandProcess, ExitStatus, Launch, OutputStream
-from dsh_bash._procscan import ProcScanner, signal_marked
+from dsh_bash import BashInfrastructureError
+from dsh_bash.backend import CommandProcess, ExitStatus, Launch, OutputStream, ProcScanner, signal_marked
 
 from ._spill import LocalSpillDir
 

@@ -20,7 +20,8 @@ from typing import Any
 import anyio
 import asyncssh
 
-from dsh_bash import BashInfrastructureError, CommandProcess, ExitStatus, Launch
+from dsh_bash import BashInfrastructureError
+from dsh_bash.backend import CommandProcess, ExitStatus, Launch
 
 from ._connection import ChannelPool, RequestRefused
 from ._process import RemoteMarked

@@ -12,18 +12,18 @@ from typing import Self
 
 import anyio
 
-from dsh_bash import (
+from dsh_bash import BashExecutor, BashInfrastructureError
+from dsh_bash.backend import (
     MARKER_VAR,
-    BashExecutor,
-    BashInfrastructureError,
+    MODEL_FRIENDLY_ENV,
     CommandProcess,
+    CommandSpills,
     Killable,
     Launch,
     SpillFile,
     kill_abandoned_start,
+    spill_file_path,
 )
-from dsh_bash._env import MODEL_FRIENDLY_ENV
-from dsh_bash._remote_bash import CommandSpills, spill_file_path
 
 from ._config import SshConfig
 from ._connection import ChannelPool
@@ -61,7 +61,7 @@ def parse_setup(out: bytes) -> tuple[dict[str, str], str, str]:
     return env, home, spill_dir
 
 
-class SshBashExecutor(BashExecutor):
+class SshBashExecutor(BashExecutor[SshConfig]):
     """Runs each command as ``bash --noprofile --norc -c COMMAND`` on an SSH host. asyncio only."""
 
     config_class = SshConfig
@@ -90,11 +90,6 @@ class SshBashExecutor(BashExecutor):
         self._detach_lock = anyio.Lock()
         #: Detached tasks by marker: their files' base path and their streams' spill files.
         self._detached: dict[str, tuple[str, dict[str, DetachedSpill]]] = {}
-
-    @property
-    def config(self) -> SshConfig:
-        assert isinstance(self._config, SshConfig)
-        return self._config
 
     @property
     def home(self) -> str:

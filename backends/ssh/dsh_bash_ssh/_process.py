@@ -10,7 +10,8 @@ import anyio
 import anyio.lowlevel
 import asyncssh
 
-from dsh_bash import BashInfrastructureError, CommandProcess, ExitStatus, Launch, signal_name
+from dsh_bash import BashInfrastructureError
+from dsh_bash.backend import CommandProcess, ExitStatus, Launch, signal_name
 
 from ._connection import ChannelPool, SlotSession
 from ._scripts import BOOT_FAIL, BOOT_OK, KILL, READY, STDERR_OK

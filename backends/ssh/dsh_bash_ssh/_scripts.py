@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import shlex
 
-from dsh_bash._remote_bash import BOOT_FAIL, BOOT_OK, KILL, SPILL_DIR, SPILL_WRITER
+from dsh_bash.backend import BOOT_FAIL, BOOT_OK, KILL, SPILL_DIR, SPILL_WRITER
 
 __all__ = [
     "BOOT_FAIL",

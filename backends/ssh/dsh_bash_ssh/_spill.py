@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import anyio
 
-from dsh_bash._remote_bash import QueuedSpillFile, SpillWriter
+from dsh_bash.backend import QueuedSpillFile, SpillWriter
 
 from ._connection import Channel, ChannelPool
 from ._scripts import SPILL_WRITER, cmdline

@@ -47,8 +47,8 @@ import anyio.to_thread
 from dsh_bash_local import LocalBashExecutor, LocalConfig
 from pydantic import ValidationError, field_validator
 
-from dsh_bash import MARKER_VAR, BashInfrastructureError, CommandProcess, ExitStatus, Launch
-from dsh_bash._config import config_error_from
+from dsh_bash import BashInfrastructureError
+from dsh_bash.backend import MARKER_VAR, CommandProcess, ExitStatus, Launch, config_error_from
 
 __all__ = ["BwrapBashExecutor", "BwrapConfig"]
 

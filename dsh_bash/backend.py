@@ -1,0 +1,101 @@
+"""The public API for backend authors: everything a backend needs, and nothing a caller does.
+
+Callers use the flat :mod:`dsh_bash` namespace (requests, results, the abstract executor, errors,
+``load_executor``). A backend subclasses :class:`dsh_bash.BashExecutor` and brings only its own
+process, kill and spill mechanics; this module holds the pieces it builds them from:
+
+- the launch and process protocol: :class:`Launch`, :class:`CommandProcess`, :class:`ExitStatus`,
+  :class:`Killable`;
+- killing: :func:`kill_sequence`, :func:`kill_abandoned_start`, :func:`signal_name`;
+- markers and process scanning on a Linux host: :data:`MARKER_VAR`, :class:`ProcScanner`,
+  :func:`scan_processes`, :class:`ProcEntry`, :func:`signal_marked` (pid-fd signalling);
+- output accounting: :class:`OutputStream`, :class:`SpillFile`, :class:`SpillBudget`,
+  :data:`StreamName`, :func:`merge_streams`;
+- the environment policy: :func:`build_command_env`, :func:`is_scrubbed`,
+  :data:`MODEL_FRIENDLY_ENV`, :data:`RC_FILE_VARIABLES`;
+- bash reached remotely (through an API or a channel): the boot markers :data:`BOOT_OK`,
+  :data:`BOOT_FAIL`, :data:`EXIT_PREFIX`, the scripts :data:`KILL`, :data:`SPILL_DIR`,
+  :data:`SPILL_WRITER`, and :class:`ExitTrailerFilter`, :class:`QueuedSpillFile`,
+  :class:`SpillWriter`, :class:`CommandSpills`, :func:`spill_file_path`,
+  :data:`SPILL_HIGH_WATER_BYTES`;
+- configuration: :class:`dsh_bash.BudgetConfig` to subclass, :func:`config_error_from` to turn a
+  pydantic ``ValidationError`` into a :class:`dsh_bash.ConfigError` that names the field;
+- errors with a machine-readable reason: :data:`InfraReason`, :data:`INFRA_REASONS`.
+
+``docs/writing-a-backend.md`` walks through writing a backend with them; ``docs/contract.md`` is
+what the backend must keep. Names here are public and stable within a major version; modules whose
+names start with ``_`` are not, and no code outside :mod:`dsh_bash` may import them.
+"""
+
+from __future__ import annotations
+
+from ._backend import (
+    MARKER_VAR,
+    CommandProcess,
+    ExitStatus,
+    Killable,
+    Launch,
+    kill_abandoned_start,
+    kill_sequence,
+    signal_name,
+)
+from ._config import BUDGET_FIELDS, config_error_from
+from ._env import MODEL_FRIENDLY_ENV, RC_FILE_VARIABLES, build_command_env, is_scrubbed
+from ._errors import INFRA_REASONS, InfraReason
+from ._output import OutputStream, SpillBudget, SpillFile, StreamName, merge_streams
+from ._procscan import ProcEntry, ProcScanner, signal_marked
+from ._procscan import scan as scan_processes
+from ._remote_bash import (
+    BOOT_FAIL,
+    BOOT_OK,
+    EXIT_PREFIX,
+    KILL,
+    SPILL_DIR,
+    SPILL_HIGH_WATER_BYTES,
+    SPILL_WRITER,
+    CommandSpills,
+    ExitTrailerFilter,
+    QueuedSpillFile,
+    SpillWriter,
+    spill_file_path,
+)
+
+__all__ = [
+    "BOOT_FAIL",
+    "BOOT_OK",
+    "BUDGET_FIELDS",
+    "EXIT_PREFIX",
+    "INFRA_REASONS",
+    "KILL",
+    "MARKER_VAR",
+    "MODEL_FRIENDLY_ENV",
+    "RC_FILE_VARIABLES",
+    "SPILL_DIR",
+    "SPILL_HIGH_WATER_BYTES",
+    "SPILL_WRITER",
+    "CommandProcess",
+    "CommandSpills",
+    "ExitStatus",
+    "ExitTrailerFilter",
+    "InfraReason",
+    "Killable",
+    "Launch",
+    "OutputStream",
+    "ProcEntry",
+    "ProcScanner",
+    "QueuedSpillFile",
+    "SpillBudget",
+    "SpillFile",
+    "SpillWriter",
+    "StreamName",
+    "build_command_env",
+    "config_error_from",
+    "is_scrubbed",
+    "kill_abandoned_start",
+    "kill_sequence",
+    "merge_streams",
+    "scan_processes",
+    "signal_marked",
+    "signal_name",
+    "spill_file_path",
+]
