@@ -21,6 +21,7 @@ from ._types import BashExecSpec
 
 __all__ = [
     "MARKER_VAR",
+    "MAX_INLINE_COMMAND",
     "CommandProcess",
     "ExitStatus",
     "Killable",
@@ -35,6 +36,10 @@ log = logging.getLogger("dsh_bash")
 #: Every command's environment carries ``MARKER_VAR=<executor token>-<command number>``; its
 #: descendants inherit it, so a backend can find them again after they left the process group.
 MARKER_VAR = "DSH_BASH_MARK"
+
+#: execve refuses a single argument over 128 KiB (MAX_ARG_STRLEN): a command longer than this (in
+#: bytes, UTF-8) must reach bash another way than ``bash -c COMMAND`` (a file), on every backend.
+MAX_INLINE_COMMAND = 100_000
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ import anyio.to_thread
 
 from ._backend import MARKER_VAR
 
-__all__ = ["ProcEntry", "ProcScanner", "signal_marked"]
+__all__ = ["ProcEntry", "ProcScanner", "ProcStat", "read_proc_stat", "scan", "signal_marked"]
 
 _NEEDLE = b"\0" + MARKER_VAR.encode() + b"="
 _DEAD_STATES = frozenset("ZXx")
@@ -48,17 +48,37 @@ def _read_marker(pid: int, prefix: bytes) -> str | None:
     return environ[start : end if end >= 0 else len(environ)].decode("ascii", "replace")
 
 
-def _read_stat(pid: int) -> tuple[int, bool] | None:
+@dataclass(frozen=True, slots=True)
+class ProcStat:
+    """The fields of ``/proc/PID/stat`` a backend needs."""
+
+    pid: int
+    state: str  # one letter: R, S, D, Z, T, ...
+    ppid: int
+    pgrp: int
+    session: int
+
+    @property
+    def alive(self) -> bool:
+        """False for zombies and dead entries."""
+        return self.state not in _DEAD_STATES
+
+
+def read_proc_stat(pid: int | str, proc: str = "/proc") -> ProcStat | None:
+    """``/proc/PID/stat`` parsed, or None when the process is gone or its stat unreadable."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
+        with open(f"{proc}/{pid}/stat", "rb") as fh:
             stat = fh.read()
     except OSError:
         return None
     # The command name may contain spaces and parentheses: fields start after the last ')'.
     fields = stat[stat.rfind(b")") + 2 :].split()
-    if len(fields) < 3:
+    if len(fields) < 4:
         return None
-    return int(fields[2]), fields[0].decode() not in _DEAD_STATES
+    try:
+        return ProcStat(int(pid), fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[3]))
+    except ValueError:
+        return None
 
 
 def scan(prefix: bytes) -> list[ProcEntry]:
@@ -71,11 +91,11 @@ def scan(prefix: bytes) -> list[ProcEntry]:
         pid = int(name)
         if pid == own:
             continue
-        stat = _read_stat(pid)
+        stat = read_proc_stat(pid)
         if stat is None:
             continue
-        pgrp, alive = stat
-        entries.append(ProcEntry(pid, pgrp, alive, _read_marker(pid, prefix) if alive else None))
+        alive = stat.alive
+        entries.append(ProcEntry(pid, stat.pgrp, alive, _read_marker(pid, prefix) if alive else None))
     return entries
 
 

@@ -6,9 +6,13 @@ process, kill and spill mechanics; this module holds the pieces it builds them f
 
 - the launch and process protocol: :class:`Launch`, :class:`CommandProcess`, :class:`ExitStatus`,
   :class:`Killable`;
+- commands as processes of this Linux host (the local backend, and sandboxing backends that put a
+  launcher in front of its argv): :class:`HostBashExecutor`, :class:`HostConfig`,
+  :class:`HostProcess`, :func:`spawn_host_process`, :class:`HostSpillDir`, :data:`MAX_INLINE_COMMAND`;
 - killing: :func:`kill_sequence`, :func:`kill_abandoned_start`, :func:`signal_name`;
 - markers and process scanning on a Linux host: :data:`MARKER_VAR`, :class:`ProcScanner`,
-  :func:`scan_processes`, :class:`ProcEntry`, :func:`signal_marked` (pid-fd signalling);
+  :func:`scan_processes`, :class:`ProcEntry`, :func:`read_proc_stat`, :class:`ProcStat`,
+  :func:`signal_marked` (pid-fd signalling);
 - output accounting: :class:`OutputStream`, :class:`SpillFile`, :class:`SpillBudget`,
   :data:`StreamName`, :func:`merge_streams`;
 - the environment policy: :func:`build_command_env`, :func:`is_scrubbed`,
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 from ._backend import (
     MARKER_VAR,
+    MAX_INLINE_COMMAND,
     CommandProcess,
     ExitStatus,
     Killable,
@@ -42,8 +47,11 @@ from ._backend import (
 from ._config import BUDGET_FIELDS, config_error_from
 from ._env import MODEL_FRIENDLY_ENV, RC_FILE_VARIABLES, build_command_env, is_scrubbed
 from ._errors import INFRA_REASONS, InfraReason
+from ._hostexec import HostBashExecutor, HostConfig, host_support_problem
+from ._hostproc import HostProcess, StartHelper, WrapCommand, spawn_host_process
+from ._hostspill import HostSpillDir, HostSpillFile
 from ._output import OutputStream, SpillBudget, SpillFile, StreamName, merge_streams
-from ._procscan import ProcEntry, ProcScanner, signal_marked
+from ._procscan import ProcEntry, ProcScanner, ProcStat, read_proc_stat, signal_marked
 from ._procscan import scan as scan_processes
 from ._remote_bash import (
     BOOT_FAIL,
@@ -68,6 +76,7 @@ __all__ = [
     "INFRA_REASONS",
     "KILL",
     "MARKER_VAR",
+    "MAX_INLINE_COMMAND",
     "MODEL_FRIENDLY_ENV",
     "RC_FILE_VARIABLES",
     "SPILL_DIR",
@@ -77,25 +86,36 @@ __all__ = [
     "CommandSpills",
     "ExitStatus",
     "ExitTrailerFilter",
+    "HostBashExecutor",
+    "HostConfig",
+    "HostProcess",
+    "HostSpillDir",
+    "HostSpillFile",
     "InfraReason",
     "Killable",
     "Launch",
     "OutputStream",
     "ProcEntry",
     "ProcScanner",
+    "ProcStat",
     "QueuedSpillFile",
     "SpillBudget",
     "SpillFile",
     "SpillWriter",
+    "StartHelper",
     "StreamName",
+    "WrapCommand",
     "build_command_env",
     "config_error_from",
+    "host_support_problem",
     "is_scrubbed",
     "kill_abandoned_start",
     "kill_sequence",
     "merge_streams",
+    "read_proc_stat",
     "scan_processes",
     "signal_marked",
     "signal_name",
+    "spawn_host_process",
     "spill_file_path",
 ]

@@ -8,7 +8,7 @@ process's kill or wait, an output stream, the result builder), not in a rewrite 
 
 Two hooks keep the classes short:
 
-- :class:`_ProcessBreaker` re-classes the :class:`LocalProcess` that ``spawn_local`` built into a
+- :class:`_ProcessBreaker` re-classes the :class:`HostProcess` that ``spawn_host_process`` built into a
   broken subclass (``process_class``), for bugs in waiting, reading, writing stdin and killing;
 - :class:`_StreamBreaker` re-classes the command's two :class:`OutputStream` objects into a broken
   subclass (``stream_class``), for bugs in output accounting and decoding.
@@ -35,8 +35,6 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 from dsh_bash_local import LocalBashExecutor, LocalConfig
-from dsh_bash_local._process import LocalProcess
-from dsh_bash_local._spill import LocalSpillFile
 
 from dsh_bash import (
     DEFAULT_ENV_SCRUB,
@@ -58,6 +56,8 @@ from dsh_bash.backend import (
     MODEL_FRIENDLY_ENV,
     CommandProcess,
     ExitStatus,
+    HostProcess,
+    HostSpillFile,
     Killable,
     Launch,
     OutputStream,
@@ -79,12 +79,12 @@ log = logging.getLogger("dsh_bash.broken")
 class _ProcessBreaker(LocalBashExecutor):
     """Spawns like the local backend, then turns the process into an instance of ``process_class``."""
 
-    process_class: ClassVar[type[LocalProcess]] = LocalProcess
+    process_class: ClassVar[type[HostProcess]] = HostProcess
 
     async def _spawn(self, launch: Launch) -> CommandProcess:
         process = await super()._spawn(launch)
-        assert isinstance(process, LocalProcess)
-        # spawn_local builds a LocalProcess; the breakage lives in a subclass with the same layout.
+        assert isinstance(process, HostProcess)
+        # spawn_host_process builds a HostProcess; the breakage lives in a subclass with the same layout.
         process.__class__ = self.process_class
         return process
 
@@ -111,7 +111,7 @@ def _with_spec(launch: Launch, **changes: Any) -> Launch:
 
 def _plain_spawn(
     ex: LocalBashExecutor, launch: Launch, *, new_session: bool = True, idle_stdin: int | None = None
-) -> LocalProcess:
+) -> HostProcess:
     """A hand-rolled spawn: ``bash --noprofile --norc -c COMMAND``, the command always in argv.
 
     ``new_session`` is ``start_new_session``; ``idle_stdin`` is the fd a command without
@@ -147,7 +147,7 @@ def _plain_spawn(
             os.close(fd)
     for fd in (out_r, err_r) + ((in_w,) if in_w is not None else ()):
         os.set_blocking(fd, False)
-    return LocalProcess(
+    return HostProcess(
         popen,
         launch,
         stdout_fd=out_r,
@@ -188,7 +188,7 @@ class _Nothing:
 # =================================================================================================
 
 
-class _HighExitIsSignalProcess(LocalProcess):
+class _HighExitIsSignalProcess(HostProcess):
     async def wait(self) -> ExitStatus:
         status = await super().wait()
         if status.code is not None and status.code > 128:
@@ -205,7 +205,7 @@ class HighExitCodeAsSignal(_ProcessBreaker):
     process_class = _HighExitIsSignalProcess
 
 
-class _SignalAsExitCodeProcess(LocalProcess):
+class _SignalAsExitCodeProcess(HostProcess):
     async def wait(self) -> ExitStatus:
         status = await super().wait()
         if status.signal is not None:
@@ -534,7 +534,7 @@ class StdinPipeNeverClosed(LocalBashExecutor):
         return _plain_spawn(self, launch, idle_stdin=self._idle_stdin[0])
 
 
-class _SingleWriteStdinProcess(LocalProcess):
+class _SingleWriteStdinProcess(HostProcess):
     async def _write_stdin(self, fd: int) -> None:
         data = self._launch.spec.stdin
         assert data is not None
@@ -584,7 +584,7 @@ class NoNewSession(LocalBashExecutor):
 # =================================================================================================
 
 
-class _LeaderOnlyProcess(LocalProcess):
+class _LeaderOnlyProcess(HostProcess):
     async def signal_all(self, sig: int) -> None:
         if not self._reaped:  # an unreaped child's pid cannot be reused
             with contextlib.suppress(ProcessLookupError):
@@ -603,7 +603,7 @@ class KillsOnlyLeader(_ProcessBreaker):
     process_class = _LeaderOnlyProcess
 
 
-class _SigkillOnlyProcess(LocalProcess):
+class _SigkillOnlyProcess(HostProcess):
     async def signal_all(self, sig: int) -> None:
         await super().signal_all(signal.SIGKILL)
 
@@ -617,7 +617,7 @@ class SigkillWithoutSigterm(_ProcessBreaker):
     process_class = _SigkillOnlyProcess
 
 
-class _NeverSigkillProcess(LocalProcess):
+class _NeverSigkillProcess(HostProcess):
     async def signal_all(self, sig: int) -> None:
         if sig != signal.SIGKILL:
             await super().signal_all(sig)
@@ -632,7 +632,7 @@ class NeverSigkill(_ProcessBreaker):
     process_class = _NeverSigkillProcess
 
 
-class _NoKillAfterLeaderExitProcess(LocalProcess):
+class _NoKillAfterLeaderExitProcess(HostProcess):
     async def signal_all(self, sig: int) -> None:
         if self._reaped or self._peek_exit() is not None:
             return  # "the command has exited": but its group has not
@@ -648,7 +648,7 @@ class StopsKillingAfterLeaderExit(_ProcessBreaker):
     process_class = _NoKillAfterLeaderExitProcess
 
 
-class _KillGroupAtExitProcess(LocalProcess):
+class _KillGroupAtExitProcess(HostProcess):
     async def wait(self) -> ExitStatus:
         status = await super().wait()
         await self.signal_all(signal.SIGKILL)
@@ -665,7 +665,7 @@ class KillsDescendantsAtExit(_ProcessBreaker):
     process_class = _KillGroupAtExitProcess
 
 
-class _WaitForEofProcess(LocalProcess):
+class _WaitForEofProcess(HostProcess):
     async def wait(self) -> ExitStatus:
         status = await super().wait()
         while not all(self._fds.values()):  # noqa: ASYNC110 - _read flips the flags, nothing notifies
@@ -683,7 +683,7 @@ class NoDrainBound(_ProcessBreaker):
     process_class = _WaitForEofProcess
 
 
-class _BlockingWaitProcess(LocalProcess):
+class _BlockingWaitProcess(HostProcess):
     async def wait(self) -> ExitStatus:
         # Blocks the event loop until the shell exits: no timer, no abort, no cancel can act.
         os.waitid(os.P_PID, self._pid, os.WEXITED | os.WNOWAIT)  # noqa: ASYNC222 - the bug
@@ -1017,7 +1017,7 @@ class EvictsFinishedOutput(LocalBashExecutor):
 # =================================================================================================
 
 
-class _StderrIntoStdoutProcess(LocalProcess):
+class _StderrIntoStdoutProcess(HostProcess):
     async def pump_output(self) -> None:
         async with anyio.create_task_group() as tg:
             if self._stdin_fd is not None:
@@ -1174,7 +1174,7 @@ class SequentialSpillNames(LocalBashExecutor):
     def _open_spill(self, command_marker: str, stream: str) -> SpillFile:
         if self._spill_dir is None:
             raise OSError("the spill directory is gone")
-        return LocalSpillFile(self._spill_dir, f"{next(self._spill_numbers):06d}.{stream}")
+        return HostSpillFile(self._spill_dir, f"{next(self._spill_numbers):06d}.{stream}")
 
 
 class KeepsSpillDir(LocalBashExecutor):
@@ -1440,7 +1440,7 @@ class ConcurrentAcloseRaises(LocalBashExecutor):
 # =================================================================================================
 
 
-class _GroupOnlyProcess(LocalProcess):
+class _GroupOnlyProcess(HostProcess):
     async def signal_all(self, sig: int) -> None:
         group_ours, _escaped = await self._members()
         if group_ours:
@@ -1490,7 +1490,7 @@ class GroupOnlyTracking(_ProcessBreaker):
 
     async def _spawn(self, launch: Launch) -> CommandProcess:
         process = await super()._spawn(launch)
-        assert isinstance(process, LocalProcess)
+        assert isinstance(process, HostProcess)
         self._groups.add(process._pid)
         return process
 

@@ -2,8 +2,7 @@
 
 Run through the CLI, as a third party would (``module:attr`` backend, the package on
 ``PYTHONPATH``), and through the whole kit in-process. Skips (never with ``backend unavailable:``:
-the example is optional) where bubblewrap cannot make a sandbox, and while the local backend lacks
-the ``_wrap_command`` hook the example is built on.
+the example is optional) where bubblewrap cannot make a sandbox.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from typing import Any
 
 import pytest
 from dsh_bash_conformance import CHECKS, KitTarget, run_kit
-from dsh_bash_local import LocalBashExecutor
 from test_cli_config import Outcome, config, dsh
 
 from dsh_bash import backend_factory
@@ -37,11 +35,6 @@ def _why_not() -> str | None:
     if done.returncode != 0:
         said = " ".join(done.stderr.split()) or f"exit {done.returncode}"
         return f"bubblewrap cannot run here (user namespaces unavailable?): {said}"
-    if not hasattr(LocalBashExecutor, "_wrap_command"):
-        return (
-            "the local backend has no _wrap_command hook yet, which the example is built on "
-            "(see examples/bwrap_backend/README.md)"
-        )
     return None
 
 

@@ -30,7 +30,6 @@ from security_support import (
     make_executor,
 )
 
-import dsh_bash._remote_bash
 from dsh_bash import BashExecRequest, BashExecutor, BashInfrastructureError, BashRunResult, BashTask
 
 pytestmark = [pytest.mark.faults, pytest.mark.anyio]
@@ -63,10 +62,10 @@ def _remove_victims() -> Iterator[None]:
 
 @pytest.fixture
 def tokens(monkeypatch: pytest.MonkeyPatch) -> Iterator[PredictableTokens]:
-    import dsh_bash_local._spill  # noqa: PLC0415
+    import dsh_bash._hostspill  # noqa: PLC0415
 
     source = PredictableTokens(12, [LEARN, PLANTED, LATER])
-    monkeypatch.setattr(dsh_bash_local._spill, "secrets", source)
+    monkeypatch.setattr(dsh_bash._hostspill, "secrets", source)
     monkeypatch.setattr(dsh_bash._remote_bash, "secrets", source)
     yield source
 

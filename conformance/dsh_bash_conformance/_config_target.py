@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dsh_bash import BashExecutor, load_executor
+from dsh_bash.backend import HostBashExecutor
 
 from ._host import find_host_processes, patch_os_environ
 from ._kit import KitTarget
@@ -157,7 +158,6 @@ def config_target(
         plant_ambient = plant_through_hook
     else:
         plant_ambient = patch_os_environ
-        local_cls = _loaded_class("dsh_bash_local", "LocalBashExecutor")
         docker_cls = _loaded_class("dsh_bash_docker", "DockerBashExecutor")
         if docker_cls is not None and isinstance(probe, docker_cls):
             notes.append(
@@ -166,10 +166,8 @@ def config_target(
                 "env-scrub-replaces-defaults will fail (and the other env-* checks prove less); run "
                 "those against image mode"
             )
-        elif local_cls is None or getattr(backend_cls, "_ambient_env", None) is not getattr(
-            local_cls, "_ambient_env", None
-        ):
-            # The local backend's commands inherit os.environ; a subclass that overrides where the
+        elif getattr(backend_cls, "_ambient_env", None) is not HostBashExecutor._ambient_env:
+            # Commands of a host backend inherit os.environ; a subclass that overrides where the
             # ambient environment comes from gets the caveat too.
             notes.append(
                 f"{backend_cls.__name__} defines no kit_plant_ambient hook: the env-* checks assume its "

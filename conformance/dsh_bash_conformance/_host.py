@@ -6,19 +6,14 @@ import contextlib
 import os
 from collections.abc import Iterator, Mapping
 
+from dsh_bash.backend import read_proc_stat
+
 __all__ = ["find_host_processes", "patch_os_environ"]
 
 
 def _is_zombie(pid: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            stat = handle.read()
-    except OSError:
-        return True  # gone while we looked
-    # The state is the first field after the command name, which is in parentheses and may
-    # itself contain spaces and parentheses: look after the last ')'.
-    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
-    return state in (b"Z", b"X", b"x")
+    stat = read_proc_stat(pid)
+    return stat is None or not stat.alive  # gone while we looked, or a zombie
 
 
 def find_host_processes(marker: str) -> list[int]:

@@ -15,6 +15,7 @@ import anyio.to_thread
 from dsh_bash import BashExecutor, BashInfrastructureError
 from dsh_bash.backend import (
     MARKER_VAR,
+    MAX_INLINE_COMMAND,
     RC_FILE_VARIABLES,
     CommandProcess,
     CommandSpills,
@@ -40,7 +41,6 @@ MANAGED_LABEL = "dsh-bash.executor"
 #: Label naming the pid of the process that created the container (for sweeping crashed hosts).
 OWNER_PID_LABEL = "dsh-bash.owner-pid"
 
-_MAX_INLINE_COMMAND = 100_000
 _SPILL_FLUSH_BOUND_S = 30.0
 #: How long aclose waits for the engine to remove the spill directory of a container it does not own.
 _RELEASE_WAIT_S = 2.0
@@ -305,7 +305,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         env["DSH_BASH_NONCE"] = nonce
         command = spec.command
         script_path = ""
-        if len(command.encode("utf-8", "surrogateescape")) > _MAX_INLINE_COMMAND:
+        if len(command.encode("utf-8", "surrogateescape")) > MAX_INLINE_COMMAND:
             script_path = spill_file_path(self._spill_dir, "sh")
             code, _, err = await run_script(
                 self._engine,

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from dsh_bash import BudgetConfig
+from dsh_bash.backend import HostConfig
 
 __all__ = ["LocalConfig"]
 
 
-class LocalConfig(BudgetConfig):
-    """The shared budgets, plus where bash and the spill directory live.
+class LocalConfig(HostConfig):
+    """The shared budgets, plus where bash and the spill directory live (``bash``, ``spill_dir``).
 
     ``cwd`` defaults to the process's working directory when the executor is made.
     """
-
-    bash: str = "bash"
-    spill_dir: str | None = None

@@ -15,6 +15,7 @@ import anyio
 from dsh_bash import BashExecutor, BashInfrastructureError
 from dsh_bash.backend import (
     MARKER_VAR,
+    MAX_INLINE_COMMAND,
     MODEL_FRIENDLY_ENV,
     CommandProcess,
     CommandSpills,
@@ -37,9 +38,6 @@ __all__ = ["SshBashExecutor"]
 
 log = logging.getLogger("dsh_bash.ssh")
 
-#: Command lines longer than this (in bytes) take the command from the header and run it from a
-#: file: one execve argument is limited to 128 KiB.
-_MAX_INLINE_COMMAND = 100_000
 _SPILL_FLUSH_BOUND_S = 30.0
 #: Variables of the setup script's own shell, not of the login.
 _NOT_AMBIENT = frozenset({"_", "BASH_ENV", "ENV"})
@@ -216,7 +214,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         line = boot_line(*inline)
         # One execve argument is limited to 128 KiB: a cold channel's whole line, and the command
         # text the command's own bash gets.
-        if spec.command and len(line.encode("utf-8", "surrogateescape")) <= _MAX_INLINE_COMMAND:
+        if spec.command and len(line.encode("utf-8", "surrogateescape")) <= MAX_INLINE_COMMAND:
             return _Boot(
                 args=inline,
                 line=line,

@@ -9,9 +9,10 @@ Every command runs as::
         -- env --default-signal=TERM setsid bash --noprofile --norc SANDBOX/cmd/SCRIPT
 
 Pipes, stdin, timeouts, the kill sequence, finding escapees by their marker in ``/proc`` and spill
-files are all :class:`dsh_bash_local.LocalBashExecutor`'s, unchanged: this class wraps the argv
-through the local backend's ``_wrap_command`` hook and waits, in ``_spawn``, until the sandboxed
-shell runs. Why each piece is there:
+files are all :class:`dsh_bash.backend.HostBashExecutor`'s (the base the local backend is built on
+too), unchanged: this class wraps the argv through its ``_wrap_command`` hook and waits, in
+``_spawn``, until the sandboxed shell runs. It imports nothing but the public ``dsh_bash`` and
+``dsh_bash.backend`` APIs. Why each piece is there:
 
 - The launcher (``bwrap``, and the init process it runs as pid 1 of the new PID namespace) ignores
   SIGTERM, so the kill sequence's SIGTERM reaches the command's processes (by their marker) while
@@ -40,15 +41,21 @@ import posixpath
 import secrets
 import shutil
 import tempfile
-from typing import Any, Self
 
 import anyio
 import anyio.to_thread
-from dsh_bash_local import LocalBashExecutor, LocalConfig
-from pydantic import ValidationError, field_validator
+from pydantic import field_validator
 
 from dsh_bash import BashInfrastructureError
-from dsh_bash.backend import MARKER_VAR, CommandProcess, ExitStatus, Launch, config_error_from
+from dsh_bash.backend import (
+    MARKER_VAR,
+    CommandProcess,
+    ExitStatus,
+    HostBashExecutor,
+    HostConfig,
+    Launch,
+    read_proc_stat,
+)
 
 __all__ = ["BwrapBashExecutor", "BwrapConfig"]
 
@@ -57,8 +64,8 @@ _START_BOUND_S = 10.0
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-class BwrapConfig(LocalConfig):
-    """The local backend's fields, plus the sandbox's.
+class BwrapConfig(HostConfig):
+    """The host backends' fields (``bash``, ``spill_dir``), plus the sandbox's.
 
     ``cwd`` (default: the current directory) is bound writable, unless it is ``/``.
     """
@@ -120,16 +127,9 @@ def _shell_runs(marker: str) -> bool:
     own = os.getpid()
     parents: dict[int, tuple[int, int]] = {}  # pid -> (ppid, session)
     for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as handle:
-                stat = handle.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) >= 4:
-            parents[int(name)] = (int(fields[1]), int(fields[3]))
+        stat = read_proc_stat(name) if name.isdigit() else None
+        if stat is not None:
+            parents[stat.pid] = (stat.ppid, stat.session)
     needle = f"\0{MARKER_VAR}={marker}\0".encode()
     for pid, (ppid, session) in parents.items():
         if session != pid:
@@ -148,40 +148,27 @@ def _shell_runs(marker: str) -> bool:
     return False
 
 
-class BwrapBashExecutor(LocalBashExecutor):
+class BwrapBashExecutor(HostBashExecutor[BwrapConfig]):
     """Runs each command in a fresh bubblewrap sandbox: host read-only, private /tmp, own PID namespace."""
 
     # The launcher reports a signal death of the shell as exit status 128+n.
     signals_as_exit_codes = True
 
+    config_class = BwrapConfig
+
     def __init__(self, config: BwrapConfig | None = None) -> None:
         super().__init__(config if config is not None else BwrapConfig())
-        assert isinstance(self._config, BwrapConfig)
-        self._bwrap_config: BwrapConfig = self._config
         self._sandbox_dir: str | None = None
         self._prefix: list[str] = []
         self._inner: list[str] = []
         self._scripts: dict[str, str] = {}  # command marker -> its script file
-
-    @classmethod
-    def from_fields(cls, **fields: Any) -> Self:
-        """Build from plain config fields (the entry point ``bwrap`` resolves to this)."""
-        try:
-            config = BwrapConfig(**fields)
-        except ValidationError as exc:
-            raise config_error_from(exc, "bwrap backend config") from None
-        return cls(config)
-
-    @property
-    def config(self) -> BwrapConfig:
-        return self._bwrap_config
 
     # -- opening and closing ------------------------------------------------------------------------
 
     async def _open(self) -> None:
         await super()._open()
         try:
-            names = (self._bwrap_config.bwrap, "env", "setsid")
+            names = (self.config.bwrap, "env", "setsid")
             tools = [shutil.which(name) for name in names]
             missing = [name for name, path in zip(names, tools, strict=True) if path is None]
             if missing:
@@ -222,7 +209,7 @@ class BwrapBashExecutor(LocalBashExecutor):
 
     def _writable(self) -> list[str]:
         """Host directories bound writable at the same path (the workdir first)."""
-        paths = (posixpath.normpath(path) for path in [self._default_cwd(), *self._bwrap_config.writable])
+        paths = (posixpath.normpath(path) for path in [self._default_cwd(), *self.config.writable])
         return [path for path in paths if path != "/"]
 
     def _host_path(self, path: str) -> str:
@@ -238,7 +225,7 @@ class BwrapBashExecutor(LocalBashExecutor):
     def _sandbox_argv(self, argv: list[str], workdir: str) -> list[str]:
         if self._sandbox_dir is None or not self._prefix:
             raise BashInfrastructureError("the bwrap sandbox is not set up (executor not open)")
-        config = self._bwrap_config
+        config = self.config
         sandbox = [*self._prefix, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
         sandbox += ["--bind", f"{self._sandbox_dir}/tmp", "/tmp"]
         for path in self._writable():

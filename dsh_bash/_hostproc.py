@@ -1,4 +1,8 @@
-"""One local command: a fresh bash in a session of its own, read through non-blocking pipes."""
+"""One command on this host: a fresh bash in a session of its own, read through non-blocking pipes.
+
+Shared by every backend whose commands are processes of this Linux host (the local backend, and
+sandboxing backends that wrap its argv in a launcher); public through :mod:`dsh_bash.backend`.
+"""
 
 from __future__ import annotations
 
@@ -13,20 +17,20 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from dsh_bash import BashInfrastructureError
-from dsh_bash.backend import CommandProcess, ExitStatus, Launch, OutputStream, ProcScanner, signal_marked
+from ._backend import MAX_INLINE_COMMAND, CommandProcess, ExitStatus, Launch
+from ._errors import BashInfrastructureError, InfraReason
+from ._hostspill import HostSpillDir
+from ._output import OutputStream
+from ._procscan import ProcScanner, signal_marked
 
-from ._spill import LocalSpillDir
+__all__ = ["HostProcess", "StartHelper", "WrapCommand", "spawn_host_process"]
 
-__all__ = ["LocalProcess", "spawn_local"]
-
-# execve refuses a single argument over 128 KiB (MAX_ARG_STRLEN): longer commands go through a file.
-_MAX_INLINE_COMMAND = 100_000
 _FIRST_READ = 64 * 1024
 _BIG_READ = 1024 * 1024
 
+#: ``start_helper(async_fn, *args)``: runs a helper in the executor's task group.
 StartHelper = Callable[..., None]
-#: ``wrap(argv, launch) -> (argv, host_workdir)``: see ``LocalBashExecutor._wrap_command``.
+#: ``wrap(argv, launch) -> (argv, host_workdir)``: see ``HostBashExecutor._wrap_command``.
 WrapCommand = Callable[[list[str], Launch], tuple[list[str], str]]
 
 
@@ -34,7 +38,7 @@ def _set_nonblocking(fd: int) -> None:
     os.set_blocking(fd, False)
 
 
-class LocalProcess(CommandProcess):
+class HostProcess(CommandProcess):
     """The process group ``pgid`` (our unreaped child leads it) plus every process carrying the marker."""
 
     def __init__(
@@ -47,7 +51,7 @@ class LocalProcess(CommandProcess):
         stdin_fd: int | None,
         scanner: ProcScanner,
         start_helper: StartHelper,
-        script: tuple[LocalSpillDir, str] | None,
+        script: tuple[HostSpillDir, str] | None,
     ) -> None:
         self._popen = popen
         self._pid = popen.pid
@@ -210,33 +214,40 @@ async def _discard_until_eof(fd: int) -> None:
         os.close(fd)
 
 
-def _workdir_problem(workdir: str) -> str | None:
+def _workdir_problem(workdir: str) -> tuple[str, InfraReason] | None:
     try:
         st = os.stat(workdir)
     except FileNotFoundError:
-        return "does not exist"
+        return "does not exist", "workdir_missing"
+    except NotADirectoryError:
+        return "does not exist (a path component is not a directory)", "workdir_missing"
     except OSError as exc:
-        return f"cannot be examined: {exc.strerror}"
+        return f"cannot be examined: {exc.strerror}", "workdir_not_accessible"
     if not stat.S_ISDIR(st.st_mode):
-        return "is not a directory"
+        return "is not a directory", "workdir_not_directory"
     if not os.access(workdir, os.X_OK):
-        return "cannot be entered (permission denied)"
+        return "cannot be entered (permission denied)", "workdir_not_accessible"
     return None
 
 
-async def spawn_local(
+async def spawn_host_process(
     launch: Launch,
     *,
     bash: str,
-    spill_dir: LocalSpillDir,
+    spill_dir: HostSpillDir,
     scanner: ProcScanner,
     start_helper: StartHelper,
     wrap: WrapCommand | None = None,
-) -> LocalProcess:
+) -> HostProcess:
+    """Start ``launch`` as ``bash --noprofile --norc`` in a new session of this host; return once it runs.
+
+    ``wrap`` lets a sandboxing backend put a launcher in front of the argv. Raises
+    :class:`dsh_bash.BashInfrastructureError` (with its ``reason``) when it cannot start.
+    """
     spec = launch.spec
-    script: tuple[LocalSpillDir, str] | None = None
+    script: tuple[HostSpillDir, str] | None = None
     encoded = spec.command.encode("utf-8", "surrogateescape")
-    if len(encoded) > _MAX_INLINE_COMMAND:
+    if len(encoded) > MAX_INLINE_COMMAND:
         script_file = spill_dir.new_file("sh")
         script_file.write(encoded)
         script_file.close()
@@ -252,7 +263,8 @@ async def spawn_local(
             argv, host_workdir = wrap(argv, launch)
         problem = _workdir_problem(host_workdir)
         if problem is not None:
-            raise BashInfrastructureError(f"workdir {spec.workdir!r} {problem}")
+            what, why = problem
+            raise BashInfrastructureError(f"workdir {spec.workdir!r} {what}", reason=why)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         opened += [out_r, out_w]
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -282,10 +294,13 @@ async def spawn_local(
                 size = sum(len(k.encode()) + len(v.encode()) + 2 for k, v in launch.env.items())
                 raise BashInfrastructureError(
                     f"cannot start {bash!r}: the command's environment (env) is too large for the "
-                    f"system ({size} bytes in {len(launch.env)} variables): {exc.strerror or exc}"
+                    f"system ({size} bytes in {len(launch.env)} variables): {exc.strerror or exc}",
+                    reason="start_failed",
                 ) from exc
+            missing = exc.errno in (errno.ENOENT, errno.EACCES)
             raise BashInfrastructureError(
-                f"cannot start {bash!r} in {spec.workdir!r}: {exc.strerror or exc}"
+                f"cannot start {bash!r} in {spec.workdir!r}: {exc.strerror or exc}",
+                reason="shell_missing" if missing else "start_failed",
             ) from exc
         # The child holds its own copies now; ours must go, or EOF would never come.
         for fd in (out_w, err_w) + ((stdin,) if in_w is not None else ()):
@@ -301,7 +316,7 @@ async def spawn_local(
             with contextlib.suppress(OSError):
                 os.unlink(script[1], dir_fd=spill_dir.fd)
         raise
-    return LocalProcess(
+    return HostProcess(
         popen,
         launch,
         stdout_fd=out_r,

@@ -1,4 +1,4 @@
-"""Private spill files on the local filesystem."""
+"""Private spill files on this host's filesystem (for backends whose commands run on this host)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import secrets
 import shutil
 import tempfile
 
-__all__ = ["LocalSpillDir", "LocalSpillFile"]
+__all__ = ["HostSpillDir", "HostSpillFile"]
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-class LocalSpillFile:
+class HostSpillFile:
     """One spill file, created 0600 and exclusively inside the 0700 directory (never via a link)."""
 
     __slots__ = ("_dir", "_fd", "_name", "path")
@@ -21,7 +21,7 @@ class LocalSpillFile:
     #: Written synchronously: a failure raises OSError at once, the file is never lost later.
     lost = False
 
-    def __init__(self, directory: LocalSpillDir, name: str) -> None:
+    def __init__(self, directory: HostSpillDir, name: str) -> None:
         self._dir = directory
         self._name = name
         self._fd: int | None = os.open(name, _CREATE_FLAGS, 0o600, dir_fd=directory.fd)
@@ -45,15 +45,15 @@ class LocalSpillFile:
             os.unlink(self._name, dir_fd=self._dir.fd)
 
 
-class LocalSpillDir:
+class HostSpillDir:
     """A directory only the owner can enter, under a name nobody can predict; removed at close."""
 
     def __init__(self, parent: str | None) -> None:
         self.path = tempfile.mkdtemp(prefix="dsh-bash-", dir=parent)
         self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
-    def new_file(self, suffix: str) -> LocalSpillFile:
-        return LocalSpillFile(self, f"{secrets.token_hex(12)}.{suffix}")
+    def new_file(self, suffix: str) -> HostSpillFile:
+        return HostSpillFile(self, f"{secrets.token_hex(12)}.{suffix}")
 
     def remove(self) -> None:
         os.close(self.fd)

@@ -1,0 +1,152 @@
+"""The base of every backend whose commands are processes of this Linux host.
+
+The local backend is this class with nothing added; a sandboxing backend (bubblewrap, firejail, a
+user namespace of its own) subclasses it too and puts its launcher in front of the argv through
+:meth:`HostBashExecutor._wrap_command`. Public through :mod:`dsh_bash.backend`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Mapping
+
+import anyio.to_thread
+
+from ._backend import CommandProcess, Killable, Launch
+from ._config import BudgetConfig
+from ._errors import BashInfrastructureError
+from ._executor import BashExecutor, ConfigT_co
+from ._hostproc import spawn_host_process
+from ._hostspill import HostSpillDir
+from ._output import SpillFile
+from ._procscan import ProcScanner, signal_marked
+
+__all__ = ["HostBashExecutor", "HostConfig", "host_support_problem"]
+
+
+class HostConfig(BudgetConfig):
+    """The shared budgets, plus where bash and the spill directory live on this host.
+
+    ``cwd`` defaults to the process's working directory when the executor is made.
+    """
+
+    #: The bash to run (a name looked up on PATH at open, or a path).
+    bash: str = "bash"
+    #: Where the executor's private spill directory is created (default: the temporary directory).
+    spill_dir: str | None = None
+
+
+def host_support_problem() -> str | None:
+    """Why commands cannot run as processes of this host, or None when they can (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return f"this backend runs on Linux only (it needs /proc, pidfd_open, pipe2), not on {sys.platform}"
+    missing = [name for name in ("pidfd_open", "pipe2", "waitid") if not hasattr(os, name)]
+    if missing:
+        return f"this Python lacks os.{', os.'.join(missing)}, which this backend needs (Linux, Python 3.11+)"
+    if not os.path.isdir("/proc/self"):
+        return "/proc is not mounted: this backend finds a command's processes there"
+    return None
+
+
+class _Leftovers:
+    """Every live process carrying any marker of one executor."""
+
+    def __init__(self, scanner: ProcScanner) -> None:
+        self._scanner = scanner
+
+    async def signal_all(self, sig: int) -> None:
+        for entry in await self._scanner.entries():
+            if entry.alive and entry.marker is not None:
+                await anyio.to_thread.run_sync(signal_marked, entry.pid, self._scanner.prefix, sig, False)
+        self._scanner.invalidate()
+
+    async def remaining(self) -> list[str]:
+        return [str(e.pid) for e in await self._scanner.entries() if e.alive and e.marker is not None]
+
+
+class HostBashExecutor(BashExecutor[ConfigT_co]):
+    """Runs each command as ``bash --noprofile --norc -c COMMAND`` in a new session on this host."""
+
+    def __init__(self, config: ConfigT_co) -> None:
+        if config.cwd is None:
+            config = config.model_copy(update={"cwd": os.getcwd()})
+        super().__init__(config)
+        self._scanner = ProcScanner(self._token)
+        self._spill_dir: HostSpillDir | None = None
+        self._bash: str | None = None
+
+    def _host_config(self) -> HostConfig:
+        config = self.config
+        if not isinstance(config, HostConfig):
+            raise TypeError(f"{type(self).__name__} needs a HostConfig, got {type(config).__name__}")
+        return config
+
+    async def _open(self) -> None:
+        problem = host_support_problem()
+        if problem is not None:
+            raise BashInfrastructureError(problem, reason="start_failed")
+        config = self._host_config()
+        try:
+            self._spill_dir = HostSpillDir(config.spill_dir)
+        except OSError as exc:
+            where = config.spill_dir or "the temporary directory"
+            raise BashInfrastructureError(
+                f"cannot create the private spill directory in {where}: {exc.strerror or exc}",
+                reason="spill_unavailable",
+            ) from exc
+        self._bash = shutil.which(config.bash)
+
+    async def _release(self) -> None:
+        if self._spill_dir is not None:
+            self._spill_dir.remove()
+            self._spill_dir = None
+
+    def _default_cwd(self) -> str:
+        cwd = self.config.cwd
+        assert cwd is not None
+        return cwd
+
+    def _ambient_env(self) -> Mapping[str, str]:
+        return os.environ
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        if self._bash is None:
+            raise BashInfrastructureError(
+                f"bash not found: {self._host_config().bash!r} is not on PATH", reason="shell_missing"
+            )
+        assert self._spill_dir is not None
+        return await spawn_host_process(
+            launch,
+            bash=self._bash,
+            spill_dir=self._spill_dir,
+            scanner=self._scanner,
+            start_helper=self._start_helper,
+            wrap=self._wrap_command,
+        )
+
+    def _wrap_command(self, argv: list[str], launch: Launch) -> tuple[list[str], str]:
+        """Hook for subclasses: the argv to exec for ``launch`` and the host directory to start it in.
+
+        ``argv`` starts the command's bash (``bash --noprofile --norc -c COMMAND``, or a script
+        file in the spill directory for a long command). A sandboxing subclass wraps it in its
+        launcher and maps the spec's workdir to the host directory that is checked (an unusable
+        one raises BashInfrastructureError) and used as the launcher's working directory. It runs
+        in a new session with ``launch.env``, as the command would. Default: ``argv`` and the
+        spec's workdir, unchanged.
+        """
+        return argv, launch.spec.workdir
+
+    @property
+    def spill_directory(self) -> str | None:
+        """The directory of this executor's spill files (and long-command scripts) while it is open."""
+        return None if self._spill_dir is None else self._spill_dir.path
+
+    def _open_spill(self, command_marker: str, stream: str) -> SpillFile:
+        if self._spill_dir is None:
+            raise OSError("the spill directory is gone")
+        return self._spill_dir.new_file(stream)
+
+    def _leftovers(self) -> Killable:
+        return _Leftovers(self._scanner)
