@@ -29,7 +29,7 @@ Subcommands:
     one line per check as it finishes (on a terminal, a progress counter on stderr), then the
     verdict; ``--json`` prints the report as JSON instead. Exit status 0 when every contract check
     passed ("beyond" checks never fail the run), 1 otherwise, 2 for unknown check names and bad
-    configuration. ``--list`` lists the checks (name, kind, rule) and needs no configuration.
+    configuration. ``--list`` lists the checks (name, kind, clause, rule) and needs no configuration.
 
 ``dsh-bash doctor --config FILE [--timeout S]``
     Check that the configured backend can run commands (``dsh_bash._doctor``): one ``ok``/``FAIL``
@@ -324,7 +324,7 @@ def _add_conformance_parser(commands: argparse._SubParsersAction[argparse.Argume
     )
     conformance.add_argument("--json", action="store_true", help="print the report as JSON")
     conformance.add_argument(
-        "--list", action="store_true", help="list the checks (name, kind, rule) and exit"
+        "--list", action="store_true", help="list the checks (name, kind, clause, rule) and exit"
     )
     conformance.add_argument(
         "--anyio-backend",
@@ -390,12 +390,15 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
 
     if args.list:
         if args.json:
-            rows = [{"name": c.name, "kind": c.kind, "rule": c.rule} for c in CHECKS.values()]
+            rows = [
+                {"name": c.name, "kind": c.kind, "clause": c.clause, "rule": c.rule} for c in CHECKS.values()
+            ]
             sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         else:
             width = max(len(name) for name in CHECKS)
+            clause_width = max(len(c.clause) for c in CHECKS.values())
             for c in CHECKS.values():
-                _write(sys.stdout, f"{c.name:<{width}} {c.kind:<8} {c.rule}\n")
+                _write(sys.stdout, f"{c.name:<{width}} {c.kind:<8} {c.clause:<{clause_width}} {c.rule}\n")
         return 0
     if args.config is None:
         raise _CliError("conformance: --config FILE is required (or --list to see the checks)")

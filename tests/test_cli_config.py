@@ -251,10 +251,14 @@ def test_conformance_needs_a_config() -> None:
 def test_conformance_list() -> None:
     result = dsh("conformance", "--list")
     assert result.code == 0
-    rows = [line.split(maxsplit=2) for line in _lines(result)]
-    assert [(name, kind) for name, kind, _ in rows] == [(c.name, c.kind) for c in CHECKS.values()]
+    rows = [line.split(maxsplit=3) for line in _lines(result)]
+    assert [(name, kind, clause, rule) for name, kind, clause, rule in rows] == [
+        (c.name, c.kind, c.clause, c.rule) for c in CHECKS.values()
+    ]
     listed = json.loads(dsh("conformance", "--list", "--json").out)
-    assert listed == [{"name": c.name, "kind": c.kind, "rule": c.rule} for c in CHECKS.values()]
+    assert listed == [
+        {"name": c.name, "kind": c.kind, "clause": c.clause, "rule": c.rule} for c in CHECKS.values()
+    ]
 
 
 # -- doctor -----------------------------------------------------------------------------------------

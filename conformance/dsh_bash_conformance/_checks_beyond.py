@@ -14,7 +14,7 @@ _LOOP = "while :; do sleep 0.05; done"
 _RULE = "Processes that left the group (`setsid`, double fork) are found and killed too, on {}."
 
 
-@check("escapee-killed-on-kill", kind="beyond", rule=_RULE.format("kill"))
+@check("escapee-killed-on-kill", kind="beyond", clause="R-contain-escapees", rule=_RULE.format("kill"))
 async def escapee_on_kill(ctx: CheckContext) -> None:
     async with ctx.executor() as ex:
         tmp = await ctx.tempdir(ex)
@@ -29,7 +29,7 @@ async def escapee_on_kill(ctx: CheckContext) -> None:
         await gone(ctx, mark, GRACE_S + SLACK_S, "after kill, a process that left the session with setsid")
 
 
-@check("escapee-killed-on-timeout", kind="beyond", rule=_RULE.format("timeout"))
+@check("escapee-killed-on-timeout", kind="beyond", clause="R-contain-escapees", rule=_RULE.format("timeout"))
 async def escapee_on_timeout(ctx: CheckContext) -> None:
     async with ctx.executor() as ex:
         tmp = await ctx.tempdir(ex)
@@ -43,7 +43,7 @@ async def escapee_on_timeout(ctx: CheckContext) -> None:
         )
 
 
-@check("escapee-killed-on-abort", kind="beyond", rule=_RULE.format("abort"))
+@check("escapee-killed-on-abort", kind="beyond", clause="R-contain-escapees", rule=_RULE.format("abort"))
 async def escapee_on_abort(ctx: CheckContext) -> None:
     async with ctx.executor() as ex:
         tmp = await ctx.tempdir(ex)
@@ -65,7 +65,7 @@ async def escapee_on_abort(ctx: CheckContext) -> None:
         )
 
 
-@check("escapee-killed-on-aclose", kind="beyond", rule=_RULE.format("aclose"))
+@check("escapee-killed-on-aclose", kind="beyond", clause="R-contain-escapees", rule=_RULE.format("aclose"))
 async def escapee_on_aclose(ctx: CheckContext) -> None:
     ex = ctx.executor()
     async with ex:

@@ -55,6 +55,7 @@ async def _all_refused(
 @check(
     "closed-executor-refuses-calls",
     kind="contract",
+    clause="R-life-closed-refuses",
     rule="Calls before the block is entered or after the executor closed raise ExecutorClosedError.",
 )
 async def closed_refuses(ctx: CheckContext) -> None:
@@ -76,6 +77,7 @@ async def closed_refuses(ctx: CheckContext) -> None:
 @check(
     "closed-error-is-infrastructure-error",
     kind="contract",
+    clause="R-error-hierarchy",
     rule="ExecutorClosedError is a BashInfrastructureError (a DshBashError); UnknownTaskError is a "
     "DshBashError and a LookupError.",
 )
@@ -99,6 +101,7 @@ async def closed_error_type(ctx: CheckContext) -> None:
 @check(
     "aclose-idempotent-from-any-task",
     kind="contract",
+    clause="R-life-aclose-any-task",
     rule="`aclose()` may be called from any task, any number of times, also while the block still runs; "
     "leaving the block afterwards finishes the close.",
 )
@@ -129,6 +132,7 @@ async def aclose_idempotent(ctx: CheckContext) -> None:
 @check(
     "aclose-bounded",
     kind="contract",
+    clause="R-life-aclose-bounded",
     rule="aclose kills every running task and leftover process and waits for them, bounded by about "
     "twice `grace_ms`.",
 )
@@ -156,6 +160,7 @@ async def aclose_bounded(ctx: CheckContext) -> None:
 @check(
     "aclose-spares-other-executors",
     kind="contract",
+    clause="R-life-aclose-own-only",
     rule="aclose kills what this executor's commands started, not the tasks and leftovers of another "
     "executor.",
 )

@@ -75,6 +75,7 @@ _SECRET_NAMES = (
 @check(
     "env-default-scrub",
     kind="contract",
+    clause="R-env-scrub",
     rule="The command's environment is the ambient one minus every variable whose name matches a scrub "
     "pattern (case-insensitive; by default *KEY*, *SECRET*, *TOKEN*, *PASSWORD*, *PASSWD*, *CREDENTIAL*, "
     "DSH_*).",
@@ -95,6 +96,7 @@ async def default_scrub(ctx: CheckContext) -> None:
 @check(
     "env-ambient-passes-through",
     kind="contract",
+    clause="R-env-ambient",
     rule="The command's environment is the backend's ambient environment (minus the scrubbed names).",
 )
 async def ambient_passes(ctx: CheckContext) -> None:
@@ -113,6 +115,7 @@ async def ambient_passes(ctx: CheckContext) -> None:
 @check(
     "env-model-friendly",
     kind="contract",
+    clause="R-env-model-friendly",
     rule="The command's environment includes the model-friendly set NO_COLOR=1, TERM=dumb, PAGER=cat, "
     "GIT_PAGER=cat, MANPAGER=cat, GIT_EDITOR=true, GIT_TERMINAL_PROMPT=0, DEBIAN_FRONTEND=noninteractive, "
     "over the ambient values.",
@@ -142,6 +145,7 @@ async def model_friendly(ctx: CheckContext) -> None:
 @check(
     "env-spec-wins",
     kind="contract",
+    clause="R-env-spec-wins",
     rule="`spec.env` wins over both the ambient environment and the model-friendly set, and is not scrubbed.",
 )
 async def spec_wins(ctx: CheckContext) -> None:
@@ -158,6 +162,7 @@ async def spec_wins(ctx: CheckContext) -> None:
 @check(
     "env-allow-readmits",
     kind="contract",
+    clause="R-env-allow",
     rule="A variable matching a scrub pattern is kept when its name matches a pattern in `env_allow`.",
 )
 async def allow_readmits(ctx: CheckContext) -> None:
@@ -176,6 +181,7 @@ async def allow_readmits(ctx: CheckContext) -> None:
 @check(
     "env-scrub-replaces-defaults",
     kind="contract",
+    clause="R-env-scrub-replaces",
     rule="Setting `env_scrub` replaces the default patterns; its globs match case-insensitively.",
 )
 async def scrub_replaces(ctx: CheckContext) -> None:
@@ -197,6 +203,7 @@ async def scrub_replaces(ctx: CheckContext) -> None:
 @check(
     "env-values-not-on-command-line",
     kind="contract",
+    clause="R-env-off-command-line",
     rule="No value the executor passes in the environment ever appears on a command line.",
 )
 async def values_not_on_command_line(ctx: CheckContext) -> None:

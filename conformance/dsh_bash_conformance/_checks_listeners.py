@@ -21,6 +21,7 @@ async def _start(ex: BashExecutor, command: str) -> BashTask:
 @check(
     "listener-called-once-per-task",
     kind="contract",
+    clause="R-listen-once",
     rule="A listener is called exactly once for every background task that ends before `aclose` begins, "
     "after its final fields are set and all its output is readable.",
 )
@@ -71,6 +72,7 @@ async def called_once(ctx: CheckContext) -> None:
 @check(
     "listener-unsubscribe",
     kind="contract",
+    clause="R-listen-unsubscribe",
     rule="The callable `on_task_done` returns unsubscribes the listener.",
 )
 async def unsubscribe(ctx: CheckContext) -> None:
@@ -96,6 +98,7 @@ async def unsubscribe(ctx: CheckContext) -> None:
 @check(
     "listener-raising-isolated",
     kind="contract",
+    clause="R-listen-raising",
     rule="A listener that raises is logged and disturbs nothing else.",
 )
 async def raising_listener(ctx: CheckContext) -> None:
@@ -128,6 +131,7 @@ async def raising_listener(ctx: CheckContext) -> None:
 @check(
     "listener-silent-after-aclose",
     kind="contract",
+    clause="R-listen-silent-after-close",
     rule="No listener is called once `aclose` has begun (for tasks killed by it).",
 )
 async def silent_after_aclose(ctx: CheckContext) -> None:

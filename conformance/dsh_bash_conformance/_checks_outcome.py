@@ -46,6 +46,7 @@ async def _abort_after(controller: AbortController, delay_s: float) -> None:
 @check(
     "exit-code-reported",
     kind="contract",
+    clause="R-outcome-exit",
     rule="A non-zero exit returns a result; `signal` names the terminating signal and then `exit_code` is "
     "None, and a plain exit code above 128 is reported as it is.",
 )
@@ -65,6 +66,7 @@ async def exit_code_reported(ctx: CheckContext) -> None:
 @check(
     "timeout-classified",
     kind="contract",
+    clause="R-outcome-timeout",
     rule="`timed_out` is true only when the executor's own timeout killed the command; the result "
     "carries the effective `timeout_ms` and the output produced before the kill.",
 )
@@ -104,6 +106,7 @@ async def timeout_classified(ctx: CheckContext) -> None:
 @check(
     "timeout-clamped-to-max",
     kind="contract",
+    clause="R-run-timeout-clamp",
     rule="resolve fills `timeout_ms` from config and clamps it to `max_timeout_ms`; the run is killed at "
     "the clamped timeout and reports it.",
 )
@@ -131,6 +134,7 @@ async def timeout_clamped(ctx: CheckContext) -> None:
 @check(
     "abort-classified",
     kind="contract",
+    clause="R-outcome-abort",
     rule="`aborted` is true only when the spec's signal killed the command.",
 )
 async def abort_classified(ctx: CheckContext) -> None:
@@ -160,6 +164,7 @@ async def abort_classified(ctx: CheckContext) -> None:
 @check(
     "abort-then-timeout-first-cause-wins",
     kind="contract",
+    clause="R-outcome-first-cause",
     rule="Never both `timed_out` and `aborted`: the first cause wins (an abort, then the timeout expiring "
     "during the kill's grace).",
 )
@@ -187,6 +192,7 @@ async def abort_then_timeout(ctx: CheckContext) -> None:
 @check(
     "timeout-then-abort-first-cause-wins",
     kind="contract",
+    clause="R-outcome-first-cause",
     rule="Never both `timed_out` and `aborted`: the first cause wins (the timeout, then an abort during "
     "the kill's grace).",
 )
@@ -213,6 +219,7 @@ async def timeout_then_abort(ctx: CheckContext) -> None:
 @check(
     "self-signal-reports-neither",
     kind="contract",
+    clause="R-outcome-self-signal",
     rule="A command that kills itself reports neither flag; `signal` names the signal and `exit_code` "
     "is None.",
 )
@@ -234,6 +241,7 @@ async def self_signal(ctx: CheckContext) -> None:
 @check(
     "trapped-term-exit-zero-still-timed-out",
     kind="contract",
+    clause="R-outcome-timeout",
     rule="`timed_out` is true when the executor's timeout killed the command, even if the command "
     "trapped SIGTERM and exited 0.",
 )
@@ -249,6 +257,7 @@ async def trapped_term_exit_zero(ctx: CheckContext) -> None:
 @check(
     "resolve-fills-and-carries",
     kind="contract",
+    clause="R-run-resolve",
     rule="resolve is synchronous; it fills `workdir` from config (joining a relative one to the cwd), "
     "fills `timeout_ms` and clamps it to `max_timeout_ms`, and carries owner, signal, stdin and env.",
 )
@@ -301,6 +310,7 @@ async def resolve_fills(ctx: CheckContext) -> None:
 @check(
     "workdir-and-cwd-used",
     kind="contract",
+    clause="R-run-workdir",
     rule="The command runs in the resolved workdir: the configured cwd by default, a relative workdir "
     "joined to it, an absolute one as given.",
 )
@@ -331,6 +341,7 @@ async def workdir_used(ctx: CheckContext) -> None:
 @check(
     "pre-aborted-signal-refused",
     kind="contract",
+    clause="R-run-refuse-aborted",
     rule="run and start raise BashInfrastructureError when the spec's signal is already aborted, and "
     "nothing runs.",
 )
@@ -357,6 +368,7 @@ async def pre_aborted(ctx: CheckContext) -> None:
 @check(
     "unusable-workdir-refused",
     kind="contract",
+    clause="R-run-refuse-unstartable",
     rule="run and start raise BashInfrastructureError when the command could not be started: a missing "
     "workdir, or one that is a file.",
 )
@@ -423,6 +435,7 @@ async def _cancel_run(
 @check(
     "cancel-kills-before-propagating",
     kind="contract",
+    clause="R-run-cancel",
     rule="If the awaiting task is cancelled, the command's processes are killed before the cancellation "
     "propagates.",
 )
@@ -450,6 +463,7 @@ async def cancel_kills(ctx: CheckContext) -> None:
 @check(
     "cancel-at-any-moment-leaves-nothing",
     kind="contract",
+    clause="R-run-cancel",
     rule="If the awaiting task is cancelled, the command's processes are killed before the cancellation "
     "propagates, also when it comes while the command is being started.",
 )
@@ -472,6 +486,7 @@ async def cancel_any_moment(ctx: CheckContext) -> None:
 @check(
     "aclose-during-run-raises-closed",
     kind="contract",
+    clause="R-life-aclose-during-run",
     rule="A `run` in flight when `aclose` begins is killed and raises ExecutorClosedError.",
 )
 async def aclose_during_run(ctx: CheckContext) -> None:
@@ -503,6 +518,7 @@ async def aclose_during_run(ctx: CheckContext) -> None:
 @check(
     "exec-convenience",
     kind="contract",
+    clause="R-run-exec",
     rule="exec(command, **request_fields) is run(resolve(BashExecRequest(command=command, ...))).",
 )
 async def exec_convenience(ctx: CheckContext) -> None:
@@ -530,6 +546,7 @@ async def exec_convenience(ctx: CheckContext) -> None:
 @check(
     "duration-plausible",
     kind="contract",
+    clause="R-outcome-duration",
     rule="`duration_ms` is the run's duration.",
 )
 async def duration_plausible(ctx: CheckContext) -> None:

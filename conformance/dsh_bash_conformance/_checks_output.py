@@ -28,6 +28,7 @@ async def _spill_size(ex: BashExecutor, path: str) -> int:
 @check(
     "streams-separate-exact",
     kind="contract",
+    clause="R-output-streams",
     rule="stdout and stderr are collected apart, exactly, with `total_bytes` counting every byte.",
 )
 async def streams_separate(ctx: CheckContext) -> None:
@@ -52,6 +53,7 @@ async def streams_separate(ctx: CheckContext) -> None:
 @check(
     "truncation-keeps-tail",
     kind="contract",
+    clause="R-output-tail",
     rule="Each stream keeps at most `max_output_bytes` in memory, the tail; beyond that `truncated` is "
     "true, `total_bytes` counts every byte and the whole stream is in the spill file.",
 )
@@ -84,6 +86,7 @@ async def truncation_tail(ctx: CheckContext) -> None:
 @check(
     "flood-bounded-and-timed-out",
     kind="contract",
+    clause="R-output-flood",
     rule="Each stream keeps at most `max_output_bytes` in memory, the tail, and counts every byte; a "
     "flood of output neither stops the timeout nor the reads.",
 )
@@ -127,6 +130,7 @@ async def flood(ctx: CheckContext) -> None:
 @check(
     "exact-limit-not-truncated",
     kind="contract",
+    clause="R-output-exact-limit",
     rule="Output of exactly `max_output_bytes` is not truncated; one byte more is.",
 )
 async def exact_limit(ctx: CheckContext) -> None:
@@ -154,6 +158,7 @@ async def exact_limit(ctx: CheckContext) -> None:
 @check(
     "spill-cap-inclusive",
     kind="contract",
+    clause="R-output-spill-cap",
     rule="A stream stays in its spill file as long as it is within `max_spill_bytes` (inclusive); one "
     "that outgrows it loses the file (deleted) and every later `spill_path` for it is None.",
 )
@@ -209,6 +214,7 @@ async def spill_cap(ctx: CheckContext) -> None:
 @check(
     "spill-total-cap",
     kind="contract",
+    clause="R-output-spill-total",
     rule="The executor's spill files together stay within `max_spill_total_bytes`: past it, new spills "
     "are refused the same way.",
 )
@@ -232,6 +238,7 @@ async def spill_total(ctx: CheckContext) -> None:
 @check(
     "spill-file-private",
     kind="contract",
+    clause="R-output-spill-private",
     rule="A spill file is created 0600 in a directory only the owner can enter (0700).",
 )
 async def spill_private(ctx: CheckContext) -> None:
@@ -251,6 +258,7 @@ async def spill_private(ctx: CheckContext) -> None:
 @check(
     "spill-names-unpredictable",
     kind="contract",
+    clause="R-output-spill-unpredictable",
     rule="A spill file has a name nobody can predict.",
 )
 async def spill_names(ctx: CheckContext) -> None:
@@ -272,6 +280,7 @@ async def spill_names(ctx: CheckContext) -> None:
 @check(
     "invalid-utf8-replaced",
     kind="contract",
+    clause="R-output-utf8",
     rule="Text is UTF-8 with invalid bytes replaced (U+FFFD); binary output (NUL) never raises.",
 )
 async def invalid_utf8(ctx: CheckContext) -> None:
@@ -313,6 +322,7 @@ async def invalid_utf8(ctx: CheckContext) -> None:
 @check(
     "utf8-split-never-mangled",
     kind="contract",
+    clause="R-output-utf8-split",
     rule="A multi-byte character split across two chunks is never mangled, nor cut at the truncation "
     "boundary.",
 )
@@ -335,6 +345,7 @@ async def utf8_split(ctx: CheckContext) -> None:
 @check(
     "aclose-removes-spill-files",
     kind="contract",
+    clause="R-life-aclose-releases",
     rule="aclose releases the spill directories the executor owns: its spill files are gone afterwards.",
 )
 async def aclose_removes_spills(ctx: CheckContext) -> None:

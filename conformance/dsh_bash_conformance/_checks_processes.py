@@ -33,6 +33,7 @@ GRACE_S = 0.3
 @check(
     "stdin-empty-by-default",
     kind="contract",
+    clause="R-proc-stdin-empty",
     rule="Stdin is empty (`/dev/null`) unless `spec.stdin` is given.",
 )
 async def stdin_empty(ctx: CheckContext) -> None:
@@ -54,6 +55,7 @@ async def stdin_empty(ctx: CheckContext) -> None:
 @check(
     "stdin-delivered",
     kind="contract",
+    clause="R-proc-stdin-given",
     rule="When `spec.stdin` is given (str or bytes) it is written to the command's stdin and closed.",
 )
 async def stdin_delivered(ctx: CheckContext) -> None:
@@ -87,6 +89,7 @@ async def stdin_delivered(ctx: CheckContext) -> None:
 @check(
     "no-rc-files",
     kind="contract",
+    clause="R-proc-fresh-bash",
     rule="Every call runs a fresh, non-interactive `bash` that reads no rc files.",
 )
 async def no_rc_files(ctx: CheckContext) -> None:
@@ -126,6 +129,7 @@ _SESSION_PROBE = (
 @check(
     "own-session-and-group",
     kind="contract",
+    clause="R-proc-own-session",
     rule="Every call runs in a process group (session) of its own.",
 )
 async def own_session(ctx: CheckContext) -> None:
@@ -149,6 +153,7 @@ async def own_session(ctx: CheckContext) -> None:
 @check(
     "kill-kills-whole-group",
     kind="contract",
+    clause="R-proc-kill-all",
     rule="Killing means every process of the command: SIGTERM to the group, including children.",
 )
 async def kill_whole_group(ctx: CheckContext) -> None:
@@ -176,6 +181,7 @@ async def kill_whole_group(ctx: CheckContext) -> None:
 @check(
     "kill-escalates-after-grace",
     kind="contract",
+    clause="R-proc-kill-escalates",
     rule="SIGTERM to the group first, then SIGKILL after `grace_ms` to whatever is left, including "
     "members that trap SIGTERM.",
 )
@@ -210,6 +216,7 @@ async def kill_escalates(ctx: CheckContext) -> None:
 @check(
     "kill-reaches-group-after-leader-exit",
     kind="contract",
+    clause="R-proc-kill-after-leader",
     rule="The kill sequence reaches members that trap SIGTERM even after the group leader has exited.",
 )
 async def kill_after_leader_exit(ctx: CheckContext) -> None:
@@ -232,6 +239,7 @@ async def kill_after_leader_exit(ctx: CheckContext) -> None:
 @check(
     "bounded-drain",
     kind="contract",
+    clause="R-proc-bounded-drain",
     rule="Once the command's shell has exited, descendants that still hold the output pipes get at most "
     "`grace_ms` more; they keep running until a kill of that task or `aclose`.",
 )
@@ -266,6 +274,7 @@ async def bounded_drain(ctx: CheckContext) -> None:
 @check(
     "aclose-kills-leftovers",
     kind="contract",
+    clause="R-life-aclose-kills",
     rule="aclose kills every process the executor's commands left behind (a `server &` of a finished "
     "command, even one that traps SIGTERM).",
 )
@@ -289,6 +298,7 @@ async def aclose_kills_leftovers(ctx: CheckContext) -> None:
 @check(
     "timeout-kills-children",
     kind="contract",
+    clause="R-proc-kill-all",
     rule="A timeout kills every process of the command: its children too, including one that traps SIGTERM.",
 )
 async def timeout_kills_children(ctx: CheckContext) -> None:
@@ -310,6 +320,7 @@ async def timeout_kills_children(ctx: CheckContext) -> None:
 @check(
     "long-command-runs",
     kind="contract",
+    clause="R-proc-any-command",
     rule="Any command string runs, including one longer than the 128 KiB limit of one execve argument.",
 )
 async def long_command(ctx: CheckContext) -> None:
@@ -326,6 +337,7 @@ async def long_command(ctx: CheckContext) -> None:
 @check(
     "concurrent-runs",
     kind="contract",
+    clause="R-proc-concurrent",
     rule="Concurrent runs on one executor each get their own, correct result.",
 )
 async def concurrent_runs(ctx: CheckContext) -> None:

@@ -19,6 +19,7 @@ async def _start(ex: BashExecutor, command: str) -> BashTask:
 @check(
     "read-merge-format",
     kind="contract",
+    clause="R-read-merge",
     rule="A background read gives the stdout delta, then, if stderr produced anything, a line `[stderr]` "
     "and the stderr delta, with one newline before `[stderr]` only when the stdout delta is non-empty "
     "and does not end in one.",
@@ -43,6 +44,7 @@ async def merge_format(ctx: CheckContext) -> None:
 @check(
     "read-consuming",
     kind="contract",
+    clause="R-read-consuming",
     rule="read_output returns whatever arrived since the previous read; two reads never deliver the same "
     'bytes; after the task ended it delivers the rest once, then "".',
 )
@@ -77,6 +79,7 @@ async def read_consuming(ctx: CheckContext) -> None:
 @check(
     "read-returns-at-once",
     kind="contract",
+    clause="R-read-at-once",
     rule='read_output returns at once, with whatever arrived since the previous read (possibly "").',
 )
 async def read_at_once(ctx: CheckContext) -> None:
@@ -101,6 +104,7 @@ async def read_at_once(ctx: CheckContext) -> None:
 @check(
     "read-lossy-exact",
     kind="contract",
+    clause="R-read-lossy",
     rule="`dropped_bytes` counts this reader's unread output lost from memory since the previous read; "
     "`lossy` is true when it is above 0; the delta is the kept tail and the spill file holds the whole "
     "stream.",
@@ -162,6 +166,7 @@ async def read_lossy(ctx: CheckContext) -> None:
 @check(
     "finished-tasks-stay-readable",
     kind="contract",
+    clause="R-read-finished",
     rule="Finished tasks stay readable until `aclose`.",
 )
 async def finished_readable(ctx: CheckContext) -> None:
@@ -184,6 +189,7 @@ async def finished_readable(ctx: CheckContext) -> None:
 @check(
     "read-multibyte-split",
     kind="contract",
+    clause="R-output-utf8-split",
     rule="A multi-byte character split across two chunks or two reads is never mangled.",
 )
 async def read_multibyte(ctx: CheckContext) -> None:

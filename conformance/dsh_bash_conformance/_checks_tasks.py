@@ -46,6 +46,7 @@ def _final(task: BashTask) -> tuple[object, ...]:
 @check(
     "start-returns-while-running",
     kind="contract",
+    clause="R-task-start",
     rule="start returns once the command runs, with a live handle whose status is `running` and whose "
     "wait() does not return while it runs.",
 )
@@ -80,6 +81,7 @@ async def start_returns(ctx: CheckContext) -> None:
 @check(
     "background-has-no-timeout",
     kind="contract",
+    clause="R-task-no-timeout",
     rule="No timeout applies to a background task (start ignores `timeout_ms`).",
 )
 async def background_no_timeout(ctx: CheckContext) -> None:
@@ -100,6 +102,7 @@ async def background_no_timeout(ctx: CheckContext) -> None:
 @check(
     "kill-running-task",
     kind="contract",
+    clause="R-task-kill-running",
     rule="kill returns True for a running task; the kill sequence starts and the call returns without "
     "waiting; the task ends `killed`.",
 )
@@ -132,6 +135,7 @@ async def kill_running(ctx: CheckContext) -> None:
 @check(
     "kill-ended-task-kills-leftovers",
     kind="contract",
+    clause="R-task-kill-ended",
     rule="kill returns False if the task had already ended; its leftover processes (a `server &` its "
     "shell left behind) are still sent the kill sequence.",
 )
@@ -157,6 +161,7 @@ async def kill_ended(ctx: CheckContext) -> None:
 @check(
     "unknown-task-id",
     kind="contract",
+    clause="R-task-unknown-id",
     rule="read_output and kill raise UnknownTaskError (a LookupError) for an id this executor never started.",
 )
 async def unknown_task(ctx: CheckContext) -> None:
@@ -176,6 +181,7 @@ async def unknown_task(ctx: CheckContext) -> None:
 @check(
     "end-cause-exited",
     kind="contract",
+    clause="R-task-end-cause",
     rule="A task that ends by itself is `completed` with end_cause `exited` and its exit code.",
 )
 async def end_exited(ctx: CheckContext) -> None:
@@ -191,6 +197,7 @@ async def end_exited(ctx: CheckContext) -> None:
 @check(
     "end-cause-signaled",
     kind="contract",
+    clause="R-task-end-cause",
     rule="A task that died of a signal nobody here sent is `completed`, end_cause `signaled`, with "
     "`signal` set and exit_code None (a 128+n exit code on backends that see only that).",
 )
@@ -218,6 +225,7 @@ async def end_signaled(ctx: CheckContext) -> None:
 @check(
     "end-cause-aborted",
     kind="contract",
+    clause="R-task-end-cause",
     rule="A task ended by its spec's signal is `killed` with end_cause `aborted`.",
 )
 async def end_aborted(ctx: CheckContext) -> None:
@@ -239,6 +247,7 @@ async def end_aborted(ctx: CheckContext) -> None:
 @check(
     "end-cause-closed",
     kind="contract",
+    clause="R-task-end-cause",
     rule="A task still running at `aclose` is killed with end_cause `closed`, and its wait() returns.",
 )
 async def end_closed(ctx: CheckContext) -> None:
@@ -259,6 +268,7 @@ async def end_closed(ctx: CheckContext) -> None:
 @check(
     "wait-final-and-never-raises",
     kind="contract",
+    clause="R-task-final-before-wait",
     rule="Status, exit code, signal and end cause are final, and all output is readable, before wait() "
     "returns; wait() never raises.",
 )
@@ -297,6 +307,7 @@ async def wait_final(ctx: CheckContext) -> None:
 @check(
     "task-ids-distinct",
     kind="contract",
+    clause="R-task-ids",
     rule="Each background task has its own id.",
 )
 async def ids_distinct(ctx: CheckContext) -> None:
@@ -319,6 +330,7 @@ async def ids_distinct(ctx: CheckContext) -> None:
 @check(
     "owner-of",
     kind="contract",
+    clause="R-task-owner",
     rule="owner_of returns the token stored at `start`, verbatim; None for an unknown id and for an "
     "ownerless task.",
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 import shlex
 import sys
@@ -71,10 +72,18 @@ class CheckFailed(Exception):
     """A check observed behaviour the contract forbids."""
 
 
+#: The form of a rule id in ``docs/contract.md``: ``R-<section>-<short-name>``.
+CLAUSE_PATTERN = re.compile(r"R-[a-z]+(?:-[a-z0-9]+)+")
+
+
 @dataclass(frozen=True)
 class Check:
+    """A registered check: ``clause`` is the id of the rule of ``docs/contract.md`` it enforces,
+    ``rule`` that rule's sentence as the check proves it."""
+
     name: str
     kind: CheckKind
+    clause: str
     rule: str
     fn: CheckFn
 
@@ -83,6 +92,7 @@ class Check:
 class CheckResult:
     name: str
     kind: CheckKind
+    clause: str
     rule: str
     outcome: CheckOutcome
     message: str
@@ -93,15 +103,21 @@ class CheckResult:
 CHECKS: dict[str, Check] = {}
 
 
-def check(name: str, *, kind: CheckKind, rule: str) -> Callable[[CheckFn], CheckFn]:
-    """Register ``async def fn(ctx: CheckContext) -> None`` as a check."""
+def check(name: str, *, kind: CheckKind, clause: str, rule: str) -> Callable[[CheckFn], CheckFn]:
+    """Register ``async def fn(ctx: CheckContext) -> None`` as a check.
+
+    ``clause`` is the id of the rule in ``docs/contract.md`` the check enforces (``R-output-tail``);
+    ``rule`` is that rule's sentence.
+    """
     if kind not in ("contract", "beyond"):
         raise ValueError(f"check {name!r}: kind must be 'contract' or 'beyond', not {kind!r}")
+    if not CLAUSE_PATTERN.fullmatch(clause):
+        raise ValueError(f"check {name!r}: clause must be a rule id like 'R-output-tail', not {clause!r}")
 
     def register(fn: CheckFn) -> CheckFn:
         if name in CHECKS:
             raise ValueError(f"a check named {name!r} is already registered")
-        CHECKS[name] = Check(name=name, kind=kind, rule=rule, fn=fn)
+        CHECKS[name] = Check(name=name, kind=kind, clause=clause, rule=rule, fn=fn)
         return fn
 
     return register
@@ -355,6 +371,7 @@ def _run_one(target: KitTarget, current: Check) -> CheckResult:
     return CheckResult(
         name=current.name,
         kind=current.kind,
+        clause=current.clause,
         rule=current.rule,
         outcome=outcome,
         message=message,
