@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import secrets
+import signal
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Protocol
+from typing import Literal, Protocol
 
 import anyio
 
@@ -29,6 +30,7 @@ __all__ = [
     "ExitTrailerFilter",
     "QueuedSpillFile",
     "SpillWriter",
+    "kill_args",
     "spill_file_path",
 ]
 
@@ -79,6 +81,14 @@ else
 fi
 exit 0
 """
+
+
+def kill_args(mode: Literal["signal", "list"], sig: int, marker: str, *, exact: bool) -> tuple[str, ...]:
+    """The arguments of :data:`KILL`: ``signal`` the marked processes (and their groups) with ``sig``,
+    or ``list`` their pids (``sig`` ignored). ``exact``: the marker is a whole value, not a prefix."""
+    name = signal.Signals(sig).name if mode == "signal" else "0"
+    return (mode, name, marker, "1" if exact else "0")
+
 
 # $1: path. Any existing path is refused, links (dangling too), FIFOs and devices included: bash's
 # noclobber alone refuses only regular files and dangling links, and would open a planted link to a

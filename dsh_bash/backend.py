@@ -18,7 +18,8 @@ process, kill and spill mechanics; this module holds the pieces it builds them f
 - the environment policy: :func:`build_command_env`, :func:`is_scrubbed`,
   :data:`MODEL_FRIENDLY_ENV`, :data:`RC_FILE_VARIABLES`;
 - bash reached remotely (through an API or a channel): the boot markers :data:`BOOT_OK`,
-  :data:`BOOT_FAIL`, :data:`EXIT_PREFIX`, the scripts :data:`KILL`, :data:`SPILL_DIR`,
+  :data:`BOOT_FAIL`, :data:`EXIT_PREFIX`, the scripts :data:`KILL` (arguments from :func:`kill_args`),
+  :data:`SPILL_DIR`,
   :data:`SPILL_WRITER`, and :class:`ExitTrailerFilter`, :class:`QueuedSpillFile`,
   :class:`SpillWriter`, :class:`CommandSpills`, :func:`spill_file_path`,
   :data:`SPILL_HIGH_WATER_BYTES`;
@@ -65,6 +66,7 @@ from ._remote_bash import (
     ExitTrailerFilter,
     QueuedSpillFile,
     SpillWriter,
+    kill_args,
     spill_file_path,
 )
 
@@ -110,6 +112,7 @@ __all__ = [
     "host_support_problem",
     "is_scrubbed",
     "kill_abandoned_start",
+    "kill_args",
     "kill_sequence",
     "merge_streams",
     "read_proc_stat",

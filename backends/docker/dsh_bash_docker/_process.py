@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Awaitable, Callable
+from typing import Literal
 
 import anyio
 import anyio.to_thread
@@ -16,8 +17,8 @@ from dsh_bash.backend import (
     ExitTrailerFilter,
     Launch,
     ProcEntry,
+    kill_args,
     signal_marked,
-    signal_name,
 )
 from dsh_bash.backend import scan_processes as scan
 
@@ -99,8 +100,8 @@ class ContainerMarked:
         self._kill_container = kill_container
         self._host_sees_processes = host_sees_processes
 
-    def _args(self, mode: str, sig: int) -> tuple[str, ...]:
-        return (mode, signal_name(sig) if sig else "0", self._marker, "1" if self._exact else "0")
+    def _args(self, mode: Literal["signal", "list"], sig: int) -> tuple[str, ...]:
+        return kill_args(mode, sig, self._marker, exact=self._exact)
 
     async def signal_all(self, sig: int) -> None:
         # A saturated engine (a hundred commands ending at once) can take seconds to run one exec:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 import signal as signal_module
 from collections.abc import Awaitable, Callable
+from typing import Literal
 
 import anyio
 import anyio.lowlevel
 import asyncssh
 
 from dsh_bash import BashInfrastructureError
-from dsh_bash.backend import CommandProcess, ExitStatus, Launch, signal_name
+from dsh_bash.backend import CommandProcess, ExitStatus, Launch, kill_args
 
 from ._connection import ChannelPool, SlotSession
 from ._scripts import BOOT_FAIL, BOOT_OK, KILL, READY, STDERR_OK
@@ -51,8 +52,8 @@ class RemoteMarked:
     def marker(self) -> str:
         return self._marker
 
-    def _args(self, mode: str, sig: int) -> tuple[str, ...]:
-        return (mode, signal_name(sig) if sig else "0", self._marker, "1" if self._exact else "0")
+    def _args(self, mode: Literal["signal", "list"], sig: int) -> tuple[str, ...]:
+        return kill_args(mode, sig, self._marker, exact=self._exact)
 
     async def signal_all(self, sig: int) -> None:
         # Shielded: a kill sequence's bound may expire while the script runs (a slow login's rc
