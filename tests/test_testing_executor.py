@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -540,3 +541,15 @@ def test_scripts_are_frozen_values() -> None:
     with pytest.raises(AttributeError):
         script.exit_code = 1  # type: ignore[misc]
     assert Chunk("é").payload == "é".encode()
+
+
+# -- the documented examples run ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("readme", ["README.md", "dsh_bash/README.md"])
+def test_documented_examples_run(readme: str) -> None:
+    root = Path(__file__).resolve().parent.parent
+    blocks = re.findall(r"```python\n(.*?)```", (root / readme).read_text(), flags=re.DOTALL)
+    examples = [block for block in blocks if "from dsh_bash.testing import" in block]
+    assert len(examples) == 1
+    exec(compile(examples[0], f"{readme} (ScriptedExecutor example)", "exec"), {"__name__": "example"})
