@@ -19,11 +19,11 @@ answers requests without a network: each command is looked up in a table of cann
     assert [call.command for call in ex.calls] == ["git status"]
 
 It is a real backend of the seam: a fake :class:`~dsh_bash.backend.CommandProcess` feeds the launch's
-:class:`~dsh_bash.backend.OutputStream`\\ s and spill files live in memory, so everything the base class
-owns applies unchanged: timeouts and aborts and their classification, the kill sequence (SIGTERM, then
-SIGKILL after ``grace_ms`` for a script that ignores SIGTERM), truncation and spill accounting,
-incremental and lossy background reads, owners, listeners called exactly once, and ``aclose``. Delays
-are real time (``anyio.sleep``); keep them short. It works on asyncio and trio.
+output streams, and spill files live in memory, so everything the base class owns applies unchanged:
+timeouts and aborts and their classification, the kill sequence (SIGTERM, then SIGKILL after
+``grace_ms`` for a script that ignores SIGTERM), truncation and spill accounting, incremental and lossy
+background reads, owners, listeners called exactly once, and ``aclose``. Delays are real time
+(``anyio.sleep``); keep them short. It works on asyncio and trio.
 
 What it does not model: bash itself (nothing is parsed or expanded; ``stdin`` is recorded, not read),
 working directories (any workdir is accepted unless a script says otherwise) and processes a command
