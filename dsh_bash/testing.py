@@ -111,6 +111,7 @@ class InfraFailure:
             raise ValueError(f"unknown infrastructure error reason {self.reason!r}")
 
     def error(self) -> BashInfrastructureError:
+        """A new exception for this failure (one per command: an exception carries its traceback)."""
         return BashInfrastructureError(self.message, reason=self.reason)
 
 
