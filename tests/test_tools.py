@@ -1,9 +1,17 @@
-"""dsh_tool_bash: rendering (pure) and BashToolset driven against the local backend."""
+"""dsh_tool_bash: rendering (pure), and BashToolset driven against executors.
+
+What only needs an executor's answers (rendering of results, argument validation, owners, limits,
+completion notices) runs on the scripted executor of :mod:`dsh_bash.testing`, without processes; what
+needs real processes (a spill file a later command reads, processes gone after an abort, a
+cancellation or a kill, trio end to end) runs on the local backend.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +29,7 @@ from dsh_bash import (
     CollectedOutput,
     OwnerToken,
 )
+from dsh_bash.testing import Chunk, InfraFailure, Script, ScriptedConfig, ScriptedExecutor
 from dsh_tool_bash import BashToolset, ToolDefinition, ToolResult
 from dsh_tool_bash._render import (
     Line,
@@ -44,6 +53,16 @@ def anyio_backend() -> str:
 def _executor(**fields: Any) -> LocalBashExecutor:
     fields.setdefault("grace_ms", 300)
     return LocalBashExecutor(LocalConfig(**fields))
+
+
+def _scripted(**fields: Any) -> ScriptedExecutor:
+    """A scripted executor that knows a few commands; any other one fails the call (``default="raise"``)."""
+    fields.setdefault("grace_ms", 300)
+    ex = ScriptedExecutor(ScriptedConfig(**fields), default="raise")
+    ex.on("sleep 30", Script(until_killed=True))
+    ex.on(re.compile(r"^echo \w+$"), lambda spec: Script(stdout=spec.command.removeprefix("echo ") + "\n"))
+    ex.on(re.compile(r"^exit \d+$"), lambda spec: Script(exit_code=int(spec.command.removeprefix("exit "))))
+    return ex
 
 
 def _alive(marker: str) -> list[int]:
@@ -179,7 +198,7 @@ def test_completion_notice() -> None:
 
 
 def test_definitions_formats_and_schemas() -> None:
-    tools = BashToolset(_executor())
+    tools = BashToolset(_scripted())
     definitions = tools.definitions()
     assert all(isinstance(d, ToolDefinition) for d in definitions)
     assert [d.name for d in definitions] == ["bash", "bash_output", "bash_kill"]
@@ -217,7 +236,7 @@ def test_definitions_formats_and_schemas() -> None:
 
 
 def test_foreground_only_toolset_offers_bash_alone() -> None:
-    tools = BashToolset(_executor(), background=False)
+    tools = BashToolset(_scripted(), background=False)
     definitions = tools.definitions()
     assert [d.name for d in definitions] == ["bash"]
     assert "run_in_background" not in definitions[0].input_schema["properties"]
@@ -228,7 +247,7 @@ def test_foreground_only_toolset_offers_bash_alone() -> None:
 
 def test_max_running_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_running"):
-        BashToolset(_executor(), max_running=0)
+        BashToolset(_scripted(), max_running=0)
 
 
 # -- foreground --------------------------------------------------------------------------------------------
@@ -236,7 +255,12 @@ def test_max_running_must_be_positive() -> None:
 
 @pytest.mark.anyio
 async def test_foreground_outputs_and_markers(tmp_path: Any) -> None:
-    async with _executor(cwd=str(tmp_path)) as ex:
+    ex = _scripted(cwd=str(tmp_path))
+    ex.on("printf out; echo err >&2; exit 3", Script(stdout="out", stderr="err\n", exit_code=3))
+    ex.on("true", Script())
+    ex.on("kill -TERM $$", Script(signal=signal.SIGTERM))
+    ex.on("pwd", lambda spec: Script(stdout=f"{spec.workdir}\n"))
+    async with ex:
         tools = BashToolset(ex)
         ok = await tools.call("bash", {"command": "echo hello", "description": "Say hello"})
         assert (ok.text, ok.is_error) == ("hello\n", False)
@@ -255,20 +279,33 @@ async def test_foreground_outputs_and_markers(tmp_path: Any) -> None:
         assert signaled.text == "(no output)\n[killed by signal: SIGTERM]"
         assert signaled.is_error is False and signaled.data["signal"] == "SIGTERM"
 
-        (tmp_path / "sub").mkdir()
         where = await tools.call("bash", {"command": "pwd", "workdir": "sub"})
         assert where.text == f"{tmp_path}/sub\n"
+    # What the tool asked the executor for: the config's timeout, no owner, nothing else.
+    assert ex.commands == [
+        "echo hello",
+        "printf out; echo err >&2; exit 3",
+        "true",
+        "kill -TERM $$",
+        "pwd",
+    ]
+    assert {(c.timeout_ms, c.owner, c.stdin, c.spec.env, c.background) for c in ex.calls} == {
+        (120_000, None, None, None, False)
+    }
+    assert [c.workdir for c in ex.calls] == [str(tmp_path)] * 4 + [f"{tmp_path}/sub"]
 
 
 @pytest.mark.anyio
 async def test_timeout_is_not_an_error() -> None:
-    async with _executor() as ex:
+    ex = _scripted().on("echo begun; sleep 10", Script(stdout="begun\n", duration_s=10))
+    async with ex:
         started = time.monotonic()
         result = await BashToolset(ex).call("bash", {"command": "echo begun; sleep 10", "timeout_ms": 300})
         assert time.monotonic() - started < 5
         assert result.is_error is False
         assert result.text.startswith("begun\n[timed out after 300ms]")
         assert result.data["timed_out"] is True
+        assert ex.calls[0].timeout_ms == 300 and ex.calls[0].signals == [signal.SIGTERM]
 
 
 @pytest.mark.anyio
@@ -306,17 +343,18 @@ async def test_truncation_names_the_spill_file() -> None:
     ],
 )
 async def test_invalid_arguments_are_error_results(arguments: Any, needle: str) -> None:
-    async with _executor() as ex:
+    async with _scripted() as ex:
         result = await BashToolset(ex).call("bash", arguments)
         assert result.is_error is True
         assert result.text.startswith("invalid arguments for bash: ")
         assert needle in result.text
         assert result.data["error"] == "invalid_arguments"
+    assert ex.calls == []
 
 
 @pytest.mark.anyio
 async def test_unknown_tool_and_foreground_only_refusals() -> None:
-    async with _executor() as ex:
+    async with _scripted() as ex:
         result = await BashToolset(ex).call("python", {"code": "1"})
         assert (
             result.is_error
@@ -332,15 +370,21 @@ async def test_unknown_tool_and_foreground_only_refusals() -> None:
             "bash", {"command": "echo x", "workdir": None, "timeout_ms": None}
         )
         assert null_ok.text == "x\n"
+    assert ex.commands == ["echo x"]
 
 
 @pytest.mark.anyio
 async def test_infrastructure_failures_are_errors(tmp_path: Any) -> None:
-    async with _executor() as ex:
+    nope = str(tmp_path / "nope")
+    ex = _scripted().on(
+        lambda spec: spec.workdir == nope,
+        Script(failure=InfraFailure("workdir_missing", f"working directory {nope} does not exist")),
+    )
+    async with ex:
         tools = BashToolset(ex)
         missing = await tools.call("bash", {"command": "true", "workdir": str(tmp_path / "nope")})
         assert missing.is_error is True and missing.data["error"] == "infrastructure"
-        assert missing.text.startswith("the command could not run: ")
+        assert missing.text == f"the command could not run: working directory {tmp_path}/nope does not exist"
     closed = await tools.call("bash", {"command": "true"})
     assert closed.is_error and closed.data["error"] == "executor_closed"
     assert (await tools.call("bash_output", {"task_id": "bash-1"})).data["error"] == "executor_closed"
@@ -404,7 +448,11 @@ async def test_callers_cancellation_propagates_and_kills(marker: str) -> None:
 
 @pytest.mark.anyio
 async def test_background_start_poll_and_finish() -> None:
-    async with _executor() as ex:
+    ex = _scripted().on(
+        "echo one; sleep 0.3; echo two >&2; exit 4",
+        Script(stdout="one\n", chunks=[Chunk("two\n", "stderr", delay_s=0.3)], exit_code=4),
+    )
+    async with ex:
         tools = BashToolset(ex, owner=ALICE)
         started = await tools.call(
             "bash", {"command": "echo one; sleep 0.3; echo two >&2; exit 4", "run_in_background": True}
@@ -422,6 +470,7 @@ async def test_background_start_poll_and_finish() -> None:
         assert again.data["new_output"] is False
         finished = await tools.call("bash_kill", {"task_id": task_id})
         assert finished.text == f"task {task_id} had already finished" and not finished.is_error
+    assert [(c.background, c.owner) for c in ex.calls] == [(True, ALICE)]
 
 
 @pytest.mark.anyio
@@ -442,7 +491,7 @@ async def test_background_kill(marker: str) -> None:
 
 @pytest.mark.anyio
 async def test_unknown_and_foreign_tasks() -> None:
-    async with _executor() as ex:
+    async with _scripted() as ex:
         alice, bob, anyone = BashToolset(ex, owner=ALICE), BashToolset(ex, owner=BOB), BashToolset(ex)
         for tool in ("bash_output", "bash_kill"):
             unknown = await alice.call(tool, {"task_id": "bash-999"})
@@ -470,7 +519,7 @@ async def test_unknown_and_foreign_tasks() -> None:
 
 @pytest.mark.anyio
 async def test_max_running_per_owner() -> None:
-    async with _executor() as ex:
+    async with _scripted() as ex:
         first, second = (
             BashToolset(ex, owner=ALICE, max_running=2),
             BashToolset(ex, owner=ALICE, max_running=2),
@@ -492,11 +541,14 @@ async def test_max_running_per_owner() -> None:
         await _until_finished(first, ids[0])
         assert not (await second.call("bash", {"command": "sleep 30", "run_in_background": True})).is_error
         assert len(await second.kill_all()) == 2
+    assert [c.owner for c in ex.calls] == [ALICE, ALICE, BOB, ALICE]  # the refused start never ran
 
 
 @pytest.mark.anyio
 async def test_lossy_read_names_the_spill_files() -> None:
-    async with _executor(max_output_bytes=100) as ex:
+    seq = "".join(f"{i}\n" for i in range(1, 2001)).encode()
+    ex = _scripted(max_output_bytes=100).on("seq 1 2000", Script(stdout=seq))
+    async with ex:
         tools = BashToolset(ex)
         task_id = (await tools.call("bash", {"command": "seq 1 2000", "run_in_background": True})).data[
             "task_id"
@@ -506,11 +558,12 @@ async def test_lossy_read_names_the_spill_files() -> None:
         assert lossy
         path = lossy[0].data["stdout_spill_path"]
         assert f"[some output was dropped from memory; full output: {path}]\n[status: " in lossy[0].text
+        assert ex.read_spill(path) == seq
 
 
 @pytest.mark.anyio
 async def test_on_completion_notices_only_the_owners_tasks() -> None:
-    async with _executor() as ex:
+    async with _scripted() as ex:
         alice, bob = BashToolset(ex, owner=ALICE), BashToolset(ex, owner=BOB)
         notices: list[tuple[str, BashTask]] = []
         unsubscribe = alice.on_completion(lambda text, task: notices.append((text, task)))
@@ -532,17 +585,16 @@ async def test_on_completion_notices_only_the_owners_tasks() -> None:
 
 
 @pytest.mark.anyio
-async def test_background_start_with_aborted_signal_starts_nothing(tmp_path: Any) -> None:
-    async with _executor() as ex:
+async def test_background_start_with_aborted_signal_starts_nothing() -> None:
+    async with _scripted() as ex:
         controller = AbortController()
         controller.abort()
-        flag = tmp_path / "ran"
-        result = await BashToolset(ex).call(
-            "bash", {"command": f"touch {flag}", "run_in_background": True}, signal=controller.signal
+        tools = BashToolset(ex)
+        result = await tools.call(
+            "bash", {"command": "touch ran", "run_in_background": True}, signal=controller.signal
         )
         assert (result.text, result.is_error) == ("command aborted", True)
-        await anyio.sleep(0.2)
-        assert not flag.exists()
+        assert ex.calls == [] and tools.running_tasks() == []  # the executor was never asked
 
 
 def test_works_under_trio() -> None:
