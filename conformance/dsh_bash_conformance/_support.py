@@ -17,10 +17,6 @@ from ._kit import CheckContext, CheckFailed
 
 T = TypeVar("T")
 
-#: Extra seconds every "returns within" bound allows for scheduling and process start-up.
-SLACK_S = 1.0
-
-
 def loop(mark: str, *, trap_term: bool = False, prelude: str = "", iterations: int | None = None) -> str:
     """A ``bash -c`` process that keeps ``mark`` in its command line (as ``$0``) while it loops.
 
