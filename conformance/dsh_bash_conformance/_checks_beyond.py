@@ -7,7 +7,7 @@ import anyio
 from dsh_bash import AbortController, BashExecRequest
 
 from ._kit import CheckContext, check
-from ._support import SLACK_S, alive, escapee, gone, show, touch, wait_files, wait_task
+from ._support import alive, escapee, gone, show, touch, wait_files, wait_task
 
 GRACE_S = 0.3
 _LOOP = "while :; do sleep 0.05; done"
@@ -25,8 +25,10 @@ async def escapee_on_kill(ctx: CheckContext) -> None:
         )
         await wait_files(ex, [ready])
         ctx.expect(await ex.kill(task.id) is True, "kill of a running task did not return True")
-        await wait_task(task, GRACE_S + SLACK_S, "killed task")
-        await gone(ctx, mark, GRACE_S + SLACK_S, "after kill, a process that left the session with setsid")
+        await wait_task(task, GRACE_S + ctx.allowance_s, "killed task")
+        await gone(
+            ctx, mark, GRACE_S + ctx.allowance_s, "after kill, a process that left the session with setsid"
+        )
 
 
 @check("escapee-killed-on-timeout", kind="beyond", clause="R-contain-escapees", rule=_RULE.format("timeout"))
@@ -37,9 +39,12 @@ async def escapee_on_timeout(ctx: CheckContext) -> None:
         ready = f"{tmp}/ready"
         result = await ex.exec(f"{escapee(mark, prelude=touch(ready))} {_LOOP}", timeout_ms=400)
         ctx.expect(result.timed_out, f"the command was not timed out: {show(result)}")
-        await wait_files(ex, [ready], within_s=0.5)
+        await wait_files(ex, [ready], within_s=ctx.allowance_s)
         await gone(
-            ctx, mark, GRACE_S + SLACK_S, "after the timeout, a process that left the session with setsid"
+            ctx,
+            mark,
+            GRACE_S + ctx.allowance_s,
+            "after the timeout, a process that left the session with setsid",
         )
 
 
@@ -61,7 +66,10 @@ async def escapee_on_abort(ctx: CheckContext) -> None:
             result = await ex.exec(f"{escapee(mark, prelude=touch(ready))} {_LOOP}", signal=controller.signal)
         ctx.expect(result.aborted, f"the command was not aborted: {show(result)}")
         await gone(
-            ctx, mark, GRACE_S + SLACK_S, "after the abort, a process that left the session with setsid"
+            ctx,
+            mark,
+            GRACE_S + ctx.allowance_s,
+            "after the abort, a process that left the session with setsid",
         )
 
 
@@ -78,6 +86,6 @@ async def escapee_on_aclose(ctx: CheckContext) -> None:
         await wait_files(ex, [a, b])
         await alive(ctx, fg, "the escapee of a finished command")
         await ex.aclose()
-        await wait_task(task, SLACK_S, "a task running at aclose")
+        await wait_task(task, ctx.allowance_s, "a task running at aclose")
     await gone(ctx, fg, 0.5, "after aclose, an escapee of a finished command")
     await gone(ctx, bg, 0.5, "after aclose, an escapee of a running task")

@@ -21,7 +21,6 @@ from dsh_bash import (
 
 from ._kit import CheckContext, check
 from ._support import (
-    SLACK_S,
     Box,
     alive,
     elapsed,
@@ -65,7 +64,7 @@ async def closed_refuses(ctx: CheckContext) -> None:
     await _all_refused(ctx, ex, spec, BashTaskId("kit-no-such-task"), "before the block was entered")
     async with ex:
         task = await ex.start(ex.resolve(BashExecRequest(command="printf hi")))
-        await wait_task(task, SLACK_S)
+        await wait_task(task, ctx.allowance_s)
         await ex.aclose()
         await _all_refused(ctx, ex, spec, task.id, "after aclose, inside the block")
     await _all_refused(ctx, ex, spec, task.id, "after the block")
@@ -115,7 +114,7 @@ async def aclose_idempotent(ctx: CheckContext) -> None:
         async with anyio.create_task_group() as tg:
             for _ in range(3):
                 boxes.append(spawn(tg, ex.aclose))
-            with anyio.move_on_after(2 * GRACE_S + SLACK_S + 1.0):
+            with anyio.move_on_after(2 * GRACE_S + ctx.allowance_s):
                 for box in boxes:
                     await box.done.wait()
         for i, box in enumerate(boxes):
@@ -124,7 +123,7 @@ async def aclose_idempotent(ctx: CheckContext) -> None:
             )
         await ex.aclose()
         await expect_raises(ExecutorClosedError, partial(ex.exec, "true"), "exec after aclose")
-        await wait_task(task, SLACK_S, "a task running at aclose")
+        await wait_task(task, ctx.allowance_s, "a task running at aclose")
     await ex.aclose()
     await gone(ctx, mark, 0.25, "after aclose, a running task's process")
 
@@ -137,7 +136,9 @@ async def aclose_idempotent(ctx: CheckContext) -> None:
     "twice `grace_ms`.",
 )
 async def aclose_bounded(ctx: CheckContext) -> None:
-    grace_s = 1.0
+    # A close that kills one after the other takes six graces, past the bound of two graces and an
+    # allowance as long as the grace is at least the allowance.
+    grace_s = max(1.0, ctx.allowance_s)
     ex = ctx.executor(grace_ms=grace_s * 1000)
     marks = [ctx.marker() for _ in range(6)]
     async with ex:
@@ -151,8 +152,8 @@ async def aclose_bounded(ctx: CheckContext) -> None:
         await ex.aclose()
         took = elapsed(started)
     # Five TERM-ignoring tasks and a leftover, killed one after the other, would take 6 graces.
-    bound = 2 * grace_s + SLACK_S
-    ctx.expect(took <= bound, f"aclose with TERM-ignoring processes took {took:.2f} s (bound {bound:g} s)")
+    bound = 2 * grace_s + ctx.allowance_s
+    ctx.expect(took <= bound, f"aclose with TERM-ignoring processes took {took:.2f} s (bound {bound:.2f} s)")
     for mark in marks:
         await gone(ctx, mark, 0.25, "right after aclose, a TERM-ignoring process")
 

@@ -23,7 +23,6 @@ from dsh_bash import (
 
 from ._kit import CheckContext, check
 from ._support import (
-    SLACK_S,
     elapsed,
     expect_raises,
     loop,
@@ -97,7 +96,7 @@ async def timeout_classified(ctx: CheckContext) -> None:
             f"the kill: stderr={result.stderr.text!r}",
         )
         ctx.expect(took >= 0.28, f"the command was killed after {took:.3f} s, before its 300 ms timeout")
-        bound = 0.3 + 2 * GRACE_S + SLACK_S
+        bound = 0.3 + 2 * GRACE_S + ctx.allowance_s
         ctx.expect(took <= bound, f"the timed-out run returned after {took:.2f} s (bound {bound:.2f} s)")
         survivors = await ctx.wait_gone(mark, 0.5)
         ctx.expect(not survivors, f"processes of the timed-out command survive: {survivors}")
@@ -114,10 +113,10 @@ async def timeout_clamped(ctx: CheckContext) -> None:
     async with ctx.executor(max_timeout_ms=400) as ex:
         mark = ctx.marker()
         started = time.monotonic()
-        bound = 0.4 + 2 * GRACE_S + SLACK_S
+        bound = 0.4 + 2 * GRACE_S + ctx.allowance_s
         # Bounded: an unclamped 60 s timeout must fail here, not hang the check.
         result = await within(
-            ex.exec(loop(mark), timeout_ms=60_000), bound + 1, "a run that should be clamped"
+            ex.exec(loop(mark), timeout_ms=60_000), bound + ctx.allowance_s, "a run that should be clamped"
         )
         took = elapsed(started)
         ctx.expect(
@@ -155,7 +154,7 @@ async def abort_classified(ctx: CheckContext) -> None:
             f"the aborted shell died of SIGTERM; expected signal='SIGTERM', exit_code=None: {show(result)}",
         )
         ctx.expect(result.timeout_ms == 10_000, f"timeout_ms should be 10000, got {result.timeout_ms!r}")
-        bound = 0.3 + 2 * GRACE_S + SLACK_S
+        bound = 0.3 + 2 * GRACE_S + ctx.allowance_s
         ctx.expect(0.28 <= took <= bound, f"the aborted run returned after {took:.2f} s (abort at 0.3 s)")
         survivors = await ctx.wait_gone(mark, 0.5)
         ctx.expect(not survivors, f"processes of the aborted command survive: {survivors}")
@@ -169,19 +168,25 @@ async def abort_classified(ctx: CheckContext) -> None:
     "during the kill's grace).",
 )
 async def abort_then_timeout(ctx: CheckContext) -> None:
-    async with ctx.executor() as ex:
+    # The abort is asked for at 0.1 s and lands by 0.1 s + allowance; the timeout expires after that,
+    # so the abort surely comes first. Both the shell and its child ignore SIGTERM: the abort's kill
+    # lasts a whole grace, twice the allowance, so the timeout surely expires during it.
+    allow = ctx.allowance_s
+    abort_s, timeout_s, grace_s = 0.1, 0.1 + allow, 2 * allow
+    async with ctx.executor(grace_ms=grace_s * 1000) as ex:
         mark = ctx.marker()
         controller = AbortController()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_abort_after, controller, 0.1)
-            # Both the shell and its child ignore SIGTERM: the kill lasts the whole grace (0.1..0.4 s),
-            # and the 250 ms timeout expires in the middle of it.
+            tg.start_soon(_abort_after, controller, abort_s)
             result = await ex.exec(
-                f'trap "" TERM; {loop(mark, trap_term=True)}', signal=controller.signal, timeout_ms=250
+                f'trap "" TERM; {loop(mark, trap_term=True)}',
+                signal=controller.signal,
+                timeout_ms=timeout_s * 1000,
             )
         ctx.expect(
             result.aborted and not result.timed_out,
-            f"abort came first (0.1 s), timeout later (0.25 s): expected aborted only; got {show(result)}",
+            f"abort came first ({abort_s:g} s), timeout later ({timeout_s:.2f} s, grace {grace_s:.2f} s): "
+            f"expected aborted only; got {show(result)}",
         )
         ctx.expect(
             result.signal == "SIGKILL" and result.exit_code is None,
@@ -197,18 +202,24 @@ async def abort_then_timeout(ctx: CheckContext) -> None:
     "the kill's grace).",
 )
 async def timeout_then_abort(ctx: CheckContext) -> None:
-    async with ctx.executor() as ex:
+    # The timeout expires by 0.2 s + allowance; the abort is asked for then and lands by 0.2 s + twice
+    # the allowance, during the timeout's kill, whose grace (three allowances) outlasts that.
+    allow = ctx.allowance_s
+    timeout_s, abort_s, grace_s = 0.2, 0.2 + allow, 3 * allow
+    async with ctx.executor(grace_ms=grace_s * 1000) as ex:
         mark = ctx.marker()
         controller = AbortController()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_abort_after, controller, 0.35)
+            tg.start_soon(_abort_after, controller, abort_s)
             result = await ex.exec(
-                f'trap "" TERM; {loop(mark, trap_term=True)}', signal=controller.signal, timeout_ms=200
+                f'trap "" TERM; {loop(mark, trap_term=True)}',
+                signal=controller.signal,
+                timeout_ms=timeout_s * 1000,
             )
         ctx.expect(
             result.timed_out and not result.aborted,
-            f"timeout came first (0.2 s), abort during the grace (0.35 s): expected timed_out only; got "
-            f"{show(result)}",
+            f"timeout came first ({timeout_s:g} s), abort during the grace ({abort_s:.2f} s, grace "
+            f"{grace_s:.2f} s): expected timed_out only; got {show(result)}",
         )
         ctx.expect(
             result.signal == "SIGKILL" and result.exit_code is None,
@@ -412,7 +423,7 @@ async def _cancel_run(
         finally:
             done.set()
 
-    bound = 2 * grace_s + SLACK_S
+    bound = 2 * grace_s + ctx.allowance_s
     async with anyio.create_task_group() as tg:
         tg.start_soon(runner)
         await wait_files(ex, ready)
@@ -502,14 +513,17 @@ async def aclose_during_run(ctx: CheckContext) -> None:
             started = time.monotonic()
             await ex.aclose()
             took = elapsed(started)
-            with anyio.move_on_after(SLACK_S):
+            with anyio.move_on_after(ctx.allowance_s):
                 await box.done.wait()
-        ctx.expect(box.done.is_set(), "the run in flight did not end within 1 s after aclose returned")
+        ctx.expect(
+            box.done.is_set(),
+            f"the run in flight did not end within {ctx.allowance_s:.2f} s after aclose returned",
+        )
         ctx.expect(
             isinstance(box.error, ExecutorClosedError),
             f"the run in flight during aclose should raise ExecutorClosedError; it {box.describe()}",
         )
-        bound = 2 * GRACE_S + SLACK_S
+        bound = 2 * GRACE_S + ctx.allowance_s
         ctx.expect(took <= bound, f"aclose took {took:.2f} s (bound {bound:.1f} s)")
         survivors = await ctx.wait_gone(mark, 0.25)
         ctx.expect(not survivors, f"processes of the run in flight survived aclose: {survivors}")

@@ -9,7 +9,7 @@ import anyio
 from dsh_bash import BashExecRequest, BashExecutor, BashTask
 
 from ._kit import CheckContext, check
-from ._support import SLACK_S, elapsed, read_to_end, repeat, sh, wait_task
+from ._support import elapsed, read_to_end, repeat, sh, wait_task
 
 
 async def _start(ex: BashExecutor, command: str) -> BashTask:
@@ -36,7 +36,7 @@ async def merge_format(ctx: CheckContext) -> None:
     async with ctx.executor() as ex:
         for command, expected in cases.items():
             task = await _start(ex, command)
-            await wait_task(task, SLACK_S)
+            await wait_task(task, ctx.allowance_s)
             delta = await read_to_end(ctx, ex, task.id)
             ctx.expect(delta == expected, f"`{command}` read as {delta!r}, expected {expected!r}")
 
@@ -60,7 +60,7 @@ async def read_consuming(ctx: CheckContext) -> None:
             if read.task.end_cause is None:
                 while_running.append(read.delta)
             await anyio.sleep(0.05)
-        await wait_task(task, SLACK_S)
+        await wait_task(task, ctx.allowance_s)
         deltas.append(await read_to_end(ctx, ex, task.id))
         again = await ex.read_output(task.id)
         ctx.expect(again.delta == "", f"a third read after the end delivered {again.delta!r}")
@@ -90,7 +90,10 @@ async def read_at_once(ctx: CheckContext) -> None:
             started = time.monotonic()
             read = await ex.read_output(task.id)
             took = elapsed(started)
-            ctx.expect(took < 0.15, f"read_output of a silent running task took {took:.3f} s")
+            ctx.expect(
+                took < ctx.prompt_s,
+                f"read_output of a silent running task took {took:.3f} s (bound {ctx.prompt_s:.3f} s)",
+            )
             ctx.expect(
                 read.delta == "" and not read.lossy and read.dropped_bytes == 0,
                 f"a silent task's read: delta={read.delta!r} lossy={read.lossy} dropped={read.dropped_bytes}",
@@ -130,7 +133,7 @@ async def read_lossy(ctx: CheckContext) -> None:
             await anyio.sleep(0.02)
         ctx.expect(first == "x" * 500, f"the first 500 bytes read as {first[:80]!r}... ({len(first)} chars)")
         await sh(ex, f": > {go}")
-        await wait_task(task, SLACK_S)
+        await wait_task(task, ctx.allowance_s)
         read = await ex.read_output(task.id)
         expected = ("y" * 2990 + "ENDOFDATA\n")[-1000:]
         ctx.expect(
@@ -172,10 +175,10 @@ async def read_lossy(ctx: CheckContext) -> None:
 async def finished_readable(ctx: CheckContext) -> None:
     async with ctx.executor() as ex:
         first = await _start(ex, "printf 'first\\n'; printf 'first-err\\n' >&2")
-        await wait_task(first, SLACK_S)
+        await wait_task(first, ctx.allowance_s)
         for i in range(3):
             other = await _start(ex, f"printf 'other-{i}'")
-            await wait_task(other, SLACK_S)
+            await wait_task(other, ctx.allowance_s)
             await read_to_end(ctx, ex, other.id)
             await ex.exec("true")
         await anyio.sleep(0.3)
@@ -202,7 +205,7 @@ async def read_multibyte(ctx: CheckContext) -> None:
         await anyio.sleep(0.3)
         first = await ex.read_output(task.id)
         await sh(ex, f": > {go}")
-        await wait_task(task, SLACK_S)
+        await wait_task(task, ctx.allowance_s)
         rest = await read_to_end(ctx, ex, task.id)
         ctx.expect(
             first.delta in ("a", "") and first.delta + rest == "a€\n",

@@ -20,7 +20,6 @@ from dsh_bash import (
 
 from ._kit import CheckContext, check
 from ._support import (
-    SLACK_S,
     alive,
     elapsed,
     expect_raises,
@@ -56,7 +55,10 @@ async def start_returns(ctx: CheckContext) -> None:
         started = time.monotonic()
         task = await _start(ex, command, owner=OwnerToken("kit-owner"))
         took = elapsed(started)
-        ctx.expect(took < 2.0, f"start took {took:.2f} s for a command that never ends")
+        ctx.expect(
+            took < ctx.allowance_s,
+            f"start took {took:.2f} s for a command that never ends (bound {ctx.allowance_s:.2f} s)",
+        )
         ctx.expect(
             task.status == "running"
             and task.end_cause is None
@@ -88,7 +90,7 @@ async def background_no_timeout(ctx: CheckContext) -> None:
     async with ctx.executor(timeout_ms=200) as ex:
         started = time.monotonic()
         task = await _start(ex, "sleep 0.6; printf done", timeout_ms=200)
-        await wait_task(task, 0.6 + SLACK_S + 1.0)
+        await wait_task(task, 0.6 + ctx.allowance_s)
         took = elapsed(started)
         ctx.expect(
             _final(task) == ("completed", "exited", 0, None),
@@ -107,7 +109,10 @@ async def background_no_timeout(ctx: CheckContext) -> None:
     "waiting; the task ends `killed`.",
 )
 async def kill_running(ctx: CheckContext) -> None:
-    grace_s = 1.0
+    # A kill that waits for the end takes a whole grace for the TERM-ignoring task: four allowances
+    # (at least 1 s), while a kill that does not wait returns within one.
+    allow = ctx.allowance_s
+    grace_s = max(1.0, 4 * allow)
     async with ctx.executor(grace_ms=grace_s * 1000) as ex:
         stubborn = await _start(ex, "trap '' TERM; while :; do sleep 0.05; done")
         plain = await _start(ex, "while :; do sleep 0.05; done")
@@ -117,11 +122,13 @@ async def kill_running(ctx: CheckContext) -> None:
         took = elapsed(started)
         ctx.expect(result is True, f"kill of a running task returned {result!r}, expected True")
         ctx.expect(
-            took < 0.25, f"kill took {took:.2f} s for a TERM-ignoring task: it waited for the kill sequence"
+            took < allow,
+            f"kill took {took:.2f} s (bound {allow:.2f} s, grace {grace_s:.2f} s) for a TERM-ignoring task: "
+            "it waited for the kill sequence",
         )
         ctx.expect(await ex.kill(plain.id) is True, "kill of a running task did not return True")
-        await wait_task(stubborn, grace_s + SLACK_S, "a killed TERM-ignoring task")
-        await wait_task(plain, SLACK_S, "a killed task")
+        await wait_task(stubborn, grace_s + ctx.allowance_s, "a killed TERM-ignoring task")
+        await wait_task(plain, ctx.allowance_s, "a killed task")
         ctx.expect(
             _final(stubborn) == ("killed", "killed", None, "SIGKILL"),
             f"a killed TERM-ignoring task should end killed/killed by SIGKILL: {show_task(stubborn)}",
@@ -143,7 +150,7 @@ async def kill_ended(ctx: CheckContext) -> None:
     async with ctx.executor() as ex:
         mark = ctx.marker()
         task = await _start(ex, f"{loop(mark, trap_term=True)} >/dev/null 2>&1 & printf started")
-        await wait_task(task, SLACK_S)
+        await wait_task(task, ctx.allowance_s)
         ctx.expect(
             _final(task) == ("completed", "exited", 0, None),
             f"the task should have completed with exit 0: {show_task(task)}",
@@ -155,7 +162,9 @@ async def kill_ended(ctx: CheckContext) -> None:
             _final(task) == ("completed", "exited", 0, None),
             f"kill changed an ended task's fields: {show_task(task)}",
         )
-        await gone(ctx, mark, GRACE_S + SLACK_S, "after kill of the ended task, its TERM-ignoring leftover")
+        await gone(
+            ctx, mark, GRACE_S + ctx.allowance_s, "after kill of the ended task, its TERM-ignoring leftover"
+        )
 
 
 @check(
@@ -167,7 +176,7 @@ async def kill_ended(ctx: CheckContext) -> None:
 async def unknown_task(ctx: CheckContext) -> None:
     async with ctx.executor() as ex, ctx.executor() as other:
         task = await _start(other, "printf x")
-        await wait_task(task, SLACK_S)
+        await wait_task(task, ctx.allowance_s)
         for task_id in (BashTaskId("kit-no-such-task"), task.id):
             for name, method in (("read_output", ex.read_output), ("kill", ex.kill)):
                 error = await expect_raises(
@@ -187,7 +196,7 @@ async def unknown_task(ctx: CheckContext) -> None:
 async def end_exited(ctx: CheckContext) -> None:
     async with ctx.executor() as ex:
         task = await _start(ex, "printf x; exit 4")
-        await wait_task(task, SLACK_S)
+        await wait_task(task, ctx.allowance_s)
         ctx.expect(
             _final(task) == ("completed", "exited", 4, None),
             f"`exit 4` should end completed/exited with exit_code 4: {show_task(task)}",
@@ -209,7 +218,7 @@ async def end_signaled(ctx: CheckContext) -> None:
         for name in ("TERM", "KILL"):
             number = int(getattr(signal, f"SIG{name}"))
             task = await _start(ex, f"kill -{name} $$")
-            await wait_task(task, SLACK_S)
+            await wait_task(task, ctx.allowance_s)
             expected = (
                 ("completed", "exited", 128 + number, None)
                 if coded
@@ -236,7 +245,7 @@ async def end_aborted(ctx: CheckContext) -> None:
         await anyio.sleep(0.2)
         ctx.expect(task.status == "running", f"the task ended before the abort: {show_task(task)}")
         controller.abort("kit")
-        await wait_task(task, GRACE_S + SLACK_S, "an aborted task")
+        await wait_task(task, GRACE_S + ctx.allowance_s, "an aborted task")
         ctx.expect(
             _final(task) == ("killed", "aborted", None, "SIGTERM"),
             f"an aborted task should end killed/aborted by SIGTERM: {show_task(task)}",
@@ -258,7 +267,7 @@ async def end_closed(ctx: CheckContext) -> None:
         await anyio.sleep(0.1)
         await ex.aclose()
         for task in (plain, stubborn):
-            await wait_task(task, SLACK_S, "a task killed by aclose")
+            await wait_task(task, ctx.allowance_s, "a task killed by aclose")
             ctx.expect(
                 task.status == "killed" and task.end_cause == "closed",
                 f"a task killed by aclose should end killed/closed: {show_task(task)}",
@@ -281,11 +290,12 @@ async def wait_final(ctx: CheckContext) -> None:
             await task.wait()
             seen.append(_final(task))
 
-        with anyio.move_on_after(3.0):
+        bound = 0.2 + ctx.allowance_s
+        with anyio.move_on_after(bound):
             async with anyio.create_task_group() as tg:
                 for _ in range(3):
                     tg.start_soon(waiter)
-        ctx.expect(len(seen) == 3, f"only {len(seen)} of 3 concurrent waiters returned within 3 s")
+        ctx.expect(len(seen) == 3, f"only {len(seen)} of 3 concurrent waiters returned within {bound:.2f} s")
         ctx.expect(
             all(s == ("completed", "exited", 6, None) for s in seen),
             f"waiters saw non-final fields when wait() returned: {seen}",
@@ -296,11 +306,14 @@ async def wait_final(ctx: CheckContext) -> None:
             f"right after wait(), the read delivered {len(read.delta)} characters, not all 20000",
         )
         started = time.monotonic()
-        await wait_task(task, 0.5, "wait() on an ended task")
-        ctx.expect(elapsed(started) < 0.2, "wait() on an ended task did not return at once")
+        await wait_task(task, ctx.allowance_s, "wait() on an ended task")
+        ctx.expect(
+            elapsed(started) < ctx.allowance_s,
+            f"wait() on an ended task did not return at once (bound {ctx.allowance_s:.2f} s)",
+        )
         killed = await _start(ex, "while :; do sleep 0.05; done")
         await ex.kill(killed.id)
-        await wait_task(killed, GRACE_S + SLACK_S, "wait() on a killed task")
+        await wait_task(killed, GRACE_S + ctx.allowance_s, "wait() on a killed task")
         ctx.expect(killed.end_cause == "killed", f"a killed task's end fields: {show_task(killed)}")
 
 
@@ -324,7 +337,7 @@ async def ids_distinct(ctx: CheckContext) -> None:
         ids = [t.id for t in tasks]
         ctx.expect(len(set(ids)) == len(ids), f"task ids repeat: {ids}")
         for task in tasks:
-            await wait_task(task, SLACK_S)
+            await wait_task(task, ctx.allowance_s)
 
 
 @check(
@@ -347,5 +360,5 @@ async def owner_of(ctx: CheckContext) -> None:
         )
         unknown = ex.owner_of(BashTaskId("kit-no-such-task"))
         ctx.expect(unknown is None, f"owner_of an unknown id returned {unknown!r}")
-        await wait_task(owned, SLACK_S)
+        await wait_task(owned, ctx.allowance_s)
         ctx.expect(ex.owner_of(owned.id) == token, "owner_of changed once the task ended")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import secrets
 import shlex
+import statistics
 import sys
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import Any, Literal, NoReturn
 import anyio
 import anyio.to_thread
 
-from dsh_bash import BashExecutor
+from dsh_bash import BashExecRequest, BashExecutor
 
 from ._host import find_host_processes, patch_os_environ
 
@@ -46,6 +47,17 @@ EXECUTOR_DEFAULTS: Mapping[str, Any] = {"grace_ms": 300, "timeout_ms": 10_000}
 #: How long the kit's own cleanup after a check may take (killing leftovers, removing temp dirs).
 _CLEANUP_TIMEOUT_S = 15.0
 
+#: The fixed part of every allowance: the kit's default grace (``EXECUTOR_DEFAULTS["grace_ms"]``), the
+#: time the kit already grants a process to react to a signal.
+ALLOWANCE_BASE_S: float = EXECUTOR_DEFAULTS["grace_ms"] / 1000
+
+#: Round trips the kit times before each check: ``exec("true")`` runs, then ``start`` + ``read_output``
+#: until the task's output arrived. The latency is the median of all of them (one stall moves it not).
+_PROBE_EXECS = 3
+_PROBE_READS = 2
+#: How long the probe may take in all; what it measured by then counts.
+_PROBE_LIMIT_S = 10.0
+
 _KIT_DIR = str(Path(__file__).resolve().parent)
 
 
@@ -66,6 +78,9 @@ class KitTarget:
     find_processes: Callable[[str], list[int]] = find_host_processes
     anyio_backend: str = "asyncio"
     check_timeout_s: float = 30.0
+    #: Each allowance is ``ALLOWANCE_BASE_S + allowance_factor * latency``, the latency being what the
+    #: kit measured for this target right before the check (see :meth:`CheckContext.allowance_s`).
+    allowance_factor: float = 10.0
 
 
 class CheckFailed(Exception):
@@ -131,6 +146,59 @@ class CheckContext:
         self.check = current
         self._markers: list[str] = []
         self._tempdirs: list[str] = []
+        #: The target's round-trip latency in seconds, measured right before the check ran.
+        self.latency_s: float = 0.0
+
+    # -- allowances -----------------------------------------------------------------------------
+
+    @property
+    def allowance_s(self) -> float:
+        """Extra seconds a "returns within" bound grants for scheduling and process start-up.
+
+        ``ALLOWANCE_BASE_S`` (the kit's default grace) plus ``target.allowance_factor`` times the
+        latency the kit measured for this target right before the check: a busy machine or a slow
+        transport widens it, an idle one keeps it tight.
+        """
+        return ALLOWANCE_BASE_S + self.target.allowance_factor * self.latency_s
+
+    @property
+    def prompt_s(self) -> float:
+        """How long a call that must return at once (no process to wait for: a read) may take.
+
+        0.1 s plus ``target.allowance_factor`` times the measured latency: with the default factor
+        it stays below half a second while the latency is under 40 ms.
+        """
+        return 0.1 + self.target.allowance_factor * self.latency_s
+
+    def describe_allowance(self) -> str:
+        return (
+            f"allowance {self.allowance_s:.2f} s = {ALLOWANCE_BASE_S:g} s + {self.target.allowance_factor:g} "
+            f"x {self.latency_s * 1000:.0f} ms measured latency"
+        )
+
+    async def _measure_latency(self) -> None:
+        """Time a few round trips of a fresh executor of the target; keep their median."""
+        samples: list[float] = []
+        with anyio.move_on_after(_PROBE_LIMIT_S):
+            async with self.executor() as ex:
+                for _ in range(_PROBE_EXECS):
+                    started = time.monotonic()
+                    await ex.exec("true")
+                    samples.append(time.monotonic() - started)
+                for _ in range(_PROBE_READS):
+                    started = time.monotonic()
+                    task = await ex.start(ex.resolve(BashExecRequest(command="printf x")))
+                    seen = ""
+                    while "x" not in seen and time.monotonic() - started < _PROBE_LIMIT_S / 4:
+                        seen += (await ex.read_output(task.id)).delta
+                        if "x" not in seen:
+                            await anyio.sleep(0.002)
+                    samples.append(time.monotonic() - started)
+        if not samples:
+            raise CheckFailed(
+                f"the kit could not time a single exec('true') of the target within {_PROBE_LIMIT_S:g} s"
+            )
+        self.latency_s = statistics.median(samples)
 
     # -- executors and markers ----------------------------------------------------------------
 
@@ -327,6 +395,7 @@ def _run_one(target: KitTarget, current: Check) -> CheckResult:
     box: dict[str, tuple[CheckOutcome, str]] = {}
 
     async def body() -> None:
+        await ctx._measure_latency()
         await current.fn(ctx)
 
     def worker() -> None:
@@ -366,6 +435,8 @@ def _run_one(target: KitTarget, current: Check) -> CheckResult:
     if _in_thread(cleaner, _CLEANUP_TIMEOUT_S, f"kit-cleanup-{current.name}").is_alive():
         cleanup["note"] = "kit cleanup did not finish"
     note = cleanup.get("note", "")
+    if outcome != "passed" and ctx.latency_s:
+        note = f"{ctx.describe_allowance()}; {note}" if note else ctx.describe_allowance()
     if note:
         message = f"{message} ({note})" if message else f"({note})"
     return CheckResult(

@@ -17,10 +17,6 @@ from ._kit import CheckContext, CheckFailed
 
 T = TypeVar("T")
 
-#: Extra seconds every "returns within" bound allows for scheduling and process start-up.
-SLACK_S = 1.0
-
-
 def loop(mark: str, *, trap_term: bool = False, prelude: str = "", iterations: int | None = None) -> str:
     """A ``bash -c`` process that keeps ``mark`` in its command line (as ``$0``) while it loops.
 
@@ -52,8 +48,17 @@ def escapee(mark: str, *, prelude: str = "") -> str:
 
 
 def repeat(char: str, count: int) -> str:
-    """A bash snippet printing ``char`` ``count`` times, with builtins only."""
-    return f"s=$(printf '%*s' {count} ''); printf '%s' \"${{s// /{char}}}\""
+    """A shell snippet printing ``char`` (one ASCII letter or digit) ``count`` times.
+
+    Built from bytes (``head -c`` of ``/dev/zero`` through ``tr``), so its cost is linear and the
+    same under every locale: bash's ``${s// /x}`` is quadratic under a UTF-8 locale (1.45 s for
+    30,000 characters where ``LC_ALL=C`` takes 17 ms).
+    """
+    if len(char) != 1 or not (char.isascii() and char.isalnum()):
+        raise ValueError(f"repeat() takes one ASCII letter or digit, not {char!r}")
+    if count < 0:
+        raise ValueError(f"repeat() needs a count >= 0, not {count}")
+    return f"head -c {count} /dev/zero | tr '\\000' '{char}'"
 
 
 def elapsed(since: float) -> float:
