@@ -14,9 +14,9 @@ process, kill and spill mechanics; this module holds the pieces it builds them f
 - the environment policy: :func:`build_command_env`, :func:`is_scrubbed`,
   :data:`MODEL_FRIENDLY_ENV`, :data:`RC_FILE_VARIABLES`;
 - bash reached remotely (through an API or a channel): the boot markers :data:`BOOT_OK`,
-  :data:`BOOT_FAIL`, :data:`EXIT_PREFIX`, the scripts :data:`KILL`, :data:`SPILL_DIR`,
-  :data:`SPILL_WRITER`, and :class:`ExitTrailerFilter`, :class:`QueuedSpillFile`,
-  :class:`SpillWriter`, :class:`CommandSpills`, :func:`spill_file_path`,
+  :data:`BOOT_FAIL` (:func:`boot_failure` reads its report), :data:`EXIT_PREFIX`, the scripts
+  :data:`KILL`, :data:`SPILL_DIR`, :data:`SPILL_WRITER`, and :class:`ExitTrailerFilter`,
+  :class:`QueuedSpillFile`, :class:`SpillWriter`, :class:`CommandSpills`, :func:`spill_file_path`,
   :data:`SPILL_HIGH_WATER_BYTES`;
 - configuration: :class:`dsh_bash.BudgetConfig` to subclass, :func:`config_error_from` to turn a
   pydantic ``ValidationError`` into a :class:`dsh_bash.ConfigError` that names the field;
@@ -57,6 +57,7 @@ from ._remote_bash import (
     ExitTrailerFilter,
     QueuedSpillFile,
     SpillWriter,
+    boot_failure,
     spill_file_path,
 )
 
@@ -88,6 +89,7 @@ __all__ = [
     "SpillFile",
     "SpillWriter",
     "StreamName",
+    "boot_failure",
     "build_command_env",
     "config_error_from",
     "is_scrubbed",
