@@ -18,6 +18,8 @@ from typing import Literal, Protocol
 
 import anyio
 
+from ._errors import INFRA_REASONS, BashInfrastructureError
+
 __all__ = [
     "BOOT_FAIL",
     "BOOT_OK",
@@ -30,13 +32,16 @@ __all__ = [
     "ExitTrailerFilter",
     "QueuedSpillFile",
     "SpillWriter",
+    "boot_failure",
     "kill_args",
     "spill_file_path",
 ]
 
 log = logging.getLogger("dsh_bash")
 
-#: Preamble markers written to stdout by a boot script before the command starts.
+#: Preamble markers written to stdout by a boot script before the command starts. A failure report
+#: is BOOT_FAIL, a machine-readable kind (an infrastructure error reason, see :func:`boot_failure`),
+#: optionally ``:`` and a detail for people, then NUL: ``\0dsh-bash-boot-fail:workdir_missing\0``.
 BOOT_OK = b"\0dsh-bash-boot-ok\0"
 BOOT_FAIL = b"\0dsh-bash-boot-fail:"
 #: The trailer a boot script writes once the command's shell exited: nonce and a 3-digit status.
@@ -105,6 +110,30 @@ SPILL_DIR = r"""umask 077; mktemp -d "${TMPDIR:-/tmp}/dsh-bash-XXXXXX" """
 #: output pump stops reading until the writer caught up. Without it the queue grows as fast as the
 #: transport delivers output, up to ``max_spill_bytes`` of memory per stream.
 SPILL_HIGH_WATER_BYTES = 1024 * 1024
+
+
+#: How the message words each workdir failure a boot script reports.
+_WORKDIR_FAILURES = {
+    "workdir_missing": "does not exist",
+    "workdir_not_directory": "is not a directory",
+    "workdir_not_accessible": "cannot be entered",
+}
+
+
+def boot_failure(report: str, *, workdir: str, where: str) -> BashInfrastructureError:
+    """The error for a boot script's failure report (what followed BOOT_FAIL, without the NUL).
+
+    The report's kind becomes the error's reason; a kind this version does not know (a newer
+    script's) is ``unclassified``, with the whole report in the message.
+    """
+    kind, _, detail = report.partition(":")
+    reason = next((known for known in INFRA_REASONS if known == kind), None)
+    if reason is None:
+        return BashInfrastructureError(f"the command could not start {where}: {report or 'no detail'}")
+    phrase = _WORKDIR_FAILURES.get(reason)
+    if phrase is not None:
+        return BashInfrastructureError(f"workdir {workdir!r} {phrase}", reason=reason)
+    return BashInfrastructureError(f"the command could not start {where}: {detail or kind}", reason=reason)
 
 
 class ExitTrailerFilter:

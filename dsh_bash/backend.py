@@ -18,10 +18,10 @@ process, kill and spill mechanics; this module holds the pieces it builds them f
 - the environment policy: :func:`build_command_env`, :func:`is_scrubbed`,
   :data:`MODEL_FRIENDLY_ENV`, :data:`RC_FILE_VARIABLES`;
 - bash reached remotely (through an API or a channel): the boot markers :data:`BOOT_OK`,
-  :data:`BOOT_FAIL`, :data:`EXIT_PREFIX`, the scripts :data:`KILL` (arguments from :func:`kill_args`),
-  :data:`SPILL_DIR`,
-  :data:`SPILL_WRITER`, and :class:`ExitTrailerFilter`, :class:`QueuedSpillFile`,
-  :class:`SpillWriter`, :class:`CommandSpills`, :func:`spill_file_path`,
+  :data:`BOOT_FAIL` (:func:`boot_failure` reads its report), :data:`EXIT_PREFIX`, the scripts
+  :data:`KILL` (arguments from :func:`kill_args`), :data:`SPILL_DIR`, :data:`SPILL_WRITER`, and
+  :class:`ExitTrailerFilter`, :class:`QueuedSpillFile`, :class:`SpillWriter`, :class:`CommandSpills`,
+  :func:`spill_file_path`,
   :data:`SPILL_HIGH_WATER_BYTES`;
 - configuration: :class:`dsh_bash.BudgetConfig` to subclass, :func:`config_error_from` to turn a
   pydantic ``ValidationError`` into a :class:`dsh_bash.ConfigError` that names the field;
@@ -66,6 +66,7 @@ from ._remote_bash import (
     ExitTrailerFilter,
     QueuedSpillFile,
     SpillWriter,
+    boot_failure,
     kill_args,
     spill_file_path,
 )
@@ -107,6 +108,7 @@ __all__ = [
     "StartHelper",
     "StreamName",
     "WrapCommand",
+    "boot_failure",
     "build_command_env",
     "config_error_from",
     "host_support_problem",

@@ -23,6 +23,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from dsh_bash import BashInfrastructureError, ConfigError
+from dsh_bash.backend import InfraReason
 
 __all__ = ["Endpoint", "EngineClient", "EngineError", "ExecStream"]
 
@@ -32,10 +33,12 @@ _FRAME = struct.Struct(">BxxxI")
 
 
 class EngineError(BashInfrastructureError):
-    """The engine answered with an error status, or could not be reached."""
+    """The engine answered with an error status (``status``), or could not be reached (None)."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
+    def __init__(
+        self, message: str, status: int | None = None, *, reason: InfraReason = "unclassified"
+    ) -> None:
+        super().__init__(message, reason=reason)
         self.status = status
 
 
@@ -74,7 +77,13 @@ class Endpoint:
             assert self.host is not None and self.port is not None
             return await anyio.connect_tcp(self.host, self.port)
         except OSError as exc:
-            raise EngineError(f"Docker engine at {self.describe()} is unreachable: {exc}") from exc
+            raise EngineError(
+                f"Docker engine at {self.describe()} is unreachable: {exc}", reason="engine_unreachable"
+            ) from exc
+
+
+def _cut_short() -> EngineError:
+    return EngineError("the Docker engine closed the connection mid-response", reason="connection_lost")
 
 
 class _Reader:
@@ -97,7 +106,7 @@ class _Reader:
     async def read_until(self, separator: bytes, limit: int = _MAX_HEADER) -> bytes:
         while (index := self.buffer.find(separator)) < 0:
             if len(self.buffer) > limit or not await self.fill():
-                raise EngineError("the Docker engine closed the connection mid-response")
+                raise _cut_short()
         data = bytes(self.buffer[: index + len(separator)])
         del self.buffer[: index + len(separator)]
         return data
@@ -105,7 +114,7 @@ class _Reader:
     async def read_exact(self, size: int) -> bytes:
         while len(self.buffer) < size:
             if not await self.fill():
-                raise EngineError("the Docker engine closed the connection mid-response")
+                raise _cut_short()
         data = bytes(self.buffer[:size])
         del self.buffer[:size]
         return data
@@ -238,15 +247,7 @@ class EngineClient:
         self.endpoint = endpoint
 
     async def request(self, method: str, path: str, body: Any | None = None) -> Any:
-        stream = await self.endpoint.connect()
-        async with stream:
-            reader = _Reader(stream)
-            try:
-                await stream.send(_request_bytes(method, path, body, "Connection: close\r\n"))
-                status, headers = await _read_head(reader)
-                data = await _read_body(reader, headers)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-                raise EngineError(f"lost the connection to the Docker engine: {exc}") from exc
+        status, data = await self.request_raw(method, path, body)
         if status >= 400:
             raise EngineError(_error_text(status, data), status)
         if not data.strip():
@@ -255,6 +256,21 @@ class EngineClient:
             return json.loads(data)
         except ValueError:
             return data.decode("utf-8", "replace")
+
+    async def request_raw(self, method: str, path: str, body: Any | None = None) -> tuple[int, bytes]:
+        """(status, body) of one call, whatever the status; a HEAD request's body is empty."""
+        stream = await self.endpoint.connect()
+        async with stream:
+            reader = _Reader(stream)
+            try:
+                await stream.send(_request_bytes(method, path, body, "Connection: close\r\n"))
+                status, headers = await _read_head(reader)
+                data = b"" if method == "HEAD" else await _read_body(reader, headers)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+                raise EngineError(
+                    f"lost the connection to the Docker engine: {exc}", reason="connection_lost"
+                ) from exc
+        return status, data
 
     async def exec_create(
         self,

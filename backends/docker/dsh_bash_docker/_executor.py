@@ -19,6 +19,7 @@ from dsh_bash.backend import (
     RC_FILE_VARIABLES,
     CommandProcess,
     CommandSpills,
+    InfraReason,
     Killable,
     Launch,
     SpillFile,
@@ -28,7 +29,7 @@ from dsh_bash.backend import (
 
 from ._config import DockerConfig
 from ._engine import Endpoint, EngineClient, EngineError
-from ._process import ContainerMarked, DockerProcess, run_script
+from ._process import ContainerMarked, DockerProcess, diagnose_refusal, run_script
 from ._scripts import BOOT, SPILL_DIR, SPILL_WRITER
 from ._spill import DockerSpillFile
 
@@ -105,13 +106,40 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         config = self._docker_config
         await self._engine.request("GET", "/_ping")  # unreachable: an error that names the endpoint
         if config.image is not None:
-            self._container_id = await anyio.to_thread.run_sync(self._create_container)
-        else:
-            assert config.container is not None
-            self._container_id = config.container
+            self._container_id = await self._start_container()
+            try:
+                await self._learn_container()
+            except BaseException:  # a container of its own that cannot serve is not left behind
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(self._remove_container, self._container_id)
+                raise
+            return
+        assert config.container is not None
+        self._container_id = config.container
         await self._learn_container()
 
+    async def _start_container(self) -> str:
+        """Image mode: create a container and start it; a container that cannot start is removed."""
+        container_id = await anyio.to_thread.run_sync(self._create_container)
+        try:
+            await self._engine.request("POST", f"/containers/{container_id}/start")
+        except EngineError as exc:
+            with anyio.CancelScope(shield=True):
+                reason = exc.reason
+                if exc.status is not None:  # the engine refused: tell why from the container's files
+                    reason = await diagnose_refusal(self._engine, container_id, self._docker_config.user)
+                await anyio.to_thread.run_sync(self._remove_container, container_id)
+            raise BashInfrastructureError(
+                f"cannot start a container from {self._docker_config.image!r}: {exc}", reason=reason
+            ) from exc
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._remove_container, container_id)
+            raise
+        return container_id
+
     def _create_container(self) -> str:
+        """Create (not start) a container from the image, pulling it as ``pull`` says."""
         import docker.errors  # noqa: PLC0415
 
         config = self._docker_config
@@ -126,11 +154,12 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
                 except docker.errors.ImageNotFound:
                     if config.pull == "never":
                         raise BashInfrastructureError(
-                            f"image {config.image!r} is not present locally (pull it, or set pull='missing')"
+                            f"image {config.image!r} is not present locally (pull it, or set pull='missing')",
+                            reason="image_missing",
                         ) from None
                     client.images.pull(config.image)
             tmpfs = {"/tmp": "rw,nosuid,nodev,mode=1777"} if config.read_only else None
-            container = client.containers.run(
+            container = client.containers.create(
                 config.image,
                 command=[
                     "bash",
@@ -140,7 +169,6 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
                     "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done",
                 ],
                 entrypoint=[],
-                detach=True,
                 init=True,
                 environment=config.environment,
                 network_mode=config.network,
@@ -158,7 +186,17 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             )
             return str(container.id)
         except docker.errors.DockerException as exc:
-            raise BashInfrastructureError(f"cannot create a container from {config.image!r}: {exc}") from exc
+            # NotFound from a pull or a create: no such image (ImageNotFound is one).
+            reason: InfraReason = "unclassified"
+            if isinstance(exc, docker.errors.NotFound):
+                reason = "image_missing"
+            raise BashInfrastructureError(
+                f"cannot create a container from {config.image!r}: {exc}", reason=reason
+            ) from exc
+        except OSError as exc:  # requests' connection errors: the engine does not answer
+            raise BashInfrastructureError(
+                f"cannot create a container from {config.image!r}: {exc}", reason="engine_unreachable"
+            ) from exc
         finally:
             client.close()
 
@@ -167,10 +205,16 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             info = await self._engine.container_inspect(self._container_id)
         except EngineError as exc:
             if exc.status == 404:
-                raise BashInfrastructureError(f"container {self._container_id!r} does not exist") from exc
+                raise BashInfrastructureError(
+                    f"container {self._container_id!r} does not exist", reason="container_missing"
+                ) from exc
             raise
         if not info.get("State", {}).get("Running"):
-            raise BashInfrastructureError(f"container {self._container_id!r} is not running")
+            reason: InfraReason = "container_missing"
+            if self._docker_config.image is not None:
+                # Its own container, just started, ended at once: its init could not run bash.
+                reason = await diagnose_refusal(self._engine, self._container_id, self._docker_config.user)
+            raise BashInfrastructureError(f"container {self._container_id!r} is not running", reason=reason)
         self._container_id = str(info["Id"])
         # With a local engine, the container's processes are this host's processes too: the kill
         # path can then find them through /proc when nothing can be exec'd in the container.
@@ -179,13 +223,24 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         container_config = info.get("Config") or {}
         self._cwd = container_config.get("WorkingDir") or "/"
         self._ambient = dict(item.split("=", 1) for item in container_config.get("Env") or [] if "=" in item)
-        code, out, err = await run_script(
-            self._engine, self._container_id, self._docker_config.user, SPILL_DIR
-        )
+        user = self._docker_config.user
+        try:
+            code, out, err = await run_script(self._engine, self._container_id, user, SPILL_DIR)
+        except EngineError as exc:
+            # The engine could not start bash (no bash, an unknown user, a limit), or, in image mode,
+            # its own container ended right after its start (its init found no bash): say why.
+            refused = exc.reason == "start_failed" or (
+                self._docker_config.image is not None and exc.status in (404, 409)
+            )
+            if not refused:
+                raise
+            reason = await diagnose_refusal(self._engine, self._container_id, user)
+            raise BashInfrastructureError(str(exc), reason=reason) from exc
         path = out.decode().strip()
         if code != 0 or not path.startswith("/"):
             raise BashInfrastructureError(
-                f"cannot create the spill directory in the container: {err.decode(errors='replace').strip()}"
+                f"cannot create the spill directory in the container: {err.decode(errors='replace').strip()}",
+                reason="spill_unavailable",
             )
         self._spill_dir = path
 
@@ -243,7 +298,8 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
                 state = "does not exist" if exc.status == 404 else "is not running"
                 raise BashInfrastructureError(
                     f"container {self._docker_config.container!r} {state}; the executor never starts or "
-                    "recreates a container it does not own"
+                    "recreates a container it does not own",
+                    reason="container_missing",
                 ) from exc
         # Image mode: the container is gone or stopped; make a fresh one and try once more.
         await self._recreate()
@@ -284,7 +340,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
                 "container %s is gone or stopped; creating a fresh one from %s", old[:12], self.config.image
             )
             await anyio.to_thread.run_sync(self._remove_container, old)
-            self._container_id = await anyio.to_thread.run_sync(self._create_container)
+            self._container_id = await self._start_container()
             await self._learn_container()
 
     async def _spawn_in(self, container: str, launch: Launch) -> CommandProcess:
@@ -317,7 +373,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             )
             if code != 0:
                 raise BashInfrastructureError(
-                    f"cannot store the long command: {err.decode(errors='replace')}"
+                    f"cannot store the long command: {err.decode(errors='replace')}", reason="start_failed"
                 )
             command = ""
         env["DSH_BASH_COMMAND"] = command
@@ -358,7 +414,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             wait_writable=lambda: self._spills.wait_writable(marker),
         )
         try:
-            await process.read_preamble()
+            await process.read_preamble(self.config.user)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()

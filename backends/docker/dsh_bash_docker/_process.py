@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import math
+import tarfile
 from collections.abc import Awaitable, Callable
 from typing import Literal
+from urllib.parse import quote
 
 import anyio
 import anyio.to_thread
@@ -15,8 +18,10 @@ from dsh_bash.backend import (
     CommandProcess,
     ExitStatus,
     ExitTrailerFilter,
+    InfraReason,
     Launch,
     ProcEntry,
+    boot_failure,
     kill_args,
     signal_marked,
 )
@@ -25,11 +30,16 @@ from dsh_bash.backend import scan_processes as scan
 from ._engine import EngineClient, EngineError, ExecStream
 from ._scripts import BOOT_FAIL, BOOT_OK, KILL
 
-__all__ = ["ContainerMarked", "DockerProcess", "run_script"]
+__all__ = ["ContainerMarked", "DockerProcess", "diagnose_refusal", "run_script"]
 
 #: How long a kill waits for the engine to run its script before signalling from the host (when
 #: the host sees the container's processes).
 _ENGINE_ANSWER_BOUND_S = 1.0
+#: How long a command whose exec ended without an exit status waits for its container to show
+#: whether it is ending (then the command is ``container_gone``, else ``command_lost``).
+_GONE_SETTLE_S = 1.0
+#: How long a failed start waits for the rest of the boot script's or the engine's report.
+_REPORT_BOUND_S = 5.0
 
 log = logging.getLogger("dsh_bash.docker")
 
@@ -37,6 +47,13 @@ StartHelper = Callable[..., None]
 
 #: Our own scripts must never source an rc file the container's environment names.
 SCRIPT_ENV = {"BASH_ENV": "", "ENV": ""}
+#: Written to stdout first by every script :func:`run_script` runs: without it, bash never ran.
+_BEGIN = b"\0dsh-bash-begin\0"
+_BEGIN_SCRIPT = "printf '\\0dsh-bash-begin\\0'\n"
+#: The exit codes the engine gives an exec whose process the runtime could not start.
+_REFUSED_EXIT_CODES = (126, 127)
+#: The PATH the engine gives processes of a container whose environment sets none.
+_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 async def run_script(
@@ -47,10 +64,15 @@ async def run_script(
     *args: str,
     stdin: bytes | None = None,
 ) -> tuple[int, bytes, bytes]:
-    """Run a small bash script in the container to its end: (exit code, stdout, stderr)."""
+    """Run a small bash script in the container to its end: (exit code, stdout, stderr).
+
+    When the engine could not start bash at all (the runtime refused the exec), raises an
+    :class:`EngineError` without status and with reason ``start_failed``; :func:`diagnose_refusal`
+    tells why.
+    """
     exec_id = await engine.exec_create(
         container,
-        ["bash", "--noprofile", "--norc", "-c", script, "dsh-bash", *args],
+        ["bash", "--noprofile", "--norc", "-c", _BEGIN_SCRIPT + script, "dsh-bash", *args],
         env=SCRIPT_ENV,
         stdin=stdin is not None,
         user=user,
@@ -66,11 +88,73 @@ async def run_script(
         await stream.aclose()
     info = await engine.exec_inspect(exec_id)
     code = info.get("ExitCode")
-    if code in (126, 127) and b"OCI runtime exec failed" in out + err:
-        # The runtime could not start the process at all (pids limit reached, for one).
+    began = out.startswith(_BEGIN)
+    if code in _REFUSED_EXIT_CODES and not began:
+        # The runtime could not start the process at all (no bash, an unknown user, the pids limit).
         detail = bytes(out + err).decode("utf-8", "replace").strip()
-        raise EngineError(f"cannot start a process in container {container[:12]}: {detail}")
-    return (code if isinstance(code, int) else -1), bytes(out), bytes(err)
+        raise EngineError(
+            f"cannot start a process in container {container[:12]}: {detail}", reason="start_failed"
+        )
+    return (code if isinstance(code, int) else -1), bytes(out[len(_BEGIN) :] if began else out), bytes(err)
+
+
+async def diagnose_refusal(
+    engine: EngineClient, container: str, user: str | None, path: str | None = None
+) -> InfraReason:
+    """Why the engine could not start bash as ``user`` in ``container``, from the container's files.
+
+    The engine resolves the user first (``name[:group]`` through the container's ``/etc/passwd`` and
+    ``/etc/group``; numeric ids need no entry), then looks ``bash`` up on ``path`` (the container's
+    PATH when None). So: ``user_unknown`` when a name is in neither file, ``shell_missing`` when no
+    directory of the PATH holds a ``bash``, else ``start_failed`` (the pids limit reached, say).
+    Works on a created container that never started too.
+    """
+    try:
+        info = await engine.container_inspect(container)
+        if user:
+            name, _, group = user.partition(":")
+            if not await _has_entry(engine, container, "/etc/passwd", name) or (
+                group and not await _has_entry(engine, container, "/etc/group", group)
+            ):
+                return "user_unknown"
+        if path is None:
+            env = (info.get("Config") or {}).get("Env") or []
+            path = next((item[5:] for item in env if item.startswith("PATH=")), _DEFAULT_PATH)
+        for directory in path.split(":"):
+            where = f"{directory or '.'}/bash"
+            if not where.startswith("/"):
+                continue  # relative to the process's workdir: not worth guessing
+            status, _ = await engine.request_raw(
+                "HEAD", f"/containers/{quote(container, safe='')}/archive?path={quote(where, safe='')}"
+            )
+            if status == 200:
+                return "start_failed"
+        return "shell_missing"
+    except EngineError:  # the container went away meanwhile: nothing to tell from it
+        return "start_failed"
+
+
+async def _has_entry(engine: EngineClient, container: str, file: str, name: str) -> bool:
+    """Whether ``name`` is a numeric id or has an entry in the container's ``file`` (passwd, group)."""
+    if name.isdigit():
+        return True
+    status, data = await engine.request_raw(
+        "GET", f"/containers/{quote(container, safe='')}/archive?path={quote(file, safe='')}"
+    )
+    if status == 404:
+        return False  # no such file: no name resolves
+    if status != 200:
+        return True  # cannot tell: not claimed unknown
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+            member = next((m for m in archive.getmembers() if m.isfile()), None)
+            handle = archive.extractfile(member) if member is not None else None
+            if handle is None:
+                return True
+            lines = handle.read().decode("utf-8", "replace").splitlines()
+    except tarfile.TarError:
+        return True
+    return any(line.split(":", 1)[0] == name for line in lines)
 
 
 class ContainerMarked:
@@ -194,8 +278,11 @@ class DockerProcess(CommandProcess):
         self._wait_writable = wait_writable
         self._fed = False
 
-    async def read_preamble(self) -> None:
-        """Wait for the boot script's verdict; raise BashInfrastructureError when the command cannot start."""
+    async def read_preamble(self, user: str | None) -> None:
+        """Wait for the boot script's verdict; raise BashInfrastructureError when the command cannot start.
+
+        ``user``: the exec's, for telling why the engine could not start bash at all.
+        """
         head = bytearray()
         early_err: list[bytes] = []
         started = await self._stream.pump_until(
@@ -206,14 +293,21 @@ class DockerProcess(CommandProcess):
             self._pending_out = [bytes(head[len(BOOT_OK) :])] if len(head) > len(BOOT_OK) else []
             self._pending_err = early_err
             return
-        if not started or head.startswith(BOOT_FAIL[: len(head)]):
+        # The whole report: a failure's kind, or the engine's own words when bash never ran (the
+        # exec has ended once the engine closes the stream, so its exit code is in).
+        with anyio.move_on_after(_REPORT_BOUND_S):
             await self._stream.pump(head.extend, lambda data: early_err.append(bytes(data)))
+        where = f"in container {self._container[:12]}"
         if head.startswith(BOOT_FAIL):
-            reason = bytes(head[len(BOOT_FAIL) :]).rstrip(b"\0").decode("utf-8", "replace")
-            raise BashInfrastructureError(f"workdir {self._launch.spec.workdir!r} {reason}")
+            report = bytes(head[len(BOOT_FAIL) :]).split(b"\0", 1)[0].decode("utf-8", "replace")
+            raise boot_failure(report, workdir=self._launch.spec.workdir, where=where)
         detail = (bytes(head) + b"".join(early_err)).decode("utf-8", "replace").strip("\0 \n")
+        code = (await self._engine.exec_inspect(self._exec_id)).get("ExitCode")
+        reason: InfraReason = "unclassified"
+        if code in _REFUSED_EXIT_CODES:  # bash never ran: the engine could not start it
+            reason = await diagnose_refusal(self._engine, self._container, user, self._launch.env.get("PATH"))
         raise BashInfrastructureError(
-            f"the command could not start in container {self._container[:12]}: {detail or 'no output'}"
+            f"the command could not start {where}: {detail or 'no output'}", reason=reason
         )
 
     async def wait(self) -> ExitStatus:
@@ -221,16 +315,31 @@ class DockerProcess(CommandProcess):
         if self._stdout.exit_code is not None:
             return ExitStatus(code=self._stdout.exit_code)
         # The stream ended without the boot script's trailer: the container (or the engine) failed.
+        # A container being removed or killed may still show as running for a moment after its
+        # processes died: it is looked at until it shows its end, within a bound.
+        with anyio.move_on_after(_GONE_SETTLE_S):
+            while True:
+                if not await self._container_runs():
+                    raise BashInfrastructureError(
+                        f"container {self._container[:12]} stopped under the command", reason="container_gone"
+                    )
+                await anyio.sleep(0.05)
+        raise BashInfrastructureError(
+            "the command's supervisor in the container died; its exit status is lost", reason="command_lost"
+        )
+
+    async def _container_runs(self) -> bool:
+        """Whether the container runs (is not being removed); raise when it is gone or unreachable."""
         try:
             state = (await self._engine.container_inspect(self._container)).get("State", {})
-            running = bool(state.get("Running"))
         except EngineError as exc:
-            raise BashInfrastructureError(f"lost the command: {exc}") from exc
-        if not running:
-            raise BashInfrastructureError(f"container {self._container[:12]} stopped under the command")
-        raise BashInfrastructureError(
-            "the command's supervisor in the container died; its exit status is lost"
-        )
+            reason: InfraReason = exc.reason
+            if exc.status == 404:
+                reason = "container_gone"
+            elif exc.status is None:
+                reason = "connection_lost"
+            raise BashInfrastructureError(f"lost the command: {exc}", reason=reason) from exc
+        return bool(state.get("Running")) and state.get("Status") not in ("removing", "dead")
 
     def _feed_stdout(self, data: memoryview | bytes) -> None:
         self._fed = True

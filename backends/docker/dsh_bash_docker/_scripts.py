@@ -16,6 +16,9 @@ __all__ = ["BOOT", "BOOT_FAIL", "BOOT_OK", "EXIT_PREFIX", "KILL", "SPILL_DIR", "
 # two `cat`s, reports the leader's exit in-band as a trailer carrying a per-command nonce, and exits
 # only once every holder of the command's pipes is gone.
 #
+# A failure before the command starts is reported as BOOT_FAIL, its kind (an infrastructure error
+# reason, see dsh_bash.backend.boot_failure) and NUL.
+#
 # Names the policy scrubbed arrive in DSH_BASH_UNSET (names only). The command alone gets the
 # marker (from DSH_BASH_MARK_FOR), so kills by marker never hit the boot script or its relays.
 # `setsid` from a background child (never a group leader) starts the new session without forking.
@@ -25,10 +28,10 @@ nonce=$DSH_BASH_NONCE mark=$DSH_BASH_MARK_FOR command=$DSH_BASH_COMMAND
 unset -v DSH_BASH_NONCE DSH_BASH_MARK_FOR DSH_BASH_COMMAND
 if [ -n "${DSH_BASH_RC_BASH_ENV+x}" ]; then export BASH_ENV=$DSH_BASH_RC_BASH_ENV; unset -v DSH_BASH_RC_BASH_ENV; fi
 if [ -n "${DSH_BASH_RC_ENV+x}" ]; then export ENV=$DSH_BASH_RC_ENV; unset -v DSH_BASH_RC_ENV; fi
-if [ ! -e "$1" ]; then printf '\0dsh-bash-boot-fail:does not exist\0'; exit 125; fi
-if [ ! -d "$1" ]; then printf '\0dsh-bash-boot-fail:is not a directory\0'; exit 125; fi
-if ! cd -- "$1" 2>/dev/null; then printf '\0dsh-bash-boot-fail:cannot be entered\0'; exit 125; fi
-if ! command -v setsid >/dev/null; then printf '\0dsh-bash-boot-fail:cannot start a session: no setsid\0'; exit 125; fi
+if [ ! -e "$1" ]; then printf '\0dsh-bash-boot-fail:workdir_missing\0'; exit 125; fi
+if [ ! -d "$1" ]; then printf '\0dsh-bash-boot-fail:workdir_not_directory\0'; exit 125; fi
+if ! cd -- "$1" 2>/dev/null; then printf '\0dsh-bash-boot-fail:workdir_not_accessible\0'; exit 125; fi
+if ! command -v setsid >/dev/null; then printf '\0dsh-bash-boot-fail:start_failed:cannot start a session: no setsid\0'; exit 125; fi
 printf '\0dsh-bash-boot-ok\0'
 exec 5> >(exec cat); out=$!
 exec 6> >(exec cat >&2); err=$!

@@ -11,6 +11,7 @@ import asyncssh
 from asyncssh.constants import OPEN_REQUEST_SESSION_FAILED
 
 from dsh_bash import BashInfrastructureError
+from dsh_bash.backend import InfraReason
 
 from ._config import SshConfig
 from ._scripts import SCRIPT_BEGIN, cmdline
@@ -140,13 +141,25 @@ class ChannelPool:
         except asyncssh.HostKeyNotVerifiable as exc:
             raise BashInfrastructureError(
                 f"host key verification failed for {config.host}:{config.port}: {exc.reason} "
-                f"(known_hosts: {config.known_hosts or 'the user default'})"
+                f"(known_hosts: {config.known_hosts or 'the user default'})",
+                reason="host_key_rejected",
             ) from None
         except asyncssh.PermissionDenied as exc:
-            raise BashInfrastructureError(f"authentication failed for {self.where}: {exc.reason}") from None
+            raise BashInfrastructureError(
+                f"authentication failed for {self.where}: {exc.reason}", reason="auth_failed"
+            ) from None
+        except asyncssh.ConnectionLost as exc:
+            raise BashInfrastructureError(
+                f"SSH connection to {self.where} failed: {exc.reason}", reason="connection_lost"
+            ) from None
         except asyncssh.DisconnectError as exc:
             raise BashInfrastructureError(f"SSH connection to {self.where} failed: {exc.reason}") from None
-        except (OSError, TimeoutError, asyncssh.Error) as exc:
+        except (OSError, TimeoutError) as exc:  # DNS, refused, unreachable, timed out
+            raise BashInfrastructureError(
+                f"cannot reach SSH host {config.host}:{config.port}: {type(exc).__name__}: {exc}",
+                reason="host_unreachable",
+            ) from None
+        except asyncssh.Error as exc:
             raise BashInfrastructureError(
                 f"cannot reach SSH host {config.host}:{config.port}: {type(exc).__name__}: {exc}"
             ) from None
@@ -160,7 +173,7 @@ class ChannelPool:
             return conn
         async with self._lock:
             if self._closed:
-                raise BashInfrastructureError(f"the connection to {self.where} is closed")
+                raise BashInfrastructureError(f"the connection to {self.where} is closed", reason="closed")
             if self._conn is not None and not self._conn.is_closed():
                 return self._conn
             reconnecting = self._conn is not None
@@ -220,9 +233,14 @@ class ChannelPool:
                     and exc.code == OPEN_REQUEST_SESSION_FAILED
                     and not conn.is_closed()
                 ):
-                    raise RequestRefused(f"{self.where} refused the session request: {reason}") from None
+                    raise RequestRefused(
+                        f"{self.where} refused the session request: {reason}", reason="start_failed"
+                    ) from None
+                # The connection is up and refused the channel, or it dropped (again).
+                refused = isinstance(exc, asyncssh.ChannelOpenError) and not conn.is_closed()
                 raise BashInfrastructureError(
-                    f"cannot open an SSH channel on {self.where}: {reason}"
+                    f"cannot open an SSH channel on {self.where}: {reason}",
+                    reason="start_failed" if refused else "connection_lost",
                 ) from None
 
     def try_reserve(self) -> bool:
@@ -301,13 +319,21 @@ class ChannelPool:
                 await drain(process.stderr, err)
                 await process.wait_closed()
             except (asyncssh.Error, OSError) as exc:
-                raise BashInfrastructureError(f"the connection to {self.where} failed: {exc}") from None
+                raise BashInfrastructureError(
+                    f"the connection to {self.where} failed: {exc}", reason="connection_lost"
+                ) from None
             status = process.exit_status
             begin = out.find(SCRIPT_BEGIN)
             if begin < 0:
                 detail = bytes(err).decode("utf-8", "replace").strip()
+                reason: InfraReason = "unclassified"
+                if status == 127:  # the login shell found no bash to run the script with
+                    reason = "shell_missing"
+                elif status is None and not self.connected():
+                    reason = "connection_lost"
                 raise BashInfrastructureError(
-                    f"a helper script did not start on {self.where} (exit {status}): {detail or 'no output'}"
+                    f"a helper script did not start on {self.where} (exit {status}): {detail or 'no output'}",
+                    reason=reason,
                 )
             return (status if status is not None else -1), bytes(out[begin + len(SCRIPT_BEGIN) :]), bytes(err)
         finally:

@@ -21,7 +21,7 @@ import anyio
 import asyncssh
 
 from dsh_bash import BashInfrastructureError
-from dsh_bash.backend import CommandProcess, ExitStatus, Launch
+from dsh_bash.backend import CommandProcess, ExitStatus, InfraReason, Launch
 
 from ._connection import ChannelPool, RequestRefused
 from ._process import RemoteMarked
@@ -92,11 +92,13 @@ class _Followed:
         self.status: int | None = None
         self.eof = anyio.Event()
         self.failure: str | None = None
+        self.failure_reason: InfraReason = "unclassified"
         self.feeding = True
         self.unexplained_eofs = 0
 
-    def fail(self, reason: str) -> None:
-        self.failure = reason
+    def fail(self, message: str, reason: InfraReason) -> None:
+        self.failure = message
+        self.failure_reason = reason
         self.exit.set()
         self.eof.set()
 
@@ -168,7 +170,7 @@ class Follower:
     def close(self) -> None:
         self._closed = True
         for followed in list(self._tasks.values()):
-            followed.fail("the executor closed")
+            followed.fail("the executor closed", "closed")
         self._wake.set()
 
     # -- the loop --------------------------------------------------------------------------------
@@ -221,8 +223,13 @@ class Follower:
                     now = anyio.current_time()
                     lost_since = lost_since if lost_since is not None else now
                     if now - lost_since > _RECONNECT_BOUND_S or isinstance(exc, _NoSftp):
+                        reason: InfraReason = (
+                            "unclassified" if isinstance(exc, _NoSftp) else "connection_lost"
+                        )
                         for followed in list(self._tasks.values()):
-                            followed.fail(f"cannot follow the task's output on {self._pool.where}: {exc}")
+                            followed.fail(
+                                f"cannot follow the task's output on {self._pool.where}: {exc}", reason
+                            )
                         self._tasks.clear()
                         break
                     log.warning(
@@ -287,7 +294,7 @@ class Follower:
                 active = True
             if at_eof:
                 if not followed.exit.is_set():  # an eof file without exit file: never written so
-                    followed.fail("the task's supervisor ended without an exit status")
+                    followed.fail("the task's supervisor ended without an exit status", "command_lost")
                 followed.eof.set()
                 self._tasks.pop(name, None)
                 active = True
@@ -404,7 +411,11 @@ class DetachedProcess(CommandProcess):
         await followed.exit.wait()
         if followed.status is not None:
             return ExitStatus(code=followed.status)
-        raise BashInfrastructureError(followed.failure or f"lost the background task on {self._pool.where}")
+        if followed.failure is not None:
+            raise BashInfrastructureError(followed.failure, reason=followed.failure_reason)
+        raise BashInfrastructureError(
+            f"lost the background task on {self._pool.where}", reason="command_lost"
+        )
 
     async def pump_output(self) -> None:
         try:

@@ -19,6 +19,7 @@ from dsh_bash.backend import (
     MODEL_FRIENDLY_ENV,
     CommandProcess,
     CommandSpills,
+    InfraReason,
     Killable,
     Launch,
     SpillFile,
@@ -122,17 +123,22 @@ class SshBashExecutor(BashExecutor[SshConfig]):
             ) from None
         try:
             code, out, err = await self._pool.run_script(SETUP)
+            # SETUP fails (exit 1) only when it cannot make or write the spill directory.
+            reason: InfraReason = "spill_unavailable"
             try:
                 if code != 0:
                     raise ValueError(f"exit status {code}")
+                reason = "unclassified"
                 self._ambient, self._home, self._spill_dir = parse_setup(out)
                 self._follower.directory = self._spill_dir
                 if not self._spill_dir.startswith("/"):
+                    reason = "spill_unavailable"
                     raise ValueError("no spill directory")
             except ValueError as exc:
                 detail = err.decode("utf-8", "replace").strip()
                 raise BashInfrastructureError(
-                    f"setting up on {self._pool.where} failed ({exc}): {detail or 'no error output'}"
+                    f"setting up on {self._pool.where} failed ({exc}): {detail or 'no error output'}",
+                    reason=reason,
                 ) from None
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -430,3 +436,6 @@ class _Boot:
 
 class _SpareDied(BashInfrastructureError):
     """The warm channel's shell ended before its BOOT wrote anything: the command did not start."""
+
+    def __init__(self, message: str, *, reason: InfraReason = "start_failed") -> None:
+        super().__init__(message, reason=reason)

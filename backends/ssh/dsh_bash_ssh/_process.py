@@ -12,7 +12,14 @@ import anyio.lowlevel
 import asyncssh
 
 from dsh_bash import BashInfrastructureError
-from dsh_bash.backend import CommandProcess, ExitStatus, Launch, kill_args
+from dsh_bash.backend import (
+    CommandProcess,
+    ExitStatus,
+    InfraReason,
+    Launch,
+    boot_failure,
+    kill_args,
+)
 
 from ._connection import ChannelPool, SlotSession
 from ._scripts import BOOT_FAIL, BOOT_OK, KILL, READY, STDERR_OK
@@ -23,7 +30,6 @@ log = logging.getLogger("dsh_bash.ssh")
 
 #: How long one signal delivery (a KILL script run) may take even after its caller gave up.
 _SIGNAL_BOUND_S = 10.0
-_WORKDIR_REASONS = ("does not exist", "is not a directory", "cannot be entered")
 #: rc-file noise kept while looking for the boot verdict (only its tail can hold a marker).
 _MAX_NOISE = 64 * 1024
 
@@ -283,20 +289,25 @@ class SshProcess(CommandProcess):
         """Wait for the boot script's verdict; raise when the command cannot start."""
         session = self._session
         await session.preamble_done.wait()
-        reason = session.boot_failure
-        if reason is not None:
-            if reason in _WORKDIR_REASONS:
-                raise BashInfrastructureError(f"workdir {self._launch.spec.workdir!r} {reason}")
-            raise BashInfrastructureError(f"the command could not start on {self._pool.where}: {reason}")
+        report = session.boot_failure
+        if report is not None:
+            raise boot_failure(report, workdir=self._launch.spec.workdir, where=f"on {self._pool.where}")
         if session.closed and session.exit is None and session.lost is not None:
             raise BashInfrastructureError(
-                f"the connection to {self._pool.where} failed while starting the command: {session.lost}"
+                f"the connection to {self._pool.where} failed while starting the command: {session.lost}",
+                reason="connection_lost",
             )
         if not session._out_started:
             status = session.exit.code if session.exit is not None else None
+            reason: InfraReason = "start_failed"
+            if status == 127:  # the login shell found no bash to run BOOT with
+                reason = "shell_missing"
+            elif status is None and not self._pool.connected():
+                reason = "connection_lost"
             raise BashInfrastructureError(
                 f"the command could not start on {self._pool.where} "
-                f"(exit status {status}): {session.noise() or 'no output'}"
+                f"(exit status {status}): {session.noise() or 'no output'}",
+                reason=reason,
             )
 
     async def wait(self) -> ExitStatus:
@@ -307,15 +318,18 @@ class SshProcess(CommandProcess):
         if session.exit_signal_name is not None:
             raise BashInfrastructureError(
                 f"the command on {self._pool.where} died of a signal the server named "
-                f"{session.exit_signal_name!r}, unknown here"
+                f"{session.exit_signal_name!r}, unknown here",
+                reason="command_lost",
             )
         if session.lost is not None or not self._pool.connected():
             raise BashInfrastructureError(
                 f"lost the command: the SSH connection to {self._pool.where} failed"
-                + (f" ({session.lost})" if session.lost else "")
+                + (f" ({session.lost})" if session.lost else ""),
+                reason="connection_lost",
             )
         raise BashInfrastructureError(
-            f"the command's channel on {self._pool.where} closed without reporting an exit status"
+            f"the command's channel on {self._pool.where} closed without reporting an exit status",
+            reason="command_lost",
         )
 
     async def pump_output(self) -> None:

@@ -77,6 +77,9 @@ printf '\0dsh-bash-end\0%s\0' "$dir"
 # set entries are exported again, so the environment is the policy's, whatever the login's rc files
 # added (readonly variables included).
 #
+# A failure before the command starts is reported as BOOT_FAIL, its kind (an infrastructure error
+# reason, see dsh_bash.backend.boot_failure), optionally `:` and a detail, then NUL; exit 125.
+#
 # Then the script reports "started" on both streams (whatever came before is rc noise) and becomes
 # the command's shell (`exec`): the channel's process is a session leader under sshd, so the
 # command's process group is the channel's, and the channel's exit-status or exit-signal is the
@@ -100,7 +103,7 @@ _READ_HEADER = r"""
 _dsh_n=0 _dsh_h=()
 IFS= builtin read -r -d '' _dsh_n
 for ((_dsh_i = 0; _dsh_i < _dsh_n; _dsh_i++)); do IFS= builtin read -r -d '' _dsh_e || break; _dsh_h+=("$_dsh_e"); done
-if (( ${#_dsh_h[@]} < 1 || ${#_dsh_h[@]} != _dsh_n )); then builtin printf '\0dsh-bash-boot-fail:incomplete header\0'; builtin exit 125; fi
+if (( ${#_dsh_h[@]} < 1 || ${#_dsh_h[@]} != _dsh_n )); then builtin printf '\0dsh-bash-boot-fail:start_failed:incomplete header\0'; builtin exit 125; fi
 _dsh_long=${_dsh_h[0]} _dsh_set+=("${_dsh_h[@]:1}")
 """
 # The un-export: the names the login exported at connect (written by SETUP to a file in the private
@@ -126,7 +129,7 @@ _dsh_x=()
 _ENVIRONMENT = r"""
 builtin export -- $_dsh_keep "${_dsh_set[@]}" >/dev/null 2>&1
 if ! builtin cd -- "$_dsh_workdir" 2>/dev/null; then
-  if [[ ! -e $_dsh_workdir ]]; then _dsh_e='does not exist'; elif [[ ! -d $_dsh_workdir ]]; then _dsh_e='is not a directory'; else _dsh_e='cannot be entered'; fi
+  if [[ ! -e $_dsh_workdir ]]; then _dsh_e=workdir_missing; elif [[ ! -d $_dsh_workdir ]]; then _dsh_e=workdir_not_directory; else _dsh_e=workdir_not_accessible; fi
   builtin printf '\0dsh-bash-boot-fail:%s\0' "$_dsh_e"; builtin exit 125
 fi
 """
@@ -134,7 +137,7 @@ _STORE_LONG_COMMAND = r"""
 _dsh_script=$_dsh_spill/$_dsh_nonce.cmd
 # Any existing path is refused (noclobber alone would open a planted link to a FIFO or device).
 if [[ -e $_dsh_script || -L $_dsh_script ]] || ! (builtin umask 077; builtin set -C; builtin printf '%s' "$_dsh_long" > "$_dsh_script") 2>/dev/null; then
-  builtin printf '\0dsh-bash-boot-fail:cannot store the long command\0'; builtin exit 125
+  builtin printf '\0dsh-bash-boot-fail:start_failed:cannot store the long command\0'; builtin exit 125
 fi
 """
 _DETACH = r"""
@@ -146,17 +149,17 @@ _dsh_files="stdout stderr in"
 [[ -n $_dsh_script ]] || _dsh_files+=" cmd"  # a long command's script is BASE.cmd already
 for _dsh_e in $_dsh_files; do
   if [[ -e $_dsh_base.$_dsh_e || -L $_dsh_base.$_dsh_e ]]; then
-    builtin printf '\0dsh-bash-boot-fail:cannot create the task files\0'; builtin exit 125
+    builtin printf '\0dsh-bash-boot-fail:start_failed:cannot create the task files\0'; builtin exit 125
   fi
 done
 if ! (builtin umask 077; builtin set -C
       [[ -n $_dsh_script ]] || builtin printf '%s' "$_dsh_command" > "$_dsh_base.cmd" || builtin exit 1
       : > "$_dsh_base.stdout" && : > "$_dsh_base.stderr" || builtin exit 1
       if [[ $_dsh_input == 1 ]]; then exec cat > "$_dsh_base.in"; fi) 2>/dev/null; then
-  builtin printf '\0dsh-bash-boot-fail:cannot create the task files\0'; builtin exit 125
+  builtin printf '\0dsh-bash-boot-fail:start_failed:cannot create the task files\0'; builtin exit 125
 fi
 if ! setsid -f bash --noprofile --norc -c SUPERVISOR_QUOTED dsh-bash-task "$_dsh_base" "$_dsh_mark" "$_dsh_input" "$_dsh_islong" </dev/null >/dev/null 2>&1; then
-  builtin printf '\0dsh-bash-boot-fail:cannot start the task supervisor (setsid -f)\0'; builtin exit 125
+  builtin printf '\0dsh-bash-boot-fail:start_failed:cannot start the task supervisor (setsid -f)\0'; builtin exit 125
 fi
 builtin printf '\0dsh-bash-boot-ok\0'
 builtin printf '\0dsh-bash-stderr-ok\0' >&2

@@ -1,0 +1,208 @@
+"""The Docker backend names why it failed: ``BashInfrastructureError.reason``, against the real engine.
+
+Each test reaches one cause for real (a missing workdir, an image without bash, a container removed
+under a command...) and asserts the reason the backend gives it; the message is for people and is
+not looked at.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import docker
+import docker.errors
+import pytest
+from docker_support import BUSYBOX_STATIC, SESSION_ID, SESSION_LABEL, start_idle_container
+from dsh_bash_docker import DockerBashExecutor, DockerConfig
+from fault_support import wait_for_processes
+
+from dsh_bash import BashExecRequest, BashInfrastructureError, ExecutorClosedError
+
+pytestmark = [pytest.mark.docker, pytest.mark.anyio]
+
+#: An image without bash: busybox alone (its sh, no bash), built like the test image.
+_NO_BASH_DOCKERFILE = """\
+FROM scratch
+COPY bin/ /bin/
+RUN ["/bin/busybox","--install","-s","/bin"]
+CMD ["/bin/sleep","infinity"]
+"""
+_NO_BASH_TAG = "dsh-bash-test-nobash:1"
+_build_lock = threading.Lock()
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _image(image: str, **fields: object) -> DockerBashExecutor:
+    labels = {SESSION_LABEL: SESSION_ID}  # removed at session end even if a test fails
+    return DockerBashExecutor(DockerConfig(image=image, grace_ms=300, labels=labels, **fields))  # type: ignore[arg-type]
+
+
+def _container(container: str, **fields: object) -> DockerBashExecutor:
+    return DockerBashExecutor(DockerConfig(container=container, grace_ms=300, **fields))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def no_bash_image(docker_test_image: str) -> str:
+    """The tag of a FROM-scratch image holding busybox only (built once, reused across runs)."""
+    client = docker.from_env()
+    try:
+        with _build_lock:
+            try:
+                client.images.get(_NO_BASH_TAG)
+            except docker.errors.ImageNotFound:
+                with tempfile.TemporaryDirectory(prefix="dsh-bash-nobash-") as context:
+                    (Path(context) / "bin").mkdir()
+                    shutil.copy2(BUSYBOX_STATIC, Path(context, "bin", "busybox"))
+                    Path(context, "Dockerfile").write_text(_NO_BASH_DOCKERFILE)
+                    client.images.build(path=context, tag=_NO_BASH_TAG, pull=False, rm=True)
+    finally:
+        client.close()
+    return _NO_BASH_TAG
+
+
+@pytest.fixture
+def no_bash_container(no_bash_image: str) -> Iterator[str]:
+    """A running container of the busybox-only image (its PID 1 is busybox's sleep)."""
+    client = docker.from_env()
+    container = client.containers.run(
+        no_bash_image,
+        command=["sleep", "3600"],
+        detach=True,
+        init=True,
+        network_mode="none",
+        labels={SESSION_LABEL: SESSION_ID},
+    )
+    try:
+        yield str(container.id)
+    finally:
+        container.remove(force=True)
+        client.close()
+
+
+async def _reason_of_open(executor: DockerBashExecutor) -> str:
+    with pytest.raises(BashInfrastructureError) as raised:
+        async with executor:
+            pass
+    return raised.value.reason
+
+
+async def test_workdir_missing_and_not_a_directory(docker_session_container: str) -> None:
+    async with _container(docker_session_container) as ex:
+        for workdir, reason in (
+            ("/nonexistent/dsh-bash", "workdir_missing"),
+            ("/bin/bash", "workdir_not_directory"),
+        ):
+            with pytest.raises(BashInfrastructureError) as raised:
+                await ex.exec("true", workdir=workdir)
+            assert raised.value.reason == reason, raised.value
+            with pytest.raises(BashInfrastructureError) as raised:
+                await ex.start(ex.resolve(BashExecRequest(command="true", workdir=workdir)))
+            assert raised.value.reason == reason, raised.value
+        assert (await ex.exec("echo fine")).stdout.text == "fine\n"  # the executor is still usable
+
+
+async def test_workdir_not_accessible(
+    docker_session_container: str, docker_client: docker.DockerClient, marker: str
+) -> None:
+    private = f"/tmp/{marker}-private"  # made by root, mode 0700: another user cannot enter it
+    made = docker_client.containers.get(docker_session_container).exec_run(["mkdir", "-m", "700", private])
+    assert made.exit_code == 0, made.output
+    async with _container(docker_session_container, user="65534") as ex:
+        assert (await ex.exec("id -u")).stdout.text == "65534\n"
+        with pytest.raises(BashInfrastructureError) as raised:
+            await ex.exec("true", workdir=private)
+        assert raised.value.reason == "workdir_not_accessible", raised.value
+
+
+async def test_shell_missing_in_image_and_container_mode(no_bash_image: str, no_bash_container: str) -> None:
+    assert await _reason_of_open(_image(no_bash_image)) == "shell_missing"
+    assert await _reason_of_open(_container(no_bash_container)) == "shell_missing"
+
+
+async def test_image_missing(docker_test_image: str) -> None:
+    executor = _image(f"{docker_test_image.split(':', maxsplit=1)[0]}:no-such-tag", pull="never")
+    assert await _reason_of_open(executor) == "image_missing"
+
+
+async def test_container_missing_at_open() -> None:
+    assert await _reason_of_open(_container("dsh-bash-no-such-container")) == "container_missing"
+
+
+async def test_container_missing_after_open(docker_test_image: str) -> None:
+    """Container mode: starting a command in the container once it is gone (nothing was running)."""
+    container = start_idle_container(docker_test_image)
+    wrapped = container.get_wrapped_container()
+    try:
+        async with _container(wrapped.id) as ex:
+            await anyio.to_thread.run_sync(lambda: wrapped.stop(timeout=0))
+            with pytest.raises(BashInfrastructureError) as raised:
+                await ex.exec("true")
+            assert raised.value.reason == "container_missing", raised.value
+    finally:
+        container.stop()
+
+
+async def test_user_unknown_in_image_and_container_mode(
+    docker_test_image: str, docker_session_container: str
+) -> None:
+    assert await _reason_of_open(_image(docker_test_image, user="nonexistent")) == "user_unknown"
+    assert await _reason_of_open(_container(docker_session_container, user="nonexistent")) == "user_unknown"
+    # A numeric id needs no passwd entry: it is no unknown user, and it works.
+    async with _container(docker_session_container, user="4242:4242") as ex:
+        assert (await ex.exec("id -u")).stdout.text == "4242\n"
+
+
+async def test_engine_unreachable(docker_test_image: str, tmp_path: Path) -> None:
+    # A unix socket path with nothing listening (never another address: the tests stay on loopback).
+    executor = _image(docker_test_image, docker_host=f"unix://{tmp_path}/nothing.sock")
+    assert await _reason_of_open(executor) == "engine_unreachable"
+
+
+@pytest.mark.parametrize("mode", ["image", "container"])
+async def test_container_gone_under_a_run(
+    docker_test_image: str, docker_client: docker.DockerClient, marker: str, mode: str
+) -> None:
+    idle = start_idle_container(docker_test_image) if mode == "container" else None
+    try:
+        executor = _image(docker_test_image) if idle is None else _container(idle.get_container_id())
+        async with executor as ex:
+            container_id = ex.container_id
+
+            async def remove_once_running() -> None:
+                await wait_for_processes(marker)
+                await anyio.to_thread.run_sync(
+                    lambda: docker_client.containers.get(container_id).remove(force=True)
+                )
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(remove_once_running)
+                with pytest.raises(BashInfrastructureError) as raised:
+                    await ex.exec(f"bash -c 'sleep 60; :' {marker}")
+            assert raised.value.reason == "container_gone", raised.value
+    finally:
+        if idle is not None:
+            with contextlib.suppress(docker.errors.NotFound):
+                idle.stop()
+
+
+async def test_closed(docker_session_container: str) -> None:
+    ex = _container(docker_session_container)
+    with pytest.raises(BashInfrastructureError) as raised:
+        await ex.exec("true")  # not entered yet
+    assert raised.value.reason == "closed"
+    async with ex:
+        spec = ex.resolve(BashExecRequest(command="true"))
+    for call in (ex.run(spec), ex.start(spec)):
+        with pytest.raises(ExecutorClosedError) as closed:
+            await call
+        assert closed.value.reason == "closed"
