@@ -379,6 +379,21 @@ class MissingWorkdirFallsBack(LocalBashExecutor):
         return await super()._spawn(launch)
 
 
+
+class WorkdirReasonUnclassified(LocalBashExecutor):
+    """Breaks: every BashInfrastructureError carries the reason that says why.
+
+    An unusable workdir is refused, but as ``unclassified``: code cannot tell it from a lost backend.
+    """
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        try:
+            return await super()._spawn(launch)
+        except BashInfrastructureError as exc:
+            if exc.reason.startswith("workdir_"):
+                raise BashInfrastructureError(str(exc)) from None
+            raise
+
 class PreAbortedSignalIgnored(LocalBashExecutor):
     """Breaks: run and start refuse a spec whose signal is already aborted, and nothing runs.
 

@@ -60,6 +60,7 @@ CAUGHT_BY: list[Row] = [
     Row("pre-aborted-signal-refused", bb.PreAbortedSignalIgnored),
     Row("unusable-workdir-refused", bb.MissingWorkdirFallsBack),
     Row("unusable-workdir-refused", bb.LeaksExceptionGroup),
+    Row("infra-error-reasons", bb.WorkdirReasonUnclassified),
     Row("exec-convenience", bb.ExecDropsStdinAndEnv),
     # The breakage is an exception escaping run (the kernel refuses the argv: E2BIG), and the
     # check lets it through: the kit reports an error naming it rather than a failure.

@@ -398,6 +398,52 @@ async def unusable_workdir(ctx: CheckContext) -> None:
         ctx.expect(ok == "ok", f"the executor no longer works after refused workdirs: {ok!r}")
 
 
+@check(
+    "infra-error-reasons",
+    kind="contract",
+    clause="R-error-reason",
+    rule="Every BashInfrastructureError carries the reason that says why: `workdir_missing`, "
+    "`workdir_not_directory`, `already_aborted`, `closed`, where the kit can provoke them.",
+)
+async def infra_error_reasons(ctx: CheckContext) -> None:
+    aborted = AbortController()
+    aborted.abort("kit")
+    ex = ctx.executor()
+    async with ex:
+        tmp = await ctx.tempdir(ex)
+        await sh(ex, f": > '{tmp}/afile'")
+        cases = (
+            (
+                BashExecRequest(command="echo ran", workdir=f"{tmp}/missing"),
+                "workdir_missing",
+                "a missing workdir",
+            ),
+            (
+                BashExecRequest(command="echo ran", workdir=f"{tmp}/afile"),
+                "workdir_not_directory",
+                "a file as workdir",
+            ),
+            (
+                BashExecRequest(command="echo ran", signal=aborted.signal),
+                "already_aborted",
+                "an aborted signal",
+            ),
+        )
+        for request, reason, what in cases:
+            spec = ex.resolve(request)
+            for verb, call in (("run", ex.run), ("start", ex.start)):
+                error = await expect_raises(
+                    BashInfrastructureError, partial(call, spec), f"{verb} with {what}"
+                )
+                got = getattr(error, "reason", None)
+                ctx.expect(
+                    got == reason, f"{verb} with {what}: reason {got!r}, expected {reason!r} ({error})"
+                )
+    closed = await expect_raises(ExecutorClosedError, partial(ex.exec, "true"), "exec after aclose")
+    got = getattr(closed, "reason", None)
+    ctx.expect(got == "closed", f"exec after aclose: reason {got!r}, expected 'closed' ({closed})")
+
+
 async def _cancel_run(
     ctx: CheckContext,
     ex: BashExecutor,

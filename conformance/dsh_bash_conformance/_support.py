@@ -17,6 +17,7 @@ from ._kit import CheckContext, CheckFailed
 
 T = TypeVar("T")
 
+
 def loop(mark: str, *, trap_term: bool = False, prelude: str = "", iterations: int | None = None) -> str:
     """A ``bash -c`` process that keeps ``mark`` in its command line (as ``$0``) while it loops.
 
