@@ -20,7 +20,10 @@ process, kill and spill mechanics; this module holds the pieces it builds them f
   :data:`SPILL_HIGH_WATER_BYTES`;
 - configuration: :class:`dsh_bash.BudgetConfig` to subclass, :func:`config_error_from` to turn a
   pydantic ``ValidationError`` into a :class:`dsh_bash.ConfigError` that names the field;
-- errors with a machine-readable reason: :data:`InfraReason`, :data:`INFRA_REASONS`.
+- errors with a machine-readable reason: :data:`InfraReason`, :data:`INFRA_REASONS`;
+- telling the conformance kit where the commands run: :class:`ConformanceHooks` (optional
+  ``kit_*`` methods), :data:`FIND_PROCESSES`, :func:`parse_pids`, :func:`run_in_fresh_loop`,
+  :func:`find_host_processes`, :func:`plant_in_os_environ`.
 
 ``docs/writing-a-backend.md`` walks through writing a backend with them; ``docs/contract.md`` is
 what the backend must keep. Names here are public and stable within a major version; modules whose
@@ -42,6 +45,14 @@ from ._backend import (
 from ._config import BUDGET_FIELDS, config_error_from
 from ._env import MODEL_FRIENDLY_ENV, RC_FILE_VARIABLES, build_command_env, is_scrubbed
 from ._errors import INFRA_REASONS, InfraReason
+from ._kit_hooks import (
+    FIND_PROCESSES,
+    ConformanceHooks,
+    find_host_processes,
+    parse_pids,
+    plant_in_os_environ,
+    run_in_fresh_loop,
+)
 from ._output import OutputStream, SpillBudget, SpillFile, StreamName, merge_streams
 from ._procscan import ProcEntry, ProcScanner, signal_marked
 from ._procscan import scan as scan_processes
@@ -65,6 +76,7 @@ __all__ = [
     "BOOT_OK",
     "BUDGET_FIELDS",
     "EXIT_PREFIX",
+    "FIND_PROCESSES",
     "INFRA_REASONS",
     "KILL",
     "MARKER_VAR",
@@ -75,6 +87,7 @@ __all__ = [
     "SPILL_WRITER",
     "CommandProcess",
     "CommandSpills",
+    "ConformanceHooks",
     "ExitStatus",
     "ExitTrailerFilter",
     "InfraReason",
@@ -90,10 +103,14 @@ __all__ = [
     "StreamName",
     "build_command_env",
     "config_error_from",
+    "find_host_processes",
     "is_scrubbed",
     "kill_abandoned_start",
     "kill_sequence",
     "merge_streams",
+    "parse_pids",
+    "plant_in_os_environ",
+    "run_in_fresh_loop",
     "scan_processes",
     "signal_marked",
     "signal_name",

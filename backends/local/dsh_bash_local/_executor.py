@@ -5,11 +5,22 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import Any
 
 import anyio.to_thread
 
 from dsh_bash import BashExecutor, BashInfrastructureError
-from dsh_bash.backend import CommandProcess, Killable, Launch, ProcScanner, SpillFile, signal_marked
+from dsh_bash.backend import (
+    CommandProcess,
+    Killable,
+    Launch,
+    ProcScanner,
+    SpillFile,
+    find_host_processes,
+    plant_in_os_environ,
+    signal_marked,
+)
 
 from ._config import LocalConfig
 from ._process import spawn_local
@@ -103,3 +114,24 @@ class LocalBashExecutor(BashExecutor[LocalConfig]):
 
     def _leftovers(self) -> Killable:
         return _Leftovers(self._scanner)
+
+    # -- conformance kit hooks (dsh_bash.backend.ConformanceHooks) ------------------------------------
+
+    def kit_plant_ambient(self, variables: Mapping[str, str]) -> AbstractContextManager[Mapping[str, Any]]:
+        """Commands inherit this process's environment: the kit plants in ``os.environ``."""
+        return plant_in_os_environ(variables)
+
+    def kit_find_processes(self, marker: str) -> list[int]:
+        """Commands run on this host: the kit scans its ``/proc``."""
+        return find_host_processes(marker)
+
+    def kit_notes(self) -> list[str]:
+        cls = type(self)
+        base = LocalBashExecutor
+        if cls._ambient_env is not base._ambient_env and cls.kit_plant_ambient is base.kit_plant_ambient:
+            return [
+                f"{cls.__name__} defines no kit_plant_ambient hook of its own although it overrides "
+                "_ambient_env: the env-* checks plant in this process's environment (os.environ), which "
+                "its commands may not inherit"
+            ]
+        return []
