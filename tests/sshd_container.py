@@ -7,12 +7,12 @@ so that no test waits for it there; elsewhere the fixture builds it when it is m
 The server container (:func:`start_container`) runs with ``network_mode="host"`` and sshd listening
 on ``127.0.0.1:<free port>`` only, so the client never talks to anything but loopback (a bridge
 address would be off limits). Its processes live in their own PID namespace, its users in its own
-``/etc/passwd``: the commands the SSH backend starts there are invisible under their own pids in
-this host's ``/proc`` (the host sees them under other pids), which is what makes the kit's
-``kit_find_processes`` hook necessary. The test user :data:`USER` (shadow field ``*``: no password,
-not locked) logs in with a key generated per container; its ``.bashrc`` prints noise on both
-streams (as real rc files do) before Debian's default one, which returns early when not
-interactive. The host key is generated here too and pinned in a known_hosts file.
+``/etc/passwd``: this host's ``/proc`` shows the commands the SSH backend starts there only under
+other pids than theirs, which is what makes the kit's ``kit_find_processes`` hook necessary. The
+test user :data:`USER` (shadow field ``*``: no password, not locked) logs in with a key generated per
+container; its ``.bashrc`` prints noise on both streams (as real rc files do) before Debian's default
+one, which returns early when not interactive. The host key is generated here too and pinned in a
+known_hosts file.
 
 Skips with a reason starting ``backend unavailable:`` (a failure when ``CI=true``) when no Docker
 engine answers, ``mmdebstrap`` is missing, or the caller is not root.
@@ -48,7 +48,8 @@ BACKEND_UNAVAILABLE = "backend unavailable:"
 USER = "dshtest"
 #: What the test user's .bashrc prints before Debian's own (which returns early when not interactive).
 RC_NOISE = 'echo "dshtest .bashrc noise"; echo "dshtest .bashrc noise on stderr" >&2\n'
-#: Label on the server containers (value: this process's pid), for removal at the end.
+#: Label on the server containers (value: the pid of the process that started them): containers left
+#: by a process that is gone (a killed pytest) are removed when the next fixture starts.
 LABEL = "dsh-bash-test.sshd"
 
 # Run as the container's command (PID 1 is docker-init): the user, its key and rc file, then sshd.
@@ -139,6 +140,7 @@ def _keygen(path: Path) -> None:
 def start_container(image: str) -> SshdContainer:
     """Start a server container of ``image`` and wait until its sshd answers on loopback."""
     import docker  # noqa: PLC0415
+    import docker.errors  # noqa: PLC0415
 
     directory = Path(tempfile.mkdtemp(prefix="dsh-bash-sshd-container-"))
     directory.chmod(0o755)
@@ -152,6 +154,11 @@ def start_container(image: str) -> SshdContainer:
     (directory / "known_hosts").write_text(f"[127.0.0.1]:{port} {(setup / 'hostkey.pub').read_text()}")
     client = docker.from_env()
     try:
+        for stale in client.containers.list(all=True, filters={"label": LABEL}):
+            owner = stale.labels.get(LABEL, "")
+            if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+                with contextlib.suppress(docker.errors.APIError):
+                    stale.remove(force=True)
         container = client.containers.run(
             image,
             command=["/bin/bash", "-c", _START],
