@@ -11,6 +11,8 @@ import os
 import shutil
 import sys
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import Any
 
 import anyio.to_thread
 
@@ -20,6 +22,7 @@ from ._errors import BashInfrastructureError
 from ._executor import BashExecutor, ConfigT_co
 from ._hostproc import spawn_host_process
 from ._hostspill import HostSpillDir
+from ._kit_hooks import find_host_processes, plant_in_os_environ
 from ._output import SpillFile
 from ._procscan import ProcScanner, signal_marked
 
@@ -150,3 +153,24 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
 
     def _leftovers(self) -> Killable:
         return _Leftovers(self._scanner)
+
+    # -- the conformance kit's hooks (dsh_bash.backend.ConformanceHooks) ------------------------------
+
+    def kit_plant_ambient(self, variables: Mapping[str, str]) -> AbstractContextManager[Mapping[str, Any]]:
+        """Commands inherit this process's environment: the kit plants in ``os.environ``."""
+        return plant_in_os_environ(variables)
+
+    def kit_find_processes(self, marker: str) -> list[int]:
+        """Commands run on this host: the kit scans its ``/proc``."""
+        return find_host_processes(marker)
+
+    def kit_notes(self) -> list[str]:
+        cls = type(self)
+        base = HostBashExecutor
+        if cls._ambient_env is not base._ambient_env and cls.kit_plant_ambient is base.kit_plant_ambient:
+            return [
+                f"{cls.__name__} defines no kit_plant_ambient hook of its own although it overrides "
+                "_ambient_env: the env-* checks plant in this process's environment (os.environ), which "
+                "its commands may not inherit"
+            ]
+        return []

@@ -25,7 +25,10 @@ process, kill and spill mechanics; this module holds the pieces it builds them f
   :data:`SPILL_HIGH_WATER_BYTES`;
 - configuration: :class:`dsh_bash.BudgetConfig` to subclass, :func:`config_error_from` to turn a
   pydantic ``ValidationError`` into a :class:`dsh_bash.ConfigError` that names the field;
-- errors with a machine-readable reason: :data:`InfraReason`, :data:`INFRA_REASONS`.
+- errors with a machine-readable reason: :data:`InfraReason`, :data:`INFRA_REASONS`;
+- telling the conformance kit where the commands run: :class:`ConformanceHooks` (optional
+  ``kit_*`` methods), :data:`FIND_PROCESSES`, :func:`parse_pids`, :func:`run_in_fresh_loop`,
+  :func:`find_host_processes`, :func:`plant_in_os_environ`.
 
 ``docs/writing-a-backend.md`` walks through writing a backend with them; ``docs/contract.md`` is
 what the backend must keep. Names here are public and stable within a major version; modules whose
@@ -51,6 +54,14 @@ from ._errors import INFRA_REASONS, InfraReason
 from ._hostexec import HostBashExecutor, HostConfig, host_support_problem
 from ._hostproc import HostProcess, StartHelper, WrapCommand, spawn_host_process
 from ._hostspill import HostSpillDir, HostSpillFile
+from ._kit_hooks import (
+    FIND_PROCESSES,
+    ConformanceHooks,
+    find_host_processes,
+    parse_pids,
+    plant_in_os_environ,
+    run_in_fresh_loop,
+)
 from ._output import OutputStream, SpillBudget, SpillFile, StreamName, merge_streams
 from ._procscan import ProcEntry, ProcScanner, ProcStat, read_proc_stat, signal_marked
 from ._procscan import scan as scan_processes
@@ -76,6 +87,7 @@ __all__ = [
     "BOOT_OK",
     "BUDGET_FIELDS",
     "EXIT_PREFIX",
+    "FIND_PROCESSES",
     "INFRA_REASONS",
     "KILL",
     "MARKER_VAR",
@@ -87,6 +99,7 @@ __all__ = [
     "SPILL_WRITER",
     "CommandProcess",
     "CommandSpills",
+    "ConformanceHooks",
     "ExitStatus",
     "ExitTrailerFilter",
     "HostBashExecutor",
@@ -111,13 +124,17 @@ __all__ = [
     "boot_failure",
     "build_command_env",
     "config_error_from",
+    "find_host_processes",
     "host_support_problem",
     "is_scrubbed",
     "kill_abandoned_start",
     "kill_args",
     "kill_sequence",
     "merge_streams",
+    "parse_pids",
+    "plant_in_os_environ",
     "read_proc_stat",
+    "run_in_fresh_loop",
     "scan_processes",
     "signal_marked",
     "signal_name",

@@ -1,8 +1,9 @@
 """A kit target built from a backend configuration: what ``dsh-bash conformance --config FILE`` runs.
 
-``make_executor(**overrides)`` is ``dsh_bash.load_executor(source, **overrides)``. Two things the
-kit needs cannot be read from a configuration, so the executor may tell them (optional methods,
-called on an unopened executor made from the configuration, which is never opened):
+``make_executor(**overrides)`` is ``dsh_bash.load_executor(source, **overrides)``. What the kit
+needs and cannot read from a configuration, the backend tells through the optional methods of
+:class:`dsh_bash.backend.ConformanceHooks`, called on an unopened executor made from the
+configuration (which is never opened):
 
 ``kit_plant_ambient(self, variables) -> AbstractContextManager[Mapping[str, Any]]``
     Make ``variables`` part of the ambient environment of executors created inside the block: the
@@ -11,17 +12,17 @@ called on an unopened executor made from the configuration, which is never opene
     blocks too, so a hook never has to merge layers itself.
 ``kit_find_processes(self, marker) -> list[int]``
     Live (non-zombie) processes, where the commands run, whose command line contains ``marker``.
+``kit_notes(self) -> list[str]``
+    What the checks cannot see or prove with this configuration.
 
-Without ``kit_plant_ambient`` the kit patches ``os.environ`` (right for backends whose commands
-inherit this process's environment); without ``kit_find_processes`` it scans this host's ``/proc``.
-The local and Docker backends of this distribution are handled here, by class, without hooks.
+Without ``kit_plant_ambient`` the kit patches ``os.environ``; without ``kit_find_processes`` it
+scans this host's ``/proc``; either fallback comes with a note. The kit knows no backend by name.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
@@ -30,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from dsh_bash import BashExecutor, load_executor
-from dsh_bash.backend import HostBashExecutor
 
 from ._host import find_host_processes, patch_os_environ
 from ._kit import KitTarget
@@ -97,34 +97,6 @@ class _Planted:
                         break
 
 
-def _loaded_class(module: str, name: str) -> type | None:
-    """A class of a backend module if that module is already imported (never imports it)."""
-    loaded = sys.modules.get(module)
-    found = getattr(loaded, name, None) if loaded is not None else None
-    return found if isinstance(found, type) else None
-
-
-def _docker_image_planter(probe: BashExecutor) -> Planter | None:
-    """For the Docker backend in image mode: the created container's ``environment``."""
-    docker_cls = _loaded_class("dsh_bash_docker", "DockerBashExecutor")
-    if docker_cls is None or not isinstance(probe, docker_cls):
-        return None
-    configured = getattr(probe.config, "environment", None)
-    if getattr(probe.config, "image", None) is None or not isinstance(configured, Mapping):
-        return None
-    base = dict(configured)
-
-    def plant(variables: Mapping[str, str]) -> AbstractContextManager[Mapping[str, Any]]:
-        return contextlib.nullcontext({"environment": {**base, **variables}})
-
-    return plant
-
-
-def _docker_engine_is_local(probe: BashExecutor) -> bool:
-    host = getattr(probe.config, "docker_host", None) or os.environ.get("DOCKER_HOST")
-    return host is None or host.startswith("unix://")
-
-
 def config_target(
     source: Mapping[str, Any] | str | os.PathLike[str],
     *,
@@ -141,10 +113,12 @@ def config_target(
     def make_executor(**overrides: Any) -> BashExecutor:
         return load_executor(source, **{**planted.overrides(), **overrides})
 
+    tell_notes: Callable[[], list[str]] | None = getattr(probe, "kit_notes", None)
+    if tell_notes is not None:
+        notes.extend(tell_notes())
+
     # -- the ambient environment ------------------------------------------------------------
     planter: Planter | None = getattr(probe, "kit_plant_ambient", None)
-    if planter is None:
-        planter = _docker_image_planter(probe)
     plant_ambient: Callable[[Mapping[str, str]], AbstractContextManager[None]]
     if planter is not None:
         hook: Planter = planter
@@ -158,37 +132,22 @@ def config_target(
         plant_ambient = plant_through_hook
     else:
         plant_ambient = patch_os_environ
-        docker_cls = _loaded_class("dsh_bash_docker", "DockerBashExecutor")
-        if docker_cls is not None and isinstance(probe, docker_cls):
-            notes.append(
-                "an existing container's environment was fixed when it was created, so the kit cannot "
-                "plant ambient variables there: env-ambient-passes-through, env-allow-readmits and "
-                "env-scrub-replaces-defaults will fail (and the other env-* checks prove less); run "
-                "those against image mode"
-            )
-        elif getattr(backend_cls, "_ambient_env", None) is not HostBashExecutor._ambient_env:
-            # Commands of a host backend inherit os.environ; a subclass that overrides where the
-            # ambient environment comes from gets the caveat too.
-            notes.append(
-                f"{backend_cls.__name__} defines no kit_plant_ambient hook: the env-* checks assume its "
-                "commands inherit this process's environment (os.environ)"
-            )
+        notes.append(
+            f"{backend_cls.__name__} defines no kit_plant_ambient hook: the env-* checks assume its "
+            "commands inherit this process's environment (os.environ)"
+        )
 
     # -- finding the commands' processes ----------------------------------------------------
+    finder: Callable[[str], list[int]] | None = getattr(probe, "kit_find_processes", None)
     find_processes: Callable[[str], list[int]] = find_host_processes
-    finder = getattr(probe, "kit_find_processes", None)
-    docker_cls = _loaded_class("dsh_bash_docker", "DockerBashExecutor")
     if finder is not None:
         find_processes = finder
-    elif docker_cls is not None and isinstance(probe, docker_cls):
-        if _docker_engine_is_local(probe):
-            find_processes = find_namespaced_processes
-        else:
-            notes.append(
-                "the Docker engine is not local: this host's /proc cannot see the container's processes, "
-                "so the process checks cannot prove anything (most of them will fail)"
-            )
-    elif not Path("/proc/self").exists():
+    elif Path("/proc/self").exists():
+        notes.append(
+            f"{backend_cls.__name__} defines no kit_find_processes hook: the process checks scan this "
+            "host's /proc, which sees the commands' processes only when they run on this host"
+        )
+    else:
         notes.append("this host has no /proc: the process checks cannot see any process")
 
     target = KitTarget(

@@ -1,57 +1,20 @@
-"""Host-side helpers of a kit target: finding marked processes and planting ambient variables."""
+"""Host-side helpers of a kit target: finding marked processes and planting ambient variables.
+
+``find_host_processes`` is the public backend API's (:mod:`dsh_bash.backend`): backends use it too.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Mapping
 
-from dsh_bash.backend import read_proc_stat
+from dsh_bash.backend import find_host_processes, plant_in_os_environ
 
 __all__ = ["find_host_processes", "patch_os_environ"]
-
-
-def _is_zombie(pid: str) -> bool:
-    stat = read_proc_stat(pid)
-    return stat is None or not stat.alive  # gone while we looked, or a zombie
-
-
-def find_host_processes(marker: str) -> list[int]:
-    """Pids of live (non-zombie) processes on this host whose command line contains ``marker``.
-
-    The calling process itself is never listed. Processes of other users whose command line
-    cannot be read are skipped.
-    """
-    needle = marker.encode()
-    own = os.getpid()
-    found: list[int] = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return found
-    for entry in entries:
-        if not entry.isdigit() or int(entry) == own:
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                cmdline = handle.read()
-        except OSError:
-            continue
-        if needle in cmdline and not _is_zombie(entry):
-            found.append(int(entry))
-    return sorted(found)
 
 
 @contextlib.contextmanager
 def patch_os_environ(variables: Mapping[str, str]) -> Iterator[None]:
     """Set ``variables`` in ``os.environ`` for the block, then restore every one of them."""
-    saved = {name: os.environ.get(name) for name in variables}
-    try:
-        os.environ.update(variables)
+    with plant_in_os_environ(variables):
         yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value

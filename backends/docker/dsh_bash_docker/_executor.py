@@ -7,6 +7,7 @@ import logging
 import os
 import secrets
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import anyio
@@ -29,6 +30,7 @@ from dsh_bash.backend import (
 
 from ._config import DockerConfig
 from ._engine import Endpoint, EngineClient, EngineError
+from ._kit import find_container_processes, kit_notes, plant_in_environment
 from ._process import ContainerMarked, DockerProcess, diagnose_refusal, run_script
 from ._scripts import BOOT, SPILL_DIR, SPILL_WRITER
 from ._spill import DockerSpillFile
@@ -465,3 +467,17 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             log.warning("killing container %s failed: %s", short, exc)
             return False
         return True
+
+    # -- conformance kit hooks (dsh_bash.backend.ConformanceHooks) ------------------------------------
+
+    def kit_plant_ambient(self, variables: Mapping[str, str]) -> AbstractContextManager[Mapping[str, Any]]:
+        """Image mode: through ``environment``; container mode cannot plant (see :meth:`kit_notes`)."""
+        return plant_in_environment(self._docker_config, variables)
+
+    def kit_find_processes(self, marker: str) -> list[int]:
+        """A ``/proc`` scan exec'd in the container (image mode: in every one this process created)."""
+        labels = {MANAGED_LABEL: None, OWNER_PID_LABEL: str(os.getpid())}
+        return find_container_processes(self._docker_config, labels, marker)
+
+    def kit_notes(self) -> list[str]:
+        return kit_notes(self._docker_config)

@@ -6,9 +6,10 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
-from typing import Self
+from typing import Any, Self
 
 import anyio
 
@@ -30,6 +31,7 @@ from dsh_bash.backend import (
 from ._config import SshConfig
 from ._connection import ChannelPool
 from ._detached import DetachedProcess, DetachedSpill, Follower
+from ._kit import find_remote_processes, kit_notes, plant_in_bashrc
 from ._process import CommandSession, RemoteMarked, SshProcess
 from ._scripts import SETUP, SETUP_END, SETUP_HOME, boot_line, boot_request
 from ._spill import SshSpillFile
@@ -408,6 +410,19 @@ class SshBashExecutor(BashExecutor[SshConfig]):
 
     def _leftovers(self) -> Killable:
         return RemoteMarked(self._pool, marker=self._token + "-", exact=False)
+
+    # -- conformance kit hooks (dsh_bash.backend.ConformanceHooks) ------------------------------------
+
+    def kit_plant_ambient(self, variables: Mapping[str, str]) -> AbstractContextManager[Mapping[str, Any]]:
+        """A managed block at the top of the remote user's ``~/.bashrc``, put back on exit."""
+        return plant_in_bashrc(self._ssh_config, variables)
+
+    def kit_find_processes(self, marker: str) -> list[int]:
+        """A ``/proc`` scan on the SSH host, over a connection of its own."""
+        return find_remote_processes(self._ssh_config, marker)
+
+    def kit_notes(self) -> list[str]:
+        return kit_notes(self._ssh_config)
 
 
 async def _nothing() -> None:
