@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from dsh_bash._cli import main
+from dsh_bash_cli import main
 
 try:
     import dsh_bash_local  # noqa: F401

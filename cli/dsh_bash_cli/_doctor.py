@@ -25,10 +25,7 @@ from typing import Any
 
 import anyio
 
-from ._errors import ConfigError, DshBashError
-from ._executor import BashExecutor
-from ._registry import load_executor
-from ._types import BashExecRequest, BashRunResult
+from dsh_bash import BashExecRequest, BashExecutor, BashRunResult, ConfigError, DshBashError, load_executor
 
 __all__ = ["STEPS", "Finding", "run_doctor"]
 
