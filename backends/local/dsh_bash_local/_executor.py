@@ -12,6 +12,7 @@ from dsh_bash import BashExecutor, BashInfrastructureError
 from dsh_bash.backend import CommandProcess, Killable, Launch, ProcScanner, SpillFile, signal_marked
 
 from ._config import LocalConfig
+from ._hints import INFRA_HINTS
 from ._process import spawn_local
 from ._spill import LocalSpillDir
 
@@ -38,6 +39,8 @@ class LocalBashExecutor(BashExecutor[LocalConfig]):
     """Runs each command as ``bash --noprofile --norc -c COMMAND`` in a new session on this host."""
 
     config_class = LocalConfig
+    infra_hints = INFRA_HINTS  # what dsh-bash doctor says to do, by error reason (_hints.py)
+    needs_setsid = False  # commands start in a session of their own without the setsid program
 
     def __init__(self, config: LocalConfig | None = None) -> None:
         config = config if config is not None else LocalConfig()
