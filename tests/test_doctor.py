@@ -7,6 +7,7 @@ the end-to-end runs through the console script are in ``tests/test_cli_config.py
 from __future__ import annotations
 
 import importlib
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -133,3 +134,20 @@ def test_shipped_backends_give_their_own_hints(module: str) -> None:
     assert executor.infra_hints, f"{executor.__name__} gives the doctor no hints of its own"
     for reason, text in executor.infra_hints.items():
         assert text and text != GENERIC_HINTS[reason]
+
+
+class BlocksOnOpen(LocalBashExecutor):
+    """Blocks its event loop while opening: no cancel scope can end that, only the watchdog."""
+
+    async def _open(self) -> None:
+        time.sleep(10)
+
+
+def test_a_backend_that_blocks_its_event_loop_is_abandoned() -> None:
+    findings: list[Finding] = []
+    started = time.monotonic()
+    source = {"backend": f"{__name__}:BlocksOnOpen.from_fields"}
+    ok = run_doctor(source, timeout_s=0.5, report=findings.append)
+    assert not ok and time.monotonic() - started < 8
+    assert [(f.step, f.ok) for f in findings] == [("config", True), ("open", False)]
+    assert findings[1].detail.startswith("no answer within 5.5 s: the backend blocks its event loop")

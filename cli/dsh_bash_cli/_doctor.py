@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import math
 import os
-import queue
 import shlex
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -143,14 +141,19 @@ def _show(result: BashRunResult) -> str:
 
 
 class _Doctor:
-    def __init__(self, source: Mapping[str, Any] | str | os.PathLike[str], timeout_s: float) -> None:
+    def __init__(
+        self,
+        source: Mapping[str, Any] | str | os.PathLike[str],
+        timeout_s: float,
+        send: Callable[[Finding], None],
+    ) -> None:
         self.source = source
         self.timeout_s = timeout_s
-        self.findings: queue.Queue[Finding | None] = queue.Queue()
+        self.send = send
         self.backend: type[BashExecutor] | None = None
 
     def put(self, step: str, ok: bool, detail: str, fix: str = "") -> None:
-        self.findings.put(Finding(step, ok, detail, fix))
+        self.send(Finding(step, ok, detail, fix))
 
     async def exec(self, ex: BashExecutor, step: str, command: str) -> BashRunResult:
         bound_ms = min(self.timeout_s * 1000, ex.config.max_timeout_ms)
@@ -170,8 +173,6 @@ class _Doctor:
         except Exception as exc:  # a bug: still a finding, never a traceback from a thread
             detail = f"unexpected {type(exc).__name__}: {one_line(exc)}"
             self.put("error", False, detail, "a bug in the backend or in dsh-bash: please report it")
-        finally:
-            self.findings.put(None)
 
     async def _run(self) -> None:
         try:
@@ -287,28 +288,31 @@ def run_doctor(
 
     ``timeout_s`` bounds opening the backend, each check's command and closing it.
     """
-    doctor = _Doctor(source, timeout_s)
-    thread = threading.Thread(target=anyio.run, args=(doctor.run,), name="dsh-bash-doctor", daemon=True)
-    thread.start()
-    all_ok = True
+    from dsh_bash_conformance import Abandoned, watched
+
     seen: list[str] = []
-    while True:
-        pending = next((step for step in STEPS if step not in seen), "close")
-        bound = timeout_s + (2 * timeout_s if pending == "spill" else 0) + _WATCHDOG_SLACK_S
-        try:
-            finding = doctor.findings.get(timeout=bound)
-        except queue.Empty:
-            report(
-                Finding(
-                    pending,
-                    False,
-                    f"no answer within {bound:g} s: the backend blocks its event loop or ignores cancelling",
-                    "report it to the backend's authors; meanwhile this process abandons it",
-                )
-            )
-            return False
-        if finding is None:
-            return all_ok
-        seen.append(finding.step)
-        all_ok = all_ok and finding.ok
-        report(finding)
+
+    def pending() -> str:
+        return next((step for step in STEPS if step not in seen), "close")
+
+    def bound() -> float:
+        return timeout_s + (2 * timeout_s if pending() == "spill" else 0) + _WATCHDOG_SLACK_S
+
+    def run(send: Callable[[Finding], None]) -> None:
+        anyio.run(_Doctor(source, timeout_s, send).run)
+
+    all_ok = True
+    try:
+        for finding in watched(run, name="dsh-bash-doctor", bound=bound):
+            seen.append(finding.step)
+            all_ok = all_ok and finding.ok
+            report(finding)
+    except Abandoned as abandoned:
+        detail = (
+            f"no answer within {abandoned.waited_s:g} s: the backend blocks its event loop or ignores "
+            "cancelling"
+        )
+        fix = "report it to the backend's authors; meanwhile this process abandons it"
+        report(Finding(pending(), False, detail, fix))
+        return False
+    return all_ok

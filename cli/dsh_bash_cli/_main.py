@@ -86,14 +86,23 @@ class _CliError(Exception):
 # -- argument parsing --------------------------------------------------------------------------------
 
 
-def _timeout_ms(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of milliseconds: {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of milliseconds, got {text!r}")
-    return value
+def _positive(unit: str) -> Callable[[str], float]:
+    """An argparse type: a finite number above zero, of ``unit`` (named in the error)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number of {unit}: {text!r}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"must be a positive number of {unit}, got {text!r}")
+        return value
+
+    return parse
+
+
+_timeout_ms = _positive("milliseconds")
+_seconds = _positive("seconds")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -268,16 +277,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
 # -- conformance --------------------------------------------------------------------------------------
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
-    return value
-
-
 def _add_conformance_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     conformance = commands.add_parser(
         "conformance",
@@ -319,15 +318,6 @@ def _add_conformance_parser(commands: argparse._SubParsersAction[argparse.Argume
         help="show the backend's log messages on stderr (some checks provoke logged errors on purpose)",
     )
     conformance.set_defaults(handler=_cmd_conformance)
-
-
-def _result_line(result: CheckResult, width: int) -> str:
-    """One check's line, as in ``KitReport.summary()``."""
-    labels = {"passed": "PASS", "failed": "FAIL", "error": "ERROR", "hung": "HUNG"}
-    line = f"{labels[result.outcome]:<5} {result.kind:<8} {result.name:<{width}} {result.duration_s:6.2f}s"
-    if result.message:
-        line += "  " + " ".join(result.message.split("\n"))
-    return line
 
 
 class _Progress:
@@ -400,7 +390,7 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
         done += 1
         progress.clear()
         if not args.json:
-            write(sys.stdout, _result_line(result, width) + "\n")
+            write(sys.stdout, result.line(width) + "\n")
             sys.stdout.flush()
         progress.show(done)
 
@@ -415,7 +405,7 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
         failed = [r.name for r in report.failed]
         if failed:
             write(sys.stdout, f"not passed: {', '.join(failed)}\n")
-        write(sys.stdout, report.summary().rsplit("\n", 1)[-1] + "\n")
+        write(sys.stdout, report.verdict() + "\n")
     sys.stdout.flush()
     return 0 if report.contract_ok else 1
 
