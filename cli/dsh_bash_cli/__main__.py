@@ -1,5 +1,5 @@
 """``python -m dsh_bash_cli``: the dsh-bash command line."""
 
-from . import main
+from . import console
 
-raise SystemExit(main())
+console()
