@@ -1,4 +1,4 @@
-"""The kit's watchdog (``watched``, ``call_watched``): values as they come, errors passed on, overruns."""
+"""The kit's watchdog (``watched``, ``call_watched``): values as sent, errors raised, overruns abandoned."""
 
 from __future__ import annotations
 
