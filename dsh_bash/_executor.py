@@ -23,7 +23,7 @@ from typing_extensions import TypeVar
 from ._backend import MARKER_VAR, CommandProcess, ExitStatus, Killable, Launch, kill_sequence, signal_name
 from ._config import BUDGET_FIELDS, BudgetConfig, config_error_from
 from ._env import build_command_env
-from ._errors import BashInfrastructureError, ConfigError, ExecutorClosedError, UnknownTaskError
+from ._errors import BashInfrastructureError, ConfigError, ExecutorClosedError, InfraReason, UnknownTaskError
 from ._output import OutputStream, SpillBudget, SpillFile, StreamName, merge_streams
 from ._types import (
     BashExecRequest,
@@ -147,6 +147,14 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
     #: then runs that one kill sequence for all commands instead of one per command, whose polls
     #: would pile up in the engine by the thousand with many tasks running.
     close_kills_each_command: ClassVar[bool] = True
+    #: What to do about this backend's infrastructure errors, by :attr:`BashInfrastructureError.reason`:
+    #: one imperative sentence each, naming this backend's config fields (``dsh-bash doctor`` prints it
+    #: as the fix). A reason not here gets the doctor's generic hint. Subclasses extend their base's
+    #: with ``{**Base.infra_hints, ...}``.
+    infra_hints: ClassVar[Mapping[InfraReason, str]] = {}
+    #: True for backends that need ``setsid`` where commands run (to start commands or background
+    #: tasks in a session of their own): ``dsh-bash doctor`` then fails when it is missing there.
+    needs_setsid: ClassVar[bool] = True
 
     @classmethod
     def from_fields(cls, **fields: Any) -> Self:

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from dsh_bash._cli import main
+from dsh_bash_cli import main
 
 try:
     import dsh_bash_local  # noqa: F401
@@ -172,3 +171,42 @@ def test_help_exits_0(run_cli: Runner) -> None:
     result = run_cli("run", "--help")
     assert result.code == 0
     assert "--timeout-ms" in result.out
+
+
+def test_python_dash_m_runs_the_command_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "dsh_bash_cli", "run", "echo out; echo err >&2; exit 3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")
+
+
+UNNEEDED_BY_RUN = (
+    "dsh_bash_conformance",
+    "dsh_tool_bash",
+    "dsh_bash_docker",
+    "dsh_bash_ssh",
+    "mcp",
+    "yaml",
+    "docker",
+    "asyncssh",
+)
+RUN_AND_LIST_IMPORTS = f"""
+import sys
+from dsh_bash_cli import main
+main(["run", "true"])
+seen = {{name.partition(".")[0] for name in sys.modules}} | set(sys.modules)
+print(" ".join(sorted(seen & {{*{UNNEEDED_BY_RUN!r}, "dsh_bash_cli._doctor"}})))
+"""
+
+
+def test_run_imports_no_other_subcommand() -> None:
+    """``dsh-bash run`` stays quick: the kit, the tools, the doctor, other backends and optional
+    libraries are not imported on its path."""
+    done = subprocess.run(
+        [sys.executable, "-c", RUN_AND_LIST_IMPORTS], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == ""

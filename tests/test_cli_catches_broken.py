@@ -16,11 +16,11 @@ from typing import Any
 
 import broken_backends as bb
 import pytest
+from dsh_bash_cli import main
 from dsh_bash_conformance import CHECKS
 from test_kit_catches_broken import CAUGHT_BY
 
 from dsh_bash import BashExecutor
-from dsh_bash._cli import main
 from dsh_bash._procscan import scan
 
 pytestmark = pytest.mark.kit

@@ -14,9 +14,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import anyio
 import pytest
 from dsh_bash_conformance import CHECKS
+from dsh_bash_docker import DockerBashExecutor
 from ssh_support import TEST_USER, SshServer
+
+from dsh_bash import BashInfrastructureError
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -275,6 +279,17 @@ def test_doctor_local_ok(local_toml: str, tmp_path: Path) -> None:
     assert lines[-1] == "dsh-bash doctor: all ok"
 
 
+def _docker_open_reason(socket: Path) -> str:
+    async def open_it() -> str:
+        try:
+            async with DockerBashExecutor.from_fields(image="x:1", docker_host=f"unix://{socket}"):
+                return "opened"
+        except BashInfrastructureError as exc:
+            return exc.reason
+
+    return anyio.run(open_it)
+
+
 def test_doctor_unreachable_docker_engine(tmp_path: Path) -> None:
     socket = tmp_path / "no-engine.sock"
     toml = config(tmp_path, f'backend = "docker"\nimage = "x:1"\ndocker_host = "unix://{socket}"\n')
@@ -283,7 +298,9 @@ def test_doctor_unreachable_docker_engine(tmp_path: Path) -> None:
     lines = _lines(result)
     assert lines[0].split()[:2] == ["ok", "config"]
     assert lines[1].split()[:2] == ["FAIL", "open"] and "unreachable" in lines[1] and str(socket) in lines[1]
-    assert "fix: start the Docker engine" in lines[2] and "docker_host" in lines[2]
+    assert _docker_open_reason(socket) == "engine_unreachable"
+    assert f"fix: {DockerBashExecutor.infra_hints['engine_unreachable']}" == lines[2].strip()
+    assert "start the Docker engine" in lines[2] and "docker_host" in lines[2]
     assert lines[-1] == "dsh-bash doctor: 1 step(s) failed"
 
 

@@ -27,7 +27,7 @@ from dsh_tool_bash._mcp import DATA_META_KEY, _FdLines, parse_http_address
 pytestmark = pytest.mark.anyio
 
 REPO = Path(__file__).resolve().parent.parent
-LAUNCH = "import sys; from dsh_bash._cli import main; sys.exit(main(sys.argv[1:]))"
+LAUNCH = "import sys; from dsh_bash_cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 @pytest.fixture

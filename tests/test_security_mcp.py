@@ -23,7 +23,7 @@ from mcp_types import CallToolResult, TextContent
 pytestmark = [pytest.mark.faults, pytest.mark.anyio]
 
 REPO = Path(__file__).resolve().parent.parent
-LAUNCH = "import sys; from dsh_bash._cli import main; sys.exit(main(sys.argv[1:]))"
+LAUNCH = "import sys; from dsh_bash_cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 @pytest.fixture

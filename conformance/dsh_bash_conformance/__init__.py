@@ -8,6 +8,9 @@ Describe the backend as a :class:`KitTarget` and call :func:`run_kit`::
 
 Checks are registered with :func:`check` into :data:`CHECKS` (in definition order); each is an
 ``async def fn(ctx: CheckContext) -> None`` that raises :class:`CheckFailed` on a violation.
+
+:func:`watched` and :func:`call_watched` run code in a daemon thread the caller abandons when it
+overruns (:class:`Abandoned`), as the kit runs each check; ``dsh-bash doctor`` uses them too.
 """
 
 import importlib
@@ -27,6 +30,7 @@ from ._kit import (
     check,
     run_kit,
 )
+from ._watchdog import Abandoned, call_watched, watched
 
 # Importing the check modules registers their checks, in this order.
 for _module in (
@@ -46,6 +50,7 @@ del _module
 
 __all__ = [
     "CHECKS",
+    "Abandoned",
     "Check",
     "CheckContext",
     "CheckFailed",
@@ -55,10 +60,12 @@ __all__ = [
     "ConfigTarget",
     "KitReport",
     "KitTarget",
+    "call_watched",
     "check",
     "config_target",
     "find_host_processes",
     "find_namespaced_processes",
     "patch_os_environ",
     "run_kit",
+    "watched",
 ]

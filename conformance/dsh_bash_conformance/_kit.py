@@ -6,8 +6,6 @@ import re
 import secrets
 import shlex
 import statistics
-import sys
-import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -22,6 +20,7 @@ import anyio.to_thread
 from dsh_bash import BashExecRequest, BashExecutor
 
 from ._host import find_host_processes, patch_os_environ
+from ._watchdog import Abandoned, call_watched
 
 __all__ = [
     "CHECKS",
@@ -105,6 +104,10 @@ class Check:
     fn: CheckFn
 
 
+#: How a report line shows each outcome.
+_LABELS: Mapping[CheckOutcome, str] = {"passed": "PASS", "failed": "FAIL", "error": "ERROR", "hung": "HUNG"}
+
+
 @dataclass(frozen=True)
 class CheckResult:
     name: str
@@ -114,6 +117,13 @@ class CheckResult:
     outcome: CheckOutcome
     message: str
     duration_s: float
+
+    def line(self, name_width: int = 0) -> str:
+        """The result as a report line: ``FAIL  contract NAME  0.12s  message`` (name padded to the width)."""
+        line = f"{_LABELS[self.outcome]:<5} {self.kind:<8} {self.name:<{name_width}} {self.duration_s:6.2f}s"
+        if self.message:
+            line += "  " + " ".join(self.message.split("\n"))
+        return line
 
 
 #: Every registered check, by name, in definition order.
@@ -313,15 +323,12 @@ class KitReport:
         return counts
 
     def summary(self) -> str:
-        """One line per check, then one line that reports contract and beyond checks apart."""
-        labels = {"passed": "PASS", "failed": "FAIL", "error": "ERROR", "hung": "HUNG"}
+        """One line per check, then the :meth:`verdict`."""
         width = max((len(r.name) for r in self.results), default=0)
-        lines = []
-        for r in self.results:
-            line = f"{labels[r.outcome]:<5} {r.kind:<8} {r.name:<{width}} {r.duration_s:6.2f}s"
-            if r.message:
-                line += "  " + " ".join(r.message.split("\n"))
-            lines.append(line)
+        return "\n".join([*(r.line(width) for r in self.results), self.verdict()])
+
+    def verdict(self) -> str:
+        """One line that reports contract and beyond checks apart, then the verdict."""
         parts = []
         for kind in ("contract", "beyond"):
             c = self._counts(kind)
@@ -330,8 +337,7 @@ class KitReport:
                 f" ({c['failed']} failed, {c['error']} error, {c['hung']} hung)"
             )
         verdict = "contract OK" if self.contract_ok else "contract FAILED"
-        lines.append(f"{self.target}: {'; '.join(parts)}: {verdict}")
-        return "\n".join(lines)
+        return f"{self.target}: {'; '.join(parts)}: {verdict}"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -385,13 +391,6 @@ def _failed(exc: CheckFailed) -> tuple[CheckOutcome, str]:
     return "failed", f"{exc}" + (f" [{where}]" if where else "")
 
 
-def _in_thread(fn: Callable[[], None], timeout_s: float, name: str) -> threading.Thread:
-    thread = threading.Thread(target=fn, name=name, daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    return thread
-
-
 class _LatencyCache:
     """The latency last measured in a run, reused by the checks that follow within its lifetime.
 
@@ -414,7 +413,6 @@ class _LatencyCache:
 
 def _run_one(target: KitTarget, current: Check, latency: _LatencyCache | None = None) -> CheckResult:
     ctx = CheckContext(target, current)
-    box: dict[str, tuple[CheckOutcome, str]] = {}
     cache = latency if latency is not None else _LatencyCache()
 
     async def body() -> None:
@@ -426,43 +424,40 @@ def _run_one(target: KitTarget, current: Check, latency: _LatencyCache | None = 
             ctx.latency_s = known
         await current.fn(ctx)
 
-    def worker() -> None:
+    def worker() -> tuple[CheckOutcome, str]:
         try:
             anyio.run(body, backend=target.anyio_backend)
         except CheckFailed as exc:
-            box["result"] = _failed(exc)
+            return _failed(exc)
         except BaseException as exc:
             # A check's own task group wraps its CheckFailed in a group: that is a failed check,
             # not an ExceptionGroup escaping the backend.
             failure = _check_failure(exc)
-            box["result"] = _failed(failure) if failure is not None else ("error", _describe(exc))
-        else:
-            box["result"] = ("passed", "")
+            return _failed(failure) if failure is not None else ("error", _describe(exc))
+        return "passed", ""
 
     started = time.monotonic()
-    thread = _in_thread(worker, target.check_timeout_s, f"kit-{current.name}")
-    duration = time.monotonic() - started
-    if thread.is_alive():
-        frame = sys._current_frames().get(thread.ident or -1)
-        where = _where(traceback.extract_stack(frame)) if frame is not None else ""
-        outcome: CheckOutcome = "hung"
+    outcome: CheckOutcome
+    try:
+        outcome, message = call_watched(worker, name=f"kit-{current.name}", timeout_s=target.check_timeout_s)
+    except Abandoned as abandoned:
+        where = _where(abandoned.stack())
+        outcome = "hung"
         message = f"did not finish within {target.check_timeout_s:g} s; its thread was abandoned"
         if where:
             message += f" while at {where}"
-    else:
-        outcome, message = box.get("result", ("error", "the check's thread ended without a result"))
+    duration = time.monotonic() - started
 
-    cleanup: dict[str, str] = {}
-
-    def cleaner() -> None:
+    def cleaner() -> str:
         try:
-            cleanup["note"] = anyio.run(ctx._cleanup, backend=target.anyio_backend)
+            return anyio.run(ctx._cleanup, backend=target.anyio_backend)
         except BaseException as exc:
-            cleanup["note"] = f"kit cleanup failed: {_describe(exc)}"
+            return f"kit cleanup failed: {_describe(exc)}"
 
-    if _in_thread(cleaner, _CLEANUP_TIMEOUT_S, f"kit-cleanup-{current.name}").is_alive():
-        cleanup["note"] = "kit cleanup did not finish"
-    note = cleanup.get("note", "")
+    try:
+        note = call_watched(cleaner, name=f"kit-cleanup-{current.name}", timeout_s=_CLEANUP_TIMEOUT_S)
+    except Abandoned:
+        note = "kit cleanup did not finish"
     if outcome != "passed" and ctx.latency_s:
         note = f"{ctx.describe_allowance()}; {note}" if note else ctx.describe_allowance()
     if note:

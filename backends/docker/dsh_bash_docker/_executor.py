@@ -30,6 +30,7 @@ from dsh_bash.backend import (
 
 from ._config import DockerConfig
 from ._engine import Endpoint, EngineClient, EngineError
+from ._hints import INFRA_HINTS
 from ._kit import find_container_processes, kit_notes, plant_in_environment
 from ._process import ContainerMarked, DockerProcess, diagnose_refusal, run_script
 from ._scripts import BOOT, SPILL_DIR, SPILL_WRITER
@@ -80,6 +81,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
     """Runs each command as ``bash --noprofile --norc -c COMMAND`` exec'd in a container."""
 
     config_class = DockerConfig
+    infra_hints = INFRA_HINTS  # what dsh-bash doctor says to do, by error reason (_hints.py)
 
     signals_as_exit_codes = True
     # The leftovers' kill script reaches every command's marked processes and their groups.

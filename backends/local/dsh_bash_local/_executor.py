@@ -9,6 +9,7 @@ from __future__ import annotations
 from dsh_bash.backend import HostBashExecutor
 
 from ._config import LocalConfig
+from ._hints import INFRA_HINTS
 
 __all__ = ["LocalBashExecutor"]
 
@@ -17,6 +18,8 @@ class LocalBashExecutor(HostBashExecutor[LocalConfig]):
     """Runs each command as ``bash --noprofile --norc -c COMMAND`` in a new session on this host."""
 
     config_class = LocalConfig
+    infra_hints = INFRA_HINTS  # what dsh-bash doctor says to do, by error reason (_hints.py)
+    needs_setsid = False  # commands start in a session of their own without the setsid program
 
     def __init__(self, config: LocalConfig | None = None) -> None:
         super().__init__(config if config is not None else LocalConfig())

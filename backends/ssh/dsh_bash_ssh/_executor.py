@@ -31,6 +31,7 @@ from dsh_bash.backend import (
 from ._config import SshConfig
 from ._connection import ChannelPool
 from ._detached import DetachedProcess, DetachedSpill, Follower
+from ._hints import INFRA_HINTS
 from ._kit import find_remote_processes, kit_notes, plant_in_bashrc
 from ._process import CommandSession, RemoteMarked, SshProcess
 from ._scripts import SETUP, SETUP_END, SETUP_HOME, boot_line, boot_request
@@ -66,6 +67,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
     """Runs each command as ``bash --noprofile --norc -c COMMAND`` on an SSH host. asyncio only."""
 
     config_class = SshConfig
+    infra_hints = INFRA_HINTS  # what dsh-bash doctor says to do, by error reason (_hints.py)
 
     signals_as_exit_codes = True
     #: Every look at processes is a KILL script over the one reserved kill channel: at aclose, one

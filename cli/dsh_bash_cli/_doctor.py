@@ -3,8 +3,15 @@
 Steps, in order: ``config`` (the file loads), ``open`` (the backend is reached within the bound),
 ``bash`` (``$BASH_VERSION``), ``workdir`` (``pwd`` in the default working directory), ``spill``
 (output beyond ``max_output_bytes`` lands in a spill file that ``test -f`` finds), ``setsid``
-(``command -v setsid``), ``close``. A failed ``config`` or ``open`` ends the run. Each failure
-carries a fix.
+(``command -v setsid``, a failure only for a backend whose ``needs_setsid`` is true), ``close``. A
+failed ``config`` or ``open`` ends the run.
+
+Each failure carries a fix, chosen by the reason of the error behind it
+(:attr:`dsh_bash.BashInfrastructureError.reason`): the backend's own hint for that reason
+(:attr:`dsh_bash.BashExecutor.infra_hints`) before the generic one (:data:`GENERIC_HINTS`). A
+failure without a reason (no error, or an ``unclassified`` one) gets the hint of the reason its
+step stands for (``bash``: ``shell_missing``, ``workdir``: ``workdir_missing``, ``spill``:
+``spill_unavailable``). The doctor knows no backend by name and never reads an error's message.
 
 The steps run on an event loop in a daemon thread; the calling thread waits for each finding at
 most the bound (plus a little), so a backend that blocks the event loop or swallows cancellation
@@ -15,9 +22,7 @@ from __future__ import annotations
 
 import math
 import os
-import queue
 import shlex
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -25,12 +30,20 @@ from typing import Any
 
 import anyio
 
-from ._errors import ConfigError, DshBashError
-from ._executor import BashExecutor
-from ._registry import load_executor
-from ._types import BashExecRequest, BashRunResult
+from dsh_bash import (
+    BashExecRequest,
+    BashExecutor,
+    BashInfrastructureError,
+    BashRunResult,
+    ConfigError,
+    DshBashError,
+    InfraReason,
+    load_executor,
+)
 
-__all__ = ["STEPS", "Finding", "run_doctor"]
+from ._text import one_line
+
+__all__ = ["GENERIC_HINTS", "STEPS", "Finding", "hint", "run_doctor"]
 
 #: Every step, in the order it runs.
 STEPS = ("config", "open", "bash", "workdir", "spill", "setsid", "close")
@@ -40,6 +53,9 @@ _SPILL_LIMIT = 1024
 _SPILL_PRINT = 4096
 #: Slack the calling thread grants beyond a step's own bound before it declares the step hung.
 _WATCHDOG_SLACK_S = 5.0
+
+_SET_CWD = "set cwd in the config to an existing directory, where the commands run, that this user may enter"
+_BACKEND_FAILED = "the backend failed under the command: check that where commands run is healthy, then retry"
 
 
 @dataclass(frozen=True)
@@ -59,73 +75,59 @@ class _StepFailed(Exception):
         self.fix = fix
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
+#: The fix for an infrastructure error's reason when the backend has none of its own in
+#: :attr:`BashExecutor.infra_hints`.
+GENERIC_HINTS: Mapping[InfraReason, str] = {
+    "closed": "a bug: the executor was used outside its block; please report it",
+    "already_aborted": "a bug: the doctor aborts nothing; please report it",
+    "workdir_missing": _SET_CWD,
+    "workdir_not_directory": _SET_CWD,
+    "workdir_not_accessible": _SET_CWD,
+    "shell_missing": "install bash where the commands run",
+    "start_failed": (
+        "see the message: no process could be created where the commands run (process or memory "
+        "limits, a missing program such as setsid)"
+    ),
+    "spill_unavailable": (
+        "make the spill location writable where the commands run, and check free space and "
+        "max_spill_bytes/max_spill_total_bytes"
+    ),
+    "engine_unreachable": "start the container engine, or point the config at one that answers",
+    "image_missing": "pull the image, or let the backend pull it",
+    "container_missing": "name an existing, running container in the config",
+    "user_unknown": "set the user in the config to one that exists where the commands run",
+    "host_unreachable": "check the host, the port and that the network reaches it; raise the connect timeout",
+    "auth_failed": "check the user name and credentials in the config: the server must accept one",
+    "host_key_rejected": "add the host's key to the known hosts file the config names",
+    "container_gone": _BACKEND_FAILED,
+    "connection_lost": _BACKEND_FAILED,
+    "command_lost": _BACKEND_FAILED,
+}
+
+#: The reason a failed step stands for when no error says better (no error, or an unclassified one).
+_STEP_REASONS: Mapping[str, InfraReason] = {
+    "bash": "shell_missing",
+    "workdir": "workdir_missing",
+    "spill": "spill_unavailable",
+}
+_OPEN_HINT = "make the backend reachable (see the message), or raise the bound with --timeout"
 
 
-def _kind(executor: BashExecutor) -> str:
-    """``local``, ``docker`` or ``ssh`` for this distribution's backends (and subclasses), else ``other``."""
-    for cls in type(executor).__mro__:
-        package = cls.__module__.partition(".")[0]
-        if package in ("dsh_bash_local", "dsh_bash_docker", "dsh_bash_ssh"):
-            return package.removeprefix("dsh_bash_")
-    return "other"
+def hint(executor: type[BashExecutor] | None, step: str, error: BaseException | None = None) -> str:
+    """The fix for a failed ``step``: by the error's reason, the backend's hint before the generic one.
 
-
-def _fix(kind: str, step: str, message: str) -> str:
-    """A fix for a failure, from the backend kind, the step and the error's text."""
-    m = message.lower()
-    if kind == "docker":
-        if "permission denied" in m:
-            return (
-                "give this user access to the engine's socket (the docker group) or set docker_host "
-                "to an engine it may use"
-            )
-        if any(word in m for word in ("unreachable", "cannot connect", "connection refused", "no such file")):
-            return (
-                "start the Docker engine (dockerd, or Docker Desktop), or set docker_host (or DOCKER_HOST) "
-                "to the socket it listens on, e.g. unix:///var/run/docker.sock"
-            )
-        if "timed out" in m:
-            return (
-                "the engine did not answer in time: check that it is healthy (docker info) and that "
-                "docker_host (or DOCKER_HOST) points at it; --timeout raises the bound"
-            )
-        if "not present locally" in m or "no such image" in m:
-            return 'pull the image (docker pull IMAGE) or set pull = "missing" in the config'
-        if "is not running" in m:
-            return "start the container (docker start NAME) or name a running one in 'container'"
-        if "does not exist" in m and "container" in m:
-            return "name an existing container in 'container' (docker ps -a lists them), or use 'image'"
-    if kind == "ssh":
-        if "host key" in m:
-            return (
-                "add the server's host key to known_hosts (ssh-keyscan -p PORT HOST >> ~/.ssh/known_hosts) "
-                "or point known_hosts at a file that has it"
-            )
-        if "auth" in m or "permission denied" in m:
-            return "check username and client_keys: the server must accept one of the keys"
-        if any(word in m for word in ("timed out", "timeout", "refused", "unreachable", "no route")):
-            return (
-                "check host and port, that sshd runs there and that the network reaches it; raise "
-                "connect_timeout_ms for a slow link"
-            )
-    if "bash not found" in m or "no bash" in m:
-        return 'install bash where the commands run (local backend: or set bash = "/path/to/bash")'
-    if step == "workdir" or "workdir" in m:
-        return (
-            "set cwd in the config to an existing directory, where the commands run, that this user may enter"
-        )
-    if step == "open":
-        return "make the backend reachable (see the message), or raise the bound with --timeout"
-    if step == "bash":
-        return "install bash where the commands run"
-    if step == "spill":
-        return (
-            "make the spill location writable where the commands run (local: spill_dir, else $TMPDIR or "
-            "/tmp; Docker and SSH: /tmp), and check free space and max_spill_bytes/max_spill_total_bytes"
-        )
-    return "see the message above"
+    Without a reason (no error, not an infrastructure error, or ``unclassified``), the step says which
+    reason it stands for.
+    """
+    reason = error.reason if isinstance(error, BashInfrastructureError) else None
+    if reason is None or reason == "unclassified":
+        if step == "open":
+            return _OPEN_HINT
+        reason = _STEP_REASONS.get(step)
+        if reason is None:
+            return "see the message above"
+    own = executor.infra_hints if executor is not None else {}
+    return own.get(reason) or GENERIC_HINTS[reason]
 
 
 def _show(result: BashRunResult) -> str:
@@ -139,14 +141,19 @@ def _show(result: BashRunResult) -> str:
 
 
 class _Doctor:
-    def __init__(self, source: Mapping[str, Any] | str | os.PathLike[str], timeout_s: float) -> None:
+    def __init__(
+        self,
+        source: Mapping[str, Any] | str | os.PathLike[str],
+        timeout_s: float,
+        send: Callable[[Finding], None],
+    ) -> None:
         self.source = source
         self.timeout_s = timeout_s
-        self.findings: queue.Queue[Finding | None] = queue.Queue()
-        self.kind = "other"
+        self.send = send
+        self.backend: type[BashExecutor] | None = None
 
     def put(self, step: str, ok: bool, detail: str, fix: str = "") -> None:
-        self.findings.put(Finding(step, ok, detail, fix))
+        self.send(Finding(step, ok, detail, fix))
 
     async def exec(self, ex: BashExecutor, step: str, command: str) -> BashRunResult:
         bound_ms = min(self.timeout_s * 1000, ex.config.max_timeout_ms)
@@ -155,33 +162,29 @@ class _Doctor:
                 return await ex.exec(command, timeout_ms=bound_ms)
         except TimeoutError:
             raise _StepFailed(
-                f"`{command}` did not return within {self.timeout_s:g} s", _fix(self.kind, step, "")
+                f"`{command}` did not return within {self.timeout_s:g} s", hint(self.backend, step)
             ) from None
         except DshBashError as exc:
-            raise _StepFailed(_one_line(exc), _fix(self.kind, step, str(exc))) from None
+            raise _StepFailed(one_line(exc), hint(self.backend, step, exc)) from None
 
     async def run(self) -> None:
         try:
             await self._run()
         except Exception as exc:  # a bug: still a finding, never a traceback from a thread
-            detail = f"unexpected {type(exc).__name__}: {_one_line(exc)}"
+            detail = f"unexpected {type(exc).__name__}: {one_line(exc)}"
             self.put("error", False, detail, "a bug in the backend or in dsh-bash: please report it")
-        finally:
-            self.findings.put(None)
 
     async def _run(self) -> None:
         try:
             ex = load_executor(self.source)
         except ConfigError as exc:
             fix = (
-                "install what the message names"
-                if "pip install" in str(exc)
-                else "correct the field named above (in the file, or the DSH_BASH_<FIELD> variable)"
+                "correct what the message names (in the file, or the DSH_BASH_<FIELD> variable), or "
+                "install the package it names"
             )
-            self.put("config", False, _one_line(exc), fix)
+            self.put("config", False, one_line(exc), fix)
             return
-        self.kind = _kind(ex)
-        cls = type(ex)
+        cls = self.backend = type(ex)
         self.put("config", True, f"backend {cls.__name__} ({cls.__module__.partition('.')[0]})")
 
         started = time.monotonic()
@@ -208,13 +211,13 @@ class _Doctor:
                     closing_at = time.monotonic()
         except Exception as exc:
             if opened:
-                self.put("close", False, _one_line(exc), "see the message above")
+                self.put("close", False, one_line(exc), "see the message above")
             else:
-                self.put("open", False, _one_line(exc), _fix(self.kind, "open", str(exc)))
+                self.put("open", False, one_line(exc), hint(cls, "open", exc))
             return
         if not opened:  # the bound ran out while opening
             detail = f"the backend did not open within {self.timeout_s:g} s"
-            self.put("open", False, detail, _fix(self.kind, "open", "timed out"))
+            self.put("open", False, detail, hint(cls, "open"))
             return
         self.put("close", True, f"closed in {time.monotonic() - closing_at:.2f} s")
 
@@ -223,7 +226,7 @@ class _Doctor:
         version = result.stdout.text.strip()
         if result.exit_code != 0 or not version:
             raise _StepFailed(
-                f"`echo $BASH_VERSION` printed {version!r} ({_show(result)})", _fix(self.kind, "bash", "")
+                f"`echo $BASH_VERSION` printed {version!r} ({_show(result)})", hint(self.backend, "bash")
             )
         return f"bash {version}"
 
@@ -232,7 +235,7 @@ class _Doctor:
         result = await self.exec(ex, "workdir", "pwd")
         if result.exit_code != 0:
             detail = f"`pwd` in {expected} failed ({_show(result)})"
-            raise _StepFailed(detail, _fix(self.kind, "workdir", ""))
+            raise _StepFailed(detail, hint(self.backend, "workdir"))
         shown = result.stdout.text.strip()
         return expected if shown in ("", expected) else f"{expected} (pwd: {shown})"
 
@@ -241,7 +244,7 @@ class _Doctor:
         try:
             ex.reconfigure(max_output_bytes=_SPILL_LIMIT)
         except ConfigError as exc:
-            raise _StepFailed(_one_line(exc), "see the message above") from None
+            raise _StepFailed(one_line(exc), "see the message above") from None
         try:
             result = await self.exec(ex, "spill", f"printf '%{_SPILL_PRINT}s' x")
         finally:
@@ -255,11 +258,11 @@ class _Doctor:
             raise _StepFailed(detail, "the backend's output accounting is broken: report it to its authors")
         if out.spill_path is None:
             detail = f"output beyond max_output_bytes={_SPILL_LIMIT} was truncated but no spill file was made"
-            raise _StepFailed(detail, _fix(self.kind, "spill", ""))
+            raise _StepFailed(detail, hint(self.backend, "spill"))
         found = await self.exec(ex, "spill", f"test -f {shlex.quote(out.spill_path)}")
         if found.exit_code != 0:
             detail = f"the spill file {out.spill_path} is not there for the next command ({_show(found)})"
-            raise _StepFailed(detail, _fix(self.kind, "spill", ""))
+            raise _StepFailed(detail, hint(self.backend, "spill"))
         return f"spill file {out.spill_path}"
 
     async def _setsid(self, ex: BashExecutor) -> str:
@@ -267,12 +270,11 @@ class _Doctor:
         path = result.stdout.text.strip()
         if result.exit_code == 0 and path:
             return path
-        if self.kind == "local":
-            return "not found (the local backend does not need it)"
+        if not type(ex).needs_setsid:
+            return f"not found ({type(ex).__name__} does not need it)"
         raise _StepFailed(
             "setsid not found where the commands run (`command -v setsid` failed)",
-            "install setsid there (util-linux, or busybox): the Docker and SSH backends start every "
-            "command with it",
+            f"install setsid there (util-linux, or busybox): {type(ex).__name__} needs it",
         )
 
 
@@ -286,28 +288,31 @@ def run_doctor(
 
     ``timeout_s`` bounds opening the backend, each check's command and closing it.
     """
-    doctor = _Doctor(source, timeout_s)
-    thread = threading.Thread(target=anyio.run, args=(doctor.run,), name="dsh-bash-doctor", daemon=True)
-    thread.start()
-    all_ok = True
+    from dsh_bash_conformance import Abandoned, watched
+
     seen: list[str] = []
-    while True:
-        pending = next((step for step in STEPS if step not in seen), "close")
-        bound = timeout_s + (2 * timeout_s if pending == "spill" else 0) + _WATCHDOG_SLACK_S
-        try:
-            finding = doctor.findings.get(timeout=bound)
-        except queue.Empty:
-            report(
-                Finding(
-                    pending,
-                    False,
-                    f"no answer within {bound:g} s: the backend blocks its event loop or ignores cancelling",
-                    "report it to the backend's authors; meanwhile this process abandons it",
-                )
-            )
-            return False
-        if finding is None:
-            return all_ok
-        seen.append(finding.step)
-        all_ok = all_ok and finding.ok
-        report(finding)
+
+    def pending() -> str:
+        return next((step for step in STEPS if step not in seen), "close")
+
+    def bound() -> float:
+        return timeout_s + (2 * timeout_s if pending() == "spill" else 0) + _WATCHDOG_SLACK_S
+
+    def run(send: Callable[[Finding], None]) -> None:
+        anyio.run(_Doctor(source, timeout_s, send).run)
+
+    all_ok = True
+    try:
+        for finding in watched(run, name="dsh-bash-doctor", bound=bound):
+            seen.append(finding.step)
+            all_ok = all_ok and finding.ok
+            report(finding)
+    except Abandoned as abandoned:
+        detail = (
+            f"no answer within {abandoned.waited_s:g} s: the backend blocks its event loop or ignores "
+            "cancelling"
+        )
+        fix = "report it to the backend's authors; meanwhile this process abandons it"
+        report(Finding(pending(), False, detail, fix))
+        return False
+    return all_ok

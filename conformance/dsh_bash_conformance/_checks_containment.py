@@ -1,0 +1,134 @@
+"""Containment against commands that hide: kill and close reach processes whatever they do to their
+environment, session or group.
+
+Each check starts a background task whose escapee hides one way, waits until the hiding is done
+(the escapee writes a file once it is), kills the task and requires every process carrying the
+check's marker to be gone. The hiding is done with bash and what coreutils and busybox provide, so
+the checks run wherever the commands run:
+
+- dropping the environment (``env -i``): a marker the executor put in the environment is gone;
+- rewriting the environment area in place, as ``setproctitle`` (nginx, postgres, gunicorn) does: the
+  escapee opens its own ``/proc/$$/mem`` (a process may always write its own memory) and has ``dd``
+  write zeros over the area ``/proc/$$/stat`` names, so ``/proc/PID/environ`` reads nothing;
+- a fork chain that calls ``setsid`` in every generation: each generation leaves the session of the
+  one before and the parent exits, so none shares a group or session with the command.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+
+import anyio
+
+from dsh_bash import BashExecRequest
+
+from ._kit import CheckContext, check
+from ._support import wait_files, wait_task
+
+GRACE_S = 0.3  # the kit's default grace_ms, in seconds
+_LOOP = "while :; do sleep 0.05; done"
+
+# Overwrites the environment area of this very process with zeros, through a descriptor the process
+# opened on its own memory (fields 50 and 51 of /proc/PID/stat, counted from 1, are the area's
+# bounds; after the command name they are words 48 and 49), then proves /proc/$$/environ reads empty.
+_REWRITE_OWN_ENVIRON = (
+    "rewrite() { exec 3<>/proc/$$/mem || return 1; "
+    "read -r st < /proc/$$/stat; set -- ${st##*) }; "
+    'head -c $((${49} - ${48})) /dev/zero | dd bs=1 seek="${48}" conv=notrunc 1>&3 2>/dev/null; '
+    "exec 3>&-; "
+    "[ -z \"$(tr -d '\\0' < /proc/$$/environ)\" ]; }"
+)
+
+
+#: How long no process may carry the marker before the kit believes they are all gone: one scan of
+#: ``/proc`` can miss a fork chain (the next generation is born after the scan listed the pids, the
+#: one it listed dies before it is read), many in a row over this span cannot.
+_QUIET_S = 0.25
+
+
+async def _gone_for_good(ctx: CheckContext, mark: str, within_s: float, what: str) -> None:
+    """No process may carry ``mark`` for ``_QUIET_S`` in a row, reached within ``within_s``."""
+    deadline = time.monotonic() + within_s + _QUIET_S
+    quiet_since: float | None = None
+    survivors: list[int] = []
+    while True:
+        survivors = await ctx.processes(mark)
+        now = time.monotonic()
+        if survivors:
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = now
+        if quiet_since is not None and now - quiet_since >= _QUIET_S:
+            return
+        if now >= deadline:
+            break
+        await anyio.sleep(0.01)
+    ctx.fail(f"{what}: processes {survivors} carrying {mark} still alive after {within_s:g} s")
+
+
+def _rule(how: str) -> str:
+    return f"Kill and close end every process a command started, including one that {how}."
+
+
+async def _start_kill_require_gone(ctx: CheckContext, body: str, mark: str, what: str) -> None:
+    """Start ``body`` (a bash script that creates ``$READY`` once it hid) as a background task beside
+    a loop; once it hid, kill the task: every process carrying ``mark`` must be gone."""
+    async with ctx.executor() as ex:
+        tmp = await ctx.tempdir(ex)
+        ready, failed = f"{tmp}/ready", f"{tmp}/failed"
+        setup = f"READY={shlex.quote(ready)} FAILED={shlex.quote(failed)}; export READY FAILED; "
+        task = await ex.start(ex.resolve(BashExecRequest(command=f"{setup}{body} {_LOOP}")))
+        await wait_files(ex, [ready], within_s=5 + ctx.allowance_s)
+        probe = await ex.exec(f"cat {shlex.quote(failed)} 2>/dev/null; true")
+        ctx.expect(probe.stdout.text == "", f"the kit's escapee could not hide here: {probe.stdout.text!r}")
+        ctx.expect(await ex.kill(task.id) is True, "kill of a running task did not return True")
+        await wait_task(task, 2 * GRACE_S + ctx.allowance_s, "killed task")
+        await _gone_for_good(ctx, mark, 2 * GRACE_S + ctx.allowance_s, f"after kill, {what}")
+
+
+@check(
+    "escapee-without-environment-killed",
+    kind="contract",
+    clause="R-contain-hiding",
+    rule=_rule("drops its whole environment (`env -i`) and leaves the session"),
+)
+async def escapee_without_environment(ctx: CheckContext) -> None:
+    mark = ctx.marker()
+    body = f': > "$READY"; {_LOOP}'
+    command = (
+        f'env -i PATH="$PATH" READY="$READY" setsid bash -c {shlex.quote(body)} {mark} >/dev/null 2>&1 &'
+    )
+    await _start_kill_require_gone(ctx, command, mark, "an escapee that dropped its environment")
+
+
+@check(
+    "escapee-rewriting-environment-killed",
+    kind="contract",
+    clause="R-contain-hiding",
+    rule=_rule("overwrites its environment area in place (as setproctitle does) and leaves the session"),
+)
+async def escapee_rewriting_environment(ctx: CheckContext) -> None:
+    mark = ctx.marker()
+    # The rewrite runs in the escapee's own process (a function, not a subshell): its marker on the
+    # command line stays for the kit to find it, its environment is gone for anyone else.
+    body = (
+        f'{_REWRITE_OWN_ENVIRON}; rewrite || echo "environ not rewritten" > "$FAILED"; : > "$READY"; {_LOOP}'
+    )
+    command = f"setsid bash -c {shlex.quote(body)} {mark} >/dev/null 2>&1 &"
+    await _start_kill_require_gone(ctx, command, mark, "an escapee that overwrote its environment")
+
+
+@check(
+    "setsid-chain-killed",
+    kind="contract",
+    clause="R-contain-hiding",
+    rule=_rule("forks a chain of processes that each call `setsid` and let their parent exit"),
+)
+async def setsid_chain(ctx: CheckContext) -> None:
+    mark = ctx.marker()
+    # Each generation starts the next in a session of its own and exits at once, for ever: at any
+    # moment one or two generations live, none in the command's session or group.
+    hop = 'setsid bash -c "$1" "$0" "$1" >/dev/null 2>&1 & : > "$READY"; sleep 0.05'
+    command = f"setsid bash -c {shlex.quote(hop)} {mark} {shlex.quote(hop)} >/dev/null 2>&1 &"
+    await _start_kill_require_gone(ctx, command, mark, "a generation of a setsid chain")
