@@ -161,7 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         host = host_arch()
         if host is None:
-            print(f"{NAME}: not built: no support for the host architecture {platform.machine()}", file=sys.stderr)
+            print(
+                f"{NAME}: not built: no support for the host architecture {platform.machine()}",
+                file=sys.stderr,
+            )
             return 1
         arches = (host,)
     problems = build(arches, args.out, if_stale=args.if_stale)

@@ -44,6 +44,7 @@
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifndef PR_SET_CHILD_SUBREAPER
@@ -66,6 +67,7 @@
 #define CHAIN_MAX 4096           /* ppid hops when checking that a process is still ours */
 #define PASS_MIN_MS 2            /* pause between SIGKILL passes, doubling up to PASS_MAX_MS */
 #define PASS_MAX_MS 50
+#define WALK_ROUNDS 64           /* children-file walks per pass, while they find new processes */
 
 struct proc_entry {
     int pid;
@@ -82,6 +84,8 @@ static struct {
 } memo[MEMO_SLOTS];
 static unsigned memo_gen;
 static char dents[32768] __attribute__((aligned(16)));
+static int tids[4096];
+static int have_children_files; /* /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN) */
 
 static int status_fd = -1;
 static int control_fd = -1;
@@ -350,14 +354,107 @@ static int signal_one(int pid, int sig)
     return ours == STAT_NOFD ? STAT_NOFD : done;
 }
 
-/* One scan+signal pass over the whole subtree. Returns how many processes were signalled; *alive
- * is the number of live (non-zombie) descendants the scan found, plus one if the scan was
- * incomplete (so a SIGKILL loop goes on). */
+/* Signals CHILD (found in a children file) unless this pass handled it already; queues it when ours. */
+static int consider(int child, int sig, int *tail, int *signalled, int *alive)
+{
+    if (child <= 0 || memo_has(child))
+        return 0;
+    int r = signal_one(child, sig);
+    if (r == STAT_NOFD)
+        return STAT_NOFD;
+    if (memo_has(child)) { /* still ours: signal_one remembered it */
+        *signalled += r;
+        (*alive)++;
+        if (*tail < TABLE_CAP)
+            queue[(*tail)++] = child;
+    }
+    return 0;
+}
+
+/* Signals the children of PID listed in /proc/PID/task/TID/children as they are read, appending the
+ * ones still ours to queue[] (from *tail). One fd at a time. Adds to *signalled and *alive; returns
+ * STAT_NOFD when something could not be opened for want of a file descriptor, else 0. */
+static int walk_children(int pid, int sig, int *tail, int *signalled, int *alive)
+{
+    char path[64];
+    int ntids = 0, result = 0;
+    snprintf(path, sizeof path, "%d/task", pid);
+    int fd = openat(proc_fd, path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0)
+        return no_fd_errno(errno) ? STAT_NOFD : 0;
+    for (;;) {
+        long n = syscall(SYS_getdents64, fd, dents, sizeof dents);
+        if (n <= 0)
+            break;
+        for (long off = 0; off < n;) {
+            unsigned short reclen;
+            memcpy(&reclen, dents + off + 16, sizeof reclen);
+            const char *name = dents + off + 19;
+            off += reclen;
+            long tid = strtol(name, NULL, 10);
+            if (tid > 0 && ntids < (int)(sizeof tids / sizeof tids[0]))
+                tids[ntids++] = (int)tid;
+        }
+    }
+    close(fd);
+    for (int t = 0; t < ntids; t++) {
+        snprintf(path, sizeof path, "%d/task/%d/children", pid, tids[t]);
+        fd = openat(proc_fd, path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) {
+            if (no_fd_errno(errno))
+                result = STAT_NOFD;
+            continue;
+        }
+        char buf[4096];
+        long child = 0;
+        ssize_t n;
+        while ((n = read(fd, buf, sizeof buf)) > 0) {
+            for (ssize_t k = 0; k < n; k++) {
+                if (buf[k] >= '0' && buf[k] <= '9') {
+                    child = child * 10 + (buf[k] - '0');
+                    continue;
+                }
+                if (consider((int)child, sig, tail, signalled, alive) == STAT_NOFD)
+                    result = STAT_NOFD;
+                child = 0;
+            }
+        }
+        if (consider((int)child, sig, tail, signalled, alive) == STAT_NOFD)
+            result = STAT_NOFD;
+        close(fd);
+    }
+    return result;
+}
+
+/* One signal pass over the whole subtree. First a walk down the /proc/PID/task/TID/children files
+ * from the supervisor (cost: the subtree), signalling each process as it is found, so a chain of
+ * short-lived forks cannot outrun it; then a scan of every /proc/PID/stat for the ppid map (cost:
+ * the whole system), which finds whatever the children files missed. A process is signalled once
+ * per pass. Returns how many were signalled; *alive is the number of live descendants found, plus
+ * one if something could not be read (so a SIGKILL loop goes on). */
 static int kill_pass(int sig, int *alive)
 {
-    int incomplete = 0, err = 0;
+    int incomplete = 0, err = 0, signalled = 0;
+    *alive = 0;
+    memo_next_pass();
+    memo_add(self_pid);
+    /* Walk again while a walk finds new processes: the child a process forked just before it was
+     * killed re-parents to the supervisor, and the next walk, microseconds later, finds it. */
+    for (int round = 0; have_children_files && round < WALK_ROUNDS; round++) {
+        int head = 0, tail = 0, found = 0;
+        queue[tail++] = self_pid;
+        while (head < tail) {
+            if (walk_children(queue[head++], sig, &tail, &signalled, &found) == STAT_NOFD) {
+                incomplete = 1;
+                err = EMFILE;
+            }
+        }
+        *alive += found;
+        if (found == 0)
+            break;
+    }
     int n = scan(&incomplete, &err);
-    if (incomplete && err != ENOSPC && no_fd_errno(err)) {
+    if (incomplete && no_fd_errno(err)) {
         /* Someone may have lowered our RLIMIT_NOFILE (prlimit works across same-user processes). */
         struct rlimit rl;
         if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
@@ -383,21 +480,22 @@ static int kill_pass(int sig, int *alive)
                 queue[tail++] = table[i].pid;
         }
     }
-    memo_next_pass();
-    memo_add(self_pid);
-    int signalled = 0;
     for (int i = 1; i < tail; i++) { /* breadth first: parents before their children */
+        if (memo_has(queue[i]))
+            continue; /* signalled (or found ours) by the walk already */
         int r = signal_one(queue[i], sig);
         if (r == STAT_NOFD) {
             incomplete = 1;
             err = EMFILE;
-        } else {
+        } else if (memo_has(queue[i])) {
             signalled += r;
+            (*alive)++;
         }
     }
     if (incomplete)
         record("warning proc-scan %d", err);
-    *alive = (tail - 1) + (incomplete ? 1 : 0);
+    if (incomplete)
+        (*alive)++;
     return signalled;
 }
 
@@ -425,6 +523,13 @@ static int reap(void)
             continue;
         return errno == ECHILD;
     }
+}
+
+static long long now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
 static void usage(void) __attribute__((noreturn));
@@ -504,6 +609,9 @@ int main(int argc, char **argv)
     proc_fd = open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (proc_fd < 0)
         die("cannot open /proc: %s", strerror(errno));
+    char children_path[64];
+    snprintf(children_path, sizeof children_path, "%d/task/%d/children", (int)self_pid, (int)self_pid);
+    have_children_files = faccessat(proc_fd, children_path, R_OK, 0) == 0;
 
     int exec_pipe[2];
     if (pipe2(exec_pipe, O_CLOEXEC) < 0)
@@ -555,6 +663,7 @@ int main(int argc, char **argv)
     struct pollfd pfds[2];
     int killing = 0, pause_ms = PASS_MIN_MS;
     int want_term = 0, want_kill = 0;
+    long long next_pass = 0;
     for (;;) {
         if (reap()) {
             record("empty");
@@ -571,7 +680,18 @@ int main(int argc, char **argv)
             record("signalled %d", kill_pass(SIGKILL, &alive));
             killing = alive > 0;
             pause_ms = PASS_MIN_MS;
+            next_pass = now_ms() + pause_ms;
             continue; /* reap what died before waiting */
+        }
+        /* The next SIGKILL pass is due by the clock, however busy SIGCHLD keeps the loop. */
+        if (killing && now_ms() >= next_pass) {
+            int alive;
+            kill_pass(SIGKILL, &alive);
+            killing = alive > 0;
+            if (pause_ms < PASS_MAX_MS)
+                pause_ms = pause_ms * 2 > PASS_MAX_MS ? PASS_MAX_MS : pause_ms * 2;
+            next_pass = now_ms() + pause_ms;
+            continue;
         }
         int nfds = 0;
         pfds[nfds].fd = sig_fd;
@@ -580,24 +700,19 @@ int main(int argc, char **argv)
             pfds[nfds].fd = control_fd;
             pfds[nfds++].events = POLLIN;
         }
-        int r = poll(pfds, (nfds_t)nfds, killing ? pause_ms : -1);
+        int timeout = -1;
+        if (killing) {
+            long long left = next_pass - now_ms();
+            timeout = left < 0 ? 0 : (int)left;
+        }
+        int r = poll(pfds, (nfds_t)nfds, timeout);
         if (r < 0) {
             if (errno == EINTR)
                 continue;
             die("poll: %s", strerror(errno));
         }
-        if (r == 0) { /* killing: the next pass */
-            int alive;
-            if (reap()) {
-                record("empty");
-                return 0;
-            }
-            kill_pass(SIGKILL, &alive);
-            killing = alive > 0;
-            if (pause_ms < PASS_MAX_MS)
-                pause_ms = pause_ms * 2 > PASS_MAX_MS ? PASS_MAX_MS : pause_ms * 2;
-            continue;
-        }
+        if (r == 0)
+            continue; /* a pass is due */
         if (pfds[0].revents & POLLIN) {
             struct signalfd_siginfo si[16];
             ssize_t n;
