@@ -81,6 +81,14 @@ def compiler_command(arch: str, use_zig: bool) -> list[str] | None:
     return [cc, *CFLAGS]
 
 
+def default_arches() -> tuple[str, ...]:
+    """Every architecture with ziglang; without it the host's alone (none when unsupported)."""
+    if have_ziglang():
+        return ARCHITECTURES
+    host = host_arch()
+    return (host,) if host else ()
+
+
 def build(
     arches: Sequence[str] = ARCHITECTURES,
     out_dir: Path = DEFAULT_OUT,
@@ -153,20 +161,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--if-stale", action="store_true", help="build only binaries missing or older than their sources"
     )
     args = parser.parse_args(argv)
-    arches: Sequence[str]
-    if args.arch:
-        arches = args.arch
-    elif have_ziglang():
-        arches = ARCHITECTURES
-    else:
-        host = host_arch()
-        if host is None:
-            print(
-                f"{NAME}: not built: no support for the host architecture {platform.machine()}",
-                file=sys.stderr,
-            )
-            return 1
-        arches = (host,)
+    arches: Sequence[str] = args.arch or default_arches()
+    if not arches:
+        print(
+            f"{NAME}: not built: no support for the host architecture {platform.machine()}", file=sys.stderr
+        )
+        return 1
     problems = build(arches, args.out, if_stale=args.if_stale)
     for problem in problems:
         print(problem, file=sys.stderr)

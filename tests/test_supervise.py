@@ -612,7 +612,8 @@ QEMU = shutil.which("qemu-aarch64-static")
 
 
 @pytest.mark.skipif(
-    QEMU is None, reason="qemu-aarch64-static is not installed (apt-get install qemu-user-static)"
+    QEMU is None,
+    reason="backend unavailable: qemu-aarch64-static is not installed (apt-get install qemu-user-static)",
 )
 @pytest.mark.parametrize(("script", "outcome"), [("exit 0", "exit 0"), ("exit 3", "exit 3")])
 def test_aarch64_binary_under_qemu(runs: list[Supervised], script: str, outcome: str) -> None:
