@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -22,6 +24,11 @@ import time
 from pathlib import Path
 
 BASH = ("bash", "--noprofile", "--norc", "-c", "true")
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 async def raw() -> float:
@@ -57,33 +64,41 @@ async def main_async(runs: int, binary: str) -> None:
         await supervised(binary)
     plain: list[float] = []
     wrapped: list[float] = []
+    cpu = {"raw": 0.0, "supervised": 0.0}  # CPU of the waited children (and their waited children)
     for i in range(runs):
-        if i % 2:
-            plain.append(await raw())
-            wrapped.append(await supervised(binary))
-        else:
-            wrapped.append(await supervised(binary))
-            plain.append(await raw())
+        for variant in ("raw", "supervised") if i % 2 else ("supervised", "raw"):
+            before = children_cpu()
+            if variant == "raw":
+                plain.append(await raw())
+            else:
+                wrapped.append(await supervised(binary))
+            cpu[variant] += children_cpu() - before
     raw_ms = statistics.median(plain) * 1000
     sup_ms = statistics.median(wrapped) * 1000
     print(f"runs: {runs} each; load average: {os.getloadavg()[0]:.1f}")
     print(f"raw bash -c true:        median {raw_ms:7.2f} ms")
     print(f"under dsh-supervise:     median {sup_ms:7.2f} ms")
     print(f"extra per command:       {sup_ms - raw_ms:7.2f} ms ({sup_ms / raw_ms:.2f}x)")
+    raw_cpu, sup_cpu = (cpu[v] / runs * 1000 for v in ("raw", "supervised"))
+    print(f"child CPU per command:   raw {raw_cpu:.2f} ms, supervised {sup_cpu:.2f} ms")
 
 
 def main() -> int:
-    root = Path(__file__).resolve().parent.parent
-    sys.path.insert(0, str(root))
-    from dsh_bash._native import supervisor_binary, supervisor_problem  # noqa: PLC0415
+    # dsh_bash._native alone (its parent package imports anyio): this script needs no install.
+    spec = importlib.util.spec_from_file_location(
+        "dsh_native", Path(__file__).resolve().parent.parent / "dsh_bash" / "_native" / "__init__.py"
+    )
+    assert spec is not None and spec.loader is not None
+    native = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(native)
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--binary", help="dsh-supervise to measure (default: this checkout's, host arch)")
     args = parser.parse_args()
-    binary = args.binary or supervisor_binary()
+    binary = args.binary or native.supervisor_binary()
     if binary is None:
-        print(supervisor_problem(), file=sys.stderr)
+        print(native.supervisor_problem(), file=sys.stderr)
         return 1
     asyncio.run(main_async(args.runs, str(binary)))
     return 0

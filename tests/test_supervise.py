@@ -650,3 +650,13 @@ def test_binaries_are_up_to_date() -> None:
     assert host is not None
     assert not build.is_stale(host), f"dsh-supervise-{host} is older than its sources: run native/build.py"
     assert build.output_path(host) == BINARY
+
+
+def test_missing_binary_has_a_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import dsh_bash._native as native  # noqa: PLC0415
+
+    monkeypatch.setattr(native, "_DIR", tmp_path)
+    assert native.supervisor_binary("x86_64") is None
+    assert "not built" in (native.supervisor_problem("arm64") or "")
+    (tmp_path / "dsh-supervise-aarch64").write_text("")
+    assert "not executable" in (native.supervisor_problem("aarch64") or "")
