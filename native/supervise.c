@@ -1,0 +1,745 @@
+/*
+ * dsh-supervise: a per-command subreaper for dsh-bash.
+ *
+ *   dsh-supervise [--status-fd N] [--control-fd N] [--die-with-parent] [--allow-no-subreaper]
+ *                 -- PROGRAM [ARGS...]
+ *   dsh-supervise --version      (prints "dsh-supervise 1": the protocol's version)
+ *
+ * It makes itself a child subreaper and non-dumpable, forks PROGRAM into a session and process group
+ * of its own, reports what happens on the status fd (ASCII lines, one write(2) each), reaps every
+ * process that ends up as its child (orphaned descendants re-parent to it), kills its whole subtree
+ * on request, and exits 0 once it has no children left.
+ *
+ * Status records (only with --status-fd):
+ *   started PID         PROGRAM was exec'd (PID leads its own session and process group)
+ *   execfail ERRNO      exec failed (an `exit 127` record follows for the child that reported it)
+ *   exit CODE           the PROGRAM process exited (descendants may live on)
+ *   signal NUM[ core]   the PROGRAM process was killed by a signal
+ *   signalled N         answer to a kill request: N processes signalled by its first pass
+ *   warning TEXT        something degraded (e.g. `warning proc-scan ERRNO`); consumers may ignore it
+ *   empty               no child is left at all; the supervisor exits 0 right after
+ *
+ * Kill requests: SIGUSR1 or byte 'T' on the control fd sends SIGTERM (then SIGCONT) to every live
+ * descendant; SIGUSR2 or byte 'K' sends SIGKILL to every descendant and repeats scan+kill passes
+ * until a scan finds none alive. EOF on the control fd (or SIGUSR2 from --die-with-parent) means the
+ * harness is gone: kill everything and exit once empty.
+ *
+ * --allow-no-subreaper: where PR_SET_CHILD_SUBREAPER is refused (qemu-user emulates no such prctl), go
+ * on after `warning no-subreaper ERRNO` instead of failing; orphans then escape to init. For tests.
+ *
+ * Exit status: 0 after `empty`; 125 for usage and setup errors (a message on stderr).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/signalfd.h>
+#include <sys/syscall.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifndef PR_SET_CHILD_SUBREAPER
+#define PR_SET_CHILD_SUBREAPER 36
+#endif
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_send_signal
+#define SYS_pidfd_send_signal 424
+#endif
+#ifndef __WALL
+#define __WALL 0x40000000
+#endif
+
+#define VERSION "1"
+#define EXIT_SETUP 125
+#define TABLE_CAP 65536          /* processes one /proc scan can hold */
+#define MEMO_SLOTS (2 * TABLE_CAP) /* power of two */
+#define CHAIN_MAX 4096           /* ppid hops when checking that a process is still ours */
+#define PASS_MIN_MS 2            /* pause between SIGKILL passes, doubling up to PASS_MAX_MS */
+#define PASS_MAX_MS 50
+#define WALK_ROUNDS 64           /* children-file walks per pass, while they find new processes */
+
+struct proc_entry {
+    int pid;
+    int ppid;
+    char state;
+};
+
+/* Everything a scan needs, allocated up front. */
+static struct proc_entry table[TABLE_CAP];
+static int queue[TABLE_CAP];
+static struct {
+    int pid;
+    unsigned gen;
+} memo[MEMO_SLOTS];
+static unsigned memo_gen;
+static char dents[32768] __attribute__((aligned(16)));
+static int tids[4096];
+static int have_children_files; /* /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN) */
+
+static int status_fd = -1;
+static int control_fd = -1;
+static int sig_fd = -1;
+static int proc_fd = -1;
+static pid_t self_pid;
+static pid_t child_pid = -1;
+static int use_pidfd = 1;
+
+static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static void die(const char *fmt, ...)
+{
+    char buf[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(buf, sizeof buf - 1, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        n = 0;
+    if (n > (int)sizeof buf - 2)
+        n = (int)sizeof buf - 2;
+    buf[n++] = '\n';
+    if (write(2, "dsh-supervise: ", 15) < 0 || write(2, buf, (size_t)n) < 0) {
+        /* nothing left to tell */
+    }
+    exit(EXIT_SETUP);
+}
+
+/* One status record: one line, one write(2). Failures (a reader that left) are ignored. */
+static void record(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void record(const char *fmt, ...)
+{
+    char buf[128];
+    va_list ap;
+    int fd = status_fd;
+    va_start(ap, fmt);
+    int n = vsnprintf(buf, sizeof buf - 1, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        return;
+    if (n > (int)sizeof buf - 2)
+        n = (int)sizeof buf - 2;
+    buf[n++] = '\n';
+    if (fd < 0)
+        fd = 2; /* only warnings are worth saying without a status fd */
+    if (fd == 2 && strncmp(buf, "warning ", 8) != 0)
+        return;
+    ssize_t w;
+    do
+        w = write(fd, buf, (size_t)n);
+    while (w < 0 && errno == EINTR);
+}
+
+static int parse_fd(const char *s, const char *opt)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || *s == '\0' || *end != '\0' || v < 3 || v > 1000000)
+        die("%s wants a file descriptor number of 3 or more, not '%s'", opt, s);
+    if (fcntl((int)v, F_GETFD) < 0)
+        die("%s %ld: not an open file descriptor", opt, v);
+    if (fcntl((int)v, F_SETFD, FD_CLOEXEC) < 0)
+        die("%s %ld: cannot set close-on-exec: %s", opt, v, strerror(errno));
+    return (int)v;
+}
+
+/* ---- /proc ------------------------------------------------------------------------------------ */
+
+enum { STAT_OK = 0, STAT_GONE = -1, STAT_NOFD = -2 };
+
+static int no_fd_errno(int e)
+{
+    return e == EMFILE || e == ENFILE || e == ENOMEM;
+}
+
+/* Reads the state and ppid of PID from /proc/PID/stat with one new fd (closed before returning). */
+static int read_stat(int pid, int *ppid, char *state)
+{
+    char path[32], buf[256];
+    snprintf(path, sizeof path, "%d/stat", pid);
+    int fd = openat(proc_fd, path, O_RDONLY | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0)
+        return no_fd_errno(errno) ? STAT_NOFD : STAT_GONE;
+    ssize_t n;
+    do
+        n = read(fd, buf, sizeof buf - 1);
+    while (n < 0 && errno == EINTR);
+    int e = errno;
+    close(fd);
+    if (n <= 0)
+        return (n < 0 && no_fd_errno(e)) ? STAT_NOFD : STAT_GONE;
+    buf[n] = '\0';
+    /* "PID (COMM) S PPID ...": COMM may hold anything, so look for the last ')'. */
+    char *p = memrchr(buf, ')', (size_t)n);
+    if (!p || p[1] != ' ' || p[2] == '\0' || p[3] != ' ')
+        return STAT_GONE;
+    char *end;
+    long v = strtol(p + 4, &end, 10);
+    if (end == p + 4 || *end != ' ')
+        return STAT_GONE;
+    *state = p[2];
+    *ppid = (int)v;
+    return STAT_OK;
+}
+
+static int by_ppid(const void *a, const void *b)
+{
+    const struct proc_entry *x = a, *y = b;
+    return (x->ppid > y->ppid) - (x->ppid < y->ppid);
+}
+
+/* Fills table[] from /proc; returns the number of entries. *incomplete is set when a process could
+ * not be read for want of a file descriptor or the table is full (the caller retries later). */
+static int scan(int *incomplete, int *err)
+{
+    int count = 0;
+    if (lseek(proc_fd, 0, SEEK_SET) < 0) {
+        *incomplete = 1;
+        *err = errno;
+        return 0;
+    }
+    for (;;) {
+        long n = syscall(SYS_getdents64, proc_fd, dents, sizeof dents);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            *incomplete = 1;
+            *err = errno;
+            break;
+        }
+        if (n == 0)
+            break;
+        for (long off = 0; off < n;) {
+            /* struct linux_dirent64: ino (8), off (8), reclen (2), type (1), name */
+            unsigned short reclen;
+            memcpy(&reclen, dents + off + 16, sizeof reclen);
+            const char *name = dents + off + 19;
+            off += reclen;
+            if (name[0] < '1' || name[0] > '9')
+                continue;
+            long pid = 0;
+            const char *c = name;
+            while (*c >= '0' && *c <= '9' && pid < 1L << 30)
+                pid = pid * 10 + (*c++ - '0');
+            if (*c != '\0')
+                continue;
+            if (count == TABLE_CAP) {
+                *incomplete = 1;
+                *err = ENOSPC;
+                continue;
+            }
+            int ppid;
+            char state;
+            int r = read_stat((int)pid, &ppid, &state);
+            if (r == STAT_NOFD) {
+                *incomplete = 1;
+                *err = errno;
+                continue;
+            }
+            if (r != STAT_OK)
+                continue; /* gone since the listing */
+            table[count].pid = (int)pid;
+            table[count].ppid = ppid;
+            table[count].state = state;
+            count++;
+        }
+    }
+    return count;
+}
+
+static void memo_next_pass(void)
+{
+    if (++memo_gen == 0) {
+        memset(memo, 0, sizeof memo);
+        memo_gen = 1;
+    }
+}
+
+static void memo_add(int pid)
+{
+    unsigned h = ((unsigned)pid * 2654435761u) & (MEMO_SLOTS - 1);
+    for (unsigned i = 0; i < MEMO_SLOTS; i++, h = (h + 1) & (MEMO_SLOTS - 1)) {
+        if (memo[h].gen != memo_gen || memo[h].pid == pid) {
+            memo[h].pid = pid;
+            memo[h].gen = memo_gen;
+            return;
+        }
+    }
+}
+
+static int memo_has(int pid)
+{
+    unsigned h = ((unsigned)pid * 2654435761u) & (MEMO_SLOTS - 1);
+    for (unsigned i = 0; i < MEMO_SLOTS; i++, h = (h + 1) & (MEMO_SLOTS - 1)) {
+        if (memo[h].gen != memo_gen)
+            return 0;
+        if (memo[h].pid == pid)
+            return 1;
+    }
+    return 0;
+}
+
+/* Is PID (read afresh) still a live descendant? Walks the ppid chain up to the supervisor, or to a
+ * process already confirmed as a descendant in this pass. 1 yes, 0 no, STAT_NOFD retry later. */
+static int still_ours(int pid)
+{
+    int cur = pid;
+    for (int hops = 0; hops < CHAIN_MAX; hops++) {
+        int ppid;
+        char state;
+        int r = read_stat(cur, &ppid, &state);
+        if (r == STAT_NOFD)
+            return STAT_NOFD;
+        if (r != STAT_OK)
+            return 0;
+        if (cur == pid && (state == 'Z' || state == 'X'))
+            return 0;
+        if (ppid == self_pid)
+            return 1;
+        if (ppid <= 1)
+            return 0;
+        if (memo_has(ppid))
+            return 1;
+        cur = ppid;
+    }
+    return 0;
+}
+
+/* Signals PID if it is still ours: 1 signalled, 0 not (gone, not ours), STAT_NOFD retry later.
+ * The pidfd pins the process first, so a pid recycled after the check is never signalled. */
+static int signal_one(int pid, int sig)
+{
+    int pfd = -1;
+    if (use_pidfd) {
+        pfd = (int)syscall(SYS_pidfd_open, pid, 0);
+        if (pfd < 0) {
+            if (errno == ESRCH)
+                return 0;
+            if (no_fd_errno(errno))
+                return STAT_NOFD;
+            if (errno == ENOSYS || errno == EPERM) /* old kernel, or a seccomp filter */
+                use_pidfd = 0;
+            else
+                return 0;
+        }
+    }
+    int ours = still_ours(pid);
+    int done = 0;
+    if (ours == 1) {
+        memo_add(pid);
+        if (pfd >= 0)
+            done = syscall(SYS_pidfd_send_signal, pfd, sig, NULL, 0) == 0;
+        else
+            done = kill(pid, sig) == 0;
+        if (done && sig == SIGTERM) {
+            /* A stopped process would only see SIGTERM once continued. */
+            if (pfd >= 0)
+                syscall(SYS_pidfd_send_signal, pfd, SIGCONT, NULL, 0);
+            else
+                kill(pid, SIGCONT);
+        }
+    }
+    if (pfd >= 0)
+        close(pfd);
+    return ours == STAT_NOFD ? STAT_NOFD : done;
+}
+
+/* Signals CHILD (found in a children file) unless this pass handled it already; queues it when ours. */
+static int consider(int child, int sig, int *tail, int *signalled, int *alive)
+{
+    if (child <= 0 || memo_has(child))
+        return 0;
+    int r = signal_one(child, sig);
+    if (r == STAT_NOFD)
+        return STAT_NOFD;
+    if (memo_has(child)) { /* still ours: signal_one remembered it */
+        *signalled += r;
+        (*alive)++;
+        if (*tail < TABLE_CAP)
+            queue[(*tail)++] = child;
+    }
+    return 0;
+}
+
+/* Signals the children of PID listed in /proc/PID/task/TID/children as they are read, appending the
+ * ones still ours to queue[] (from *tail). One fd at a time. Adds to *signalled and *alive; returns
+ * STAT_NOFD when something could not be opened for want of a file descriptor, else 0. */
+static int walk_children(int pid, int sig, int *tail, int *signalled, int *alive)
+{
+    char path[64];
+    int ntids = 0, result = 0;
+    snprintf(path, sizeof path, "%d/task", pid);
+    int fd = openat(proc_fd, path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0)
+        return no_fd_errno(errno) ? STAT_NOFD : 0;
+    for (;;) {
+        long n = syscall(SYS_getdents64, fd, dents, sizeof dents);
+        if (n <= 0)
+            break;
+        for (long off = 0; off < n;) {
+            unsigned short reclen;
+            memcpy(&reclen, dents + off + 16, sizeof reclen);
+            const char *name = dents + off + 19;
+            off += reclen;
+            long tid = strtol(name, NULL, 10);
+            if (tid > 0 && ntids < (int)(sizeof tids / sizeof tids[0]))
+                tids[ntids++] = (int)tid;
+        }
+    }
+    close(fd);
+    for (int t = 0; t < ntids; t++) {
+        snprintf(path, sizeof path, "%d/task/%d/children", pid, tids[t]);
+        fd = openat(proc_fd, path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) {
+            if (no_fd_errno(errno))
+                result = STAT_NOFD;
+            continue;
+        }
+        char buf[4096];
+        long child = 0;
+        ssize_t n;
+        while ((n = read(fd, buf, sizeof buf)) > 0) {
+            for (ssize_t k = 0; k < n; k++) {
+                if (buf[k] >= '0' && buf[k] <= '9') {
+                    child = child * 10 + (buf[k] - '0');
+                    continue;
+                }
+                if (consider((int)child, sig, tail, signalled, alive) == STAT_NOFD)
+                    result = STAT_NOFD;
+                child = 0;
+            }
+        }
+        if (consider((int)child, sig, tail, signalled, alive) == STAT_NOFD)
+            result = STAT_NOFD;
+        close(fd);
+    }
+    return result;
+}
+
+/* One signal pass over the whole subtree. First a walk down the /proc/PID/task/TID/children files
+ * from the supervisor (cost: the subtree), signalling each process as it is found, so a chain of
+ * short-lived forks cannot outrun it; then a scan of every /proc/PID/stat for the ppid map (cost:
+ * the whole system), which finds whatever the children files missed. A process is signalled once
+ * per pass. Returns how many were signalled; *alive is the number of live descendants found, plus
+ * one if something could not be read (so a SIGKILL loop goes on). */
+static int kill_pass(int sig, int *alive)
+{
+    int incomplete = 0, err = 0, signalled = 0;
+    *alive = 0;
+    memo_next_pass();
+    memo_add(self_pid);
+    /* Walk again while a walk finds new processes: the child a process forked just before it was
+     * killed re-parents to the supervisor, and the next walk, microseconds later, finds it. */
+    for (int round = 0; have_children_files && round < WALK_ROUNDS; round++) {
+        int head = 0, tail = 0, found = 0;
+        queue[tail++] = self_pid;
+        while (head < tail) {
+            if (walk_children(queue[head++], sig, &tail, &signalled, &found) == STAT_NOFD) {
+                incomplete = 1;
+                err = EMFILE;
+            }
+        }
+        *alive += found;
+        if (found == 0)
+            break;
+    }
+    int n = scan(&incomplete, &err);
+    if (incomplete && no_fd_errno(err)) {
+        /* Someone may have lowered our RLIMIT_NOFILE (prlimit works across same-user processes). */
+        struct rlimit rl;
+        if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+            rl.rlim_cur = rl.rlim_max;
+            setrlimit(RLIMIT_NOFILE, &rl);
+        }
+    }
+    qsort(table, (size_t)n, sizeof table[0], by_ppid);
+    int head = 0, tail = 0;
+    queue[tail++] = self_pid;
+    while (head < tail) {
+        int parent = queue[head++];
+        int lo = 0, hi = n;
+        while (lo < hi) { /* first entry with ppid >= parent */
+            int mid = lo + (hi - lo) / 2;
+            if (table[mid].ppid < parent)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        for (int i = lo; i < n && table[i].ppid == parent && tail < TABLE_CAP; i++) {
+            if (table[i].state != 'Z' && table[i].state != 'X' && table[i].pid != self_pid)
+                queue[tail++] = table[i].pid;
+        }
+    }
+    for (int i = 1; i < tail; i++) { /* breadth first: parents before their children */
+        if (memo_has(queue[i]))
+            continue; /* signalled (or found ours) by the walk already */
+        int r = signal_one(queue[i], sig);
+        if (r == STAT_NOFD) {
+            incomplete = 1;
+            err = EMFILE;
+        } else if (memo_has(queue[i])) {
+            signalled += r;
+            (*alive)++;
+        }
+    }
+    if (incomplete)
+        record("warning proc-scan %d", err);
+    if (incomplete)
+        (*alive)++;
+    return signalled;
+}
+
+/* ---- children --------------------------------------------------------------------------------- */
+
+/* Reaps every child that has ended; reports the PROGRAM process. Returns 1 when none is left. */
+static int reap(void)
+{
+    for (;;) {
+        int st;
+        pid_t p = waitpid(-1, &st, WNOHANG | __WALL);
+        if (p > 0) {
+            if (p == child_pid) {
+                if (WIFEXITED(st))
+                    record("exit %d", WEXITSTATUS(st));
+                else if (WIFSIGNALED(st))
+                    record("signal %d%s", WTERMSIG(st), WCOREDUMP(st) ? " core" : "");
+                child_pid = -1;
+            }
+            continue;
+        }
+        if (p == 0)
+            return 0;
+        if (errno == EINTR)
+            continue;
+        return errno == ECHILD;
+    }
+}
+
+static long long now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void usage(void) __attribute__((noreturn));
+static void usage(void)
+{
+    die("usage: dsh-supervise [--status-fd N] [--control-fd N] [--die-with-parent] [--allow-no-subreaper] "
+        "-- PROGRAM [ARGS...]");
+}
+
+int main(int argc, char **argv)
+{
+    int die_with_parent = 0, allow_no_subreaper = 0;
+    int i = 1;
+    for (; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--") == 0) {
+            i++;
+            break;
+        } else if (strcmp(a, "--status-fd") == 0 && i + 1 < argc) {
+            status_fd = parse_fd(argv[++i], a);
+        } else if (strcmp(a, "--control-fd") == 0 && i + 1 < argc) {
+            control_fd = parse_fd(argv[++i], a);
+        } else if (strcmp(a, "--die-with-parent") == 0) {
+            die_with_parent = 1;
+        } else if (strcmp(a, "--allow-no-subreaper") == 0) {
+            allow_no_subreaper = 1;
+        } else if (strcmp(a, "--version") == 0) {
+            printf("dsh-supervise " VERSION "\n");
+            return 0;
+        } else if (a[0] == '-') {
+            usage();
+        } else {
+            break;
+        }
+    }
+    if (i >= argc)
+        usage();
+    char **program = argv + i;
+
+    self_pid = getpid();
+
+    /* Signals: a few ignored, the ones it acts on blocked and read through a signalfd. SIGCHLD must
+     * not stay ignored if the parent left it so, or the kernel would reap children for us. */
+    static const int ignored[] = {SIGINT, SIGQUIT, SIGHUP, SIGPIPE, SIGTERM, SIGTSTP, SIGTTIN, SIGTTOU};
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = SIG_IGN;
+    for (size_t k = 0; k < sizeof ignored / sizeof ignored[0]; k++)
+        sigaction(ignored[k], &sa, NULL);
+    sa.sa_handler = SIG_DFL;
+    sigaction(SIGCHLD, &sa, NULL);
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    sigaddset(&mask, SIGUSR1);
+    sigaddset(&mask, SIGUSR2);
+    if (sigprocmask(SIG_BLOCK, &mask, NULL) < 0)
+        die("sigprocmask: %s", strerror(errno));
+    sig_fd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (sig_fd < 0)
+        die("signalfd: %s", strerror(errno));
+
+    if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0) {
+        if (!allow_no_subreaper)
+            die("prctl(PR_SET_CHILD_SUBREAPER): %s", strerror(errno));
+        record("warning no-subreaper %d", errno);
+    }
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
+        die("prctl(PR_SET_DUMPABLE): %s", strerror(errno));
+    if (die_with_parent) {
+        pid_t parent = getppid();
+        if (prctl(PR_SET_PDEATHSIG, SIGUSR2, 0, 0, 0) < 0)
+            die("prctl(PR_SET_PDEATHSIG): %s", strerror(errno));
+        if (getppid() != parent)
+            die("the parent is already gone");
+    }
+    proc_fd = open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (proc_fd < 0)
+        die("cannot open /proc: %s", strerror(errno));
+    char children_path[64];
+    snprintf(children_path, sizeof children_path, "%d/task/%d/children", (int)self_pid, (int)self_pid);
+    have_children_files = faccessat(proc_fd, children_path, R_OK, 0) == 0;
+
+    int exec_pipe[2];
+    if (pipe2(exec_pipe, O_CLOEXEC) < 0)
+        die("pipe2: %s", strerror(errno));
+    child_pid = fork();
+    if (child_pid < 0)
+        die("fork: %s", strerror(errno));
+    if (child_pid == 0) {
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = SIG_DFL;
+        for (int s = 1; s < NSIG; s++)
+            if (s != SIGKILL && s != SIGSTOP)
+                sigaction(s, &sa, NULL); /* libc-reserved signals fail harmlessly */
+        sigset_t none;
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        int err = 0;
+        if (setsid() < 0)
+            err = errno;
+        if (status_fd >= 0)
+            close(status_fd);
+        if (control_fd >= 0 && control_fd != status_fd)
+            close(control_fd);
+        close(sig_fd);
+        close(proc_fd);
+        close(exec_pipe[0]);
+        if (!err) {
+            execvp(program[0], program);
+            err = errno;
+        }
+        ssize_t w;
+        do
+            w = write(exec_pipe[1], &err, sizeof err);
+        while (w < 0 && errno == EINTR);
+        _exit(127);
+    }
+    close(exec_pipe[1]);
+    int exec_err = 0;
+    ssize_t got;
+    do
+        got = read(exec_pipe[0], &exec_err, sizeof exec_err);
+    while (got < 0 && errno == EINTR);
+    close(exec_pipe[0]);
+    if (got == (ssize_t)sizeof exec_err)
+        record("execfail %d", exec_err);
+    else
+        record("started %d", (int)child_pid);
+
+    struct pollfd pfds[2];
+    int killing = 0, pause_ms = PASS_MIN_MS;
+    int want_term = 0, want_kill = 0;
+    long long next_pass = 0;
+    for (;;) {
+        if (reap()) {
+            record("empty");
+            return 0;
+        }
+        if (want_term) {
+            int alive;
+            want_term = 0;
+            record("signalled %d", kill_pass(SIGTERM, &alive));
+        }
+        if (want_kill) {
+            int alive;
+            want_kill = 0;
+            record("signalled %d", kill_pass(SIGKILL, &alive));
+            killing = alive > 0;
+            pause_ms = PASS_MIN_MS;
+            next_pass = now_ms() + pause_ms;
+            continue; /* reap what died before waiting */
+        }
+        /* The next SIGKILL pass is due by the clock, however busy SIGCHLD keeps the loop. */
+        if (killing && now_ms() >= next_pass) {
+            int alive;
+            kill_pass(SIGKILL, &alive);
+            killing = alive > 0;
+            if (pause_ms < PASS_MAX_MS)
+                pause_ms = pause_ms * 2 > PASS_MAX_MS ? PASS_MAX_MS : pause_ms * 2;
+            next_pass = now_ms() + pause_ms;
+            continue;
+        }
+        int nfds = 0;
+        pfds[nfds].fd = sig_fd;
+        pfds[nfds++].events = POLLIN;
+        if (control_fd >= 0) {
+            pfds[nfds].fd = control_fd;
+            pfds[nfds++].events = POLLIN;
+        }
+        int timeout = -1;
+        if (killing) {
+            long long left = next_pass - now_ms();
+            timeout = left < 0 ? 0 : (int)left;
+        }
+        int r = poll(pfds, (nfds_t)nfds, timeout);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            die("poll: %s", strerror(errno));
+        }
+        if (r == 0)
+            continue; /* a pass is due */
+        if (pfds[0].revents & POLLIN) {
+            struct signalfd_siginfo si[16];
+            ssize_t n;
+            while ((n = read(sig_fd, si, sizeof si)) > 0) {
+                for (size_t k = 0; k < (size_t)n / sizeof si[0]; k++) {
+                    if (si[k].ssi_signo == SIGUSR1)
+                        want_term = 1;
+                    else if (si[k].ssi_signo == SIGUSR2)
+                        want_kill = 1;
+                }
+            }
+        }
+        if (nfds > 1 && pfds[1].revents) {
+            char buf[64];
+            ssize_t n = read(control_fd, buf, sizeof buf);
+            if (n > 0) {
+                for (ssize_t k = 0; k < n; k++) {
+                    if (buf[k] == 'T')
+                        want_term = 1;
+                    else if (buf[k] == 'K')
+                        want_kill = 1;
+                }
+            } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+                /* The harness is gone: nobody is left to ask, so kill everything. */
+                control_fd = -1;
+                want_kill = 1;
+            }
+        }
+    }
+}
