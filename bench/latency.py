@@ -76,14 +76,22 @@ async def bench_local(runs: int) -> list[tuple[str, str, float, float]]:
         process = await asyncio.create_subprocess_exec("bash", "-c", "true")
         await process.wait()
 
-    async with LocalBashExecutor(LocalConfig()) as ex:
+    async with (
+        LocalBashExecutor(LocalConfig()) as ex,
+        LocalBashExecutor(LocalConfig(containment="marker")) as marker_ex,
+    ):
 
         async def subject() -> None:
             await ex.exec("true")
 
-        medians = await _alternate(runs, subject, {"raw": raw})
+        async def marker_only() -> None:
+            await marker_ex.exec("true")
+
+        medians = await _alternate(runs, subject, {"raw": raw, "marker": marker_only})
     return [
-        ("local", 'asyncio.create_subprocess_exec("bash","-c","true")', medians["subject"], medians["raw"])
+        ("local", 'asyncio.create_subprocess_exec("bash","-c","true")', medians["subject"], medians["raw"]),
+        # The cost of the containment: the same executor without dsh-supervise (marker only).
+        ("local", "the local executor with containment = marker", medians["subject"], medians["marker"]),
     ]
 
 

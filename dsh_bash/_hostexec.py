@@ -7,12 +7,13 @@ user namespace of its own) subclasses it too and puts its launcher in front of t
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Literal
 
 import anyio.to_thread
 
@@ -20,13 +21,20 @@ from ._backend import CommandProcess, Killable, Launch
 from ._config import BudgetConfig
 from ._errors import BashInfrastructureError
 from ._executor import BashExecutor, ConfigT_co
-from ._hostproc import spawn_host_process
+from ._hostproc import SupervisedProcess, spawn_host_process
 from ._hostspill import HostSpillDir
 from ._kit_hooks import find_host_processes, plant_in_os_environ
 from ._output import SpillFile
 from ._procscan import ProcScanner, signal_marked
 
-__all__ = ["HostBashExecutor", "HostConfig", "host_support_problem"]
+__all__ = ["Containment", "HostBashExecutor", "HostConfig", "host_support_problem"]
+
+log = logging.getLogger("dsh_bash")
+
+#: How a host backend finds a command's processes: ``subreaper`` (each command under
+#: ``dsh-supervise``), ``marker`` (an environment marker found through ``/proc``; a process that
+#: drops or overwrites it, or that cannot be read, escapes).
+Containment = Literal["subreaper", "marker"]
 
 
 class HostConfig(BudgetConfig):
@@ -39,6 +47,10 @@ class HostConfig(BudgetConfig):
     bash: str = "bash"
     #: Where the executor's private spill directory is created (default: the temporary directory).
     spill_dir: str | None = None
+    #: ``auto``: each command under the ``dsh-supervise`` subreaper when its binary is there for this
+    #: machine, else the environment marker (with a warning at open); ``subreaper``: refuse to open
+    #: without it; ``marker``: never use it.
+    containment: Literal["auto", "subreaper", "marker"] = "auto"
 
 
 def host_support_problem() -> str | None:
@@ -54,19 +66,44 @@ def host_support_problem() -> str | None:
 
 
 class _Leftovers:
-    """Every live process carrying any marker of one executor."""
+    """Every process under a supervisor of one executor, and every live one carrying its marker."""
 
-    def __init__(self, scanner: ProcScanner) -> None:
+    def __init__(self, scanner: ProcScanner, supervised: set[SupervisedProcess]) -> None:
         self._scanner = scanner
+        self._supervised = supervised
 
     async def signal_all(self, sig: int) -> None:
+        for process in list(self._supervised):
+            await process.signal_all(sig)
         for entry in await self._scanner.entries():
             if entry.alive and entry.marker is not None:
                 await anyio.to_thread.run_sync(signal_marked, entry.pid, self._scanner.prefix, sig, False)
         self._scanner.invalidate()
 
     async def remaining(self) -> list[str]:
-        return [str(e.pid) for e in await self._scanner.entries() if e.alive and e.marker is not None]
+        found: list[str] = []
+        for process in list(self._supervised):
+            left = await process.remaining()
+            if left:
+                found += left
+            elif process.ended:
+                self._supervised.discard(process)
+        found += [str(e.pid) for e in await self._scanner.entries() if e.alive and e.marker is not None]
+        return found
+
+
+def _find_supervisor() -> tuple[str | None, str]:
+    """The ``dsh-supervise`` binary for this machine, or None and why it cannot be used."""
+    try:
+        from ._native import supervisor_binary, supervisor_problem  # noqa: PLC0415
+    except ImportError:
+        return None, "this installation has no dsh-supervise module"
+    path = supervisor_binary()
+    if path is None:
+        return None, supervisor_problem() or "dsh-supervise is missing"
+    if not os.access(path, os.X_OK):
+        return None, f"{path} cannot be executed here"
+    return str(path), ""
 
 
 class HostBashExecutor(BashExecutor[ConfigT_co]):
@@ -79,6 +116,13 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         self._scanner = ProcScanner(self._token)
         self._spill_dir: HostSpillDir | None = None
         self._bash: str | None = None
+        self._supervisor: str | None = None
+        self._supervised: set[SupervisedProcess] = set()
+
+    @property
+    def containment(self) -> Containment:
+        """``subreaper`` when commands run under ``dsh-supervise``, else ``marker`` (see HostConfig)."""
+        return "subreaper" if self._supervisor is not None else "marker"
 
     def _host_config(self) -> HostConfig:
         config = self.config
@@ -100,6 +144,21 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
                 reason="spill_unavailable",
             ) from exc
         self._bash = shutil.which(config.bash)
+        if config.containment != "marker":
+            self._supervisor, why = _find_supervisor()
+            if self._supervisor is None:
+                if config.containment == "subreaper":
+                    self._spill_dir.remove()
+                    self._spill_dir = None
+                    raise BashInfrastructureError(
+                        f"containment = 'subreaper' but {why}", reason="start_failed"
+                    )
+                log.warning(
+                    "%s: %s; commands run with the weaker containment of an environment marker "
+                    "(a process that drops or overwrites it escapes kill and close)",
+                    type(self).__name__,
+                    why,
+                )
 
     async def _release(self) -> None:
         if self._spill_dir is not None:
@@ -120,14 +179,19 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
                 f"bash not found: {self._host_config().bash!r} is not on PATH", reason="shell_missing"
             )
         assert self._spill_dir is not None
-        return await spawn_host_process(
+        process = await spawn_host_process(
             launch,
             bash=self._bash,
             spill_dir=self._spill_dir,
             scanner=self._scanner,
             start_helper=self._start_helper,
             wrap=self._wrap_command,
+            supervisor=self._supervisor,
         )
+        if isinstance(process, SupervisedProcess) and not process.ended:
+            process.registry = self._supervised
+            self._supervised.add(process)
+        return process
 
     def _wrap_command(self, argv: list[str], launch: Launch) -> tuple[list[str], str]:
         """Hook for subclasses: the argv to exec for ``launch`` and the host directory to start it in.
@@ -152,7 +216,7 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         return self._spill_dir.new_file(stream)
 
     def _leftovers(self) -> Killable:
-        return _Leftovers(self._scanner)
+        return _Leftovers(self._scanner, self._supervised)
 
     # -- the conformance kit's hooks (dsh_bash.backend.ConformanceHooks) ------------------------------
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
+import signal
+import socket
 import stat
 import subprocess
 from collections.abc import Callable
@@ -23,10 +26,12 @@ from ._hostspill import HostSpillDir
 from ._output import OutputStream
 from ._procscan import ProcScanner, signal_marked
 
-__all__ = ["HostProcess", "StartHelper", "WrapCommand", "spawn_host_process"]
+__all__ = ["HostProcess", "StartHelper", "SupervisedProcess", "WrapCommand", "spawn_host_process"]
 
 _FIRST_READ = 64 * 1024
 _BIG_READ = 1024 * 1024
+
+log = logging.getLogger("dsh_bash")
 
 #: ``start_helper(async_fn, *args)``: runs a helper in the executor's task group.
 StartHelper = Callable[..., None]
@@ -177,6 +182,18 @@ class HostProcess(CommandProcess):
     # -- release ---------------------------------------------------------------------------------
 
     async def release(self) -> None:
+        await self._release_fds()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        if self._peek_exit() is not None:
+            os.waitpid(self._pid, 0)  # noqa: ASYNC222 - it has exited: this reaps, it does not wait
+            self._reaped = True
+            # Tell Popen the child is reaped, so it never waits on a recycled pid.
+            self._popen.returncode = 0
+
+    async def _release_fds(self) -> None:
+        """Close the pipes (draining those descendants still hold) and remove the command's script."""
         if self._stdin_fd is not None:
             os.close(self._stdin_fd)
             self._stdin_fd = None
@@ -188,18 +205,205 @@ class HostProcess(CommandProcess):
                 # neither block nor die of SIGPIPE, until they close it or the executor closes.
                 self._start_helper(_discard_until_eof, fd)
         self._fds = {}
+        if self._script is not None:
+            directory, name = self._script
+            self._script = None
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=directory.fd)
+
+
+class SupervisedProcess(HostProcess):
+    """A command under ``dsh-supervise``: our child is the supervisor, the command's bash is its child.
+
+    The supervisor is a subreaper: every orphan of the command re-parents to it, so the whole
+    subtree stays below it whatever its processes do to their session, group or environment, and
+    it signals that subtree on request (SIGUSR1: SIGTERM to all; SIGUSR2: SIGKILL until none is
+    left). It reports the command's exit status on a pipe only it holds (it is non-dumpable, so the
+    command cannot open it through ``/proc``), which makes the outcome impossible to forge. It
+    exits once its last descendant is gone, after writing ``empty``.
+    """
+
+    def __init__(self, popen: subprocess.Popen[bytes], launch: Launch, *, status_fd: int, **kw: Any) -> None:
+        super().__init__(popen, launch, **kw)
+        self._status_fd: int | None = status_fd
+        self._status_buffer = b""
+        self._status_eof = False
+        self._child: int | None = None  # the command's bash: its pid, process group and session
+        self._exec_failed: int | None = None
+        self._command_exit: ExitStatus | None = None
+        self._empty = False
+        self._supervisor_reaped = False
+        #: The executor's set of live supervised commands: this one leaves it once reaped.
+        self.registry: set[SupervisedProcess] | None = None
+
+    # -- the status channel ----------------------------------------------------------------------
+
+    def _pump_status(self) -> None:
+        """Read whatever the supervisor wrote, without blocking, and apply every whole record."""
+        fd = self._status_fd
+        while fd is not None and not self._status_eof:
+            try:
+                data = os.read(fd, 4096)
+            except BlockingIOError:
+                return
+            if not data:
+                self._status_eof = True
+                break
+            self._status_buffer += data
+            *records, self._status_buffer = self._status_buffer.split(b"\n")
+            for record in records:
+                self._apply(record.decode("ascii", "replace").split())
+
+    def _apply(self, words: list[str]) -> None:
+        if len(words) < 1:
+            return
+        kind, args = words[0], words[1:]
+        try:
+            if kind == "started":
+                self._child = int(args[0])
+            elif kind == "execfail":
+                self._exec_failed = int(args[0])
+            elif kind == "exit":
+                self._command_exit = ExitStatus(code=int(args[0]))
+            elif kind == "signal":
+                self._command_exit = ExitStatus(code=None, signal=int(args[0]))
+            elif kind == "empty":
+                self._empty = True
+        except (IndexError, ValueError):
+            log.warning("dsh-supervise wrote an unreadable record: %r", " ".join(words))
+
+    async def _status_until(self, done: Callable[[], bool]) -> None:
+        while True:
+            self._pump_status()
+            if done() or self._status_eof or self._status_fd is None:
+                return
+            await anyio.wait_readable(self._status_fd)
+
+    async def started(self, bash: str) -> None:
+        """Return once the command's bash runs; raise BashInfrastructureError when it could not start."""
+        await self._status_until(lambda: self._child is not None or self._exec_failed is not None)
+        if self._exec_failed is not None:
+            code = self._exec_failed
+            missing = code in (errno.ENOENT, errno.EACCES)
+            raise BashInfrastructureError(
+                f"cannot start {bash!r}: {os.strerror(code)}",
+                reason="shell_missing" if missing else "start_failed",
+            )
+        if self._child is None:
+            raise BashInfrastructureError(
+                "the command's supervisor (dsh-supervise) ended before the command started",
+                reason="start_failed",
+            )
+
+    async def abandon(self) -> None:
+        """Kill whatever started and release everything (a start that failed or was cancelled)."""
+        self._signal_supervisor(signal.SIGUSR2)
+        await self.release()
+
+    @property
+    def ended(self) -> bool:
+        """True once the supervisor and every process under it are gone."""
+        return self._supervisor_reaped or (self._empty and self._supervisor_gone())
+
+    # -- exit ------------------------------------------------------------------------------------
+
+    async def wait(self) -> ExitStatus:
+        await self._status_until(lambda: self._command_exit is not None)
+        if self._command_exit is None:
+            raise BashInfrastructureError(
+                "the command's supervisor died before it reported how the command ended (killed by "
+                "the command itself?); its exit status is lost",
+                reason="command_lost",
+            )
+        return self._command_exit
+
+    # -- kill ------------------------------------------------------------------------------------
+
+    def _supervisor_gone(self) -> bool:
+        if self._supervisor_reaped:
+            return True
+        try:
+            return os.waitid(os.P_PID, self._pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            return True
+
+    def _signal_supervisor(self, sig: int) -> bool:
+        """Send ``sig`` to the supervisor while it is our unreaped child; False when it is gone."""
+        if self._supervisor_gone():
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            # SIGCONT first: a command may have stopped its supervisor (same user), which would
+            # leave the request pending for ever.
+            for each in (signal.SIGCONT, sig):
+                if self._pidfd is not None:
+                    signal.pidfd_send_signal(self._pidfd, each)
+                else:
+                    os.kill(self._pid, each)
+        return True
+
+    async def signal_all(self, sig: int) -> None:
+        self._pump_status()
+        if self._empty:
+            return
+        request = signal.SIGUSR2 if sig == signal.SIGKILL else signal.SIGUSR1
+        if self._signal_supervisor(request):
+            return
+        # The supervisor died with descendants left (the command killed it): they re-parented to
+        # init, so only the marker, the last hint, can still find them.
+        await super().signal_all(sig)
+
+    async def remaining(self) -> list[str]:
+        self._pump_status()
+        if self._empty:
+            return []
+        if not self._supervisor_gone():
+            return [f"processes under dsh-supervise {self._pid}"]
+        return await super().remaining()
+
+    async def _members(self) -> tuple[bool, list[int]]:
+        # Without a live supervisor only the marker finds them; the command's group is not ours to
+        # verify (its leader was the supervisor's child, never ours).
+        entries = await self._scanner.entries()
+        marker = self._launch.marker
+        return False, [e.pid for e in entries if e.alive and e.marker == marker]
+
+    # -- release ---------------------------------------------------------------------------------
+
+    async def release(self) -> None:
+        if self._status_fd is not None:
+            os.close(self._status_fd)
+            self._status_fd = None
+        self._reaped = True  # the supervisor, not us, reaps the command's processes
+        await super()._release_fds()
+        if self._supervisor_gone():
+            self._reap_supervisor()
+        else:
+            # Leftovers live on under the supervisor; it exits once they are gone.
+            self._start_helper(self._reap_supervisor_when_done)
+
+    def _reap_supervisor(self) -> None:
+        if self._supervisor_reaped:
+            return
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self._pid, 0)
+        self._supervisor_reaped = True
+        self._popen.returncode = 0
+        if self.registry is not None:
+            self.registry.discard(self)
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
-        if self._peek_exit() is not None:
-            os.waitpid(self._pid, 0)  # noqa: ASYNC222 - it has exited: this reaps, it does not wait
-            self._reaped = True
-            # Tell Popen the child is reaped, so it never waits on a recycled pid.
-            self._popen.returncode = 0
-        if self._script is not None:
-            directory, name = self._script
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=directory.fd)
+
+    async def _reap_supervisor_when_done(self) -> None:
+        try:
+            while not self._supervisor_gone():
+                if self._pidfd is not None:
+                    await anyio.wait_readable(self._pidfd)
+                else:
+                    await anyio.sleep(0.05)
+        finally:
+            if self._supervisor_gone():
+                self._reap_supervisor()
 
 
 async def _discard_until_eof(fd: int) -> None:
@@ -238,11 +442,15 @@ async def spawn_host_process(
     scanner: ProcScanner,
     start_helper: StartHelper,
     wrap: WrapCommand | None = None,
+    supervisor: str | None = None,
 ) -> HostProcess:
     """Start ``launch`` as ``bash --noprofile --norc`` in a new session of this host; return once it runs.
 
-    ``wrap`` lets a sandboxing backend put a launcher in front of the argv. Raises
-    :class:`dsh_bash.BashInfrastructureError` (with its ``reason``) when it cannot start.
+    ``wrap`` lets a sandboxing backend put a launcher in front of the argv. ``supervisor`` is the
+    path of the ``dsh-supervise`` binary: the command then runs under it (a subreaper that keeps
+    every descendant findable and reports the exit status where the command cannot write), and a
+    :class:`SupervisedProcess` is returned. Raises :class:`dsh_bash.BashInfrastructureError` (with
+    its ``reason``) when it cannot start.
     """
     spec = launch.spec
     script: tuple[HostSpillDir, str] | None = None
@@ -275,6 +483,17 @@ async def spawn_host_process(
             in_r, in_w = os.pipe2(os.O_CLOEXEC)
             opened += [in_r, in_w]
             stdin = in_r
+        status_r: int | None = None
+        pass_fds: tuple[int, ...] = ()
+        if supervisor is not None:
+            # A socket, not a pipe: a pipe's end in this process could be reopened for writing
+            # through /proc/<our pid>/fd/N by a command of the same user; a socket cannot be opened
+            # through /proc at all, so only the supervisor can write the status.
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            status_r, status_w = ours.detach(), theirs.detach()
+            opened += [status_r, status_w]
+            pass_fds = (status_w,)
+            argv = [supervisor, "--status-fd", str(status_w), "--die-with-parent", "--", *argv]
         try:
             # Popen forks (vfork) and execs in the calling thread, as asyncio's own subprocess does.
             popen = subprocess.Popen(  # noqa: ASYNC220
@@ -286,6 +505,7 @@ async def spawn_host_process(
                 env=launch.env,
                 start_new_session=True,
                 close_fds=True,
+                pass_fds=pass_fds,
             )
         except OSError as exc:
             if exc.errno == errno.E2BIG:
@@ -303,11 +523,32 @@ async def spawn_host_process(
                 reason="shell_missing" if missing else "start_failed",
             ) from exc
         # The child holds its own copies now; ours must go, or EOF would never come.
-        for fd in (out_w, err_w) + ((stdin,) if in_w is not None else ()):
+        for fd in (out_w, err_w, *pass_fds) + ((stdin,) if in_w is not None else ()):
             os.close(fd)
             opened.remove(fd)
         for fd in (out_r, err_r) + ((in_w,) if in_w is not None else ()):
             _set_nonblocking(fd)
+        if status_r is not None:
+            _set_nonblocking(status_r)
+            supervised = SupervisedProcess(
+                popen,
+                launch,
+                stdout_fd=out_r,
+                stderr_fd=err_r,
+                stdin_fd=in_w,
+                scanner=scanner,
+                start_helper=start_helper,
+                script=script,
+                status_fd=status_r,
+            )
+            opened.clear()  # the process owns them now, and releases them
+            try:
+                await supervised.started(bash)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await supervised.abandon()
+                raise
+            return supervised
     except BaseException:
         for fd in opened:
             with contextlib.suppress(OSError):

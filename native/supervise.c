@@ -567,7 +567,22 @@ int main(int argc, char **argv)
     }
     if (i >= argc)
         usage();
-    char **program = argv + i;
+    /* The command (PROGRAM and its arguments, a whole `bash -c COMMAND`) is copied out of the
+     * argument area, which is then cleared: /proc/<pid>/cmdline of a supervisor that outlives the
+     * command's shell must not read like one of the command's processes to whoever looks for them by
+     * their command line (nor show the command's text to `ps` for longer than the command runs). */
+    int program_argc = argc - i;
+    char **program = calloc((size_t)program_argc + 1, sizeof *program);
+    if (program == NULL)
+        die("out of memory");
+    for (int k = 0; k < program_argc; k++) {
+        program[k] = strdup(argv[i + k]);
+        if (program[k] == NULL)
+            die("out of memory");
+    }
+    char *area_end = argv[argc - 1] + strlen(argv[argc - 1]);
+    if (argc > 1)
+        memset(argv[1], 0, (size_t)(area_end - argv[1]));
 
     self_pid = getpid();
 
@@ -613,6 +628,10 @@ int main(int argc, char **argv)
     snprintf(children_path, sizeof children_path, "%d/task/%d/children", (int)self_pid, (int)self_pid);
     have_children_files = faccessat(proc_fd, children_path, R_OK, 0) == 0;
 
+    /* Opened before the fork, so that dropping the command's stdio below needs no new fd. */
+    int dev_null = open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (dev_null < 0)
+        die("cannot open /dev/null: %s", strerror(errno));
     int exec_pipe[2];
     if (pipe2(exec_pipe, O_CLOEXEC) < 0)
         die("pipe2: %s", strerror(errno));
@@ -637,6 +656,7 @@ int main(int argc, char **argv)
             close(control_fd);
         close(sig_fd);
         close(proc_fd);
+        close(dev_null);
         close(exec_pipe[0]);
         if (!err) {
             execvp(program[0], program);
@@ -655,6 +675,12 @@ int main(int argc, char **argv)
         got = read(exec_pipe[0], &exec_err, sizeof exec_err);
     while (got < 0 && errno == EINTR);
     close(exec_pipe[0]);
+    /* The command's stdin, stdout and stderr are its own: held here, its output would never reach
+       EOF while the supervisor waits for leftovers. From now on the status fd is the only channel. */
+    for (int fd = 0; fd <= 2; fd++)
+        if (fd != status_fd && fd != control_fd)
+            dup2(dev_null, fd);
+    close(dev_null);
     if (got == (ssize_t)sizeof exec_err)
         record("execfail %d", exec_err);
     else

@@ -14,6 +14,10 @@ Two hooks keep the classes short:
   subclass (``stream_class``), for bugs in output accounting and decoding.
 
 Nothing here patches a module or a shared class: every breakage is local to its own class.
+
+They run with the marker containment (``containment="marker"``): their commands are spawned as
+plain :class:`HostProcess` objects, the layout the process breakers re-class. The supervised
+(subreaper) path is the sound backend's, held to the same checks in ``test_conformance_local.py``.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from typing import Any, ClassVar
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
-from dsh_bash_local import LocalBashExecutor, LocalConfig
+from dsh_bash_local import LocalBashExecutor as _SoundLocal
+from dsh_bash_local import LocalConfig
 
 from dsh_bash import (
     DEFAULT_ENV_SCRUB,
@@ -69,6 +74,14 @@ from dsh_bash.backend import (
 )
 
 log = logging.getLogger("dsh_bash.broken")
+
+
+class LocalBashExecutor(_SoundLocal):
+    """The local backend with the marker containment: the base of every broken backend here."""
+
+    def __init__(self, config: LocalConfig | None = None) -> None:
+        config = config if config is not None else LocalConfig()
+        super().__init__(config.model_copy(update={"containment": "marker"}))
 
 
 # =================================================================================================
@@ -1511,3 +1524,44 @@ class GroupOnlyTracking(_ProcessBreaker):
 
     def _leftovers(self) -> Killable:
         return _GroupMembers(self._scanner, self._groups)
+
+
+class MarkerContainment(LocalBashExecutor):
+    """Breaks: kill and close end every process a command started, whatever it did to its environment.
+
+    Processes are found by the environment marker alone: one that dropped or overwrote its
+    environment, and left the command's group, escapes. (This is the local backend's own fallback
+    where ``dsh-supervise`` is missing; the broken part is relying on it as the mechanism.)
+    """
+
+
+class _FirstScanOnlyProcess(HostProcess):
+    """Signals the command's group and the marked processes its first scan saw, never a newer one."""
+
+    seen: list[int] | None = None
+
+    async def signal_all(self, sig: int) -> None:
+        if self.seen is None:
+            _, self.seen = await self._members()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._pid, sig)
+        for pid in self.seen:
+            await anyio.to_thread.run_sync(signal_marked, pid, self._launch.marker, sig, True)
+
+    async def remaining(self) -> list[str]:
+        alive = []
+        for pid in self.seen or []:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, 0)
+                alive.append(str(pid))
+        return alive
+
+
+class KillsWhatItSawFirst(_ProcessBreaker):
+    """Breaks: kill ends every generation of a fork chain that calls setsid in each.
+
+    The kill sequence signals the processes one scan found when it began, and keeps signalling
+    only those: a generation forked after that scan lives on.
+    """
+
+    process_class = _FirstScanOnlyProcess

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from dsh_bash_conformance import CHECKS, run_kit
+from kit_targets import MARKER_CONTAINMENT_FAILS
 from ssh_support import SshServer, ssh_target
 
 pytestmark = [pytest.mark.kit, pytest.mark.ssh]
@@ -21,4 +22,10 @@ def test_check(name: str, ssh_server: SshServer) -> None:
     print(f"{target.name} {result.name} ({result.kind}) {result.outcome} in {result.duration_s:.2f}s")
     if result.message:
         print(result.message)
+    if name in MARKER_CONTAINMENT_FAILS:
+        # Not built yet on this backend: a pass here means the containment issue's work landed.
+        assert result.outcome == "failed", (
+            f"{result.name} now {result.outcome}: update MARKER_CONTAINMENT_FAILS"
+        )
+        return
     assert result.outcome == "passed", f"{result.name} ({result.kind}) {result.outcome}: {result.message}"

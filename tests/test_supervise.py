@@ -660,3 +660,43 @@ def test_missing_binary_has_a_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert "not built" in (native.supervisor_problem("arm64") or "")
     (tmp_path / "dsh-supervise-aarch64").write_text("")
     assert "not executable" in (native.supervisor_problem("aarch64") or "")
+
+
+def test_supervisor_shows_no_command_on_its_command_line(runs: list[Supervised], marker: str) -> None:
+    """Only the command's own processes carry its text: a supervisor outliving the shell must not
+    read like one of them to whoever finds processes by command line (the kit, ``ps``)."""
+    run = Supervised(["bash", "-c", "sleep 2; true", marker])
+    runs.append(run)
+    child = run.started_pid()
+    with open(f"/proc/{run.process.pid}/cmdline", "rb") as handle:
+        own = handle.read()
+    with open(f"/proc/{child}/cmdline", "rb") as handle:
+        command = handle.read()
+    assert marker.encode() in command
+    assert marker.encode() not in own and b"sleep" not in own and b"--status-fd" not in own, own
+    assert own.split(b"\0")[0].endswith(b"dsh-supervise-" + os.uname().machine.encode()), own
+
+
+def test_supervisor_holds_none_of_the_commands_stdio(runs: list[Supervised], marker: str) -> None:
+    """The command's output reaches EOF once its processes closed it, although the supervisor lives on
+    for a leftover that holds no end of it."""
+    read_end, write_end = os.pipe()
+    try:
+        script = f"(exec -a {marker} sleep 3) </dev/null >/dev/null 2>&1 & echo hi"
+        run = Supervised(["bash", "-c", script], stdout=write_end)
+        runs.append(run)
+    finally:
+        os.close(write_end)
+    try:
+        run.started_pid()
+        started = time.monotonic()
+        data = b""
+        while chunk := os.read(read_end, 4096):  # blocks until EOF
+            data += chunk
+        assert data == b"hi\n"
+        assert time.monotonic() - started < 2, "EOF waited for the leftover"
+        assert run.process.poll() is None, "the supervisor should live on for its leftover"
+        assert _marked(marker), "the leftover should still run"
+    finally:
+        os.close(read_end)
+        os.kill(run.process.pid, signal.SIGUSR2)

@@ -43,6 +43,7 @@ for _module in (
     "_checks_listeners",
     "_checks_closed",
     "_checks_beyond",
+    "_checks_containment",
 ):
     importlib.import_module(f"{__name__}.{_module}")
 del _module

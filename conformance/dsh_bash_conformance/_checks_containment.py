@@ -12,6 +12,10 @@ the checks run wherever the commands run:
   write zeros over the area ``/proc/$$/stat`` names, so ``/proc/PID/environ`` reads nothing;
 - a fork chain that calls ``setsid`` in every generation: each generation leaves the session of the
   one before and the parent exits, so none shares a group or session with the command.
+
+They are "beyond" checks until every backend of this project keeps them: the local backend does
+(its subreaper); the Docker and SSH backends, which find processes by an environment marker, fail
+the first two (``tests/test_conformance_docker.py`` and ``tests/test_conformance_ssh.py`` expect it).
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ async def _start_kill_require_gone(ctx: CheckContext, body: str, mark: str, what
 
 @check(
     "escapee-without-environment-killed",
-    kind="contract",
+    kind="beyond",
     clause="R-contain-hiding",
     rule=_rule("drops its whole environment (`env -i`) and leaves the session"),
 )
@@ -104,7 +108,7 @@ async def escapee_without_environment(ctx: CheckContext) -> None:
 
 @check(
     "escapee-rewriting-environment-killed",
-    kind="contract",
+    kind="beyond",
     clause="R-contain-hiding",
     rule=_rule("overwrites its environment area in place (as setproctitle does) and leaves the session"),
 )
@@ -121,14 +125,20 @@ async def escapee_rewriting_environment(ctx: CheckContext) -> None:
 
 @check(
     "setsid-chain-killed",
-    kind="contract",
+    kind="beyond",
     clause="R-contain-hiding",
     rule=_rule("forks a chain of processes that each call `setsid` and let their parent exit"),
 )
 async def setsid_chain(ctx: CheckContext) -> None:
     mark = ctx.marker()
-    # Each generation starts the next in a session of its own and exits at once, for ever: at any
-    # moment one or two generations live, none in the command's session or group.
-    hop = 'setsid bash -c "$1" "$0" "$1" >/dev/null 2>&1 & : > "$READY"; sleep 0.05'
-    command = f"setsid bash -c {shlex.quote(hop)} {mark} {shlex.quote(hop)} >/dev/null 2>&1 &"
+    # Each generation starts the next in a session of its own at once, then exits after 0.1 s: about
+    # 0.1 s / (fork + exec) generations live at any moment, none in the command's session or group,
+    # and a kill that signals only the ones one scan saw leaves the newest one going. The chain ends
+    # by itself after 1000 generations (seconds), so a backend that fails to kill it cannot leave it
+    # running for good (a scan-and-kill cleanup can miss every generation of it).
+    hop = (
+        '[ "$2" -gt 0 ] && setsid bash -c "$1" "$0" "$1" $(($2 - 1)) >/dev/null 2>&1 & '
+        ': > "$READY"; sleep 0.1'
+    )
+    command = f"setsid bash -c {shlex.quote(hop)} {mark} {shlex.quote(hop)} 1000 >/dev/null 2>&1 &"
     await _start_kill_require_gone(ctx, command, mark, "a generation of a setsid chain")

@@ -121,8 +121,9 @@ class _SandboxedProcess(CommandProcess):
 def _shell_runs(marker: str) -> bool:
     """Whether the sandboxed shell of the command ``marker`` has started its own session.
 
-    It is the great-grandchild of this process (launcher, the namespace's init, the shell) that
-    leads its own session and carries the marker in its environment.
+    It descends from this process through the launcher and the namespace's init (and the
+    ``dsh-supervise`` subreaper in front of the launcher, when commands run under it), leads its
+    own session and carries the marker in its environment.
     """
     own = os.getpid()
     parents: dict[int, tuple[int, int]] = {}  # pid -> (ppid, session)
@@ -132,11 +133,7 @@ def _shell_runs(marker: str) -> bool:
             parents[stat.pid] = (stat.ppid, stat.session)
     needle = f"\0{MARKER_VAR}={marker}\0".encode()
     for pid, (ppid, session) in parents.items():
-        if session != pid:
-            continue
-        init = parents.get(ppid)
-        launcher = parents.get(init[0]) if init is not None else None
-        if launcher is None or launcher[0] != own:
+        if session != pid or not _descends_from(own, ppid, parents, depth=4):
             continue
         try:
             with open(f"/proc/{pid}/environ", "rb") as handle:
@@ -146,6 +143,18 @@ def _shell_runs(marker: str) -> bool:
         if needle in environ:
             return True
     return False
+
+
+def _descends_from(ancestor: int, pid: int, parents: dict[int, tuple[int, int]], depth: int) -> bool:
+    """Whether ``ancestor`` is ``pid`` or one of its first ``depth`` ancestors."""
+    for _ in range(depth):
+        if pid == ancestor:
+            return True
+        entry = parents.get(pid)
+        if entry is None:
+            return False
+        pid = entry[0]
+    return pid == ancestor
 
 
 class BwrapBashExecutor(HostBashExecutor[BwrapConfig]):
