@@ -70,6 +70,11 @@ def _child(backend: str, runs: int) -> None:
 
     else:
         raise SystemExit(f"unknown backend {backend!r}")
+    from kit_targets import MARKER_CONTAINMENT_FAILS  # noqa: PLC0415
+
+    # Failures a backend is known to have (containment not built yet on Docker and SSH): listed
+    # apart, so that a run counts as clean when nothing else failed, and a change of them shows.
+    expected = frozenset() if backend == "local" else MARKER_CONTAINMENT_FAILS
     try:
         for run in range(runs):
             started = time.monotonic()
@@ -81,7 +86,14 @@ def _child(backend: str, runs: int) -> None:
                         "seconds": round(time.monotonic() - started, 1),
                         "passed": sum(r.outcome == "passed" for r in report.results),
                         "total": len(report.results),
-                        "failed": {r.name: f"{r.outcome}: {r.message}" for r in report.failed},
+                        "failed": {
+                            r.name: f"{r.outcome}: {r.message}"
+                            for r in report.failed
+                            if not (r.name in expected and r.outcome == "failed")
+                        },
+                        "expected_failures": sorted(
+                            r.name for r in report.failed if r.name in expected and r.outcome == "failed"
+                        ),
                     }
                 ),
                 flush=True,
@@ -120,15 +132,21 @@ def _env(locale: str) -> dict[str, str]:
 
 def _table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| locale | load | backend | runs | all checks passed | failed checks (times) |",
-        "|---|---|---|---|---|---|",
+        "| locale | load | backend | runs | clean runs | failed checks (times) | known failures |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         failed = Counter(name for run in row["runs"] for name in run["failed"])
         names = ", ".join(f"`{name}` ({count})" for name, count in sorted(failed.items())) or "none"
         clean = sum(not run["failed"] for run in row["runs"])
+        known = sorted({name for run in row["runs"] for name in run.get("expected_failures", [])})
+        every = all(sorted(known) == run.get("expected_failures", []) for run in row["runs"])
+        known_text = ", ".join(f"`{name}`" for name in known) or "none"
+        if known and not every:
+            known_text += " (not in every run)"
         lines.append(
-            f"| {row['locale']} | {row['load']} | {row['backend']} | {len(row['runs'])} | {clean} | {names} |"
+            f"| {row['locale']} | {row['load']} | {row['backend']} | {len(row['runs'])} | {clean} | {names} "
+            f"| {known_text} |"
         )
     return "\n".join(lines)
 

@@ -232,6 +232,7 @@ class SupervisedProcess(HostProcess):
         self._exec_failed: int | None = None
         self._command_exit: ExitStatus | None = None
         self._empty = False
+        self._reading = False
         self._supervisor_reaped = False
         #: The executor's set of live supervised commands: this one leaves it once reaped.
         self.registry: set[SupervisedProcess] | None = None
@@ -273,11 +274,21 @@ class SupervisedProcess(HostProcess):
             log.warning("dsh-supervise wrote an unreadable record: %r", " ".join(words))
 
     async def _status_until(self, done: Callable[[], bool]) -> None:
-        while True:
+        # Only this loop reads while it runs: a record another task took from under it would leave
+        # it waiting for the next one (``empty``, which a leftover may delay by a whole grace).
+        self._reading = True
+        try:
+            while True:
+                self._pump_status()
+                if done() or self._status_eof or self._status_fd is None:
+                    return
+                await anyio.wait_readable(self._status_fd)
+        finally:
+            self._reading = False
+
+    def _pump_unless_read(self) -> None:
+        if not self._reading:
             self._pump_status()
-            if done() or self._status_eof or self._status_fd is None:
-                return
-            await anyio.wait_readable(self._status_fd)
 
     async def started(self, bash: str) -> None:
         """Return once the command's bash runs; raise BashInfrastructureError when it could not start."""
@@ -342,7 +353,7 @@ class SupervisedProcess(HostProcess):
         return True
 
     async def signal_all(self, sig: int) -> None:
-        self._pump_status()
+        self._pump_unless_read()
         if self._empty:
             return
         request = signal.SIGUSR2 if sig == signal.SIGKILL else signal.SIGUSR1
@@ -353,7 +364,7 @@ class SupervisedProcess(HostProcess):
         await super().signal_all(sig)
 
     async def remaining(self) -> list[str]:
-        self._pump_status()
+        self._pump_unless_read()
         if self._empty:
             return []
         if not self._supervisor_gone():
