@@ -20,13 +20,14 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 from dsh_bash_conformance import CHECKS
-from kit_targets import MARKER_CONTAINMENT_FAILS
+from kit_targets import MARKER_CONTAINMENT_FAILS, MARKER_CONTAINMENT_RACES
 from sshd_container import USER, SshdContainer
 
 from dsh_bash import BashExecRequest
@@ -83,6 +84,17 @@ def _bashrc(server: SshdContainer) -> str:
     done = server.exec("cat", f"/home/{USER}/.bashrc")
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+def _none_marked_in_container(server: SshdContainer, text: str, within_s: float = 15.0) -> list[str]:
+    """Wait until no process in the server container carries ``text``; return what is left then.
+
+    The kit's setsid-chain escapee, which the SSH backend cannot kill yet, ends by itself 10 s
+    after it began."""
+    deadline = time.monotonic() + within_s
+    while (left := _marked_in_container(server, text)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
 
 
 def _marked_in_container(server: SshdContainer, text: str) -> list[str]:
@@ -165,15 +177,17 @@ def test_cli_conformance_passes_every_check(sshd_container: SshdContainer, tmp_p
     code, report, err = _conformance(_toml(tmp_path / "ssh.toml", sshd_container), timeout=840)
     failed = [(r["name"], r["outcome"], r["message"]) for r in report["results"] if r["outcome"] != "passed"]
     # The marker finds no process that dropped or overwrote its environment (not built yet on SSH).
-    assert {name for name, outcome, _ in failed if outcome == "failed"} == MARKER_CONTAINMENT_FAILS, failed
-    assert all(r["kind"] == "beyond" for r in report["results"] if r["name"] in MARKER_CONTAINMENT_FAILS)
+    known, racy = MARKER_CONTAINMENT_FAILS["ssh"], MARKER_CONTAINMENT_RACES["ssh"]
+    assert all(outcome == "failed" for _, outcome, _ in failed), failed
+    assert known <= {name for name, _, _ in failed} <= known | racy, failed
+    assert all(r["kind"] == "beyond" for r in report["results"] if r["name"] in known)
     assert [r["name"] for r in report["results"]] == list(CHECKS)
     assert (code, report["contract_ok"]) == (0, True)
     # The kit knew the SSH host through the backend's hooks: its only note is the planting one.
     notes = [line for line in err.splitlines() if "note:" in line]
     assert len(notes) == 1 and "~/.bashrc" in notes[0], err
     assert _bashrc(sshd_container) == original
-    assert _marked_in_container(sshd_container, "kitmark-") == []
+    assert _none_marked_in_container(sshd_container, "kitmark-") == []
 
 
 @pytest.mark.timeout(BUILD_ALLOWANCE_S)
