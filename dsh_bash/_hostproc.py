@@ -218,9 +218,10 @@ class SupervisedProcess(HostProcess):
     The supervisor is a subreaper: every orphan of the command re-parents to it, so the whole
     subtree stays below it whatever its processes do to their session, group or environment, and
     it signals that subtree on request (SIGUSR1: SIGTERM to all; SIGUSR2: SIGKILL until none is
-    left). It reports the command's exit status on a pipe only it holds (it is non-dumpable, so the
-    command cannot open it through ``/proc``), which makes the outcome impossible to forge. It
-    exits once its last descendant is gone, after writing ``empty``.
+    left). It reports the command's exit status on a socket only it holds (it is non-dumpable, so
+    the command cannot reach its end through ``/proc``, and a socket cannot be reopened there),
+    which makes the outcome impossible to forge. It exits once its last descendant is gone, after
+    writing ``empty``.
     """
 
     def __init__(self, popen: subprocess.Popen[bytes], launch: Launch, *, status_fd: int, **kw: Any) -> None:
