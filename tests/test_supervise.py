@@ -9,6 +9,7 @@ without it the module skips with "backend unavailable:", which CI turns into a f
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import select
@@ -157,6 +158,13 @@ class Supervised:
         return self.records
 
     def close(self) -> None:
+        if self.process.poll() is None:
+            # Its subtree first (a test that failed half-way may leave a fork chain under it): a
+            # SIGKILL of the supervisor alone would hand the chain to init, forking for ever.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.process.pid, signal.SIGUSR2)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(10)
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
