@@ -392,7 +392,6 @@ class MissingWorkdirFallsBack(LocalBashExecutor):
         return await super()._spawn(launch)
 
 
-
 class WorkdirReasonUnclassified(LocalBashExecutor):
     """Breaks: every BashInfrastructureError carries the reason that says why.
 
@@ -406,6 +405,7 @@ class WorkdirReasonUnclassified(LocalBashExecutor):
             if exc.reason.startswith("workdir_"):
                 raise BashInfrastructureError(str(exc)) from None
             raise
+
 
 class PreAbortedSignalIgnored(LocalBashExecutor):
     """Breaks: run and start refuse a spec whose signal is already aborted, and nothing runs.

@@ -43,13 +43,15 @@ def _finds_its_task(probe: Any, make: Callable[[], BashExecutor], marker: str) -
     async def main() -> None:
         async with make() as ex:
             task = await ex.start(ex.resolve(BashExecRequest(command=f"sleep 60; : {marker}")))
-            for _ in range(50):  # a detached start may return before the command itself runs
+            # A detached start may return before the command itself runs, and a shell's child is a
+            # copy of it (marker included) until it execs: the two views are compared once settled.
+            for _ in range(50):
                 found[:] = probe.kit_find_processes(marker)
-                if found:
+                host[:] = find_host_processes(marker)
+                here[:] = sorted(_nspid_inner(pid) for pid in host)
+                if found and found == here:
                     break
                 await anyio.sleep(0.05)
-            host[:] = find_host_processes(marker)
-            here[:] = sorted(_nspid_inner(pid) for pid in host)
             assert await ex.kill(task.id) is True
         assert probe.kit_find_processes(marker) == []
 

@@ -15,8 +15,8 @@ the checks run wherever the commands run:
 
 They are "beyond" checks until every backend of this project keeps them: the local backend does
 (its subreaper); the Docker and SSH backends, which find processes by an environment marker, miss the
-first two escapees and lose the race against the fork chain now and then (``MARKER_CONTAINMENT_FAILS`` and ``MARKER_CONTAINMENT_RACES`` in
-``tests/kit_targets.py``).
+first two escapees and lose the race against the fork chain now and then (``MARKER_CONTAINMENT_FAILS``
+and ``MARKER_CONTAINMENT_RACES`` in ``tests/kit_targets.py``).
 """
 
 from __future__ import annotations
