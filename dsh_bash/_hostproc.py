@@ -224,9 +224,9 @@ class SupervisedProcess(HostProcess):
     writing ``empty``.
     """
 
-    def __init__(self, popen: subprocess.Popen[bytes], launch: Launch, *, status_fd: int, **kw: Any) -> None:
+    def __init__(self, popen: subprocess.Popen[bytes], launch: Launch, **kw: Any) -> None:
         super().__init__(popen, launch, **kw)
-        self._status_fd: int | None = status_fd
+        self._status_fd: int | None = None  # the supervisor's status socket, once attached
         self._status_buffer = b""
         self._status_eof = False
         self._child: int | None = None  # the command's bash: its pid, process group and session
@@ -239,6 +239,10 @@ class SupervisedProcess(HostProcess):
         self.registry: set[SupervisedProcess] | None = None
 
     # -- the status channel ----------------------------------------------------------------------
+
+    def attach_status(self, fd: int) -> None:
+        """Take over our (non-blocking) end of the supervisor's status socket; closed at release."""
+        self._status_fd = fd
 
     def _pump_status(self) -> None:
         """Read whatever the supervisor wrote, without blocking, and apply every whole record."""
@@ -540,27 +544,27 @@ async def spawn_host_process(
             opened.remove(fd)
         for fd in (out_r, err_r) + ((in_w,) if in_w is not None else ()):
             _set_nonblocking(fd)
-        if status_r is not None:
+        process_class = HostProcess if status_r is None else SupervisedProcess
+        process = process_class(
+            popen,
+            launch,
+            stdout_fd=out_r,
+            stderr_fd=err_r,
+            stdin_fd=in_w,
+            scanner=scanner,
+            start_helper=start_helper,
+            script=script,
+        )
+        if isinstance(process, SupervisedProcess) and status_r is not None:
             _set_nonblocking(status_r)
-            supervised = SupervisedProcess(
-                popen,
-                launch,
-                stdout_fd=out_r,
-                stderr_fd=err_r,
-                stdin_fd=in_w,
-                scanner=scanner,
-                start_helper=start_helper,
-                script=script,
-                status_fd=status_r,
-            )
+            process.attach_status(status_r)
             opened.clear()  # the process owns them now, and releases them
             try:
-                await supervised.started(bash)
+                await process.started(bash)
             except BaseException:
                 with anyio.CancelScope(shield=True):
-                    await supervised.abandon()
+                    await process.abandon()
                 raise
-            return supervised
     except BaseException:
         for fd in opened:
             with contextlib.suppress(OSError):
@@ -569,13 +573,4 @@ async def spawn_host_process(
             with contextlib.suppress(OSError):
                 os.unlink(script[1], dir_fd=spill_dir.fd)
         raise
-    return HostProcess(
-        popen,
-        launch,
-        stdout_fd=out_r,
-        stderr_fd=err_r,
-        stdin_fd=in_w,
-        scanner=scanner,
-        start_helper=start_helper,
-        script=script,
-    )
+    return process
