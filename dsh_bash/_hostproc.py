@@ -22,6 +22,7 @@ import anyio.lowlevel
 
 from ._backend import MAX_INLINE_COMMAND, CommandProcess, ExitStatus, Launch
 from ._errors import BashInfrastructureError, InfraReason
+from ._frames import SupervisorRecords
 from ._hostspill import HostSpillDir
 from ._output import OutputStream
 from ._procscan import ProcScanner, signal_marked
@@ -229,10 +230,7 @@ class SupervisedProcess(HostProcess):
         self._status_fd: int | None = None  # the supervisor's status socket, once attached
         self._status_buffer = b""
         self._status_eof = False
-        self._child: int | None = None  # the command's bash: its pid, process group and session
-        self._exec_failed: int | None = None
-        self._command_exit: ExitStatus | None = None
-        self._empty = False
+        self._records = SupervisorRecords()
         self._reading = False
         self._supervisor_reaped = False
         #: The executor's set of live supervised commands: this one leaves it once reaped.
@@ -258,25 +256,7 @@ class SupervisedProcess(HostProcess):
             self._status_buffer += data
             *records, self._status_buffer = self._status_buffer.split(b"\n")
             for record in records:
-                self._apply(record.decode("ascii", "replace").split())
-
-    def _apply(self, words: list[str]) -> None:
-        if len(words) < 1:
-            return
-        kind, args = words[0], words[1:]
-        try:
-            if kind == "started":
-                self._child = int(args[0])
-            elif kind == "execfail":
-                self._exec_failed = int(args[0])
-            elif kind == "exit":
-                self._command_exit = ExitStatus(code=int(args[0]))
-            elif kind == "signal":
-                self._command_exit = ExitStatus(code=None, signal=int(args[0]))
-            elif kind == "empty":
-                self._empty = True
-        except (IndexError, ValueError):
-            log.warning("dsh-supervise wrote an unreadable record: %r", " ".join(words))
+                self._records.apply(record.decode("ascii", "replace"))
 
     async def _status_until(self, done: Callable[[], bool]) -> None:
         # Only this loop reads while it runs: a record another task took from under it would leave
@@ -297,15 +277,16 @@ class SupervisedProcess(HostProcess):
 
     async def started(self, bash: str) -> None:
         """Return once the command's bash runs; raise BashInfrastructureError when it could not start."""
-        await self._status_until(lambda: self._child is not None or self._exec_failed is not None)
-        if self._exec_failed is not None:
-            code = self._exec_failed
+        records = self._records
+        await self._status_until(lambda: records.child is not None or records.exec_failed is not None)
+        if self._records.exec_failed is not None:
+            code = self._records.exec_failed
             missing = code in (errno.ENOENT, errno.EACCES)
             raise BashInfrastructureError(
                 f"cannot start {bash!r}: {os.strerror(code)}",
                 reason="shell_missing" if missing else "start_failed",
             )
-        if self._child is None:
+        if self._records.child is None:
             raise BashInfrastructureError(
                 "the command's supervisor (dsh-supervise) ended before the command started",
                 reason="start_failed",
@@ -319,19 +300,19 @@ class SupervisedProcess(HostProcess):
     @property
     def ended(self) -> bool:
         """True once the supervisor and every process under it are gone."""
-        return self._supervisor_reaped or (self._empty and self._supervisor_gone())
+        return self._supervisor_reaped or (self._records.empty and self._supervisor_gone())
 
     # -- exit ------------------------------------------------------------------------------------
 
     async def wait(self) -> ExitStatus:
-        await self._status_until(lambda: self._command_exit is not None)
-        if self._command_exit is None:
+        await self._status_until(lambda: self._records.command_exit is not None)
+        if self._records.command_exit is None:
             raise BashInfrastructureError(
                 "the command's supervisor died before it reported how the command ended (killed by "
                 "the command itself?); its exit status is lost",
                 reason="command_lost",
             )
-        return self._command_exit
+        return self._records.command_exit
 
     # -- kill ------------------------------------------------------------------------------------
 
@@ -359,7 +340,7 @@ class SupervisedProcess(HostProcess):
 
     async def signal_all(self, sig: int) -> None:
         self._pump_unless_read()
-        if self._empty:
+        if self._records.empty:
             return
         request = signal.SIGUSR2 if sig == signal.SIGKILL else signal.SIGUSR1
         if self._signal_supervisor(request):
@@ -370,7 +351,7 @@ class SupervisedProcess(HostProcess):
 
     async def remaining(self) -> list[str]:
         self._pump_unless_read()
-        if self._empty:
+        if self._records.empty:
             return []
         if not self._supervisor_gone():
             return [f"processes under dsh-supervise {self._pid}"]

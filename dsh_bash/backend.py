@@ -23,6 +23,12 @@ process, kill and spill mechanics; this module holds the pieces it builds them f
   :class:`ExitTrailerFilter`, :class:`QueuedSpillFile`, :class:`SpillWriter`, :class:`CommandSpills`,
   :func:`spill_file_path`,
   :data:`SPILL_HIGH_WATER_BYTES`;
+- the native supervisor ``dsh-supervise`` (a per-command subreaper, shipped as package data, see
+  ``native/README.md``): :func:`supervisor_binary`, :func:`supervisor_problem`,
+  :func:`normalize_arch`, :data:`SUPERVISOR_PROTOCOL`; its framed channel for backends that reach
+  a command through one stream pair: :class:`FrameDecoder`, :func:`encode_frame`,
+  :class:`FrameError`, :data:`FRAME_HEADER`, :data:`MAX_FRAME_PAYLOAD`; its status records read by
+  :class:`SupervisorRecords`;
 - configuration: :class:`dsh_bash.BudgetConfig` to subclass, :func:`config_error_from` to turn a
   pydantic ``ValidationError`` into a :class:`dsh_bash.ConfigError` that names the field;
 - errors with a machine-readable reason: :data:`InfraReason`, :data:`INFRA_REASONS`;
@@ -51,6 +57,14 @@ from ._backend import (
 from ._config import BUDGET_FIELDS, config_error_from
 from ._env import MODEL_FRIENDLY_ENV, RC_FILE_VARIABLES, build_command_env, is_scrubbed
 from ._errors import INFRA_REASONS, InfraReason
+from ._frames import (
+    FRAME_HEADER,
+    MAX_FRAME_PAYLOAD,
+    FrameDecoder,
+    FrameError,
+    SupervisorRecords,
+    encode_frame,
+)
 from ._hostexec import HostBashExecutor, HostConfig, host_support_problem
 from ._hostproc import HostProcess, StartHelper, WrapCommand, spawn_host_process
 from ._hostspill import HostSpillDir, HostSpillFile
@@ -62,6 +76,8 @@ from ._kit_hooks import (
     plant_in_os_environ,
     run_in_fresh_loop,
 )
+from ._native import PROTOCOL_VERSION as SUPERVISOR_PROTOCOL
+from ._native import normalize_arch, supervisor_binary, supervisor_problem
 from ._output import OutputStream, SpillBudget, SpillFile, StreamName, merge_streams
 from ._procscan import ProcEntry, ProcScanner, ProcStat, read_proc_stat, signal_marked
 from ._procscan import scan as scan_processes
@@ -88,20 +104,25 @@ __all__ = [
     "BUDGET_FIELDS",
     "EXIT_PREFIX",
     "FIND_PROCESSES",
+    "FRAME_HEADER",
     "INFRA_REASONS",
     "KILL",
     "MARKER_VAR",
+    "MAX_FRAME_PAYLOAD",
     "MAX_INLINE_COMMAND",
     "MODEL_FRIENDLY_ENV",
     "RC_FILE_VARIABLES",
     "SPILL_DIR",
     "SPILL_HIGH_WATER_BYTES",
     "SPILL_WRITER",
+    "SUPERVISOR_PROTOCOL",
     "CommandProcess",
     "CommandSpills",
     "ConformanceHooks",
     "ExitStatus",
     "ExitTrailerFilter",
+    "FrameDecoder",
+    "FrameError",
     "HostBashExecutor",
     "HostConfig",
     "HostProcess",
@@ -120,10 +141,12 @@ __all__ = [
     "SpillWriter",
     "StartHelper",
     "StreamName",
+    "SupervisorRecords",
     "WrapCommand",
     "boot_failure",
     "build_command_env",
     "config_error_from",
+    "encode_frame",
     "find_host_processes",
     "host_support_problem",
     "is_scrubbed",
@@ -131,6 +154,7 @@ __all__ = [
     "kill_args",
     "kill_sequence",
     "merge_streams",
+    "normalize_arch",
     "parse_pids",
     "plant_in_os_environ",
     "read_proc_stat",
@@ -140,4 +164,6 @@ __all__ = [
     "signal_name",
     "spawn_host_process",
     "spill_file_path",
+    "supervisor_binary",
+    "supervisor_problem",
 ]

@@ -1,0 +1,176 @@
+"""The framed channel of ``dsh-supervise --frame``: one byte stream each way, records in frames.
+
+A backend that reaches its commands through a single stream pair (Docker's exec, an SSH channel)
+starts the command under ``dsh-supervise --frame``. The supervisor then holds that stream alone:
+the command's stdout and stderr are pipes to the supervisor, which frames them together with its
+status records (``started``, ``exit``, ``signal``, ``empty``...). Nothing the command writes can pose
+as a record, and the exit status is the wait status the supervisor observed.
+
+A frame is a type byte, a 4-byte big-endian payload length, and the payload. From the supervisor:
+
+- ``o`` / ``e``: the command's stdout / stderr bytes; an empty payload means that stream reached
+  end of file (every holder closed it), sent once per stream;
+- ``s``: one status record, ASCII, without a newline (the records of ``native/README.md``).
+
+To the supervisor: ``i`` (bytes for the command's stdin), ``c`` (close the command's stdin), ``T``
+(SIGTERM to every process of the command), ``K`` (SIGKILL until none is left). End of file on the
+supervisor's input means the harness is gone: it kills everything. ``empty`` is the last frame.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections.abc import Callable
+
+from ._backend import ExitStatus
+
+__all__ = [
+    "FRAME_HEADER",
+    "MAX_FRAME_PAYLOAD",
+    "FrameDecoder",
+    "FrameError",
+    "SupervisorRecords",
+    "encode_frame",
+]
+
+log = logging.getLogger("dsh_bash")
+
+_HEADER = struct.Struct(">cI")
+#: Bytes before a frame's payload: its type and its length.
+FRAME_HEADER = _HEADER.size
+#: The largest payload a supervisor sends; anything larger means the stream is not a supervisor's.
+MAX_FRAME_PAYLOAD = 1 << 20
+
+Sink = Callable[[memoryview], None]
+
+
+class FrameError(ValueError):
+    """The stream broke the framing: it cannot come from a sound supervisor."""
+
+
+def encode_frame(kind: bytes, payload: bytes = b"") -> bytes:
+    """One frame to the supervisor: ``kind`` is ``b"i"``, ``b"c"``, ``b"T"`` or ``b"K"``."""
+    if len(kind) != 1:
+        raise ValueError(f"a frame type is one byte, not {kind!r}")
+    return _HEADER.pack(kind, len(payload)) + payload
+
+
+class FrameDecoder:
+    """Splits the supervisor's stream into the command's stdout, its stderr, and status records.
+
+    ``feed`` takes bytes as they arrive, in any split; each sink is called with whole payloads of
+    the frames completed so far (a large frame may reach its sink in several parts, never mixed
+    with another frame's). End-of-file frames call ``on_eof`` with ``"stdout"`` or ``"stderr"``.
+    """
+
+    __slots__ = ("_buffer", "_kind", "_left", "_on_eof", "_on_status", "_sinks", "_status_part")
+
+    def __init__(
+        self,
+        *,
+        on_stdout: Sink,
+        on_stderr: Sink,
+        on_status: Callable[[str], None],
+        on_eof: Callable[[str], None],
+    ) -> None:
+        self._sinks = {b"o": on_stdout, b"e": on_stderr}
+        self._on_status = on_status
+        self._on_eof = on_eof
+        self._buffer = b""  # a partial header
+        self._kind = b""  # the frame whose payload is being read, while _left > 0
+        self._left = 0
+        self._status_part = b""
+
+    def feed(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        at = 0
+        end = len(view)
+        while at < end:
+            if self._left:
+                take = min(self._left, end - at)
+                self._payload(view[at : at + take])
+                self._left -= take
+                at += take
+                if not self._left and self._kind == b"s":
+                    self._status_done()
+                continue
+            need = FRAME_HEADER - len(self._buffer)
+            if need > end - at:
+                self._buffer += bytes(view[at:end])
+                return
+            header = self._buffer + bytes(view[at : at + need])
+            self._buffer = b""
+            at += need
+            kind, length = _HEADER.unpack(header)
+            self._start(kind, length)
+
+    def _start(self, kind: bytes, length: int) -> None:
+        if kind not in (b"o", b"e", b"s"):
+            raise FrameError(f"unknown frame type {kind!r}")
+        if length > MAX_FRAME_PAYLOAD:
+            raise FrameError(f"a frame of {length} bytes (at most {MAX_FRAME_PAYLOAD})")
+        if length == 0:
+            if kind == b"s":
+                self._status_done()
+            else:
+                self._on_eof("stdout" if kind == b"o" else "stderr")
+            return
+        self._kind = kind
+        self._left = length
+
+    def _payload(self, part: memoryview) -> None:
+        if self._kind == b"s":
+            self._status_part += bytes(part)
+        else:
+            self._sinks[self._kind](part)
+
+    def _status_done(self) -> None:
+        record, self._status_part = self._status_part, b""
+        self._on_status(record.decode("ascii", "replace"))
+
+    @property
+    def mid_frame(self) -> bool:
+        """True when the bytes fed so far end inside a frame (a stream cut there was cut short)."""
+        return bool(self._buffer or self._left)
+
+
+class SupervisorRecords:
+    """What the supervisor's status records said so far: one reading for every channel that carries them.
+
+    ``apply`` takes one record (``"exit 3"``, ``"signal 15 core"``); the fields say what is known.
+    A record this version cannot read is logged and ignored.
+    """
+
+    __slots__ = ("child", "command_exit", "empty", "exec_failed")
+
+    def __init__(self) -> None:
+        #: The command's bash (pid, process group and session) once ``started``.
+        self.child: int | None = None
+        #: The errno of a failed exec (``execfail``).
+        self.exec_failed: int | None = None
+        #: How the command's bash ended (``exit`` / ``signal``).
+        self.command_exit: ExitStatus | None = None
+        #: True once no process of the command is left (``empty``, the supervisor's last record).
+        self.empty = False
+
+    def apply(self, record: str) -> None:
+        words = record.split()
+        if not words:
+            return
+        kind, args = words[0], words[1:]
+        try:
+            if kind == "started":
+                self.child = int(args[0])
+            elif kind == "execfail":
+                self.exec_failed = int(args[0])
+            elif kind == "exit":
+                self.command_exit = ExitStatus(code=int(args[0]))
+            elif kind == "signal":
+                self.command_exit = ExitStatus(code=None, signal=int(args[0]))
+            elif kind == "empty":
+                self.empty = True
+            elif kind == "warning":
+                log.info("dsh-supervise: %s", record)
+        except (IndexError, ValueError):
+            log.warning("dsh-supervise wrote an unreadable record: %r", record)

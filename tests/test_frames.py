@@ -1,0 +1,135 @@
+"""The framed channel's codec (dsh_bash.backend.FrameDecoder, encode_frame) and status records."""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+
+from dsh_bash.backend import (
+    MAX_FRAME_PAYLOAD,
+    ExitStatus,
+    FrameDecoder,
+    FrameError,
+    SupervisorRecords,
+    encode_frame,
+)
+
+
+def _frame(kind: bytes, payload: bytes = b"") -> bytes:
+    return kind + struct.pack(">I", len(payload)) + payload
+
+
+class _Collect:
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.err = bytearray()
+        self.status: list[str] = []
+        self.eof: list[str] = []
+        self.order: list[str] = []
+        self.decoder = FrameDecoder(
+            on_stdout=self._out, on_stderr=self._err, on_status=self._status, on_eof=self._eof
+        )
+
+    def _out(self, data: memoryview) -> None:
+        self.out += data
+        self.order.append("o")
+
+    def _err(self, data: memoryview) -> None:
+        self.err += data
+        self.order.append("e")
+
+    def _status(self, record: str) -> None:
+        self.status.append(record)
+        self.order.append("s")
+
+    def _eof(self, stream: str) -> None:
+        self.eof.append(stream)
+
+
+STREAM = (
+    _frame(b"s", b"started 42")
+    + _frame(b"o", bytes(range(256)) * 3)
+    + _frame(b"e", b"\0dsh-bash-exit:x:000\0")
+    + _frame(b"o", b"tail")
+    + _frame(b"s", b"exit 3")
+    + _frame(b"o")
+    + _frame(b"e")
+    + _frame(b"s", b"empty")
+)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_any_split_gives_the_same_records(seed: int) -> None:
+    rng = random.Random(seed)
+    sink = _Collect()
+    at = 0
+    while at < len(STREAM):
+        step = rng.randint(1, 9) if seed % 2 else rng.randint(1, 400)
+        sink.decoder.feed(memoryview(STREAM)[at : at + step])
+        at += step
+    assert bytes(sink.out) == bytes(range(256)) * 3 + b"tail"
+    assert bytes(sink.err) == b"\0dsh-bash-exit:x:000\0"  # a trailer in the output is only output
+    assert sink.status == ["started 42", "exit 3", "empty"]
+    assert sink.eof == ["stdout", "stderr"]
+    assert not sink.decoder.mid_frame
+
+
+def test_whole_stream_at_once_keeps_the_order() -> None:
+    sink = _Collect()
+    sink.decoder.feed(STREAM)
+    assert sink.order == ["s", "o", "e", "o", "s", "s"]
+
+
+def test_a_cut_inside_a_frame_is_seen() -> None:
+    sink = _Collect()
+    sink.decoder.feed(STREAM[:12])
+    assert sink.decoder.mid_frame
+    sink.decoder.feed(STREAM[12:])
+    assert not sink.decoder.mid_frame
+
+
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        (_frame(b"x", b"hi"), "unknown frame type"),
+        (b"o" + struct.pack(">I", MAX_FRAME_PAYLOAD + 1), r"bytes \(at most"),
+    ],
+)
+def test_a_stream_that_is_not_a_supervisor_s_is_refused(data: bytes, words: str) -> None:
+    sink = _Collect()
+    with pytest.raises(FrameError, match=words):
+        sink.decoder.feed(data)
+
+
+def test_encode_frame() -> None:
+    assert encode_frame(b"i", b"abc") == b"i\0\0\0\x03abc"
+    assert encode_frame(b"K") == b"K\0\0\0\0"
+    with pytest.raises(ValueError, match="one byte"):
+        encode_frame(b"TK")
+
+
+@pytest.mark.parametrize(
+    ("records", "child", "exit_status", "empty"),
+    [
+        (["started 7", "exit 0"], 7, ExitStatus(code=0), False),
+        (["started 7", "signal 15", "empty"], 7, ExitStatus(code=None, signal=15), True),
+        (["started 7", "signal 11 core"], 7, ExitStatus(code=None, signal=11), False),
+        (["started x", "exit"], None, None, False),  # unreadable: ignored
+        (["warning proc-scan 24", "signalled 3"], None, None, False),
+    ],
+)
+def test_supervisor_records(
+    records: list[str], child: int | None, exit_status: ExitStatus | None, empty: bool
+) -> None:
+    seen = SupervisorRecords()
+    for record in records:
+        seen.apply(record)
+    assert (seen.child, seen.command_exit, seen.empty) == (child, exit_status, empty)
+
+
+def test_execfail_record() -> None:
+    seen = SupervisorRecords()
+    seen.apply("execfail 2")
+    assert seen.exec_failed == 2
