@@ -12,7 +12,7 @@ import logging
 import signal as _signal
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Literal, Protocol, TypeVar
 
 import anyio
 
@@ -23,9 +23,13 @@ __all__ = [
     "MARKER_VAR",
     "MAX_INLINE_COMMAND",
     "CommandProcess",
+    "Containment",
+    "ContainmentSetting",
     "ExitStatus",
     "Killable",
     "Launch",
+    "SupervisedCommand",
+    "SupervisedLeftovers",
     "kill_abandoned_start",
     "kill_sequence",
     "signal_name",
@@ -70,6 +74,56 @@ class Killable(Protocol):
 
     async def remaining(self) -> list[str]:
         """Descriptions (pids) of the processes of the set still alive; empty once all are gone."""
+
+
+class SupervisedCommand(Killable, Protocol):
+    """A command whose processes a supervisor holds: killable, and ``ended`` once all of them are gone."""
+
+    @property
+    def ended(self) -> bool:
+        """True once the supervisor reported that no process of the command is left, and is gone."""
+
+
+#: What kills and closes rest on: ``subreaper`` (every process of a command stays below its
+#: dsh-supervise, which kills the whole subtree and reports the observed wait status) or ``marker``
+#: (processes found by the environment marker: one that drops or overwrites it, or that cannot be
+#: read, escapes).
+Containment = Literal["subreaper", "marker"]
+#: A config's choice: ``auto`` (the supervisor when it can run there, else the marker, said at
+#: open), ``subreaper`` (refuse to open without it), ``marker`` (never use it).
+ContainmentSetting = Literal["auto", "subreaper", "marker"]
+
+
+SupervisedT = TypeVar("SupervisedT", bound=SupervisedCommand)
+
+
+class SupervisedLeftovers(Generic[SupervisedT]):
+    """An executor's leftovers: every process under its live supervisors, and what a fallback finds.
+
+    ``supervised`` is the executor's own set of live supervised commands (it adds each at spawn);
+    a command leaves it here once ended. ``fallback`` reaches what no supervisor holds any more
+    (the processes of commands run without one, or of a supervisor a command killed), typically by
+    marker.
+    """
+
+    def __init__(self, supervised: set[SupervisedT], fallback: Killable) -> None:
+        self._supervised = supervised
+        self._fallback = fallback
+
+    async def signal_all(self, sig: int) -> None:
+        for command in list(self._supervised):
+            await command.signal_all(sig)
+        await self._fallback.signal_all(sig)
+
+    async def remaining(self) -> list[str]:
+        found: list[str] = []
+        for command in list(self._supervised):
+            left = await command.remaining()
+            if left:
+                found += left
+            elif command.ended:
+                self._supervised.discard(command)
+        return found + await self._fallback.remaining()
 
 
 class CommandProcess(ABC):

@@ -137,9 +137,11 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
     Subclasses (backends) implement the hooks below; the public methods are the contract's.
     """
 
-    #: True for backends that observe a signal death only as exit code 128+n (Docker): a 128+n
-    #: status is then reported as that signal only when the kill sequence sent it.
-    signals_as_exit_codes: ClassVar[bool] = False
+    #: True for backends that observe a signal death only as exit code 128+n (a sandbox launcher
+    #: that exits with its child's status): a 128+n status is then reported as that signal only
+    #: when the kill sequence sent it. An instance may decide it at open (Docker: False under
+    #: dsh-supervise, which reports the wait status it observed).
+    signals_as_exit_codes: bool = False
     #: The backend's config model: :meth:`from_fields` validates plain fields with it.
     config_class: ClassVar[type[BudgetConfig]] = BudgetConfig
     #: False for backends whose :meth:`_leftovers` reaches every process of every command (their

@@ -13,11 +13,18 @@ import shutil
 import sys
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import Any, Literal
+from typing import Any
 
 import anyio.to_thread
 
-from ._backend import CommandProcess, Killable, Launch
+from ._backend import (
+    CommandProcess,
+    Containment,
+    ContainmentSetting,
+    Killable,
+    Launch,
+    SupervisedLeftovers,
+)
 from ._config import BudgetConfig
 from ._errors import BashInfrastructureError
 from ._executor import BashExecutor, ConfigT_co
@@ -30,11 +37,6 @@ from ._procscan import ProcScanner, signal_marked
 __all__ = ["Containment", "HostBashExecutor", "HostConfig", "host_support_problem"]
 
 log = logging.getLogger("dsh_bash")
-
-#: How a host backend finds a command's processes: ``subreaper`` (each command under
-#: ``dsh-supervise``), ``marker`` (an environment marker found through ``/proc``; a process that
-#: drops or overwrites it, or that cannot be read, escapes).
-Containment = Literal["subreaper", "marker"]
 
 
 class HostConfig(BudgetConfig):
@@ -50,7 +52,7 @@ class HostConfig(BudgetConfig):
     #: ``auto``: each command under the ``dsh-supervise`` subreaper when its binary is there for this
     #: machine, else the environment marker (with a warning at open); ``subreaper``: refuse to open
     #: without it; ``marker``: never use it.
-    containment: Literal["auto", "subreaper", "marker"] = "auto"
+    containment: ContainmentSetting = "auto"
 
 
 def host_support_problem() -> str | None:
@@ -65,31 +67,20 @@ def host_support_problem() -> str | None:
     return None
 
 
-class _Leftovers:
-    """Every process under a supervisor of one executor, and every live one carrying its marker."""
+class _MarkedLeftovers:
+    """Every live process on this host carrying one of the executor's markers."""
 
-    def __init__(self, scanner: ProcScanner, supervised: set[SupervisedProcess]) -> None:
+    def __init__(self, scanner: ProcScanner) -> None:
         self._scanner = scanner
-        self._supervised = supervised
 
     async def signal_all(self, sig: int) -> None:
-        for process in list(self._supervised):
-            await process.signal_all(sig)
         for entry in await self._scanner.entries():
             if entry.alive and entry.marker is not None:
                 await anyio.to_thread.run_sync(signal_marked, entry.pid, self._scanner.prefix, sig, False)
         self._scanner.invalidate()
 
     async def remaining(self) -> list[str]:
-        found: list[str] = []
-        for process in list(self._supervised):
-            left = await process.remaining()
-            if left:
-                found += left
-            elif process.ended:
-                self._supervised.discard(process)
-        found += [str(e.pid) for e in await self._scanner.entries() if e.alive and e.marker is not None]
-        return found
+        return [str(e.pid) for e in await self._scanner.entries() if e.alive and e.marker is not None]
 
 
 def _find_supervisor() -> tuple[str | None, str]:
@@ -216,7 +207,7 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         return self._spill_dir.new_file(stream)
 
     def _leftovers(self) -> Killable:
-        return _Leftovers(self._scanner, self._supervised)
+        return SupervisedLeftovers(self._supervised, _MarkedLeftovers(self._scanner))
 
     # -- the conformance kit's hooks (dsh_bash.backend.ConformanceHooks) ------------------------------
 

@@ -5,7 +5,8 @@ Callers use the flat :mod:`dsh_bash` namespace (requests, results, the abstract 
 process, kill and spill mechanics; this module holds the pieces it builds them from:
 
 - the launch and process protocol: :class:`Launch`, :class:`CommandProcess`, :class:`ExitStatus`,
-  :class:`Killable`;
+  :class:`Killable`, and an executor's leftovers under its supervisors
+  (:class:`SupervisedLeftovers` of :class:`SupervisedCommand`);
 - commands as processes of this Linux host (the local backend, and sandboxing backends that put a
   launcher in front of its argv): :class:`HostBashExecutor`, :class:`HostConfig`,
   :class:`HostProcess`, :func:`spawn_host_process`, :class:`HostSpillDir`, :data:`MAX_INLINE_COMMAND`;
@@ -47,9 +48,13 @@ from ._backend import (
     MARKER_VAR,
     MAX_INLINE_COMMAND,
     CommandProcess,
+    Containment,
+    ContainmentSetting,
     ExitStatus,
     Killable,
     Launch,
+    SupervisedCommand,
+    SupervisedLeftovers,
     kill_abandoned_start,
     kill_sequence,
     signal_name,
@@ -119,6 +124,8 @@ __all__ = [
     "CommandProcess",
     "CommandSpills",
     "ConformanceHooks",
+    "Containment",
+    "ContainmentSetting",
     "ExitStatus",
     "ExitTrailerFilter",
     "FrameDecoder",
@@ -141,6 +148,8 @@ __all__ = [
     "SpillWriter",
     "StartHelper",
     "StreamName",
+    "SupervisedCommand",
+    "SupervisedLeftovers",
     "SupervisorRecords",
     "WrapCommand",
     "boot_failure",

@@ -33,7 +33,7 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import anyio
 import anyio.lowlevel
@@ -58,9 +58,11 @@ from dsh_bash._executor import _Command, _KillCause
 from dsh_bash._output import _skip_continuation
 from dsh_bash._procscan import ProcScanner, signal_marked
 from dsh_bash.backend import (
+    KILL,
     MODEL_FRIENDLY_ENV,
     CommandProcess,
     ExitStatus,
+    ExitTrailerFilter,
     HostProcess,
     HostSpillFile,
     Killable,
@@ -69,6 +71,7 @@ from dsh_bash.backend import (
     SpillBudget,
     SpillFile,
     is_scrubbed,
+    kill_args,
     kill_sequence,
     merge_streams,
 )
@@ -1565,3 +1568,119 @@ class KillsWhatItSawFirst(_ProcessBreaker):
     """
 
     process_class = _FirstScanOnlyProcess
+
+
+class _KillScriptAsNobodyProcess(HostProcess):
+    """Signals its group, then whatever the shared kill script, run as the commands' user, finds by marker."""
+
+    async def signal_all(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._pid, sig)
+        await _kill_script_as_nobody("signal", sig, self._launch.marker, exact=True)
+
+    async def remaining(self) -> list[str]:
+        left = await _kill_script_as_nobody("list", 0, self._launch.marker, exact=True)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._pid, 0)
+            left.append(f"group {self._pid}")
+        return left
+
+
+_AS_NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+
+
+async def _kill_script_as_nobody(
+    mode: Literal["signal", "list"], sig: int, marker: str, *, exact: bool
+) -> list[str]:
+    done = await anyio.run_process(
+        [
+            *_AS_NOBODY,
+            "bash",
+            "--noprofile",
+            "--norc",
+            "-c",
+            KILL,
+            "dsh-bash",
+            *kill_args(mode, sig, marker, exact=exact),
+        ],
+        check=False,
+    )
+    return done.stdout.decode().split()
+
+
+class _NobodyLeftovers:
+    def __init__(self, prefix: str) -> None:
+        self._prefix = prefix
+
+    async def signal_all(self, sig: int) -> None:
+        await _kill_script_as_nobody("signal", sig, self._prefix, exact=False)
+
+    async def remaining(self) -> list[str]:
+        return await _kill_script_as_nobody("list", 0, self._prefix, exact=False)
+
+
+class KillScriptWithoutPtraceRights(_ProcessBreaker):
+    """Breaks: kill ends a non-dumpable escapee (one whose environment needs ptrace rights to read).
+
+    Commands run as an unprivileged user (``nobody``), and the marker kill script runs as that
+    user too, as the SSH backend's does as the login user: it cannot read the environment of a
+    process that exec'd a file it cannot read, so that process, once out of the group, escapes.
+    """
+
+    process_class = _KillScriptAsNobodyProcess
+
+    def _wrap_command(self, argv: list[str], launch: Launch) -> tuple[list[str], str]:
+        return [*_AS_NOBODY, *argv], launch.spec.workdir
+
+    def _leftovers(self) -> Killable:
+        return _NobodyLeftovers(self._token + "-")
+
+
+class _TrailerTrustingProcess(HostProcess):
+    """Reads the exit status from a trailer in the command's stdout, as a boot wrapper's would be."""
+
+    nonce = ""
+
+    async def _read(self, fd: int, stream: OutputStream) -> None:
+        if fd != self._stdout_fd:
+            return await super()._read(fd, stream)
+        self.trailer = ExitTrailerFilter(self.nonce, stream.feed)
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                await anyio.wait_readable(fd)
+                continue
+            if not data:
+                self._fds[fd] = True
+                self.trailer.flush()
+                return
+            self.trailer.feed(data)
+            await anyio.lowlevel.checkpoint()
+
+    async def wait(self) -> ExitStatus:
+        trailer: ExitTrailerFilter | None = getattr(self, "trailer", None)
+        while trailer is None or trailer.exit_code is None:
+            if self._peek_exit() is not None:
+                return await super().wait()
+            await anyio.sleep(0.01)
+            trailer = getattr(self, "trailer", None)
+        return ExitStatus(code=trailer.exit_code)
+
+
+class TrustsForgedTrailer(_ProcessBreaker):
+    """Breaks: nothing a command writes can make the executor report that it ended, or another status.
+
+    As the Docker backend's boot wrapper did: the exit status travels in band, as a trailer on
+    stdout that carries a per-command nonce, and the nonce sits in the command's environment.
+    """
+
+    process_class = _TrailerTrustingProcess
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        nonce = os.urandom(8).hex()
+        launch.env["DSH_BASH_NONCE"] = nonce
+        process = await super()._spawn(launch)
+        assert isinstance(process, _TrailerTrustingProcess)
+        process.nonce = nonce
+        return process

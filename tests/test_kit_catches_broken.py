@@ -64,6 +64,9 @@ CAUGHT_BY: list[Row] = [
     Row("escapee-without-environment-killed", bb.MarkerContainment),
     Row("escapee-rewriting-environment-killed", bb.MarkerContainment),
     Row("setsid-chain-killed", bb.KillsWhatItSawFirst),
+    Row("non-dumpable-escapee-killed", bb.KillScriptWithoutPtraceRights),
+    Row("forged-outcome-ignored", bb.TrustsForgedTrailer),
+    Row("self-kill-reported-as-signal", bb.SignalAsExitCode),
     Row("exec-convenience", bb.ExecDropsStdinAndEnv),
     # The breakage is an exception escaping run (the kernel refuses the argv: E2BIG), and the
     # check lets it through: the kit reports an error naming it rather than a failure.

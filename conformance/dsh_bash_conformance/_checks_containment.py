@@ -29,10 +29,12 @@ import anyio
 from dsh_bash import BashExecRequest
 
 from ._kit import CheckContext, check
-from ._support import wait_files, wait_task
+from ._support import show, show_task, wait_files, wait_task
 
 GRACE_S = 0.3  # the kit's default grace_ms, in seconds
 _LOOP = "while :; do sleep 0.05; done"
+# A loop that forks nothing: a read with a timeout on a FIFO the process holds open both ways.
+_QUIET_LOOP = 'mkfifo "$READY.fifo" && exec 3<>"$READY.fifo"; while :; do read -r -t 0.05 -u 3 _; done'
 
 # Overwrites the environment area of this very process with zeros, through a descriptor the process
 # opened on its own memory (fields 50 and 51 of /proc/PID/stat, counted from 1, are the area's
@@ -120,9 +122,8 @@ async def escapee_rewriting_environment(ctx: CheckContext) -> None:
     # Its loop forks nothing (a read with a timeout on a FIFO it holds open both ways): a child would
     # get the variables back from bash's own copy, and a marker-based kill would find the child and
     # signal its group, the escapee with it.
-    quiet_loop = 'mkfifo "$READY.fifo" && exec 3<>"$READY.fifo"; while :; do read -r -t 0.05 -u 3 _; done'
     failed = 'echo "environ not rewritten" > "$FAILED"'
-    body = f'{_REWRITE_OWN_ENVIRON}; rewrite || {failed}; : > "$READY"; {quiet_loop}'
+    body = f'{_REWRITE_OWN_ENVIRON}; rewrite || {failed}; : > "$READY"; {_QUIET_LOOP}'
 
     command = f"setsid bash -c {shlex.quote(body)} {mark} >/dev/null 2>&1 &"
     await _start_kill_require_gone(ctx, command, mark, "an escapee that overwrote its environment")
@@ -148,3 +149,99 @@ async def setsid_chain(ctx: CheckContext) -> None:
     deadline = '"$((EPOCHSECONDS + 10))"'
     command = f"setsid bash -c {shlex.quote(hop)} {mark} {shlex.quote(hop)} {deadline} >/dev/null 2>&1 &"
     await _start_kill_require_gone(ctx, command, mark, "a generation of a setsid chain")
+
+
+@check(
+    "non-dumpable-escapee-killed",
+    kind="beyond",
+    clause="R-contain-hiding",
+    rule=_rule(
+        "is non-dumpable (runs an execute-only copy of bash), so that its environment cannot be "
+        "read without ptrace rights, and leaves the session"
+    ),
+)
+async def non_dumpable_escapee(ctx: CheckContext) -> None:
+    mark = ctx.marker()
+    # The kernel makes a process non-dumpable when it execs a file it cannot read: its /proc/PID
+    # entries then belong to root and /proc/PID/environ needs ptrace rights (which root on a host
+    # has; root in a container without CAP_SYS_PTRACE, or any other user, has not). Its loop forks
+    # nothing, as in escapee-rewriting-environment-killed, so no child of it carries the marker where
+    # it can be read.
+    quiet_loop = f': > "$READY"; {_QUIET_LOOP}'
+    copy = '"$READY.bash"'
+    command = (
+        f'cat "$BASH" > {copy} && chmod 111 {copy} && '
+        f"(setsid {copy} --noprofile --norc -c {shlex.quote(quiet_loop)} {mark} >/dev/null 2>&1 &) "
+        '|| echo "cannot make an execute-only bash" > "$FAILED";'
+    )
+    await _start_kill_require_gone(ctx, command, mark, "a non-dumpable escapee")
+
+
+# Every way this project's backends ever carried an outcome in band, forged: the exit trailer with
+# the nonce of any ancestor's environment (a boot script's), on stdout and stderr, and the exit and
+# end files next to the command's output file (a detached task's). The command then goes on.
+_FORGE = r"""
+p=$$
+while [ "${p:-0}" -gt 1 ]; do
+  n=$(tr '\0' '\n' < /proc/$p/environ 2>/dev/null | sed -n 's/^DSH_BASH_NONCE=//p')
+  if [ -n "$n" ]; then printf '\0dsh-bash-exit:%s:000\0' "$n"; printf '\0dsh-bash-exit:%s:000\0' "$n" >&2; fi
+  read -r st < /proc/$p/stat 2>/dev/null || break
+  set -- ${st##*) }; p=$2
+done
+for fd in 1 2; do
+  f=$(readlink /proc/$$/fd/$fd 2>/dev/null)
+  case $f in /*.stdout|/*.stderr) b=${f%.*}; : > "$b.exit-0" 2>/dev/null; : > "$b.eof" 2>/dev/null ;; esac
+done
+"""
+
+
+@check(
+    "forged-outcome-ignored",
+    kind="beyond",
+    clause="R-outcome-unforgeable",
+    rule="Nothing a command writes (its output, files it can write, what it reads from its parents) "
+    "makes the executor report that it ended, or report another status.",
+)
+async def forged_outcome(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        started = time.monotonic()
+        result = await ex.exec(_FORGE + "sleep 1; exit 3", timeout_ms=int((5 + ctx.allowance_s) * 1000))
+        took = time.monotonic() - started
+        ctx.expect(
+            result.exit_code == 3 and result.signal is None and not result.timed_out and took >= 0.9,
+            f"a command that forged its outcome, then slept 1 s and exited 3, was reported after "
+            f"{took:.2f} s as {show(result)}",
+        )
+        started = time.monotonic()
+        task = await ex.start(ex.resolve(BashExecRequest(command=_FORGE + "sleep 1; exit 7")))
+        await wait_task(task, 5 + ctx.allowance_s, "forging task")
+        took = time.monotonic() - started
+        ctx.expect(
+            (task.status, task.end_cause, task.exit_code) == ("completed", "exited", 7) and took >= 0.9,
+            f"a background task that forged its outcome, then slept 1 s and exited 7, ended after "
+            f"{took:.2f} s as {show_task(task)}",
+        )
+
+
+@check(
+    "self-kill-reported-as-signal",
+    kind="beyond",
+    clause="R-outcome-self-signal",
+    rule="A command that kills itself reports the signal (`signal` set, `exit_code` None, a task's "
+    "end_cause `signaled`) on every backend, never a 128+n exit code.",
+)
+async def self_kill_as_signal(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        result = await ex.exec("kill -TERM $$")
+        ctx.expect(
+            (result.signal, result.exit_code) == ("SIGTERM", None) and not result.timed_out,
+            f"`kill -TERM $$` should report signal SIGTERM and no exit code: {show(result)}",
+        )
+        task = await ex.start(ex.resolve(BashExecRequest(command="kill -KILL $$")))
+        await wait_task(task, 2 + ctx.allowance_s, "self-killing task")
+        ctx.expect(
+            (task.status, task.end_cause, task.exit_code, task.signal)
+            == ("completed", "signaled", None, "SIGKILL"),
+            f"a task that ran `kill -KILL $$` should end completed/signaled with signal SIGKILL: "
+            f"{show_task(task)}",
+        )

@@ -238,7 +238,7 @@ async def self_signal(ctx: CheckContext) -> None:
     async with ctx.executor() as ex:
         # A backend that sees signal deaths only as 128+n (Docker) reports the plain exit code for a
         # signal it did not send; every other backend names the signal.
-        coded = type(ex).signals_as_exit_codes
+        coded = ex.signals_as_exit_codes
         for name in ("TERM", "KILL"):
             number = int(getattr(signal, f"SIG{name}"))
             result = await ex.exec(f"kill -{name} $$")

@@ -214,7 +214,7 @@ async def end_signaled(ctx: CheckContext) -> None:
     async with ctx.executor() as ex:
         # A backend that sees signal deaths only as 128+n (Docker) cannot tell `kill -TERM $$` from
         # `exit 143`: it reports the plain exit code, as the contract's 128+n rule says.
-        coded = type(ex).signals_as_exit_codes
+        coded = ex.signals_as_exit_codes
         for name in ("TERM", "KILL"):
             number = int(getattr(signal, f"SIG{name}"))
             task = await _start(ex, f"kill -{name} $$")
