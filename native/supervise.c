@@ -187,7 +187,8 @@ static void frame_out(char type, const void *data, size_t n, size_t limit)
     if (out_dead || ring_len + FRAME_HEADER + n > limit)
         return;
     put_header(ring_len, type, n);
-    ring_put(ring_len + FRAME_HEADER, data, n);
+    if (n > 0)
+        ring_put(ring_len + FRAME_HEADER, data, n);
     ring_len += FRAME_HEADER + n;
 }
 
@@ -327,7 +328,7 @@ static void queue_stdin(const unsigned char *data, size_t n)
         return;
     if (stdin_head + stdin_len + n > stdin_cap) {
         /* Compact when that frees at least half; otherwise grow. Each byte moves O(1) times. */
-        if (stdin_head * 2 >= stdin_cap) {
+        if (stdin_head > 0 && stdin_head * 2 >= stdin_cap) {
             memmove(stdin_queue, stdin_queue + stdin_head, stdin_len);
             stdin_head = 0;
         }
