@@ -63,6 +63,11 @@ class Framed:
             child_in, self._send_fd = os.pipe()
             self._recv_fd, child_out = os.pipe()
             child_fds = [child_in, child_out]
+            if user is not None:
+                # The supervisor's user owns them, as pipes it made itself would be: what keeps a
+                # command of that user out of them is then the supervisor's non-dumpability alone.
+                for fd in child_fds:
+                    os.fchown(fd, user, user)
         else:
             self._sock, child = socket.socketpair()
             self._send_fd = self._recv_fd = self._sock.fileno()
@@ -324,6 +329,42 @@ def test_everything_readable_at_exit_precedes_the_exit_record(runs: list[Framed]
     exit_at = run.events.index(("s", "exit 0"))
     before = sum(len(v) for k, v in run.events[:exit_at] if k == "o")
     assert before == 200000, (before, _kinds(run.events))
+
+
+SEND_STDIO = """
+import socket, sys
+print("before", flush=True)
+with socket.socket(socket.AF_UNIX) as s:
+    s.connect(sys.argv[1])
+    socket.send_fds(s, [b"x"], [1, 2])
+"""
+
+
+def test_empty_does_not_wait_for_a_pipe_held_outside(runs: list[Framed], tmp_path: Path) -> None:
+    # The command hands its stdout and stderr to a process outside its subtree (here: the test) and
+    # exits. Nothing of the subtree is left, so the supervisor ends both streams itself.
+    address = str(tmp_path / "sock")
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(address)
+        server.listen()
+        server.settimeout(5)
+        run = Framed([PYTHON, "-c", SEND_STDIO, address])
+        runs.append(run)
+        connection, _ = server.accept()
+        with connection:
+            _, fds, _, _ = socket.recv_fds(connection, 1, 2)
+        try:
+            run.finish()
+            with pytest.raises(BrokenPipeError):
+                os.write(fds[0], b"too late\n")  # the supervisor's read end is closed
+        finally:
+            for fd in fds:
+                os.close(fd)
+    assert run.stdout == b"before\n"
+    assert _kinds(run.events)[-4:] in (
+        ["s:exit 0", "eof:stdout", "eof:stderr", "s:empty"],
+        ["s:exit 0", "eof:stderr", "eof:stdout", "s:empty"],
+    ), run.events
 
 
 def test_late_output_comes_between_exit_and_empty(runs: list[Framed]) -> None:
