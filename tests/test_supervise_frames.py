@@ -230,7 +230,7 @@ def _kinds(events: list[Event]) -> list[str]:
     """The events with consecutive output chunks of one stream merged: ['s:started', 'o', 's:exit 0']."""
     kinds: list[str] = []
     for kind, value in events:
-        name = f"s:{value}" if kind == "s" else f"eof:{value}" if kind == "eof" else kind
+        name = kind if isinstance(value, bytes) else f"{kind}:{value}"  # output: its stream alone
         if name.startswith("s:started "):
             name = "s:started"
         if not kinds or kinds[-1] != name or kind == "s":
