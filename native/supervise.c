@@ -1049,13 +1049,13 @@ int main(int argc, char **argv)
                 record("empty");
                 return 0;
             }
-            /* `empty` is the last frame: no request is served after it is due. */
-            want_term = want_kill = killing = 0;
             if (!finished)
                 finished = finish_streams();
             flush_out();
             if (finished && ring_len == 0)
                 return 0;
+            /* `empty` is the last frame: no request is served once it is due. */
+            want_term = want_kill = killing = 0;
         }
         if (want_term) {
             int alive;

@@ -534,14 +534,21 @@ def test_backpressure_bounds_memory_and_kill_still_works(runs: list[Framed], mar
     pid = run.started_pid()
     supervisor = run.process.pid
     rss_start = _rss_kib(supervisor)
-    time.sleep(0.3)  # nobody reads: the supervisor's buffer and the socket fill, then `yes` blocks
+
+    def state() -> str:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    # Nobody reads: the supervisor's buffer and the socket fill, then `yes` blocks on its pipe.
+    deadline = time.monotonic() + 3
+    while state() != "S" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.1)
     rss_full, ticks = _rss_kib(supervisor), _cpu_ticks(supervisor)
     time.sleep(0.4)
     assert _cpu_ticks(supervisor) - ticks <= 3, "the supervisor spins while its output is blocked"
     rss_later = _rss_kib(supervisor)
     assert max(rss_full, rss_later) - rss_start < 2048, (rss_start, rss_full, rss_later)
-    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    assert state == "S", "yes blocks on its full pipe"
+    assert state() == "S", "yes blocks on its full pipe"
     run.send(b"K")  # still served while fd 1 is blocked
     deadline = time.monotonic() + 2
     while _start_time(pid) is not None and time.monotonic() < deadline:
