@@ -1,8 +1,9 @@
 """The native helper dsh-supervise, shipped as package data: one static Linux binary per architecture.
 
 ``dsh-supervise`` (source: ``native/supervise.c``, built by ``native/build.py``) runs one command as a
-per-command child subreaper, reports its outcome on a status fd the command cannot write, and kills the
-whole subtree on request. See the source's header for the protocol.
+per-command child subreaper, reports its outcome on a status fd the command cannot write (or, with
+``--frame``, in frames on its own stdout, next to the command's output), and kills the whole subtree
+on request. See the source's header and ``native/README.md`` for the protocol.
 
     supervisor_binary()            # the host's binary, or None
     supervisor_binary("aarch64")   # for a remote machine of that architecture (``uname -m`` names)
