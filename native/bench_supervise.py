@@ -7,6 +7,8 @@ Each round runs both variants back to back (order alternating), so a busy machin
   raw:        asyncio.create_subprocess_exec("bash", "--noprofile", "--norc", "-c", "true"), then wait()
   supervised: the same under `dsh-supervise --status-fd N --`, with the status records read to EOF
               from a socketpair (as a harness would) and the supervisor waited for.
+  framed:     the same under `dsh-supervise --frame --` (protocol version 2), its fds 0 and 1 one
+              socketpair, the frames read to EOF and the supervisor waited for.
 Prints the medians and the extra latency per command. Standard library only.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib.util
 import os
 import resource
@@ -21,6 +24,7 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 BASH = ("bash", "--noprofile", "--norc", "-c", "true")
@@ -58,29 +62,54 @@ async def supervised(binary: str) -> float:
     return elapsed
 
 
+async def framed(binary: str) -> float:
+    begin = time.perf_counter()
+    harness_sock, child_sock = socket.socketpair()
+    try:
+        process = await asyncio.create_subprocess_exec(
+            binary, "--frame", "--", *BASH, stdin=child_sock.fileno(), stdout=child_sock.fileno()
+        )
+    finally:
+        child_sock.close()
+    reader, writer = await asyncio.open_connection(sock=harness_sock)
+    frames = await reader.read()
+    writer.close()
+    await process.wait()
+    elapsed = time.perf_counter() - begin
+    if not frames.endswith(b"s\0\0\0\x05empty") or process.returncode != 0:
+        raise RuntimeError(f"unexpected: {frames!r}, exit status {process.returncode}")
+    return elapsed
+
+
 async def main_async(runs: int, binary: str) -> None:
-    for _ in range(10):  # warm up both paths
-        await raw()
-        await supervised(binary)
-    plain: list[float] = []
-    wrapped: list[float] = []
-    cpu = {"raw": 0.0, "supervised": 0.0}  # CPU of the waited children (and their waited children)
+    variants: dict[str, Callable[[], Awaitable[float]]] = {
+        "raw": raw,
+        "supervised": functools.partial(supervised, binary),
+        "framed": functools.partial(framed, binary),
+    }
+    for _ in range(10):  # warm up every path
+        for run in variants.values():
+            await run()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    cpu = dict.fromkeys(variants, 0.0)  # CPU of the waited children (and their waited children)
+    names = list(variants)
     for i in range(runs):
-        for variant in ("raw", "supervised") if i % 2 else ("supervised", "raw"):
+        for name in names[i % len(names) :] + names[: i % len(names)]:  # the order rotates
             before = children_cpu()
-            if variant == "raw":
-                plain.append(await raw())
-            else:
-                wrapped.append(await supervised(binary))
-            cpu[variant] += children_cpu() - before
-    raw_ms = statistics.median(plain) * 1000
-    sup_ms = statistics.median(wrapped) * 1000
+            times[name].append(await variants[name]())
+            cpu[name] += children_cpu() - before
+    ms = {name: statistics.median(values) * 1000 for name, values in times.items()}
     print(f"runs: {runs} each; load average: {os.getloadavg()[0]:.1f}")
-    print(f"raw bash -c true:        median {raw_ms:7.2f} ms")
-    print(f"under dsh-supervise:     median {sup_ms:7.2f} ms")
-    print(f"extra per command:       {sup_ms - raw_ms:7.2f} ms ({sup_ms / raw_ms:.2f}x)")
-    raw_cpu, sup_cpu = (cpu[v] / runs * 1000 for v in ("raw", "supervised"))
-    print(f"child CPU per command:   raw {raw_cpu:.2f} ms, supervised {sup_cpu:.2f} ms")
+    print(f"raw bash -c true:        median {ms['raw']:7.2f} ms")
+    print(f"under dsh-supervise:     median {ms['supervised']:7.2f} ms")
+    print(f"under --frame:           median {ms['framed']:7.2f} ms")
+    for name in ("supervised", "framed"):
+        print(f"extra per command ({name}): {ms[name] - ms['raw']:7.2f} ms ({ms[name] / ms['raw']:.2f}x)")
+    per = {name: cpu[name] / runs * 1000 for name in variants}
+    print(
+        f"child CPU per command:   raw {per['raw']:.2f} ms, supervised {per['supervised']:.2f} ms, "
+        f"framed {per['framed']:.2f} ms"
+    )
 
 
 def main() -> int:

@@ -3,7 +3,8 @@
  *
  *   dsh-supervise [--status-fd N] [--control-fd N] [--die-with-parent] [--allow-no-subreaper]
  *                 -- PROGRAM [ARGS...]
- *   dsh-supervise --version      (prints "dsh-supervise 1": the protocol's version)
+ *   dsh-supervise --frame [--allow-no-subreaper] -- PROGRAM [ARGS...]
+ *   dsh-supervise --version      (prints "dsh-supervise 2": the protocol's version)
  *
  * It makes itself a child subreaper and non-dumpable, forks PROGRAM into a session and process group
  * of its own, reports what happens on the status fd (ASCII lines, one write(2) each), reaps every
@@ -24,6 +25,19 @@
  * until a scan finds none alive. EOF on the control fd (or SIGUSR2 from --die-with-parent) means the
  * harness is gone: kill everything and exit once empty.
  *
+ * --frame (version 2), for harnesses that reach the command through one stream pair (Docker's exec,
+ * an SSH channel): the supervisor holds fds 0 and 1 alone; the command's stdin, stdout and stderr
+ * are pipes to it. A frame is a type byte, a 4-byte big-endian payload length and the payload.
+ *   out (fd 1):  'o' / 'e'  the command's stdout / stderr, at most 65536 bytes a frame; an empty one
+ *                           means that stream reached EOF (sent once per stream)
+ *                's'        one status record as above, without its newline
+ *   in (fd 0):   'i' bytes for the command's stdin (queued); 'c' close its stdin once the queue is
+ *                written; 'T' / 'K' as the control bytes; other types are skipped; a length over
+ *                1 MiB, EOF or an error mean the harness is gone (as control-fd EOF)
+ * Output read before the PROGRAM process was reaped precedes its exit record; `empty` is the last
+ * frame. fd 1 is written non-blocking from a bounded buffer: while it holds OUT_LIMIT bytes the
+ * command's pipes are not read (the command blocks), but fd 0, signals and kill passes are served.
+ *
  * --allow-no-subreaper: where PR_SET_CHILD_SUBREAPER is refused (qemu-user emulates no such prctl), go
  * on after `warning no-subreaper ERRNO` instead of failing; orphans then escape to init. For tests.
  *
@@ -38,11 +52,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -60,7 +76,7 @@
 #define __WALL 0x40000000
 #endif
 
-#define VERSION "1"
+#define VERSION "2"
 #define EXIT_SETUP 125
 #define TABLE_CAP 65536          /* processes one /proc scan can hold */
 #define MEMO_SLOTS (2 * TABLE_CAP) /* power of two */
@@ -68,6 +84,15 @@
 #define PASS_MIN_MS 2            /* pause between SIGKILL passes, doubling up to PASS_MAX_MS */
 #define PASS_MAX_MS 50
 #define WALK_ROUNDS 64           /* children-file walks per pass, while they find new processes */
+
+/* --frame */
+#define FRAME_HEADER 5
+#define READ_SIZE 65536          /* one read of a command pipe, or of fd 0; the largest payload sent */
+#define OUT_LIMIT (256 * 1024)   /* buffered output at which the command's pipes are no longer read */
+#define RECORD_ROOM 16384        /* beyond it, for records a command can provoke (signalled, warning) */
+#define FINAL_ROOM 512           /* kept for the once-only ones: started, exit, EOF frames, empty */
+#define RING_CAP (OUT_LIMIT + FRAME_HEADER + READ_SIZE + RECORD_ROOM + FINAL_ROOM)
+#define REQUEST_MAX (1 << 20)    /* a longer frame from the harness cannot be a sound one */
 
 struct proc_entry {
     int pid;
@@ -94,6 +119,30 @@ static int proc_fd = -1;
 static pid_t self_pid;
 static pid_t child_pid = -1;
 static int use_pidfd = 1;
+static int want_term, want_kill; /* kill requests not yet served */
+
+/* --frame: what goes out on fd 1, framed, in a ring (never more than RING_CAP bytes in memory). */
+static int frame_mode;
+static unsigned char ring[RING_CAP];
+static size_t ring_head, ring_len;
+static int out_dead;       /* writing fd 1 failed: nobody reads, output is dropped from now on */
+static int harness_left;   /* fd 0 ended or fd 1 failed */
+static int requests_open;  /* fd 0 is still read */
+struct stream {
+    int fd;                /* the supervisor's read end of the command's pipe, -1 once at EOF */
+    char type;
+    long long budget;      /* once no child is left: bytes still to read (what the pipe held then) */
+};
+static struct stream streams[2] = {{-1, 'o', 0}, {-1, 'e', 0}};
+static int stdin_fd = -1;  /* the supervisor's write end of the command's stdin */
+static int stdin_closing;  /* 'c' came: close once the queue is written */
+static unsigned char *stdin_queue;
+static size_t stdin_head, stdin_len, stdin_cap;
+static unsigned char request[READ_SIZE];
+static unsigned char request_header[FRAME_HEADER];
+static size_t request_header_len;
+static unsigned char request_type;
+static size_t request_left; /* payload bytes of the current request frame still to come */
 
 static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 static void die(const char *fmt, ...)
@@ -114,7 +163,111 @@ static void die(const char *fmt, ...)
     exit(EXIT_SETUP);
 }
 
-/* One status record: one line, one write(2). Failures (a reader that left) are ignored. */
+/* ---- --frame output ---------------------------------------------------------------------------- */
+
+static void ring_put(size_t at, const void *data, size_t n)
+{
+    size_t pos = (ring_head + at) % RING_CAP, first = RING_CAP - pos;
+    if (first > n)
+        first = n;
+    memcpy(ring + pos, data, first);
+    memcpy(ring, (const unsigned char *)data + first, n - first);
+}
+
+static void put_header(size_t at, char type, size_t n)
+{
+    unsigned char h[FRAME_HEADER] = {(unsigned char)type, (unsigned char)(n >> 24), (unsigned char)(n >> 16),
+                                     (unsigned char)(n >> 8), (unsigned char)n};
+    ring_put(at, h, sizeof h);
+}
+
+/* Appends a whole frame when it fits under LIMIT; the caller has made sure the essential ones do. */
+static void frame_out(char type, const void *data, size_t n, size_t limit)
+{
+    if (out_dead || ring_len + FRAME_HEADER + n > limit)
+        return;
+    put_header(ring_len, type, n);
+    if (n > 0)
+        ring_put(ring_len + FRAME_HEADER, data, n);
+    ring_len += FRAME_HEADER + n;
+}
+
+/* Writes fd 1 until it would block. An error there means nobody reads: the harness is gone. */
+static void harness_gone(void);
+static void flush_out(void)
+{
+    while (ring_len > 0 && !out_dead) {
+        struct iovec iov[2];
+        size_t first = RING_CAP - ring_head;
+        if (first > ring_len)
+            first = ring_len;
+        iov[0].iov_base = ring + ring_head;
+        iov[0].iov_len = first;
+        iov[1].iov_base = ring;
+        iov[1].iov_len = ring_len - first;
+        ssize_t n = writev(1, iov, ring_len > first ? 2 : 1);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                return;
+            out_dead = 1;
+            harness_gone();
+            break;
+        }
+        ring_head = (ring_head + (size_t)n) % RING_CAP;
+        ring_len -= (size_t)n;
+    }
+    if (out_dead)
+        ring_len = 0;
+    if (ring_len == 0)
+        ring_head = 0; /* the next frames start contiguous: fewer two-part writes */
+}
+
+/* Reads one chunk (at most MAX bytes) of the command's pipe straight into the ring as a frame; the
+ * caller has checked that ring_len < OUT_LIMIT, which leaves room for a whole read. Returns 1 when
+ * it read something, 0 when the pipe is empty for now, -1 when it reached EOF (frame sent, fd closed). */
+static int read_stream(struct stream *s, size_t max)
+{
+    if (max > READ_SIZE)
+        max = READ_SIZE;
+    size_t start = (ring_head + ring_len + FRAME_HEADER) % RING_CAP, first = RING_CAP - start;
+    struct iovec iov[2];
+    iov[0].iov_base = ring + start;
+    iov[0].iov_len = first < max ? first : max;
+    iov[1].iov_base = ring;
+    iov[1].iov_len = max - iov[0].iov_len;
+    ssize_t n;
+    do
+        n = readv(s->fd, iov, iov[1].iov_len ? 2 : 1);
+    while (n < 0 && errno == EINTR);
+    if (n > 0) {
+        if (!out_dead) {
+            put_header(ring_len, s->type, (size_t)n);
+            ring_len += FRAME_HEADER + (size_t)n;
+        }
+        s->budget -= n;
+        return 1;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+        return 0;
+    close(s->fd);
+    s->fd = -1;
+    frame_out(s->type, NULL, 0, RING_CAP);
+    return -1;
+}
+
+/* Output already written when the PROGRAM process ended belongs before its exit record. Bounded by
+ * the ring: a leftover that writes for ever cannot hold the record back. */
+static void drain_ready(void)
+{
+    for (int k = 0; k < 2; k++)
+        while (streams[k].fd >= 0 && ring_len < OUT_LIMIT && read_stream(&streams[k], READ_SIZE) > 0) {
+        }
+}
+
+/* One status record: one line, one write(2) (in frame mode: one 's' frame). Failures (a reader that
+ * left) are ignored. */
 static void record(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void record(const char *fmt, ...)
 {
@@ -128,6 +281,13 @@ static void record(const char *fmt, ...)
         return;
     if (n > (int)sizeof buf - 2)
         n = (int)sizeof buf - 2;
+    if (frame_mode) {
+        /* A command can provoke these without end (SIGUSR1 to its parent, a lowered RLIMIT_NOFILE);
+         * while the harness does not read, they must not grow the buffer, nor crowd out the rest. */
+        int droppable = strncmp(buf, "signalled ", 10) == 0 || strncmp(buf, "warning ", 8) == 0;
+        frame_out('s', buf, (size_t)n, droppable ? RING_CAP - FINAL_ROOM : RING_CAP);
+        return;
+    }
     buf[n++] = '\n';
     if (fd < 0)
         fd = 2; /* only warnings are worth saying without a status fd */
@@ -137,6 +297,143 @@ static void record(const char *fmt, ...)
     do
         w = write(fd, buf, (size_t)n);
     while (w < 0 && errno == EINTR);
+}
+
+/* ---- --frame input ----------------------------------------------------------------------------- */
+
+static void close_stdin(void)
+{
+    if (stdin_fd >= 0)
+        close(stdin_fd);
+    stdin_fd = -1;
+    free(stdin_queue);
+    stdin_queue = NULL;
+    stdin_head = stdin_len = stdin_cap = 0;
+}
+
+/* Nobody is left to ask for a kill: kill everything now, as on control-fd EOF. */
+static void harness_gone(void)
+{
+    if (harness_left)
+        return;
+    harness_left = 1;
+    requests_open = 0;
+    want_kill = 1;
+    close_stdin();
+}
+
+static void queue_stdin(const unsigned char *data, size_t n)
+{
+    if (stdin_fd < 0 || stdin_closing || n == 0)
+        return;
+    if (stdin_head + stdin_len + n > stdin_cap) {
+        /* Compact when that frees at least half; otherwise grow. Each byte moves O(1) times. */
+        if (stdin_head > 0 && stdin_head * 2 >= stdin_cap) {
+            memmove(stdin_queue, stdin_queue + stdin_head, stdin_len);
+            stdin_head = 0;
+        }
+        if (stdin_head + stdin_len + n > stdin_cap) {
+            size_t cap = stdin_cap ? stdin_cap * 2 : READ_SIZE;
+            while (cap < stdin_head + stdin_len + n)
+                cap *= 2;
+            unsigned char *grown = realloc(stdin_queue, cap);
+            if (grown == NULL) {
+                /* The command would read a stream with a hole in it: better no more stdin at all. */
+                record("warning stdin-queue %d", ENOMEM);
+                close_stdin();
+                return;
+            }
+            stdin_queue = grown;
+            stdin_cap = cap;
+        }
+    }
+    memcpy(stdin_queue + stdin_head + stdin_len, data, n);
+    stdin_len += n;
+}
+
+/* Writes the queue into the command's stdin until the pipe is full; EPIPE (the command closed its
+ * stdin) drops the queue. */
+static void write_stdin(void)
+{
+    while (stdin_fd >= 0 && stdin_len > 0) {
+        ssize_t n = write(stdin_fd, stdin_queue + stdin_head, stdin_len);
+        if (n > 0) {
+            stdin_head += (size_t)n;
+            stdin_len -= (size_t)n;
+            continue;
+        }
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return;
+        close_stdin();
+        return;
+    }
+    stdin_head = 0;
+    if (stdin_closing && stdin_fd >= 0)
+        close_stdin();
+}
+
+/* Reads what fd 0 has and acts on each request frame as its header completes. */
+static void read_requests(void)
+{
+    ssize_t n = read(0, request, sizeof request);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK))
+        return;
+    if (n <= 0) {
+        harness_gone();
+        return;
+    }
+    for (size_t at = 0; at < (size_t)n;) {
+        if (request_left > 0) {
+            size_t take = (size_t)n - at < request_left ? (size_t)n - at : request_left;
+            if (request_type == 'i')
+                queue_stdin(request + at, take);
+            at += take;
+            request_left -= take;
+            continue;
+        }
+        request_header[request_header_len++] = request[at++];
+        if (request_header_len < FRAME_HEADER)
+            continue;
+        request_header_len = 0;
+        request_type = request_header[0];
+        request_left = (size_t)request_header[1] << 24 | (size_t)request_header[2] << 16 |
+                       (size_t)request_header[3] << 8 | (size_t)request_header[4];
+        if (request_left > REQUEST_MAX) {
+            harness_gone(); /* the stream is not the harness's any more */
+            return;
+        }
+        if (request_type == 'c')
+            stdin_closing = 1;
+        else if (request_type == 'T')
+            want_term = 1;
+        else if (request_type == 'K')
+            want_kill = 1;
+    }
+}
+
+/* No child is left: read what the pipes held at that moment (a process outside the subtree may still
+ * hold a write end, and must not keep the supervisor alive by writing), then the EOF frames not sent
+ * yet and `empty`. Returns 1 once `empty` is queued, 0 while it waits for room in the ring. */
+static int finish_streams(void)
+{
+    close_stdin();
+    for (int k = 0; k < 2; k++) {
+        struct stream *s = &streams[k];
+        while (s->fd >= 0) {
+            if (ring_len >= OUT_LIMIT)
+                return 0;
+            size_t max = s->budget < READ_SIZE ? (size_t)(s->budget > 0 ? s->budget : 0) : READ_SIZE;
+            if (max == 0 || read_stream(s, max) == 0) {
+                close(s->fd);
+                s->fd = -1;
+                frame_out(s->type, NULL, 0, RING_CAP);
+            }
+        }
+    }
+    record("empty");
+    return 1;
 }
 
 static int parse_fd(const char *s, const char *opt)
@@ -509,6 +806,8 @@ static int reap(void)
         pid_t p = waitpid(-1, &st, WNOHANG | __WALL);
         if (p > 0) {
             if (p == child_pid) {
+                if (frame_mode)
+                    drain_ready();
                 if (WIFEXITED(st))
                     record("exit %d", WEXITSTATUS(st));
                 else if (WIFSIGNALED(st))
@@ -536,7 +835,7 @@ static void usage(void) __attribute__((noreturn));
 static void usage(void)
 {
     die("usage: dsh-supervise [--status-fd N] [--control-fd N] [--die-with-parent] [--allow-no-subreaper] "
-        "-- PROGRAM [ARGS...]");
+        "-- PROGRAM [ARGS...]\n       dsh-supervise --frame [--allow-no-subreaper] -- PROGRAM [ARGS...]");
 }
 
 int main(int argc, char **argv)
@@ -554,6 +853,8 @@ int main(int argc, char **argv)
             control_fd = parse_fd(argv[++i], a);
         } else if (strcmp(a, "--die-with-parent") == 0) {
             die_with_parent = 1;
+        } else if (strcmp(a, "--frame") == 0) {
+            frame_mode = 1;
         } else if (strcmp(a, "--allow-no-subreaper") == 0) {
             allow_no_subreaper = 1;
         } else if (strcmp(a, "--version") == 0) {
@@ -567,6 +868,17 @@ int main(int argc, char **argv)
     }
     if (i >= argc)
         usage();
+    if (frame_mode && (status_fd >= 0 || control_fd >= 0 || die_with_parent))
+        die("--frame takes its requests from fd 0 and writes its records to fd 1: it goes with none of "
+            "--status-fd, --control-fd, --die-with-parent");
+    if (frame_mode) {
+        if (fcntl(0, F_GETFD) < 0 || fcntl(1, F_GETFD) < 0)
+            die("--frame needs fds 0 and 1 open (the harness's stream)");
+        /* A closed fd 2 would be handed to one of the command's pipes below, then replaced by
+         * /dev/null after the fork. */
+        if (fcntl(2, F_GETFD) < 0 && open("/dev/null", O_RDWR) != 2)
+            die("cannot open /dev/null as fd 2");
+    }
     /* The command (PROGRAM and its arguments, a whole `bash -c COMMAND`) is copied out of the
      * argument area, which is then cleared: /proc/<pid>/cmdline of a supervisor that outlives the
      * command's shell must not read like one of the command's processes to whoever looks for them by
@@ -635,6 +947,14 @@ int main(int argc, char **argv)
     int exec_pipe[2];
     if (pipe2(exec_pipe, O_CLOEXEC) < 0)
         die("pipe2: %s", strerror(errno));
+    /* --frame: the command's stdin, stdout and stderr, [0] its read end, [1] its write end. All
+     * close-on-exec: the child dup2()s its own ends onto 0-2 and inherits none of the others. */
+    int stdio_pipe[3][2] = {{-1, -1}, {-1, -1}, {-1, -1}};
+    if (frame_mode) {
+        for (int k = 0; k < 3; k++)
+            if (pipe2(stdio_pipe[k], O_CLOEXEC) < 0)
+                die("pipe2: %s", strerror(errno));
+    }
     child_pid = fork();
     if (child_pid < 0)
         die("fork: %s", strerror(errno));
@@ -658,6 +978,12 @@ int main(int argc, char **argv)
         close(proc_fd);
         close(dev_null);
         close(exec_pipe[0]);
+        if (frame_mode && !err) {
+            /* Over the harness's stream: from here on the command reaches it only through us. */
+            for (int k = 0; k < 3 && !err; k++)
+                if (dup2(stdio_pipe[k][k == 0 ? 0 : 1], k) < 0)
+                    err = errno;
+        }
         if (!err) {
             execvp(program[0], program);
             err = errno;
@@ -669,6 +995,25 @@ int main(int argc, char **argv)
         _exit(127);
     }
     close(exec_pipe[1]);
+    if (frame_mode) {
+        close(stdio_pipe[0][0]);
+        close(stdio_pipe[1][1]);
+        close(stdio_pipe[2][1]);
+        stdin_fd = stdio_pipe[0][1];
+        streams[0].fd = stdio_pipe[1][0];
+        streams[1].fd = stdio_pipe[2][0];
+        /* Only the supervisor's ends (their own open files): the command's ends stay blocking. */
+        if (fcntl(stdin_fd, F_SETFL, O_NONBLOCK) < 0 || fcntl(streams[0].fd, F_SETFL, O_NONBLOCK) < 0 ||
+            fcntl(streams[1].fd, F_SETFL, O_NONBLOCK) < 0)
+            die("fcntl(O_NONBLOCK): %s", strerror(errno));
+        /* One slow reader of fd 1 must never stall kill requests; fd 0 too, which may share its open
+         * file (one socket as both). This changes the flags of the harness's open file descriptions. */
+        int fl0 = fcntl(0, F_GETFL), fl1 = fcntl(1, F_GETFL);
+        if (fl0 < 0 || fl1 < 0 || fcntl(0, F_SETFL, fl0 | O_NONBLOCK) < 0 ||
+            fcntl(1, F_SETFL, fl1 | O_NONBLOCK) < 0)
+            die("fcntl(O_NONBLOCK) on fds 0 and 1: %s", strerror(errno));
+        requests_open = 1;
+    }
     int exec_err = 0;
     ssize_t got;
     do
@@ -677,7 +1022,7 @@ int main(int argc, char **argv)
     close(exec_pipe[0]);
     /* The command's stdin, stdout and stderr are its own: held here, its output would never reach
        EOF while the supervisor waits for leftovers. From now on the status fd is the only channel. */
-    for (int fd = 0; fd <= 2; fd++)
+    for (int fd = frame_mode ? 2 : 0; fd <= 2; fd++)
         if (fd != status_fd && fd != control_fd)
             dup2(dev_null, fd);
     close(dev_null);
@@ -686,14 +1031,31 @@ int main(int argc, char **argv)
     else
         record("started %d", (int)child_pid);
 
-    struct pollfd pfds[2];
+    struct pollfd pfds[7];
     int killing = 0, pause_ms = PASS_MIN_MS;
-    int want_term = 0, want_kill = 0;
+    int no_children = 0, finished = 0;
     long long next_pass = 0;
     for (;;) {
-        if (reap()) {
-            record("empty");
-            return 0;
+        if (!no_children && reap()) {
+            no_children = 1;
+            for (int k = 0; k < 2; k++) {
+                int queued = 0;
+                if (streams[k].fd >= 0 && ioctl(streams[k].fd, FIONREAD, &queued) == 0)
+                    streams[k].budget = queued;
+            }
+        }
+        if (no_children) {
+            if (!frame_mode) {
+                record("empty");
+                return 0;
+            }
+            if (!finished)
+                finished = finish_streams();
+            flush_out();
+            if (finished && ring_len == 0)
+                return 0;
+            /* `empty` is the last frame: no request is served once it is due. */
+            want_term = want_kill = killing = 0;
         }
         if (want_term) {
             int alive;
@@ -719,12 +1081,40 @@ int main(int argc, char **argv)
             next_pass = now_ms() + pause_ms;
             continue;
         }
-        int nfds = 0;
+        int nfds = 0, at_control = -1, at_requests = -1, at_stdin = -1, at_out = -1, at_stream[2] = {-1, -1};
         pfds[nfds].fd = sig_fd;
         pfds[nfds++].events = POLLIN;
         if (control_fd >= 0) {
+            at_control = nfds;
             pfds[nfds].fd = control_fd;
             pfds[nfds++].events = POLLIN;
+        }
+        if (frame_mode) {
+            /* Written before waiting: most of the time nothing is left to wait for. */
+            write_stdin();
+            flush_out();
+            if (requests_open) {
+                at_requests = nfds;
+                pfds[nfds].fd = 0;
+                pfds[nfds++].events = POLLIN;
+            }
+            for (int k = 0; k < 2 && !no_children && ring_len < OUT_LIMIT; k++) {
+                if (streams[k].fd >= 0) {
+                    at_stream[k] = nfds;
+                    pfds[nfds].fd = streams[k].fd;
+                    pfds[nfds++].events = POLLIN;
+                }
+            }
+            if (stdin_fd >= 0 && stdin_len > 0) {
+                at_stdin = nfds;
+                pfds[nfds].fd = stdin_fd;
+                pfds[nfds++].events = POLLOUT;
+            }
+            if (ring_len > 0) {
+                at_out = nfds;
+                pfds[nfds].fd = 1;
+                pfds[nfds++].events = POLLOUT;
+            }
         }
         int timeout = -1;
         if (killing) {
@@ -751,7 +1141,7 @@ int main(int argc, char **argv)
                 }
             }
         }
-        if (nfds > 1 && pfds[1].revents) {
+        if (at_control >= 0 && pfds[at_control].revents) {
             char buf[64];
             ssize_t n = read(control_fd, buf, sizeof buf);
             if (n > 0) {
@@ -767,5 +1157,14 @@ int main(int argc, char **argv)
                 want_kill = 1;
             }
         }
+        if (at_requests >= 0 && pfds[at_requests].revents)
+            read_requests();
+        for (int k = 0; k < 2; k++)
+            if (at_stream[k] >= 0 && pfds[at_stream[k]].revents && streams[k].fd >= 0 && ring_len < OUT_LIMIT)
+                read_stream(&streams[k], READ_SIZE);
+        if (at_stdin >= 0 && pfds[at_stdin].revents)
+            write_stdin();
+        if (at_out >= 0 && pfds[at_out].revents)
+            flush_out();
     }
 }

@@ -1,0 +1,669 @@
+"""dsh-supervise --frame (protocol version 2), driven as a real binary.
+
+The supervisor holds one stream pair alone: requests in frames on its fd 0, the command's output and
+its status records in frames on its fd 1 (decoded here with dsh_bash's FrameDecoder). Each test holds
+the other ends (one socketpair for both, or two pipes where a test says so) and cleans up every
+process it started. The containment helpers (marked command lines, escapee scripts) are those of
+test_supervise.py, which also skips this module when the binary is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+from test_supervise import (
+    BASH,
+    ESCAPEES,
+    PYTHON,
+    QEMU,
+    SUPERVISE,
+    _alive,
+    _escapee_count,
+    _marked,
+    _start_time,
+    _wait_for_lines,
+)
+
+from dsh_bash._native import supervisor_binary, supervisor_problem
+from dsh_bash.backend import FrameDecoder, encode_frame
+
+SH = (BASH, "--noprofile", "--norc", "-c")
+
+Event = tuple[str, bytes | str]
+
+
+class Framed:
+    """One ``dsh-supervise --frame`` run: its process, the harness's ends of fds 0 and 1, what came."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        options: Sequence[str] = (),
+        pipes: bool = False,
+        binary: Sequence[str] = (SUPERVISE,),
+        user: int | None = None,
+        marker: str | None = None,
+    ) -> None:
+        self._sock: socket.socket | None = None
+        if pipes:
+            child_in, self._send_fd = os.pipe()
+            self._recv_fd, child_out = os.pipe()
+            child_fds = [child_in, child_out]
+            if user is not None:
+                # The supervisor's user owns them, as pipes it made itself would be: what keeps a
+                # command of that user out of them is then the supervisor's non-dumpability alone.
+                for fd in child_fds:
+                    os.fchown(fd, user, user)
+        else:
+            self._sock, child = socket.socketpair()
+            self._send_fd = self._recv_fd = self._sock.fileno()
+            child_in = child_out = child.detach()
+            child_fds = [child_in]
+        try:
+            self.process = subprocess.Popen(
+                [*binary, "--frame", *options, "--", *command],
+                stdin=child_in,
+                stdout=child_out,
+                stderr=subprocess.PIPE,
+                user=user,
+                group=user,
+                extra_groups=[] if user is not None else None,
+                cwd="/",
+                env=None if marker is None else {**os.environ, "M": marker},
+            )
+        finally:
+            for fd in child_fds:
+                os.close(fd)  # the harness keeps no end of the supervisor's: EOF means it is gone
+        self.events: list[Event] = []
+        self.raw = bytearray()
+        self.stdout = bytearray()
+        self.stderr = bytearray()
+        self.at_eof = False
+        self._decoder = FrameDecoder(
+            on_stdout=self._on_stdout,
+            on_stderr=self._on_stderr,
+            on_status=lambda record: self.events.append(("s", record)),
+            on_eof=lambda stream: self.events.append(("eof", stream)),
+        )
+
+    def _on_stdout(self, data: memoryview) -> None:
+        self.stdout += data
+        self.events.append(("o", bytes(data)))
+
+    def _on_stderr(self, data: memoryview) -> None:
+        self.stderr += data
+        self.events.append(("e", bytes(data)))
+
+    @property
+    def records(self) -> list[str]:
+        """The status records so far, warnings left out (qemu-user says `warning no-subreaper`)."""
+        return [str(r) for kind, r in self.events if kind == "s" and not str(r).startswith("warning ")]
+
+    def send(self, kind: bytes, payload: bytes = b"") -> None:
+        data = memoryview(encode_frame(kind, payload))
+        while data:
+            select.select([], [self._send_fd], [], 5)
+            data = data[os.write(self._send_fd, data) :]
+
+    def close_input(self) -> None:
+        """The harness's requests end (as a harness that went away, still reading its output)."""
+        if self._sock is not None:
+            self._sock.shutdown(socket.SHUT_WR)
+        elif self._send_fd >= 0:
+            os.close(self._send_fd)
+            self._send_fd = -1
+
+    def read_for(self, seconds: float) -> None:
+        """Reads and decodes whatever comes within SECONDS."""
+        deadline = time.monotonic() + seconds
+        self.read_until(lambda: time.monotonic() >= deadline or self.at_eof, seconds + 5)
+
+    def send_raw(self, data: bytes) -> None:
+        os.write(self._send_fd, data)
+
+    def close_all(self) -> None:
+        """The harness is gone altogether: it neither sends nor reads."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        else:
+            for fd in (self._send_fd, self._recv_fd):
+                if fd >= 0:
+                    os.close(fd)
+        self._send_fd = self._recv_fd = -1
+
+    def read_until(self, done: Callable[[], bool], timeout: float = 5.0) -> None:
+        """Reads and decodes until DONE() holds; fails after TIMEOUT seconds or at an early EOF."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self.at_eof:
+                pytest.fail(f"{'EOF' if self.at_eof else 'timeout'} before the awaited frames: {self.events}")
+            if select.select([self._recv_fd], [], [], min(remaining, 0.1))[0]:
+                chunk = os.read(self._recv_fd, 1 << 20)
+                if not chunk:
+                    self.at_eof = True
+                    continue
+                self.raw += chunk
+                self._decoder.feed(chunk)
+
+    def expect(self, prefix: str, timeout: float = 5.0) -> str:
+        """Reads until a status record starting with PREFIX arrived; returns it."""
+
+        def found() -> str | None:
+            return next((r for r in self.records if r.startswith(prefix)), None)
+
+        self.read_until(lambda: found() is not None, timeout)
+        record = found()
+        assert record is not None
+        return record
+
+    def started_pid(self) -> int:
+        return int(self.expect("started ").split()[1])
+
+    def finish(self, timeout: float = 5.0) -> list[Event]:
+        """Reads to EOF; the supervisor must exit 0 and `empty` must be the last frame."""
+        self.read_until(lambda: self.at_eof, timeout)
+        assert self.process.wait(timeout) == 0, self.process.stderr.read() if self.process.stderr else ""
+        assert not self._decoder.mid_frame, "the stream ended inside a frame"
+        assert self.events[-1] == ("s", "empty"), self.events
+        return self.events
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            # Its subtree first: a SIGKILL of the supervisor alone would hand the subtree to init.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.process.pid, signal.SIGUSR2)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(5)
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        if self.process.stderr:
+            self.process.stderr.close()
+        self.close_all()
+
+
+@pytest.fixture
+def runs() -> Iterator[list[Framed]]:
+    started: list[Framed] = []
+    yield started
+    for run in started:
+        run.close()
+
+
+@pytest.fixture
+def marker() -> Iterator[str]:
+    mark = f"dshframemark{uuid.uuid4().hex}"
+    yield mark
+    for pid in _marked(mark):  # never leave a survivor behind, whatever the test said
+        os.kill(pid, signal.SIGKILL)
+
+
+def _frame_sizes(raw: bytes) -> list[tuple[bytes, int]]:
+    """(type, payload length) of every frame in RAW, read from the headers alone."""
+    sizes = []
+    at = 0
+    while at < len(raw):
+        kind, length = struct.unpack_from(">cI", raw, at)
+        sizes.append((kind, length))
+        at += 5 + length
+    assert at == len(raw)
+    return sizes
+
+
+def _kinds(events: list[Event]) -> list[str]:
+    """The events with consecutive output chunks of one stream merged: ['s:started', 'o', 's:exit 0']."""
+    kinds: list[str] = []
+    for kind, value in events:
+        name = kind if isinstance(value, bytes) else f"{kind}:{value}"  # output: its stream alone
+        if name.startswith("s:started "):
+            name = "s:started"
+        if not kinds or kinds[-1] != name or kind == "s":
+            kinds.append(name)
+    return kinds
+
+
+# ---- output and outcome --------------------------------------------------------------------------
+
+WRITER = """
+import sys
+out = bytes(range(256)) * 12288  # 3 MiB
+err = bytes(range(255, -1, -1)) * 4096  # 1 MiB
+e = 0
+for k in range(0, len(out), 100000):  # interleaved
+    sys.stdout.buffer.write(out[k : k + 100000]); sys.stdout.flush()
+    sys.stderr.buffer.write(err[e : e + 33000]); sys.stderr.flush()
+    e += 33000
+sys.stderr.buffer.write(err[e:]); sys.stderr.flush()
+sys.exit(3)
+"""
+
+
+def test_streams_framed_apart_byte_exact(runs: list[Framed]) -> None:
+    run = Framed([PYTHON, "-c", WRITER])
+    runs.append(run)
+    events = run.finish()
+    assert bytes(run.stdout) == bytes(range(256)) * 12288
+    assert bytes(run.stderr) == bytes(range(255, -1, -1)) * 4096
+    assert run.records[0].startswith("started ")
+    assert run.records[1:] == ["exit 3", "empty"]
+    assert [e for e in events if e[0] == "eof"] in (
+        [("eof", "stdout"), ("eof", "stderr")],
+        [("eof", "stderr"), ("eof", "stdout")],
+    )
+    sizes = _frame_sizes(bytes(run.raw))
+    assert max(length for kind, length in sizes if kind in (b"o", b"e")) <= 65536
+    assert [kind for kind, length in sizes if length == 0] in ([b"o", b"e"], [b"e", b"o"])
+
+
+@pytest.mark.parametrize(
+    ("script", "outcome"), [("true", "exit 0"), ("exit 3", "exit 3"), ("kill -TERM $$", "signal 15")]
+)
+def test_outcome_is_the_observed_wait_status(runs: list[Framed], script: str, outcome: str) -> None:
+    run = Framed([*SH, script])
+    runs.append(run)
+    run.finish()
+    assert run.records[1:] == [outcome, "empty"]
+
+
+def test_exec_failure(runs: list[Framed]) -> None:
+    run = Framed(["/nonexistent/dsh-no-such-program"])
+    runs.append(run)
+    events = run.finish()
+    assert run.records == ["execfail 2", "exit 127", "empty"]  # ENOENT
+    assert sorted(str(v) for k, v in events if k == "eof") == ["stderr", "stdout"]
+    assert run.stdout == run.stderr == b""
+
+
+def test_output_before_exit_precedes_the_exit_record(runs: list[Framed]) -> None:
+    for _ in range(10):
+        run = Framed([*SH, "echo hi; exit 0"])
+        runs.append(run)
+        run.finish()
+        kinds = _kinds(run.events)
+        assert kinds.index("o") < kinds.index("s:exit 0"), kinds
+        assert run.stdout == b"hi\n"
+
+
+DELAYED_WRITER = """
+import fcntl, os, sys, time
+fcntl.fcntl(1, fcntl.F_SETPIPE_SZ, 1 << 20)  # 200000 bytes fit: the write below never blocks
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.005)
+os.write(1, b"x" * 200000)
+"""
+
+
+def test_everything_readable_at_exit_precedes_the_exit_record(runs: list[Framed], tmp_path: Path) -> None:
+    # More than one read's worth sits in the pipe when the command's process ends: the supervisor,
+    # stopped meanwhile, wakes with SIGCHLD and data at once, and must read all of it first.
+    go = tmp_path / "go"
+    run = Framed([PYTHON, "-c", DELAYED_WRITER, str(go)])
+    runs.append(run)
+    pid = run.started_pid()
+    os.kill(run.process.pid, signal.SIGSTOP)
+    try:
+        go.touch()
+        deadline = time.monotonic() + 5
+        while _start_time(pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.005)  # until the command is a zombie
+        assert _start_time(pid) is None
+    finally:
+        os.kill(run.process.pid, signal.SIGCONT)
+    run.finish()
+    exit_at = run.events.index(("s", "exit 0"))
+    before = sum(len(v) for k, v in run.events[:exit_at] if k == "o")
+    assert before == 200000, (before, _kinds(run.events))
+
+
+SEND_STDIO = """
+import socket, sys
+print("before", flush=True)
+with socket.socket(socket.AF_UNIX) as s:
+    s.connect(sys.argv[1])
+    socket.send_fds(s, [b"x"], [1, 2])
+"""
+
+
+def test_empty_does_not_wait_for_a_pipe_held_outside(runs: list[Framed], tmp_path: Path) -> None:
+    # The command hands its stdout and stderr to a process outside its subtree (here: the test) and
+    # exits. Nothing of the subtree is left, so the supervisor ends both streams itself.
+    address = str(tmp_path / "sock")
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(address)
+        server.listen()
+        server.settimeout(5)
+        run = Framed([PYTHON, "-c", SEND_STDIO, address])
+        runs.append(run)
+        connection, _ = server.accept()
+        with connection:
+            _, fds, _, _ = socket.recv_fds(connection, 1, 2)
+        try:
+            run.finish()
+            with pytest.raises(BrokenPipeError):
+                os.write(fds[0], b"too late\n")  # the supervisor's read end is closed
+        finally:
+            for fd in fds:
+                os.close(fd)
+    assert run.stdout == b"before\n"
+    assert _kinds(run.events)[-4:] in (
+        ["s:exit 0", "eof:stdout", "eof:stderr", "s:empty"],
+        ["s:exit 0", "eof:stderr", "eof:stdout", "s:empty"],
+    ), run.events
+
+
+def test_late_output_comes_between_exit_and_empty(runs: list[Framed]) -> None:
+    run = Framed([*SH, "(sleep 0.2; echo late) & exit 0"])
+    runs.append(run)
+    run.finish()
+    kinds = _kinds(run.events)
+    assert kinds[:2] == ["s:started", "s:exit 0"], kinds
+    assert kinds.index("o") > 1
+    assert kinds[-1] == "s:empty"
+    assert run.stdout == b"late\n"
+
+
+# ---- stdin ---------------------------------------------------------------------------------------
+
+
+def test_stdin_frames_reach_the_command(runs: list[Framed]) -> None:
+    data = bytes(range(256)) * 4096 + b"\0\0tail\0"  # 1 MiB and some, NULs included
+    run = Framed(["cat"])
+    runs.append(run)
+    run.started_pid()
+    for at in range(0, len(data), 50000):
+        run.send(b"i", data[at : at + 50000])
+    # Unknown types are skipped with their payload (which looks like a kill request here).
+    run.send(b"x", encode_frame(b"K"))
+    run.send(b"i", b"!")
+    run.send(b"c")
+    run.send(b"i", b"after close")  # dropped
+    run.finish()
+    assert bytes(run.stdout) == data + b"!"
+    assert run.records[1:] == ["exit 0", "empty"]
+
+
+def test_stdin_stays_open_without_a_close_frame(runs: list[Framed]) -> None:
+    run = Framed(["cat"])
+    runs.append(run)
+    run.started_pid()
+    run.send(b"i", b"one\n")
+    run.read_until(lambda: run.stdout == b"one\n")
+    run.read_for(0.3)
+    assert run.records[1:] == [], "cat still waits for more"
+    run.send(b"c")
+    run.finish()
+    assert run.records[1:] == ["exit 0", "empty"]
+
+
+def test_stdin_closed_by_the_command_drops_the_queue(runs: list[Framed]) -> None:
+    run = Framed([*SH, "exec 0<&-; sleep 0.2; echo done"])
+    runs.append(run)
+    run.started_pid()
+    run.send(b"i", b"x" * 300000)
+    run.finish()
+    assert run.stdout == b"done\n"
+
+
+# ---- kill requests and containment ---------------------------------------------------------------
+
+
+def test_kill_frame_kills_every_escapee(runs: list[Framed], marker: str, tmp_path: Path) -> None:
+    pids_file = tmp_path / "pids"
+    run = Framed([*SH, ESCAPEES, "escapees", str(pids_file), PYTHON], marker=marker)
+    runs.append(run)
+    run.started_pid()
+    run.expect("exit 0")  # the shell is done; its escapees live on
+    pids = _wait_for_lines(pids_file, _escapee_count(), timeout=5)
+    time.sleep(0.1)  # let the last ones reach their final exec
+    starts = {pid: _start_time(pid) for pid in pids}
+    assert _alive(starts) == pids
+    run.send(b"K")
+    assert int(run.expect("signalled ").split()[1]) >= len(pids)
+    run.finish()
+    # The escapees held the command's stdout and stderr: their EOF frames come with `empty`.
+    assert _kinds(run.events)[-3:] in (
+        ["eof:stdout", "eof:stderr", "s:empty"],
+        ["eof:stderr", "eof:stdout", "s:empty"],
+    )
+    assert _alive(starts) == []
+    assert _marked(marker) == []
+
+
+def test_term_frame_then_kill_frame(runs: list[Framed], marker: str) -> None:
+    script = (
+        '( exec -a "$M-plain" sleep 600 & ); '
+        '( trap "" TERM; exec -a "$M-trap" sleep 600 & ); '
+        "sleep 0.1; exit 0"
+    )
+    run = Framed([*SH, script], marker=marker)
+    runs.append(run)
+    run.expect("exit 0")
+    assert len(_marked(marker)) == 2
+    run.send(b"T")
+    assert run.expect("signalled ") == "signalled 2"
+    deadline = time.monotonic() + 2
+    while len(_marked(marker)) > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(_marked(marker)) == 1
+    assert run.process.poll() is None, "the supervisor stays while a descendant lives"
+    run.send(b"K")
+    run.finish()
+    assert run.records[-2:] == ["signalled 1", "empty"]
+    assert _marked(marker) == []
+
+
+def test_signals_still_work_in_frame_mode(runs: list[Framed], marker: str) -> None:
+    run = Framed([*SH, 'exec -a "$M" sleep 600'], marker=marker)
+    runs.append(run)
+    run.started_pid()
+    os.kill(run.process.pid, signal.SIGUSR2)
+    run.finish()
+    assert run.records[1:] == ["signalled 1", "signal 9", "empty"]
+    assert _marked(marker) == []
+
+
+@pytest.mark.parametrize("pipes", [False, True])
+def test_input_eof_kills_everything(runs: list[Framed], marker: str, pipes: bool) -> None:
+    script = '( exec -a "$M-leftover" sleep 600 & ); exec -a "$M" sleep 600'
+    run = Framed([*SH, script], marker=marker, pipes=pipes)
+    runs.append(run)
+    run.started_pid()
+    deadline = time.monotonic() + 2
+    while len(_marked(marker)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(_marked(marker)) == 2
+    run.close_input()
+    run.finish()
+    assert run.records[1:] == ["signalled 2", "signal 9", "empty"]
+    assert _marked(marker) == []
+
+
+def test_an_oversized_request_counts_as_eof(runs: list[Framed], marker: str) -> None:
+    run = Framed([*SH, 'exec -a "$M" sleep 600'], marker=marker)
+    runs.append(run)
+    run.started_pid()
+    run.send_raw(b"i" + struct.pack(">I", (1 << 20) + 1))
+    run.finish()
+    assert run.records[1:] == ["signalled 1", "signal 9", "empty"]
+    assert _marked(marker) == []
+
+
+def test_harness_gone_altogether(marker: str) -> None:
+    # Nobody reads fd 1 any more either: the supervisor kills everything and exits, writing nothing.
+    run = Framed([*SH, '( exec -a "$M-leftover" sleep 600 & ); exec -a "$M" yes'], marker=marker)
+    try:
+        run.started_pid()
+        run.close_all()
+        assert run.process.wait(5) == 0
+        assert _marked(marker) == []
+    finally:
+        run.close()
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def _cpu_ticks(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return sum(int(field) for field in stat[stat.rindex(")") + 2 :].split()[11:13])
+
+
+def test_backpressure_bounds_memory_and_kill_still_works(runs: list[Framed], marker: str) -> None:
+    run = Framed([*SH, 'exec -a "$M" yes'], marker=marker)
+    runs.append(run)
+    pid = run.started_pid()
+    supervisor = run.process.pid
+    rss_start = _rss_kib(supervisor)
+
+    def state() -> str:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    # Nobody reads: the supervisor's buffer and the socket fill, then `yes` blocks on its pipe.
+    deadline = time.monotonic() + 3
+    while state() != "S" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.1)
+    rss_full, ticks = _rss_kib(supervisor), _cpu_ticks(supervisor)
+    time.sleep(0.4)
+    assert _cpu_ticks(supervisor) - ticks <= 3, "the supervisor spins while its output is blocked"
+    rss_later = _rss_kib(supervisor)
+    assert max(rss_full, rss_later) - rss_start < 2048, (rss_start, rss_full, rss_later)
+    assert state() == "S", "yes blocks on its full pipe"
+    run.send(b"K")  # still served while fd 1 is blocked
+    deadline = time.monotonic() + 2
+    while _start_time(pid) is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _start_time(pid) is None, "the kill request was not served"
+    run.finish()
+    assert run.records[1:] == ["signalled 1", "signal 9", "empty"]
+    assert set(bytes(run.stdout)) == {ord("y"), ord("\n")}
+    assert _marked(marker) == []
+
+
+# ---- the channel cannot be forged ----------------------------------------------------------------
+
+
+def test_output_that_looks_like_a_record_is_only_output(runs: list[Framed]) -> None:
+    forged = b"s\0\0\0\x06exit 0s\0\0\0\x05empty"
+    run = Framed([*SH, r"printf 's\0\0\0\006exit 0s\0\0\0\005empty'; printf 'o\0\0\0\0' >&2; exit 7"])
+    runs.append(run)
+    run.finish()
+    assert run.stdout == forged
+    assert run.stderr == b"o\0\0\0\0"
+    assert run.records[1:] == ["exit 7", "empty"]
+
+
+FORGE = r"""
+printf 's\0\0\0\005empty' 2>/dev/null >/proc/$PPID/fd/1 && echo "reopened fd 1" >&2
+{ exec 3</proc/$PPID/fd/0; } 2>/dev/null && echo "reopened fd 0" >&2
+ls /proc/$PPID/fd >/dev/null 2>&1 && echo "listed the fds" >&2
+exit 7
+"""
+
+
+def _forge(runs: list[Framed], binary: str, user: int | None) -> Framed:
+    # Pipes, not a socket: a socket cannot be reopened through /proc at all (ENXIO); a pipe can, by
+    # whoever may ptrace its holder.
+    run = Framed([*SH, FORGE], binary=(binary,), user=user, pipes=True)
+    runs.append(run)
+    run.finish()
+    return run
+
+
+def test_command_cannot_reach_the_supervisors_stream(runs: list[Framed]) -> None:
+    # PR_SET_DUMPABLE 0 closes /proc/SUPERVISOR/fd to same-user processes; root (CAP_SYS_PTRACE) is
+    # exempt, so when root the supervisor and its command run as nobody.
+    user = 65534 if os.geteuid() == 0 else None
+    with tempfile.TemporaryDirectory() as directory:
+        os.chmod(directory, 0o755)
+        binary = Path(directory) / "dsh-supervise"
+        shutil.copy2(SUPERVISE, binary)
+        binary.chmod(0o755)
+        run = _forge(runs, str(binary), user)
+    assert run.stderr == b"", run.stderr
+    assert run.records[1:] == ["exit 7", "empty"]
+    assert _kinds(run.events)[-1] == "s:empty" and run.records.count("empty") == 1
+
+
+def _has_cap_sys_ptrace() -> bool:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> 19 & 1)
+    return False
+
+
+@pytest.mark.skipif(
+    not _has_cap_sys_ptrace(), reason="the control case needs CAP_SYS_PTRACE (root on a host)"
+)
+def test_forgery_probe_works_where_nothing_protects(runs: list[Framed]) -> None:
+    # The control for the test above: with CAP_SYS_PTRACE the probe reaches the supervisor's pipes.
+    # If this stops forging, the test above proves nothing.
+    run = _forge(runs, SUPERVISE, None)
+    assert b"reopened fd 1" in run.stderr and b"reopened fd 0" in run.stderr, run.stderr
+    assert run.records.count("empty") == 2, run.events  # one forged, one real
+
+
+# ---- usage, version, architectures ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option", [["--status-fd", "FD"], ["--control-fd", "FD"], ["--die-with-parent"]])
+def test_frame_excludes_the_version_1_channels(option: list[str]) -> None:
+    read_end, write_end = os.pipe()
+    try:
+        args = [SUPERVISE, "--frame", *(str(write_end) if a == "FD" else a for a in option), "--", "true"]
+        done = subprocess.run(
+            args, pass_fds=[write_end], capture_output=True, text=True, timeout=5, check=False
+        )
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert done.returncode == 125
+    assert done.stderr.startswith("dsh-supervise: --frame "), done.stderr
+
+
+def test_version_2() -> None:
+    done = subprocess.run([SUPERVISE, "--version"], capture_output=True, text=True, timeout=5, check=True)
+    assert done.stdout == "dsh-supervise 2\n"
+
+
+@pytest.mark.skipif(
+    QEMU is None,
+    reason="backend unavailable: qemu-aarch64-static is not installed (apt-get install qemu-user-static)",
+)
+def test_aarch64_round_trip_under_qemu(runs: list[Framed]) -> None:
+    binary = supervisor_binary("aarch64")
+    assert binary is not None, supervisor_problem("aarch64")
+    assert QEMU is not None
+    run = Framed(
+        ["/bin/sh", "-c", "cat; echo err >&2; exit 3"],
+        binary=(QEMU, str(binary)),
+        options=["--allow-no-subreaper"],
+    )
+    runs.append(run)
+    run.send(b"i", b"\0in\xff")
+    run.send(b"c")
+    run.finish(10)
+    assert run.stdout == b"\0in\xff"
+    assert run.stderr == b"err\n"
+    assert run.records[0].startswith("started ")
+    assert run.records[1:] == ["exit 3", "empty"]
