@@ -100,12 +100,18 @@ async def bench_docker(runs: int, image: str) -> list[tuple[str, str, float, flo
     from dsh_bash_docker import DockerBashExecutor, DockerConfig  # noqa: PLC0415
 
     client = docker.from_env()
-    async with DockerBashExecutor(DockerConfig(image=image)) as ex:
+    async with (
+        DockerBashExecutor(DockerConfig(image=image)) as ex,
+        DockerBashExecutor(DockerConfig(image=image, containment="marker")) as marker_ex,
+    ):
         container_id = ex.container_id
         container = client.containers.get(container_id)
 
         async def subject() -> None:
             await ex.exec("true")
+
+        async def marker_only() -> None:
+            await marker_ex.exec("true")
 
         async def cli() -> None:
             process = await asyncio.create_subprocess_exec("docker", "exec", container_id, "true")
@@ -114,11 +120,13 @@ async def bench_docker(runs: int, image: str) -> list[tuple[str, str, float, flo
         async def sdk() -> None:
             await asyncio.to_thread(container.exec_run, ["true"])
 
-        medians = await _alternate(runs, subject, {"cli": cli, "sdk": sdk})
+        medians = await _alternate(runs, subject, {"cli": cli, "sdk": sdk, "marker": marker_only})
     client.close()
     return [
         ("docker", "docker exec CONTAINER true (CLI)", medians["subject"], medians["cli"]),
         ("docker", "docker-py container.exec_run(['true'])", medians["subject"], medians["sdk"]),
+        # The cost of the containment: the same executor without dsh-supervise (marker only).
+        ("docker", "the Docker executor with containment = marker", medians["subject"], medians["marker"]),
     ]
 
 

@@ -237,8 +237,9 @@ def docker_target(
     container: str | None = None,
     *,
     check_timeout_s: float = 30.0,
+    containment: str = "auto",
 ) -> KitTarget:
-    """A kit target for the Docker backend.
+    """A kit target for the Docker backend (``containment``: the config's, ``auto`` by default).
 
     ``mode="image"``: every executor creates (and removes) its own container from ``image``; the
     variables planted by ``plant_ambient`` become that container's environment (``environment``).
@@ -256,7 +257,12 @@ def docker_target(
     if mode == "image":
 
         def make_image_executor(**overrides: Any) -> DockerBashExecutor:
-            fields: dict[str, Any] = {"image": image, "environment": planted.snapshot(), **overrides}
+            fields: dict[str, Any] = {
+                "image": image,
+                "environment": planted.snapshot(),
+                "containment": containment,
+                **overrides,
+            }
             fields["labels"] = {**labels, **fields.get("labels", {})}
             return DockerBashExecutor(DockerConfig(**fields))
 
@@ -286,7 +292,9 @@ def docker_target(
     def make_container_executor(**overrides: Any) -> DockerBashExecutor:
         with current_lock:
             target_container = current[-1]
-        return DockerBashExecutor(DockerConfig(container=target_container, **overrides))
+        return DockerBashExecutor(
+            DockerConfig(container=target_container, **{"containment": containment, **overrides})
+        )
 
     @contextlib.contextmanager
     def plant_in_new_container(variables: Mapping[str, str]) -> Iterator[None]:

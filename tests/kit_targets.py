@@ -7,12 +7,32 @@ from typing import Any
 from dsh_bash_conformance import KitTarget
 from dsh_bash_local import LocalBashExecutor, LocalConfig
 
-#: The checks the backends that find processes by an environment marker fail, by backend (Docker and
-#: SSH, until they run their commands under dsh-supervise; issue "containment that holds against
+#: The checks a backend fails when it finds a command's processes by their environment marker and
+#: takes its outcome from in-band reports (SSH, until it runs its commands under dsh-supervise;
+#: Docker with ``containment = "marker"``, as it was before; issue "containment that holds against
 #: hostile commands"). Their tests expect exactly these to fail, so one that starts passing is noticed.
 MARKER_CONTAINMENT_FAILS: dict[str, frozenset[str]] = {
-    "docker": frozenset({"escapee-without-environment-killed", "escapee-rewriting-environment-killed"}),
-    "ssh": frozenset({"escapee-without-environment-killed", "escapee-rewriting-environment-killed"}),
+    "docker": frozenset(
+        {
+            "escapee-without-environment-killed",
+            "escapee-rewriting-environment-killed",
+            # Root in the container without CAP_SYS_PTRACE (image mode drops all capabilities)
+            # cannot read a non-dumpable process's environment.
+            "non-dumpable-escapee-killed",
+            # The boot wrapper's nonce is in its initial environment, which the command reads.
+            "forged-outcome-ignored",
+            "self-kill-reported-as-signal",
+        }
+    ),
+    "ssh": frozenset(
+        {
+            "escapee-without-environment-killed",
+            "escapee-rewriting-environment-killed",
+            "non-dumpable-escapee-killed",
+            "forged-outcome-ignored",
+            "self-kill-reported-as-signal",
+        }
+    ),
 }
 #: Checks whose escapee these backends kill or miss by chance: a setsid fork chain races each
 #: kill-script scan (its newest generation is born after the scan). Either outcome is accepted there,

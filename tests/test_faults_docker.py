@@ -219,3 +219,22 @@ async def test_engine_restart_container_mode_raises_until_restarted(
             assert (await ex.exec("echo again")).stdout.text == "again\n"
     finally:
         second_engine.docker("rm", "-f", container)
+
+
+@pytest.mark.timeout(60)
+async def test_a_command_that_kills_its_supervisor_is_lost_not_forged(
+    docker_test_image: str, marker: str
+) -> None:
+    """The command's parent is its dsh-supervise (same user: it can kill it). The stream then ends
+    without the supervisor's last record: the run is ``command_lost`` (never the exit 0 the command
+    asks for), and what the supervisor held is killed by marker."""
+    async with _image_executor(docker_test_image) as ex:
+        assert ex.containment == "subreaper"
+        with pytest.raises(BashInfrastructureError) as raised:
+            await ex.exec(
+                f"(setsid bash -c 'sleep 1000; :' {marker} &); kill -9 $PPID; sleep 0.5; exit 0",
+                timeout_ms=10_000,
+            )
+        assert raised.value.reason == "command_lost", raised.value
+        assert await ex.exec("echo still works") is not None
+    assert await eventually_gone(marker, 5.0) == []

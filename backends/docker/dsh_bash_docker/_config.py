@@ -7,6 +7,7 @@ from typing import Literal, Self
 from pydantic import Field, field_validator, model_validator
 
 from dsh_bash import BudgetConfig
+from dsh_bash.backend import ContainmentSetting
 
 __all__ = ["DockerConfig"]
 
@@ -24,6 +25,10 @@ class DockerConfig(BudgetConfig):
     docker_host: str | None = None
     pull: Literal["never", "missing", "always"] = "never"
     user: str | None = None
+    #: ``auto``: each command under dsh-supervise (installed into the container at open) when it
+    #: runs there, else the environment marker (said in a warning at open); ``subreaper``: refuse to
+    #: open without it; ``marker``: never use it.
+    containment: ContainmentSetting = "auto"
     # Only for a container the executor creates (image mode):
     environment: dict[str, str] = Field(default_factory=dict)
     network: str = "none"

@@ -158,10 +158,14 @@ async def _read_body(reader: _Reader, headers: dict[str, str]) -> bytes:
 
 
 def _request_bytes(method: str, path: str, body: Any | None, extra: str = "") -> bytes:
-    payload = b"" if body is None else json.dumps(body).encode()
+    """One request: a ``bytes`` body goes as it is (a tar archive), anything else as JSON."""
+    if isinstance(body, bytes):
+        payload, kind = body, "application/x-tar"
+    else:
+        payload, kind = (b"" if body is None else json.dumps(body).encode()), "application/json"
     head = (
         f"{method} /{API_VERSION}{path} HTTP/1.1\r\nHost: docker\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n{extra}\r\n"
+        f"Content-Type: {kind}\r\nContent-Length: {len(payload)}\r\n{extra}\r\n"
     )
     return head.encode("latin-1") + payload
 

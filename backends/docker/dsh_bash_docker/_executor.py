@@ -20,21 +20,25 @@ from dsh_bash.backend import (
     RC_FILE_VARIABLES,
     CommandProcess,
     CommandSpills,
+    Containment,
     InfraReason,
     Killable,
     Launch,
     SpillFile,
+    SupervisedLeftovers,
     kill_abandoned_start,
     spill_file_path,
 )
 
 from ._config import DockerConfig
 from ._engine import Endpoint, EngineClient, EngineError
+from ._framed import FramedDockerProcess
 from ._hints import INFRA_HINTS
 from ._kit import find_container_processes, kit_notes, plant_in_environment
 from ._process import ContainerMarked, DockerProcess, diagnose_refusal, run_script
-from ._scripts import BOOT, SPILL_DIR, SPILL_WRITER
+from ._scripts import BOOT, BOOT_SUPERVISED, SPILL_DIR, SPILL_WRITER
 from ._spill import DockerSpillFile
+from ._supervisor import INSTALL_DIR, install_supervisor
 
 __all__ = ["MANAGED_LABEL", "DockerBashExecutor", "sweep_orphaned_containers"]
 
@@ -83,8 +87,8 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
     config_class = DockerConfig
     infra_hints = INFRA_HINTS  # what dsh-bash doctor says to do, by error reason (_hints.py)
 
-    signals_as_exit_codes = True
-    # The leftovers' kill script reaches every command's marked processes and their groups.
+    # The leftovers' kill reaches every command's supervisor, and every command's marked processes
+    # and their groups.
     close_kills_each_command = False
 
     def __init__(self, config: DockerConfig) -> None:
@@ -98,6 +102,15 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         self._spills = CommandSpills(self._start_helper, _SPILL_FLUSH_BOUND_S)
         self._recreate_lock = anyio.Lock()
         self._host_visible = False
+        self._supervisor: str | None = None  # dsh-supervise's path in the container
+        self._supervised: set[FramedDockerProcess] = set()
+        # Without the supervisor, the engine reports a signal death as 128+n only.
+        self.signals_as_exit_codes = True
+
+    @property
+    def containment(self) -> Containment:
+        """``subreaper`` when commands run under dsh-supervise in the container, else ``marker``."""
+        return "subreaper" if self._supervisor is not None else "marker"
 
     @property
     def container_id(self) -> str:
@@ -162,7 +175,12 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
                             reason="image_missing",
                         ) from None
                     client.images.pull(config.image)
-            tmpfs = {"/tmp": "rw,nosuid,nodev,mode=1777"} if config.read_only else None
+            # A read-only root filesystem refuses the supervisor's upload: it gets a tmpfs of its own.
+            tmpfs = (
+                {"/tmp": "rw,nosuid,nodev,mode=1777", INSTALL_DIR: "rw,nosuid,nodev,exec,mode=755"}
+                if config.read_only
+                else None
+            )
             container = client.containers.create(
                 config.image,
                 command=[
@@ -247,6 +265,29 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
                 reason="spill_unavailable",
             )
         self._spill_dir = path
+        await self._install_supervisor()
+
+    async def _install_supervisor(self) -> None:
+        config = self._docker_config
+        self._supervisor = None
+        self.signals_as_exit_codes = True
+        if config.containment == "marker":
+            return
+        install = await install_supervisor(self._engine, self._container_id, config.user)
+        if install.path is None:
+            if config.containment == "subreaper":
+                raise BashInfrastructureError(
+                    f"containment = 'subreaper' but {install.problem}", reason="start_failed"
+                )
+            log.warning(
+                "container %s: %s; commands run with the weaker containment of an environment marker "
+                "(a process that drops or overwrites it escapes kill and close)",
+                self._container_id[:12],
+                install.problem,
+            )
+            return
+        self._supervisor = install.path
+        self.signals_as_exit_codes = False
 
     async def _release(self) -> None:
         config = self._docker_config
@@ -381,14 +422,6 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
                 )
             command = ""
         env["DSH_BASH_COMMAND"] = command
-        exec_id = await self._engine.exec_create(
-            container,
-            ["bash", "--noprofile", "--norc", "-c", BOOT, "dsh-bash", spec.workdir, script_path],
-            env=env,
-            stdin=spec.stdin is not None,
-            user=self.config.user,
-        )
-        stream = await self._engine.exec_start(exec_id)
 
         async def on_release() -> None:
             await self._spills.wait_complete(marker)
@@ -405,18 +438,47 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             kill_container=self._kill_own_container,
             host_sees_processes=self._host_sees_processes,
         )
-        process = DockerProcess(
-            engine=self._engine,
-            container=container,
-            exec_id=exec_id,
-            stream=stream,
-            launch=launch,
-            marked=marked,
-            start_helper=self._start_helper,
-            on_release=on_release,
-            nonce=nonce,
-            wait_writable=lambda: self._spills.wait_writable(marker),
+        supervisor = self._supervisor
+        if supervisor is not None:
+            del env["DSH_BASH_NONCE"]  # the supervisor's frames need none
+            argv = [supervisor, "--frame", "--", "bash", "--noprofile", "--norc", "-c", BOOT_SUPERVISED]
+        else:
+            argv = ["bash", "--noprofile", "--norc", "-c", BOOT]
+        exec_id = await self._engine.exec_create(
+            container,
+            [*argv, "dsh-bash", spec.workdir, script_path],
+            env=env,
+            stdin=supervisor is not None or spec.stdin is not None,
+            user=self.config.user,
         )
+        stream = await self._engine.exec_start(exec_id)
+        process: DockerProcess | FramedDockerProcess
+        if supervisor is not None:
+            process = FramedDockerProcess(
+                engine=self._engine,
+                container=container,
+                exec_id=exec_id,
+                stream=stream,
+                launch=launch,
+                marked=marked,
+                start_helper=self._start_helper,
+                on_release=on_release,
+                wait_writable=lambda: self._spills.wait_writable(marker),
+                registry=self._supervised,
+            )
+        else:
+            process = DockerProcess(
+                engine=self._engine,
+                container=container,
+                exec_id=exec_id,
+                stream=stream,
+                launch=launch,
+                marked=marked,
+                start_helper=self._start_helper,
+                on_release=on_release,
+                nonce=nonce,
+                wait_writable=lambda: self._spills.wait_writable(marker),
+            )
         try:
             await process.read_preamble(self.config.user)
         except BaseException:
@@ -427,6 +489,8 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
                 except Exception as exc:  # the container may be what failed
                     log.warning("cleaning up after a failed start of %s failed: %s", launch.marker, exc)
             raise
+        if isinstance(process, FramedDockerProcess):
+            process.start_reading()
         return process
 
     def _open_spill(self, command_marker: str, stream: str) -> SpillFile:
@@ -443,6 +507,9 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         )
 
     def _leftovers(self) -> Killable:
+        return SupervisedLeftovers(self._supervised, self._marked_leftovers())
+
+    def _marked_leftovers(self) -> ContainerMarked:
         return ContainerMarked(
             self._engine,
             lambda: self._container_id,

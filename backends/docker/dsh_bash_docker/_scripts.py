@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from dsh_bash.backend import BOOT_FAIL, BOOT_OK, EXIT_PREFIX, KILL, SPILL_DIR, SPILL_WRITER
 
-__all__ = ["BOOT", "BOOT_FAIL", "BOOT_OK", "EXIT_PREFIX", "KILL", "SPILL_DIR", "SPILL_WRITER"]
+__all__ = [
+    "BOOT",
+    "BOOT_FAIL",
+    "BOOT_OK",
+    "BOOT_SUPERVISED",
+    "EXIT_PREFIX",
+    "KILL",
+    "SPILL_DIR",
+    "SPILL_WRITER",
+]
 
 # $1: workdir, $2: script file or "" (then the command text is in DSH_BASH_COMMAND: kept out of this
 # process's argv, which lives as long as the command's leftovers and would show the command again).
@@ -22,7 +31,7 @@ __all__ = ["BOOT", "BOOT_FAIL", "BOOT_OK", "EXIT_PREFIX", "KILL", "SPILL_DIR", "
 # Names the policy scrubbed arrive in DSH_BASH_UNSET (names only). The command alone gets the
 # marker (from DSH_BASH_MARK_FOR), so kills by marker never hit the boot script or its relays.
 # `setsid` from a background child (never a group leader) starts the new session without forking.
-BOOT = r"""
+BOOT_CHECKS = r"""
 unset -v $DSH_BASH_UNSET DSH_BASH_UNSET
 nonce=$DSH_BASH_NONCE mark=$DSH_BASH_MARK_FOR command=$DSH_BASH_COMMAND
 unset -v DSH_BASH_NONCE DSH_BASH_MARK_FOR DSH_BASH_COMMAND
@@ -31,6 +40,11 @@ if [ -n "${DSH_BASH_RC_ENV+x}" ]; then export ENV=$DSH_BASH_RC_ENV; unset -v DSH
 if [ ! -e "$1" ]; then printf '\0dsh-bash-boot-fail:workdir_missing\0'; exit 125; fi
 if [ ! -d "$1" ]; then printf '\0dsh-bash-boot-fail:workdir_not_directory\0'; exit 125; fi
 if ! cd -- "$1" 2>/dev/null; then printf '\0dsh-bash-boot-fail:workdir_not_accessible\0'; exit 125; fi
+"""
+
+BOOT = (
+    BOOT_CHECKS
+    + r"""
 if ! command -v setsid >/dev/null; then printf '\0dsh-bash-boot-fail:start_failed:cannot start a session: no setsid\0'; exit 125; fi
 printf '\0dsh-bash-boot-ok\0'
 exec 5> >(exec cat); out=$!
@@ -50,3 +64,18 @@ printf '\0dsh-bash-exit:%s:%03d\0' "$nonce" "$status"
 # Bash 5.1+ waits for process substitutions by pid; older ones refuse, so poll them.
 wait "$out" "$err" 2>/dev/null || while kill -0 "$out" 2>/dev/null || kill -0 "$err" 2>/dev/null; do sleep 0.05; done
 """
+)
+
+# Under dsh-supervise --frame ($1, $2 and the environment as for BOOT): the supervisor already made
+# the new session, relays the command's output in frames only it can write, and reports the wait
+# status it observed, so the boot script checks, reports "started", and becomes the command's bash.
+BOOT_SUPERVISED = (
+    BOOT_CHECKS
+    + r"""printf '\0dsh-bash-boot-ok\0'
+if [ -n "$2" ]; then
+  DSH_BASH_MARK=$mark exec bash --noprofile --norc "$2"
+else
+  DSH_BASH_MARK=$mark exec bash --noprofile --norc -c "$command"
+fi
+"""
+)
