@@ -129,6 +129,12 @@ class SupervisedLeftovers(Generic[SupervisedT]):
 class CommandProcess(ABC):
     """One spawned command, as its backend runs it."""
 
+    #: Whether this command's exit statuses read a signal death as 128+n (see
+    #: ``BashExecutor.signals_as_exit_codes``); None: the executor's setting. For a backend whose
+    #: commands differ (SSH: foreground commands under dsh-supervise report the observed wait status,
+    #: detached background tasks only 128+n).
+    signals_as_exit_codes: bool | None = None
+
     @abstractmethod
     async def wait(self) -> ExitStatus:
         """Return once the shell has exited; raise BashInfrastructureError if the backend lost it.

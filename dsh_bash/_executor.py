@@ -487,7 +487,10 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         task = None
         if background:
             task = BashTask(BashTaskId(f"bash-{next(self._task_numbers)}"), spec.command, spec.owner)
-        command = _Command(launch, process, task, started_at, self.signals_as_exit_codes)
+        coded = process.signals_as_exit_codes
+        command = _Command(
+            launch, process, task, started_at, self.signals_as_exit_codes if coded is None else coded
+        )
         if self._state != "open":
             # aclose began while the backend was starting it.
             with anyio.CancelScope(shield=True):
