@@ -389,6 +389,10 @@ async def _close_quietly(handle: Any) -> None:
 class DetachedProcess(CommandProcess):
     """A background task detached on the host: its output and end come from the follower."""
 
+    #: Its supervisor script sees only bash's ``$?``: a signal death is 128+n, whatever the
+    #: executor's setting for foreground commands.
+    signals_as_exit_codes = True
+
     def __init__(
         self,
         *,
