@@ -66,7 +66,7 @@ def _host_processes(pattern: str) -> list[str]:
 
 async def _gone(pattern: str, within_s: float) -> list[str]:
     deadline = time.monotonic() + within_s
-    while (left := _host_processes(pattern)) and time.monotonic() < deadline:
+    while (left := _host_processes(pattern)) and time.monotonic() < deadline:  # noqa: ASYNC110 - processes are polled: nothing notifies their end
         await anyio.sleep(0.05)
     return left
 
