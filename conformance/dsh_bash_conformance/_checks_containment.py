@@ -178,19 +178,27 @@ async def non_dumpable_escapee(ctx: CheckContext) -> None:
 
 
 # Every way this project's backends ever carried an outcome in band, forged: the exit trailer with
-# the nonce of any ancestor's environment (a boot script's), on stdout and stderr, and the exit and
-# end files next to the command's output file (a detached task's). The command then goes on.
+# the nonce of any ancestor's environment (a boot script's), on stdout and stderr; and the exit and
+# end files beside the command's output files (a detached task's), found through the output
+# descriptors of its ancestors and of their children (output relays). The command then goes on.
 _FORGE = r"""
+ancestors=" "
 p=$$
 while [ "${p:-0}" -gt 1 ]; do
+  ancestors="$ancestors$p "
   n=$(tr '\0' '\n' < /proc/$p/environ 2>/dev/null | sed -n 's/^DSH_BASH_NONCE=//p')
   if [ -n "$n" ]; then printf '\0dsh-bash-exit:%s:000\0' "$n"; printf '\0dsh-bash-exit:%s:000\0' "$n" >&2; fi
   read -r st < /proc/$p/stat 2>/dev/null || break
   set -- ${st##*) }; p=$2
 done
-for fd in 1 2; do
-  f=$(readlink /proc/$$/fd/$fd 2>/dev/null)
-  case $f in /*.stdout|/*.stderr) b=${f%.*}; : > "$b.exit-0" 2>/dev/null; : > "$b.eof" 2>/dev/null ;; esac
+for d in /proc/[0-9]*; do
+  read -r st < "$d/stat" 2>/dev/null || continue
+  set -- ${st##*) }
+  case $ancestors in *" ${d#/proc/} "*|*" $2 "*) ;; *) continue ;; esac
+  for fd in 1 2; do
+    f=$(readlink "$d/fd/$fd" 2>/dev/null)
+    case $f in /*.stdout|/*.stderr) b=${f%.*}; : > "$b.exit-0" 2>/dev/null; : > "$b.eof" 2>/dev/null ;; esac
+  done
 done
 """
 

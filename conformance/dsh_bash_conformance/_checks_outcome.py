@@ -236,16 +236,16 @@ async def timeout_then_abort(ctx: CheckContext) -> None:
 )
 async def self_signal(ctx: CheckContext) -> None:
     async with ctx.executor() as ex:
-        # A backend that sees signal deaths only as 128+n (Docker) reports the plain exit code for a
-        # signal it did not send; every other backend names the signal.
+        # A backend that may see signal deaths only as 128+n (signals_as_exit_codes) reports the
+        # plain exit code for a signal it did not send, unless it saw the signal itself.
         coded = ex.signals_as_exit_codes
         for name in ("TERM", "KILL"):
             number = int(getattr(signal, f"SIG{name}"))
             result = await ex.exec(f"kill -{name} $$")
-            expected = (None, 128 + number) if coded else (f"SIG{name}", None)
+            expected = [(f"SIG{name}", None)] + ([(None, 128 + number)] if coded else [])
             ctx.expect(
-                (result.signal, result.exit_code) == expected and not result.timed_out and not result.aborted,
-                f"`kill -{name} $$` should report (signal, exit_code) = {expected}: {show(result)}",
+                (result.signal, result.exit_code) in expected and not result.timed_out and not result.aborted,
+                f"`kill -{name} $$` should report (signal, exit_code) in {expected}: {show(result)}",
             )
 
 

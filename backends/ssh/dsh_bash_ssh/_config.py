@@ -8,6 +8,7 @@ from typing import Self
 from pydantic import Field, field_validator, model_validator
 
 from dsh_bash import BudgetConfig
+from dsh_bash.backend import ContainmentSetting
 
 __all__ = ["SshConfig"]
 
@@ -47,6 +48,11 @@ class SshConfig(BudgetConfig):
     warm_channel: bool = True
     #: Use ``~/.ssh/config``, ``~/.ssh/known_hosts``, default keys and ``SSH_AUTH_SOCK``.
     use_user_ssh_config: bool = False
+    #: ``auto``: foreground commands under dsh-supervise (put into ``~/.cache/dsh-bash`` on the
+    #: host at open) when it runs there, else the environment marker (said in a warning at open);
+    #: ``subreaper``: refuse to open without it; ``marker``: never use it. Detached background
+    #: tasks are found by the marker either way.
+    containment: ContainmentSetting = "auto"
 
     @field_validator("port")
     @classmethod

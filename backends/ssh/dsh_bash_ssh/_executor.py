@@ -20,10 +20,12 @@ from dsh_bash.backend import (
     MODEL_FRIENDLY_ENV,
     CommandProcess,
     CommandSpills,
+    Containment,
     InfraReason,
     Killable,
     Launch,
     SpillFile,
+    SupervisedLeftovers,
     kill_abandoned_start,
     spill_file_path,
 )
@@ -31,11 +33,13 @@ from dsh_bash.backend import (
 from ._config import SshConfig
 from ._connection import ChannelPool
 from ._detached import DetachedProcess, DetachedSpill, Follower
+from ._framed import FramedSshProcess
 from ._hints import INFRA_HINTS
 from ._kit import find_remote_processes, kit_notes, plant_in_bashrc
 from ._process import CommandSession, RemoteMarked, SshProcess
 from ._scripts import SETUP, SETUP_END, SETUP_HOME, boot_line, boot_request
 from ._spill import SshSpillFile
+from ._supervisor import install_supervisor
 from ._warm import WarmChannel
 
 __all__ = ["SshBashExecutor"]
@@ -47,8 +51,8 @@ _SPILL_FLUSH_BOUND_S = 30.0
 _NOT_AMBIENT = frozenset({"_", "BASH_ENV", "ENV"})
 
 
-def parse_setup(out: bytes) -> tuple[dict[str, str], str, str]:
-    """(environment, home, spill directory) from the setup script's output."""
+def parse_setup(out: bytes) -> tuple[dict[str, str], str, str, str]:
+    """(environment, home, spill directory, machine) from the setup script's output."""
     home_at = out.find(SETUP_HOME)
     end_at = out.find(SETUP_END, home_at + 1)
     if home_at < 0 or end_at < 0:
@@ -59,8 +63,9 @@ def parse_setup(out: bytes) -> tuple[dict[str, str], str, str]:
         if sep and name not in _NOT_AMBIENT:
             env[name] = value
     home = out[home_at + len(SETUP_HOME) : end_at].rstrip(b"\0\n").decode("utf-8", "surrogateescape")
-    spill_dir = out[end_at + len(SETUP_END) :].split(b"\0", 1)[0].strip().decode("utf-8", "surrogateescape")
-    return env, home, spill_dir
+    spill_part, _, machine = out[end_at + len(SETUP_END) :].partition(b"\0")
+    spill_dir = spill_part.strip().decode("utf-8", "surrogateescape")
+    return env, home, spill_dir, machine.strip().decode("utf-8", "replace")
 
 
 class SshBashExecutor(BashExecutor[SshConfig]):
@@ -69,7 +74,6 @@ class SshBashExecutor(BashExecutor[SshConfig]):
     config_class = SshConfig
     infra_hints = INFRA_HINTS  # what dsh-bash doctor says to do, by error reason (_hints.py)
 
-    signals_as_exit_codes = True
     #: Every look at processes is a KILL script over the one reserved kill channel: at aclose, one
     #: kill sequence over all commands' leftovers instead of one per command queued on that channel.
     close_kills_each_command = False
@@ -93,6 +97,19 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         self._detach_lock = anyio.Lock()
         #: Detached tasks by marker: their files' base path and their streams' spill files.
         self._detached: dict[str, tuple[str, dict[str, DetachedSpill]]] = {}
+        self._supervisor: str | None = None  # dsh-supervise's path on the host
+        #: Foreground commands whose supervisor still runs (leftovers included).
+        self._supervised: set[FramedSshProcess] = set()
+        # The default for commands that do not say: detached tasks (and, without the supervisor,
+        # every command) see a signal death only as 128+n; foreground commands under dsh-supervise
+        # report the observed signal (FramedSshProcess.signals_as_exit_codes). Set at open.
+        self.signals_as_exit_codes = True
+
+    @property
+    def containment(self) -> Containment:
+        """``subreaper`` when foreground commands run under dsh-supervise on the host, else
+        ``marker``. Detached background tasks are contained by the marker either way."""
+        return "subreaper" if self._supervisor is not None else "marker"
 
     @property
     def home(self) -> str:
@@ -133,7 +150,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                 if code != 0:
                     raise ValueError(f"exit status {code}")
                 reason = "unclassified"
-                self._ambient, self._home, self._spill_dir = parse_setup(out)
+                self._ambient, self._home, self._spill_dir, machine = parse_setup(out)
                 self._follower.directory = self._spill_dir
                 if not self._spill_dir.startswith("/"):
                     reason = "spill_unavailable"
@@ -144,10 +161,35 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                     f"setting up on {self._pool.where} failed ({exc}): {detail or 'no error output'}",
                     reason=reason,
                 ) from None
+            await self._install_supervisor(machine)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._pool.aclose()
             raise
+
+    async def _install_supervisor(self, machine: str) -> None:
+        config = self._ssh_config
+        self._supervisor = None
+        self.signals_as_exit_codes = True
+        if config.containment == "marker":
+            return
+        install = await install_supervisor(self._pool, self._home, machine)
+        if install.path is None:
+            if config.containment == "subreaper":
+                raise BashInfrastructureError(
+                    f"containment = 'subreaper' but {install.problem}", reason="start_failed"
+                )
+            log.warning(
+                "%s: %s; commands run with the weaker containment of an environment marker "
+                "(a process that drops or overwrites it escapes kill and close)",
+                self._pool.where,
+                install.problem,
+            )
+            return
+        self._supervisor = install.path
+        # Still true: detached background tasks see a signal death as 128+n only. Foreground
+        # commands under the supervisor report the signal itself (ExitStatus.signal), which the
+        # mapping leaves alone.
 
     async def _release(self) -> None:
         self._warm.close()
@@ -220,8 +262,9 @@ class SshBashExecutor(BashExecutor[SshConfig]):
             return b"".join(entry + b"\0" for entry in entries)
 
         environment = tuple(f"{name}={value}" for name, value in env.items())
+        supervisor = self._supervisor if mode == "fg" else None
         inline = args(spec.command, bool(secret))
-        line = boot_line(*inline)
+        line = boot_line(*inline, supervisor=supervisor)
         # One execve argument is limited to 128 KiB: a cold channel's whole line, and the command
         # text the command's own bash gets.
         if spec.command and len(line.encode("utf-8", "surrogateescape")) <= MAX_INLINE_COMMAND:
@@ -232,15 +275,17 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                 script=None,
                 environment=environment,
                 long_command=None,
+                supervisor=supervisor,
             )
         stored = args("", True)
         return _Boot(
             args=stored,
-            line=boot_line(*stored),
+            line=boot_line(*stored, supervisor=supervisor),
             header=header(spec.command),
             script=f"{self._spill_dir}/{nonce}.cmd",
             environment=environment,
             long_command=spec.command,
+            supervisor=supervisor,
         )
 
     async def _detached_mode(self) -> bool:
@@ -282,9 +327,10 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         on_release: Callable[[], Awaitable[None]],
         *,
         warm: bool,
-    ) -> tuple[SshProcess, CommandSession]:
+    ) -> tuple[SshProcess | FramedSshProcess, CommandSession]:
         """Run BOOT on the warm channel (see _warm), if ``warm`` and there is one, or on a channel
-        of its own; feed it, wait for its verdict.
+        of its own; feed it, wait for its verdict. Under the supervisor (``plan.supervisor``) the
+        process exists before the channel: its frames may arrive as soon as the channel opens.
 
         A start given up half-way (an error, a cancellation, even while the channel opens: the
         server may already run the command) is killed by marker before the error propagates;
@@ -296,12 +342,23 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         backlogged = partial(self._spills.backlogged, marker)
         session: CommandSession | None = None
         header = plan.header
+        framed: FramedSshProcess | None = None
+        if plan.supervisor is not None:
+            framed = FramedSshProcess(
+                pool=self._pool,
+                launch=launch,
+                marked=marked,
+                on_release=on_release,
+                wait_writable=partial(self._spills.wait_writable, marker),
+                registry=self._supervised,
+            )
+        feed = framed.feed if framed is not None else None
         try:
             if warm:
                 session = await self._warm.take()
                 self._warm.warm()  # the next command's
             if session is not None:
-                session.adopt(launch, backlogged)
+                session.adopt(launch, backlogged, feed)
                 assert session.chan is not None
                 try:
                     session.chan.write(plan.warm_request())
@@ -310,28 +367,37 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                 header = None  # the request carried it
             else:
                 session = await self._pool.open_session(
-                    plan.line, partial(CommandSession, launch, backlogged)
+                    plan.line, partial(CommandSession, launch, backlogged, feed)
                 )
-            process = SshProcess(
-                pool=self._pool,
-                session=session,
-                launch=launch,
-                marked=marked,
-                on_release=on_release,
-                wait_writable=partial(self._spills.wait_writable, marker),
-            )
+            process: SshProcess | FramedSshProcess
+            if framed is not None:
+                framed.attach(session)
+                process = framed
+            else:
+                process = SshProcess(
+                    pool=self._pool,
+                    session=session,
+                    launch=launch,
+                    marked=marked,
+                    on_release=on_release,
+                    wait_writable=partial(self._spills.wait_writable, marker),
+                )
             # asyncssh buffers writes: the header, stdin and EOF are queued at once, sent as the
             # channel's window allows. Without stdin data the command's stdin is /dev/null: no EOF.
+            # Under the supervisor, BOOT reads the header before the supervisor takes the channel;
+            # stdin then goes in frames (FramedSshProcess.pump_output).
             chan = session.chan
             assert chan is not None
             if header is not None:
                 chan.write(header)
-            if spec.stdin is not None:
+            if spec.stdin is not None and framed is None:
                 chan.write(spec.stdin.encode() if isinstance(spec.stdin, str) else bytes(spec.stdin))
                 chan.write_eof()
             await process.read_preamble()
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
+                if framed is not None:
+                    framed.abandon()
                 if session is not None:
                     session.stop_feeding()
                     session.close()
@@ -342,6 +408,8 @@ class SshBashExecutor(BashExecutor[SshConfig]):
             if isinstance(exc, BashInfrastructureError) and session is not None and session.died_unused:
                 raise _SpareDied(f"the warm channel on {self._pool.where} died unused ({exc})") from exc
             raise
+        if framed is not None:
+            framed.start()
         return process, session
 
     async def _spawn_detached(self, launch: Launch, nonce: str, plan: _Boot, *, warm: bool) -> CommandProcess:
@@ -411,7 +479,11 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                 log.warning("killing the unaccounted processes of %s failed: %s", marked.marker, exc)
 
     def _leftovers(self) -> Killable:
-        return RemoteMarked(self._pool, marker=self._token + "-", exact=False)
+        # The supervisors reach every process of their commands; the marker what no supervisor
+        # holds (detached tasks, commands whose supervisor was killed).
+        return SupervisedLeftovers(
+            self._supervised, RemoteMarked(self._pool, marker=self._token + "-", exact=False)
+        )
 
     # -- conformance kit hooks (dsh_bash.backend.ConformanceHooks) ------------------------------------
 
@@ -444,11 +516,14 @@ class _Boot:
     #: NAME=VALUE of every variable of the command's environment but the marker.
     environment: tuple[str, ...]
     long_command: str | None
+    #: dsh-supervise's path on the host, when the command runs under it (the cold line and the
+    #: warm request end in the same exec of it: boot_script).
+    supervisor: str | None = None
 
     def warm_request(self) -> bytes:
         # No header (the environment is in the arguments) and no kept names: WAITER's bash has an
         # empty environment, so each value comes from here.
-        return boot_request((*self.args[:7], "0", "", *self.environment), self.long_command)
+        return boot_request((*self.args[:7], "0", "", *self.environment), self.long_command, self.supervisor)
 
 
 class _SpareDied(BashInfrastructureError):

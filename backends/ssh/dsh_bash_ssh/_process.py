@@ -24,7 +24,7 @@ from dsh_bash.backend import (
 from ._connection import ChannelPool, SlotSession
 from ._scripts import BOOT_FAIL, BOOT_OK, KILL, READY, STDERR_OK
 
-__all__ = ["CommandSession", "RemoteMarked", "SshProcess", "signal_number"]
+__all__ = ["CommandSession", "RemoteMarked", "SshProcess", "boot_verdict", "signal_number"]
 
 log = logging.getLogger("dsh_bash.ssh")
 
@@ -104,15 +104,27 @@ class CommandSession(SlotSession):
     buffered and no reader task is needed); after :meth:`stop_feeding` it is discarded, which also
     keeps the channel drained while leftovers hold it.
 
+    Under dsh-supervise (``framed``), what follows BOOT_OK on stdout is the supervisor's frames,
+    handed to ``framed`` as they come; stderr after STDERR_OK can only be the supervisor's own
+    complaint (it points its stderr at /dev/null once the command runs), kept for the error.
+
     Backpressure: when a feed leaves one of the command's spill files with a backlog
     (``backlogged()``), reading pauses (the channel's window then holds the command back) and
     :attr:`wake` is set, so the pump waits for the spill writers and calls :meth:`resume`.
     """
 
-    def __init__(self, launch: Launch | None = None, backlogged: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self,
+        launch: Launch | None = None,
+        backlogged: Callable[[], bool] | None = None,
+        framed: Callable[[bytes], None] | None = None,
+    ) -> None:
         super().__init__()
         self._launch = launch
         self._backlogged = backlogged
+        self._framed = framed
+        #: What the channel's stderr carried after STDERR_OK under the supervisor (bounded).
+        self.stray_stderr = bytearray()
         #: A warm channel's session (no launch yet) waits for WAITER's READY before the preamble.
         self.warm = launch is None
         self._ready = not self.warm
@@ -135,6 +147,11 @@ class CommandSession(SlotSession):
         self.eof = anyio.Event()  # output complete, or the channel closed
         self.lost: Exception | None = None
         self.closed = False
+        #: Set while asyncssh's send buffer is below its limit (see pause_writing).
+        self.writable = anyio.Event()
+        self.writable.set()
+        #: Called once the channel closed (by either side, or with its connection).
+        self.on_closed: Callable[[], None] | None = None
 
     @property
     def ready(self) -> bool:
@@ -153,11 +170,17 @@ class CommandSession(SlotSession):
             and self.lost is None
         )
 
-    def adopt(self, launch: Launch, backlogged: Callable[[], bool]) -> None:
+    def adopt(
+        self,
+        launch: Launch,
+        backlogged: Callable[[], bool],
+        framed: Callable[[bytes], None] | None = None,
+    ) -> None:
         """Take on a command: a warm channel's session, ready, becomes its command's."""
         assert self._launch is None and self._ready
         self._launch = launch
         self._backlogged = backlogged
+        self._framed = framed
 
     def stop_feeding(self) -> None:
         self._feeding = False
@@ -188,12 +211,20 @@ class CommandSession(SlotSession):
                 self._err_started = True
                 self._err_held = b""
                 data = held[index + len(STDERR_OK) :]
+            if self._framed is not None:
+                if len(self.stray_stderr) < 4096:
+                    self.stray_stderr += data[:4096]
+                return
             if data and self._feeding and self._launch is not None:
                 self._launch.stderr.feed(data)
                 self._check_backlog()
             return
         if not self._out_started:
             self._preamble(data)
+            return
+        if self._framed is not None:
+            self._framed(data)  # read to the end, fed or not: the supervisor must never block on us
+            self._check_backlog()
             return
         if self._feeding and self._launch is not None:
             self._launch.stdout.feed(data)
@@ -218,7 +249,11 @@ class CommandSession(SlotSession):
             rest = bytes(buf[ok + len(BOOT_OK) :])
             self._out_held = bytearray()
             self.preamble_done.set()
-            if rest and self._feeding and self._launch is not None:
+            if self._framed is not None:
+                if rest:
+                    self._framed(rest)
+                    self._check_backlog()
+            elif rest and self._feeding and self._launch is not None:
                 self._launch.stdout.feed(rest)
             return
         fail = buf.find(BOOT_FAIL)
@@ -230,6 +265,11 @@ class CommandSession(SlotSession):
                 return
         if len(buf) > _MAX_NOISE:
             del buf[: len(buf) - _MAX_NOISE // 2]
+
+    @property
+    def started(self) -> bool:
+        """BOOT said the command starts (BOOT_OK)."""
+        return self._out_started
 
     def noise(self) -> str:
         return bytes(self._out_held).decode("utf-8", "replace").strip("\0 \n")
@@ -252,7 +292,14 @@ class CommandSession(SlotSession):
         self.wake.set()
         return True  # keep our side half-open: an EOF from here would be one more packet for nothing
 
+    def pause_writing(self) -> None:
+        self.writable = anyio.Event()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        self.writable.set()
         self.closed = True
         self.lost = exc
         self.ready_or_closed.set()
@@ -261,10 +308,37 @@ class CommandSession(SlotSession):
         self.eof.set()
         self.wake.set()
         super().connection_lost(exc)
+        if self.on_closed is not None:
+            self.on_closed()
 
     def close(self) -> None:
         if self.chan is not None:
             self.chan.close()
+
+
+async def boot_verdict(session: CommandSession, pool: ChannelPool, launch: Launch) -> None:
+    """Wait for BOOT's verdict on ``session``; raise BashInfrastructureError when it did not start."""
+    await session.preamble_done.wait()
+    report = session.boot_failure
+    if report is not None:
+        raise boot_failure(report, workdir=launch.spec.workdir, where=f"on {pool.where}")
+    if session.closed and session.exit is None and session.lost is not None:
+        raise BashInfrastructureError(
+            f"the connection to {pool.where} failed while starting the command: {session.lost}",
+            reason="connection_lost",
+        )
+    if not session.started:
+        status = session.exit.code if session.exit is not None else None
+        reason: InfraReason = "start_failed"
+        if status == 127:  # the login shell found no bash to run BOOT with
+            reason = "shell_missing"
+        elif status is None and not pool.connected():
+            reason = "connection_lost"
+        raise BashInfrastructureError(
+            f"the command could not start on {pool.where} "
+            f"(exit status {status}): {session.noise() or 'no output'}",
+            reason=reason,
+        )
 
 
 class SshProcess(CommandProcess):
@@ -287,28 +361,7 @@ class SshProcess(CommandProcess):
 
     async def read_preamble(self) -> None:
         """Wait for the boot script's verdict; raise when the command cannot start."""
-        session = self._session
-        await session.preamble_done.wait()
-        report = session.boot_failure
-        if report is not None:
-            raise boot_failure(report, workdir=self._launch.spec.workdir, where=f"on {self._pool.where}")
-        if session.closed and session.exit is None and session.lost is not None:
-            raise BashInfrastructureError(
-                f"the connection to {self._pool.where} failed while starting the command: {session.lost}",
-                reason="connection_lost",
-            )
-        if not session._out_started:
-            status = session.exit.code if session.exit is not None else None
-            reason: InfraReason = "start_failed"
-            if status == 127:  # the login shell found no bash to run BOOT with
-                reason = "shell_missing"
-            elif status is None and not self._pool.connected():
-                reason = "connection_lost"
-            raise BashInfrastructureError(
-                f"the command could not start on {self._pool.where} "
-                f"(exit status {status}): {session.noise() or 'no output'}",
-                reason=reason,
-            )
+        await boot_verdict(self._session, self._pool, self._launch)
 
     async def wait(self) -> ExitStatus:
         session = self._session

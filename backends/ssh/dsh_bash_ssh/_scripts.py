@@ -49,7 +49,8 @@ def cmdline(script: str, *args: str, begin_marker: bool = True) -> str:
 
 
 # At connect: the login's environment (NUL-separated NAME=VALUE), its home (the directory sshd
-# starts sessions in; $HOME may say otherwise), and a new private spill directory.
+# starts sessions in; $HOME may say otherwise), a new private spill directory, and the machine
+# (`uname -m`: which dsh-supervise to install; empty when uname is missing).
 SETUP = (
     r"""
 for v in $(compgen -e); do printf '%s=%s\0' "$v" "${!v}"; done
@@ -59,6 +60,8 @@ dir=$("""
     + r""") || exit 1
 umask 077; compgen -e > "$dir/exported-names" || exit 1
 printf '\0dsh-bash-end\0%s\0' "$dir"
+uname -m 2>/dev/null
+exit 0
 """
 )
 
@@ -172,6 +175,15 @@ builtin printf '\0dsh-bash-boot-ok\0'
 builtin printf '\0dsh-bash-stderr-ok\0' >&2
 builtin export DSH_BASH_MARK=$_dsh_mark
 """
+# Under dsh-supervise (a foreground command, when the supervisor is installed): the script so far
+# ran in the login's process, reading the header and the warm request from the channel's stdin;
+# now that process becomes the supervisor, which takes the channel alone (frames both ways, see
+# _framed). The marker goes to the command only (`env`), never to the supervisor: a kill by marker
+# must not hit the process that holds everything else. The supervisor gives the command a stdin
+# pipe of its own, closed when the harness says so: no /dev/null here.
+_RUN_SUPERVISED = (
+    'exec SUPERVISOR --frame -- env "DSH_BASH_MARK=$_dsh_mark" bash --noprofile --norc COMMAND\n'
+)
 _NO_STDIN = "exec </dev/null\n"
 _RUN_INLINE = 'exec bash --noprofile --norc -c "$_dsh_command"\n'
 _RUN_STORED = 'exec bash --noprofile --norc "$_dsh_script"\n'
@@ -212,9 +224,18 @@ _UNEXPORT = _UNEXPORT.replace(
 
 
 @functools.cache
-def boot_script(*, detached: bool, header: bool, long: bool, stdin: bool, warm: bool = False) -> str:
+def boot_script(
+    *,
+    detached: bool,
+    header: bool,
+    long: bool,
+    stdin: bool,
+    warm: bool = False,
+    supervisor: str | None = None,
+) -> str:
     """BOOT with just the sections a command of this shape runs; ``warm``: for a warm channel's
-    WAITER, whose bash started with an empty environment (so there is nothing to un-export)."""
+    WAITER, whose bash started with an empty environment (so there is nothing to un-export);
+    ``supervisor``: the path of dsh-supervise on the host, for a foreground command to run under."""
     parts = [_PRELUDE]
     if header:
         parts.append(_READ_HEADER)
@@ -225,6 +246,11 @@ def boot_script(*, detached: bool, header: bool, long: bool, stdin: bool, warm: 
         parts.append(_STORE_LONG_COMMAND)
     if detached:
         parts.append(_DETACH)
+    elif supervisor is not None:
+        parts.append(_STARTED.replace("builtin export DSH_BASH_MARK=$_dsh_mark\n", ""))
+        run = '"$_dsh_script"' if long else '-c "$_dsh_command"'
+        # ASCII-quoted: a warm request is ASCII, and every shell that runs BOOT is a bash.
+        parts.append(_RUN_SUPERVISED.replace("SUPERVISOR", _ascii_quote(supervisor)).replace("COMMAND", run))
     else:
         parts.append(_STARTED)
         if not stdin:
@@ -234,17 +260,19 @@ def boot_script(*, detached: bool, header: bool, long: bool, stdin: bool, warm: 
 
 
 @functools.cache
-def _quoted_boot(detached: bool, header: bool, long: bool, stdin: bool) -> str:
-    return shlex.quote(boot_script(detached=detached, header=header, long=long, stdin=stdin))
+def _quoted_boot(detached: bool, header: bool, long: bool, stdin: bool, supervisor: str | None) -> str:
+    return shlex.quote(
+        boot_script(detached=detached, header=header, long=long, stdin=stdin, supervisor=supervisor)
+    )
 
 
-def boot_line(*args: str) -> str:
+def boot_line(*args: str, supervisor: str | None = None) -> str:
     """The command line running BOOT with ``args`` (see BOOT's arguments above). Any POSIX login
     shell parses it: BOOT runs in the login shell itself when that is a bash with compgen whose rc
-    files defined no function, else in a clean bash."""
+    files defined no function, else in a clean bash. ``supervisor``: see :func:`boot_script`."""
     quoted = " ".join(shlex.quote(arg) for arg in args)
     return (
-        f"_dsh_b={_quoted_boot(*_shape(args))}; set -- {quoted}; "
+        f"_dsh_b={_quoted_boot(*_shape(args), supervisor)}; set -- {quoted}; "
         'if [ -n "${BASH_VERSION-}" ] && compgen -v BASH_VERSION >/dev/null 2>&1 '
         '&& ! compgen -A function >/dev/null 2>&1; then eval "$_dsh_b"; '
         'else BASH_ENV= ENV= exec bash --noprofile --norc -c "$_dsh_b" dsh-bash "$@"; fi'
@@ -289,16 +317,18 @@ def warm_line() -> str:
     )
 
 
-def boot_request(args: tuple[str, ...], long_command: str | None) -> bytes:
+def boot_request(args: tuple[str, ...], long_command: str | None, supervisor: str | None = None) -> bytes:
     """What a warm channel's WAITER reads to run BOOT with ``args`` (see BOOT's arguments above; the
     header flag "0", every variable of the command's environment as a NAME=VALUE entry) and the
-    long command, when ``args`` has none."""
+    long command, when ``args`` has none. ``supervisor``: see :func:`boot_script`."""
     script = "builtin set -- " + " ".join(_ascii_quote(arg) for arg in args) + "\n"
     if long_command is not None:
         script += "_dsh_long=" + _ascii_quote(long_command) + "\n"
     detached, header, long, stdin = _shape(args)
     assert not header and long == (long_command is not None)
-    script += boot_script(detached=detached, header=False, long=long, stdin=stdin, warm=True)
+    script += boot_script(
+        detached=detached, header=False, long=long, stdin=stdin, warm=True, supervisor=supervisor
+    )
     body = script.encode("ascii")
     return b"%0*d" % (_LENGTH_DIGITS, len(body)) + body
 

@@ -1,0 +1,195 @@
+"""The SSH backend's foreground commands under dsh-supervise: its install on the host, and what it changes.
+
+The install goes to the test user's ``~/.cache/dsh-bash`` on the loopback sshd of ``ssh_support``;
+the tests that spoil the cache put it back as it was. Every command test runs on a cold channel and
+on the warm one, which reach the supervisor by different paths (the login's command line, the
+waiting shell's request).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+from ssh_support import TEST_USER, SshServer
+
+from dsh_bash import BashInfrastructureError
+from dsh_bash.backend import supervisor_binary
+
+pytestmark = [pytest.mark.anyio, pytest.mark.ssh]
+
+GRACE_MS = 300
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _binary() -> bytes:
+    path = supervisor_binary()
+    if path is None:
+        pytest.skip("no dsh-supervise for this machine (python native/build.py)")
+    return path.read_bytes()
+
+
+def _cached(server: SshServer) -> Path:
+    data = _binary()
+    return server.home / ".cache/dsh-bash" / f"dsh-supervise-{hashlib.sha256(data).hexdigest()[:16]}"
+
+
+@pytest.fixture
+def cache(ssh_server: SshServer) -> Iterator[Path]:
+    """The test user's ``~/.cache``, emptied of dsh-bash's cache, which is removed again afterwards."""
+    root = ssh_server.home / ".cache"
+    shutil.rmtree(root / "dsh-bash", ignore_errors=True)
+    yield root
+    if root.exists():
+        os.chmod(root, 0o755)
+    shutil.rmtree(root / "dsh-bash", ignore_errors=True)
+    subprocess.run(["chown", "-R", f"{TEST_USER}:", str(root)], check=False)
+
+
+def _host_processes(pattern: str) -> list[str]:
+    """The loopback host is this machine: its processes whose command line contains ``pattern``."""
+    found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True, check=False)
+    return found.stdout.split()
+
+
+async def _gone(pattern: str, within_s: float) -> list[str]:
+    deadline = time.monotonic() + within_s
+    while (left := _host_processes(pattern)) and time.monotonic() < deadline:  # noqa: ASYNC110 - processes are polled: nothing notifies their end
+        await anyio.sleep(0.05)
+    return left
+
+
+def _kill(pattern: str) -> None:
+    subprocess.run(["pkill", "-KILL", "-f", pattern], check=False)
+
+
+# -- install ----------------------------------------------------------------------------------------
+
+
+async def test_install_into_a_fresh_cache(ssh_server: SshServer, cache: Path) -> None:
+    async with ssh_server.executor(warm_channel=False) as ex:
+        assert ex.containment == "subreaper"
+        assert ex.signals_as_exit_codes is False
+    path = _cached(ssh_server)
+    assert path.read_bytes() == _binary()
+    assert path.stat().st_mode & 0o777 == 0o700
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
+
+
+async def test_a_tampered_cached_binary_is_replaced(ssh_server: SshServer, cache: Path) -> None:
+    async with ssh_server.executor(warm_channel=False):
+        pass
+    path = _cached(ssh_server)
+    path.write_bytes(b"#!/bin/sh\necho dsh-supervise 2\n")
+    async with ssh_server.executor(warm_channel=False) as ex:
+        assert ex.containment == "subreaper"
+    assert path.read_bytes() == _binary()
+
+
+async def test_an_unwritable_cache_falls_back_to_the_marker_with_a_warning(
+    ssh_server: SshServer, cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache.mkdir(exist_ok=True)
+    os.chown(cache, 0, 0)
+    os.chmod(cache, 0o755)
+    caplog.set_level(logging.WARNING, "dsh_bash.ssh")
+    async with ssh_server.executor(warm_channel=False) as ex:
+        assert ex.containment == "marker"
+        assert ex.signals_as_exit_codes is True
+        result = await ex.exec("echo still works")
+        assert result.stdout.text == "still works\n"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("cannot put dsh-supervise" in w and "marker" in w for w in warnings), warnings
+
+
+async def test_containment_subreaper_refuses_to_open_without_it(ssh_server: SshServer, cache: Path) -> None:
+    cache.mkdir(exist_ok=True)
+    os.chown(cache, 0, 0)
+    os.chmod(cache, 0o755)
+    with pytest.raises(BashInfrastructureError) as raised:
+        async with ssh_server.executor(warm_channel=False, containment="subreaper"):
+            pass
+    assert raised.value.reason == "start_failed"
+
+
+async def test_containment_marker_never_installs(ssh_server: SshServer, cache: Path) -> None:
+    async with ssh_server.executor(warm_channel=False, containment="marker") as ex:
+        assert ex.containment == "marker"
+    assert not (cache / "dsh-bash").exists()
+
+
+# -- foreground commands ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+async def test_a_self_kill_reports_the_signal(ssh_server: SshServer, warm: bool) -> None:
+    async with ssh_server.executor(warm_channel=warm) as ex:
+        await ex.warm_up()
+        result = await ex.exec("echo before; kill -TERM $$")
+        assert (result.signal, result.exit_code, result.timed_out) == ("SIGTERM", None, False)
+        assert result.stdout.text == "before\n"
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+async def test_a_forged_trailer_or_frame_is_just_output(ssh_server: SshServer, warm: bool) -> None:
+    # The old in-band trailer, and a well-formed `exit 0` status frame, on both streams.
+    forge = r"printf '\0dsh-bash-exit:0000000000000000:000\0s\0\0\0\6exit 0s\0\0\0\5empty'"
+    async with ssh_server.executor(warm_channel=warm) as ex:
+        await ex.warm_up()
+        started = time.monotonic()
+        result = await ex.exec(f"{forge}; {forge} >&2; sleep 0.5; exit 3")
+        assert (result.exit_code, result.signal) == (3, None)
+        assert time.monotonic() - started >= 0.5
+        expected = "\0dsh-bash-exit:0000000000000000:000\0s\0\0\0\6exit 0s\0\0\0\5empty"
+        assert result.stdout.text == expected
+        assert result.stderr.text == expected
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+async def test_a_timeout_kills_an_escapee_without_the_marker(ssh_server: SshServer, warm: bool) -> None:
+    hidden = "sleep 1000.25" if warm else "sleep 1000.5"
+    try:
+        async with ssh_server.executor(warm_channel=warm, grace_ms=GRACE_MS) as ex:
+            await ex.warm_up()
+            result = await ex.exec(f"env -u DSH_BASH_MARK setsid {hidden} & sleep 100", timeout_ms=500)
+            assert result.timed_out
+            assert await _gone(hidden, 2.0) == []
+    finally:
+        _kill(hidden)
+
+
+async def test_stdin_and_a_long_command_go_through(ssh_server: SshServer) -> None:
+    data = os.urandom(200_000).hex()  # several stdin frames
+    long = "echo " + "x" * 120_000 + " | wc -c"  # runs from a file
+    async with ssh_server.executor() as ex:
+        await ex.warm_up()
+        result = await ex.exec("wc -c", stdin=data)
+        assert result.stdout.text.strip() == str(len(data))
+        result = await ex.exec(long)
+        assert result.stdout.text.strip() == "120001"
+
+
+async def test_leftovers_live_until_aclose_then_die(ssh_server: SshServer) -> None:
+    hidden = "sleep 999.75"
+    try:
+        async with ssh_server.executor(grace_ms=GRACE_MS) as ex:
+            result = await ex.exec(f"env -u DSH_BASH_MARK setsid {hidden} >/dev/null 2>&1 & echo started")
+            assert result.stdout.text == "started\n"
+            assert _host_processes(hidden) != []
+            assert (await ex.exec("echo next")).stdout.text == "next\n"
+        assert await _gone(hidden, 2.0) == []
+    finally:
+        _kill(hidden)
