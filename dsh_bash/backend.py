@@ -29,7 +29,8 @@ process, kill and spill mechanics; this module holds the pieces it builds them f
   :func:`normalize_arch`, :data:`SUPERVISOR_PROTOCOL`; its framed channel for backends that reach
   a command through one stream pair: :class:`FrameDecoder`, :func:`encode_frame`,
   :class:`FrameError`, :data:`FRAME_HEADER`, :data:`MAX_FRAME_PAYLOAD`; its status records read by
-  :class:`SupervisorRecords`;
+  :class:`SupervisorRecords`; and :class:`FramedCommand`, the transport-independent half of a
+  command under it (output, outcome, kills), with :data:`STDIN_FRAME_BYTES`;
 - configuration: :class:`dsh_bash.BudgetConfig` to subclass, :func:`config_error_from` to turn a
   pydantic ``ValidationError`` into a :class:`dsh_bash.ConfigError` that names the field;
 - errors with a machine-readable reason: :data:`InfraReason`, :data:`INFRA_REASONS`;
@@ -62,6 +63,7 @@ from ._backend import (
 from ._config import BUDGET_FIELDS, config_error_from
 from ._env import MODEL_FRIENDLY_ENV, RC_FILE_VARIABLES, build_command_env, is_scrubbed
 from ._errors import INFRA_REASONS, InfraReason
+from ._framed import STDIN_FRAME_BYTES, FramedCommand
 from ._frames import (
     FRAME_HEADER,
     MAX_FRAME_PAYLOAD,
@@ -120,6 +122,7 @@ __all__ = [
     "SPILL_DIR",
     "SPILL_HIGH_WATER_BYTES",
     "SPILL_WRITER",
+    "STDIN_FRAME_BYTES",
     "SUPERVISOR_PROTOCOL",
     "CommandProcess",
     "CommandSpills",
@@ -130,6 +133,7 @@ __all__ = [
     "ExitTrailerFilter",
     "FrameDecoder",
     "FrameError",
+    "FramedCommand",
     "HostBashExecutor",
     "HostConfig",
     "HostProcess",

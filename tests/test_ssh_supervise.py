@@ -81,7 +81,6 @@ def _kill(pattern: str) -> None:
 async def test_install_into_a_fresh_cache(ssh_server: SshServer, cache: Path) -> None:
     async with ssh_server.executor(warm_channel=False) as ex:
         assert ex.containment == "subreaper"
-        assert ex.signals_as_exit_codes is False
     path = _cached(ssh_server)
     assert path.read_bytes() == _binary()
     assert path.stat().st_mode & 0o777 == 0o700
@@ -108,7 +107,6 @@ async def test_an_unwritable_cache_falls_back_to_the_marker_with_a_warning(
     caplog.set_level(logging.WARNING, "dsh_bash.ssh")
     async with ssh_server.executor(warm_channel=False) as ex:
         assert ex.containment == "marker"
-        assert ex.signals_as_exit_codes is True
         result = await ex.exec("echo still works")
         assert result.stdout.text == "still works\n"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -100,9 +100,9 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         self._supervisor: str | None = None  # dsh-supervise's path on the host
         #: Foreground commands whose supervisor still runs (leftovers included).
         self._supervised: set[FramedSshProcess] = set()
-        # The default for commands that do not say: detached tasks (and, without the supervisor,
-        # every command) see a signal death only as 128+n; foreground commands under dsh-supervise
-        # report the observed signal (FramedSshProcess.signals_as_exit_codes). Set at open.
+        # Detached tasks (and, without the supervisor, every command) see a signal death only as
+        # 128+n; foreground commands under dsh-supervise report the observed signal
+        # (ExitStatus.signal), which the 128+n mapping leaves alone.
         self.signals_as_exit_codes = True
 
     @property
@@ -409,7 +409,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                 raise _SpareDied(f"the warm channel on {self._pool.where} died unused ({exc})") from exc
             raise
         if framed is not None:
-            framed.start()
+            framed.running()
         return process, session
 
     async def _spawn_detached(self, launch: Launch, nonce: str, plan: _Boot, *, warm: bool) -> CommandProcess:

@@ -1,0 +1,207 @@
+"""The transport-independent half of a command under ``dsh-supervise --frame``.
+
+A backend that reaches its commands through one stream pair (Docker's exec, an SSH channel) runs
+each under ``dsh-supervise --frame`` and subclasses :class:`FramedCommand`: it feeds the bytes the
+supervisor writes to :meth:`FramedCommand.feed`, says when that stream ended
+(:meth:`FramedCommand.stream_ended`), and sends frames with :meth:`FramedCommand._send_frame`. The
+base class reads the frames (the command's output goes to the launch's streams, the status records
+to :class:`SupervisorRecords`), tells the exit status, and kills through the supervisor, falling back
+to the marker (``fallback``) once the supervisor is gone.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import signal
+from abc import abstractmethod
+from typing import Any
+
+import anyio
+
+from ._backend import CommandProcess, ExitStatus, Killable, Launch
+from ._errors import BashInfrastructureError, InfraReason
+from ._frames import FrameDecoder, FrameError, SupervisorRecords, encode_frame
+
+__all__ = ["STDIN_FRAME_BYTES", "FramedCommand"]
+
+log = logging.getLogger("dsh_bash")
+
+#: The command's stdin goes to the supervisor in frames of at most this size, so that a kill request
+#: waits behind one chunk at most.
+STDIN_FRAME_BYTES = 64 * 1024
+
+
+class FramedCommand(CommandProcess):
+    """One command whose supervisor's stream this process reads: output, outcome and kills through it.
+
+    ``registry``: the executor's set of live supervised commands; this one is in it from
+    :meth:`running` until the supervisor said that no process is left (``_leftovers`` returns
+    ``SupervisedLeftovers(registry, fallback)``). ``where`` names the place in messages.
+    """
+
+    def __init__(self, launch: Launch, *, fallback: Killable, registry: set[Any], where: str) -> None:
+        self._launch = launch
+        self._fallback = fallback
+        self._registry = registry
+        self._where = where
+        self._records = SupervisorRecords()
+        self._decoder = FrameDecoder(
+            on_stdout=self._on_stdout,
+            on_stderr=self._on_stderr,
+            on_status=self._on_status,
+            on_eof=self._on_eof,
+        )
+        #: Released (or the pump gave up): the command's output has nowhere to go any more.
+        self._discard = False
+        #: Why the stream cannot be read any further (it broke the framing), or None.
+        self._broken: str | None = None
+        self._abandoned = False
+        self._stream_done = False
+        self._eof: set[str] = set()
+        #: Set once the supervisor started the command, could not, or its stream ended.
+        self._decided = anyio.Event()
+        self._exit_or_end = anyio.Event()
+        #: Set once both output streams reached their end (or the stream did).
+        self._output_done = anyio.Event()
+
+    # -- what the transport calls -------------------------------------------------------------------
+
+    def feed(self, data: bytes | memoryview) -> None:
+        """Bytes the supervisor wrote, in any split."""
+        if self._broken is not None:
+            return
+        try:
+            self._decoder.feed(data)
+        except FrameError as exc:
+            self._broken = f"the supervisor's stream broke its framing: {exc}"
+            log.warning("command %s: %s", self._launch.marker, self._broken)
+            self._stream_broken()
+
+    def stream_ended(self) -> None:
+        """The supervisor's stream ended (it exited, was killed, or the transport dropped)."""
+        if self._stream_done:
+            return
+        self._stream_done = True
+        if not self._records.empty and not self._abandoned and self._broken is None:
+            log.warning(
+                "command %s: the supervisor's stream %s ended before it reported that no process is left "
+                "(it was killed, or the transport dropped); its leftovers are looked for by marker",
+                self._launch.marker,
+                self._where,
+            )
+        self._decided.set()
+        self._exit_or_end.set()
+        self._output_done.set()
+        self._output_finished()
+
+    # -- hooks ---------------------------------------------------------------------------------------
+
+    @abstractmethod
+    async def _send_frame(self, frame: bytes, *, urgent: bool) -> bool:
+        """Send one whole frame to the supervisor; False when its stream is gone. ``urgent``: a kill
+        request, which must not wait behind flow control the command's stdin waits for."""
+
+    @abstractmethod
+    async def _lost(self) -> BashInfrastructureError:
+        """The error for a stream that ended without the command's exit status (the transport's
+        view: its connection dropped, its container is gone, or the supervisor was killed)."""
+
+    def _stream_broken(self) -> None:
+        """Hook: the stream broke its framing; the default does nothing more. A transport closes it."""
+
+    def _output_finished(self) -> None:
+        """Hook: both output streams (or the whole stream) ended; a pump that waits on it wakes up."""
+
+    # -- the supervisor's frames ---------------------------------------------------------------------
+
+    def _on_stdout(self, data: memoryview) -> None:
+        if not self._discard:
+            self._launch.stdout.feed(data)
+
+    def _on_stderr(self, data: memoryview) -> None:
+        if not self._discard:
+            self._launch.stderr.feed(data)
+
+    def _on_status(self, record: str) -> None:
+        records = self._records
+        records.apply(record)
+        if records.child is not None or records.exec_failed is not None:
+            self._decided.set()
+        if records.command_exit is not None:
+            self._decided.set()
+            self._exit_or_end.set()
+        if records.empty:
+            self._registry.discard(self)
+
+    def _on_eof(self, stream: str) -> None:
+        self._eof.add(stream)
+        if len(self._eof) == 2:
+            self._output_done.set()
+            self._output_finished()
+
+    # -- start ----------------------------------------------------------------------------------------
+
+    def start_failure(self) -> BashInfrastructureError | None:
+        """Once :attr:`_decided` is set: why the supervisor could not start the command, or None."""
+        code = self._records.exec_failed
+        if code is not None:
+            reason: InfraReason = "shell_missing" if code in (errno.ENOENT, errno.EACCES) else "start_failed"
+            return BashInfrastructureError(
+                f"cannot start the command's bash {self._where}: {errno.errorcode.get(code, code)}",
+                reason=reason,
+            )
+        return None
+
+    def running(self) -> None:
+        """The command runs: its supervisor is one the executor's leftovers must reach until it is empty."""
+        if not self._records.empty and not self._stream_done:
+            self._registry.add(self)
+
+    def abandon(self) -> None:
+        """A start given up: whatever the transport does to drop the stream makes the supervisor kill
+        everything; no warning is due when it ends."""
+        self._abandoned = True
+
+    # -- the process protocol -------------------------------------------------------------------------
+
+    async def wait(self) -> ExitStatus:
+        await self._exit_or_end.wait()
+        if self._records.command_exit is not None:
+            return self._records.command_exit
+        if self._broken is not None:
+            raise BashInfrastructureError(
+                f"{self._broken}; the command's exit status is lost", reason="command_lost"
+            )
+        raise await self._lost()
+
+    async def send_stdin(self) -> None:
+        """Send the spec's stdin in frames, then close the command's stdin (``c``)."""
+        stdin = self._launch.spec.stdin
+        data = b"" if stdin is None else (stdin.encode() if isinstance(stdin, str) else bytes(stdin))
+        for at in range(0, len(data), STDIN_FRAME_BYTES):
+            if not await self._send_frame(
+                encode_frame(b"i", data[at : at + STDIN_FRAME_BYTES]), urgent=False
+            ):
+                return
+        await self._send_frame(encode_frame(b"c"), urgent=False)
+
+    @property
+    def ended(self) -> bool:
+        """True once the supervisor's stream ended: it holds nothing any more (or was killed)."""
+        return self._stream_done
+
+    async def signal_all(self, sig: int) -> None:
+        if self._records.empty:
+            return
+        request = encode_frame(b"K" if sig == signal.SIGKILL else b"T")
+        if not self._stream_done and await self._send_frame(request, urgent=True):
+            return
+        await self._fallback.signal_all(sig)
+
+    async def remaining(self) -> list[str]:
+        if self._records.empty:
+            return []
+        if not self._stream_done:
+            return [f"processes under dsh-supervise {self._where} ({self._launch.marker})"]
+        return await self._fallback.remaining()
