@@ -88,7 +88,8 @@ class GroupOnlyKillSsh(SshBashExecutor):
     """
 
     def __init__(self, config: SshConfig) -> None:
-        super().__init__(config)
+        # The breakage is in the marker kill: under dsh-supervise, kills go through the supervisor.
+        super().__init__(config.model_copy(update={"containment": "marker"}))
         self._groups: dict[str, str] = {}
 
     async def _spawn(self, launch: Launch) -> CommandProcess:

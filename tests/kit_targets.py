@@ -35,6 +35,8 @@ MARKER_CONTAINMENT_FAILS: dict[str, frozenset[str]] = {
             "non-dumpable-escapee-killed",
             # Its foreground half passes; a detached task sees only 128+n.
             "self-kill-reported-as-signal",
+            # Its foreground half passes; a detached task's exit files can be written by the task.
+            "forged-outcome-ignored",
         }
     ),
 }

@@ -238,3 +238,16 @@ async def test_a_command_that_kills_its_supervisor_is_lost_not_forged(
         assert raised.value.reason == "command_lost", raised.value
         assert await ex.exec("echo still works") is not None
     assert await eventually_gone(marker, 5.0) == []
+
+
+@pytest.mark.timeout(60)
+async def test_a_removed_supervisor_is_installed_again(docker_test_image: str) -> None:
+    """A command of root in the container may remove the supervisor's file: the next command puts it
+    back (once per start) instead of every later command failing to start."""
+    async with _image_executor(docker_test_image) as ex:
+        assert ex.containment == "subreaper"
+        removed = await ex.exec("rm -rf /.dsh-bash && ls -a / | grep -c dsh-bash")
+        assert removed.stdout.text == "0\n", removed
+        result = await ex.exec("kill -TERM $$")
+        assert (result.signal, result.exit_code) == ("SIGTERM", None), result
+        assert ex.containment == "subreaper"

@@ -191,3 +191,18 @@ async def test_leftovers_live_until_aclose_then_die(ssh_server: SshServer) -> No
         assert await _gone(hidden, 2.0) == []
     finally:
         _kill(hidden)
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+async def test_a_removed_supervisor_is_installed_again(
+    ssh_server: SshServer, cache: Path, warm: bool
+) -> None:
+    """A command of the login's user may remove the cached supervisor: the next command puts it back
+    (once per start) instead of every later command failing to start."""
+    async with ssh_server.executor(warm_channel=warm) as ex:
+        assert ex.containment == "subreaper"
+        await ex.exec("rm -rf ~/.cache/dsh-bash")
+        assert not _cached(ssh_server).exists()
+        result = await ex.exec("kill -TERM $$")
+        assert (result.signal, result.exit_code) == ("SIGTERM", None), result
+        assert _cached(ssh_server).exists()

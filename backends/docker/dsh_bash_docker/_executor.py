@@ -32,7 +32,7 @@ from dsh_bash.backend import (
 
 from ._config import DockerConfig
 from ._engine import Endpoint, EngineClient, EngineError
-from ._framed import FramedDockerProcess
+from ._framed import FramedDockerProcess, SupervisorMissing
 from ._hints import INFRA_HINTS
 from ._kit import find_container_processes, kit_notes, plant_in_environment
 from ._process import ContainerMarked, DockerProcess, diagnose_refusal, run_script
@@ -333,7 +333,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
 
     async def _spawn(self, launch: Launch) -> CommandProcess:
         try:
-            return await self._spawn_in(self._container_id, launch)
+            return await self._spawn_in_with_supervisor(launch)
         except EngineError as exc:
             if exc.status not in (404, 409):
                 raise
@@ -349,6 +349,16 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         # Image mode: the container is gone or stopped; make a fresh one and try once more.
         await self._recreate()
         return await self._spawn_in(self._container_id, launch)
+
+    async def _spawn_in_with_supervisor(self, launch: Launch) -> CommandProcess:
+        try:
+            return await self._spawn_in(self._container_id, launch)
+        except SupervisorMissing as exc:
+            # Removed after open (a command of root may remove anything in the container): put it
+            # back once, so one command cannot leave every later one unable to start.
+            log.warning("%s; installing it again", exc)
+            await self._install_supervisor()
+            return await self._spawn_in(self._container_id, launch)
 
     async def _find_container_again(self) -> bool:
         """Container mode: look the configured name up afresh; True when it now runs.
@@ -465,6 +475,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
                 on_release=on_release,
                 wait_writable=lambda: self._spills.wait_writable(marker),
                 registry=self._supervised,
+                supervisor=supervisor,
             )
         else:
             process = DockerProcess(

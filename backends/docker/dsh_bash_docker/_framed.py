@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from urllib.parse import quote
 
 import anyio
 
@@ -36,7 +37,7 @@ from dsh_bash.backend import (
 from ._engine import EngineClient, EngineError, ExecStream
 from ._process import ContainerMarked, StartHelper, diagnose_refusal
 
-__all__ = ["FramedDockerProcess"]
+__all__ = ["FramedDockerProcess", "SupervisorMissing"]
 
 log = logging.getLogger("dsh_bash.docker")
 
@@ -45,6 +46,10 @@ log = logging.getLogger("dsh_bash.docker")
 _GONE_SETTLE_S = 1.0
 #: How long a failed start waits for the rest of the boot script's report.
 _REPORT_BOUND_S = 5.0
+
+
+class SupervisorMissing(BashInfrastructureError):
+    """The engine could not start the supervisor: its file is gone from the container."""
 
 
 class FramedDockerProcess(FramedCommand):
@@ -61,11 +66,13 @@ class FramedDockerProcess(FramedCommand):
         on_release: Callable[[], Awaitable[None]],
         wait_writable: Callable[[], Awaitable[None]],
         registry: set[FramedDockerProcess],
+        supervisor: str,
     ) -> None:
         super().__init__(launch, fallback=marked, registry=registry, where=f"in container {container[:12]}")
         self._engine = engine
         self._container = container
         self._exec_id = exec_id
+        self._supervisor = supervisor
         self._stream = stream
         self._start_helper = start_helper
         self._on_release = on_release
@@ -164,10 +171,21 @@ class FramedDockerProcess(FramedCommand):
         exit_code = (await self._engine.exec_inspect(self._exec_id)).get("ExitCode")
         reason: InfraReason = "unclassified"
         if exit_code in (126, 127):  # the engine could not start the supervisor itself
+            if self._records.child is None and not await self._supervisor_present():
+                raise SupervisorMissing(
+                    f"dsh-supervise is missing {self._where} ({self._supervisor})", reason="start_failed"
+                )
             reason = await diagnose_refusal(self._engine, self._container, user, self._launch.env.get("PATH"))
         raise BashInfrastructureError(
             f"the command could not start {self._where}: {detail or 'no output'}", reason=reason
         )
+
+    async def _supervisor_present(self) -> bool:
+        status, _ = await self._engine.request_raw(
+            "HEAD",
+            f"/containers/{quote(self._container, safe='')}/archive?path={quote(self._supervisor, safe='')}",
+        )
+        return status != 404
 
     def _report_complete(self) -> bool:
         return self._head.find(b"\0", len(BOOT_FAIL)) >= 0

@@ -36,7 +36,7 @@ from ._detached import DetachedProcess, DetachedSpill, Follower
 from ._framed import FramedSshProcess
 from ._hints import INFRA_HINTS
 from ._kit import find_remote_processes, kit_notes, plant_in_bashrc
-from ._process import CommandSession, RemoteMarked, SshProcess
+from ._process import CommandSession, RemoteMarked, SshProcess, SupervisorMissing
 from ._scripts import SETUP, SETUP_END, SETUP_HOME, boot_line, boot_request
 from ._spill import SshSpillFile
 from ._supervisor import install_supervisor
@@ -98,6 +98,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         #: Detached tasks by marker: their files' base path and their streams' spill files.
         self._detached: dict[str, tuple[str, dict[str, DetachedSpill]]] = {}
         self._supervisor: str | None = None  # dsh-supervise's path on the host
+        self._machine = ""  # the host's `uname -m`
         #: Foreground commands whose supervisor still runs (leftovers included).
         self._supervised: set[FramedSshProcess] = set()
         # Detached tasks (and, without the supervisor, every command) see a signal death only as
@@ -161,6 +162,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                     f"setting up on {self._pool.where} failed ({exc}): {detail or 'no error output'}",
                     reason=reason,
                 ) from None
+            self._machine = machine
             await self._install_supervisor(machine)
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -302,7 +304,12 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         except _SpareDied as exc:
             # The warm channel's shell died before its BOOT wrote a word: nothing started.
             log.info("%s; starting the command on a channel of its own", exc)
-            return await self._spawn_once(launch, detached, warm=False)
+        except SupervisorMissing as exc:
+            # Removed after open (by a command of the same user): put it back once, so one command
+            # cannot leave every later one unable to start.
+            log.warning("%s; installing it again", exc)
+            await self._install_supervisor(self._machine)
+        return await self._spawn_once(launch, detached, warm=False)
 
     async def _spawn_once(self, launch: Launch, detached: bool, *, warm: bool) -> CommandProcess:
         marker = launch.marker

@@ -316,10 +316,20 @@ class CommandSession(SlotSession):
             self.chan.close()
 
 
+#: BOOT's report when the supervisor it was to run is not there (see _scripts._CHECK_SUPERVISOR).
+SUPERVISOR_MISSING = "supervisor_missing"
+
+
+class SupervisorMissing(BashInfrastructureError):
+    """BOOT found no dsh-supervise where the executor installed it at open."""
+
+
 async def boot_verdict(session: CommandSession, pool: ChannelPool, launch: Launch) -> None:
     """Wait for BOOT's verdict on ``session``; raise BashInfrastructureError when it did not start."""
     await session.preamble_done.wait()
     report = session.boot_failure
+    if report == SUPERVISOR_MISSING:
+        raise SupervisorMissing(f"dsh-supervise is missing on {pool.where}", reason="start_failed")
     if report is not None:
         raise boot_failure(report, workdir=launch.spec.workdir, where=f"on {pool.where}")
     if session.closed and session.exit is None and session.lost is not None:

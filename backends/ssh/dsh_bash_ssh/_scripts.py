@@ -184,6 +184,11 @@ builtin export DSH_BASH_MARK=$_dsh_mark
 _RUN_SUPERVISED = (
     'exec SUPERVISOR --frame -- env "DSH_BASH_MARK=$_dsh_mark" bash --noprofile --norc COMMAND\n'
 )
+# Before the verdict, so that a supervisor removed since the executor opened (by a command of the
+# same user) is told apart from a command that could not start: the executor installs it again.
+_CHECK_SUPERVISOR = r"""[[ -x SUPERVISOR ]] ||
+  { builtin printf '\0dsh-bash-boot-fail:supervisor_missing\0'; builtin exit 125; }
+"""
 _NO_STDIN = "exec </dev/null\n"
 _RUN_INLINE = 'exec bash --noprofile --norc -c "$_dsh_command"\n'
 _RUN_STORED = 'exec bash --noprofile --norc "$_dsh_script"\n'
@@ -247,6 +252,7 @@ def boot_script(
     if detached:
         parts.append(_DETACH)
     elif supervisor is not None:
+        parts.append(_CHECK_SUPERVISOR.replace("SUPERVISOR", _ascii_quote(supervisor)))
         parts.append(_STARTED.replace("builtin export DSH_BASH_MARK=$_dsh_mark\n", ""))
         run = '"$_dsh_script"' if long else '-c "$_dsh_command"'
         # ASCII-quoted: a warm request is ASCII, and every shell that runs BOOT is a bash.
