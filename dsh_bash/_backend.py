@@ -16,6 +16,7 @@ from typing import Generic, Literal, Protocol, TypeVar
 
 import anyio
 
+from ._errors import BashInfrastructureError
 from ._output import OutputStream
 from ._types import BashExecSpec
 
@@ -30,6 +31,8 @@ __all__ = [
     "Launch",
     "SupervisedCommand",
     "SupervisedLeftovers",
+    "SupervisorInstall",
+    "choose_containment",
     "kill_abandoned_start",
     "kill_sequence",
     "signal_name",
@@ -92,6 +95,37 @@ Containment = Literal["subreaper", "marker"]
 #: A config's choice: ``auto`` (the supervisor when it can run there, else the marker, said at
 #: open), ``subreaper`` (refuse to open without it), ``marker`` (never use it).
 ContainmentSetting = Literal["auto", "subreaper", "marker"]
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorInstall:
+    """Where a backend put the supervisor (its path where the commands run; None: it cannot run
+    there), and why not."""
+
+    path: str | None
+    problem: str = ""
+
+
+def choose_containment(
+    setting: ContainmentSetting, supervisor: str | None, problem: str, where: str
+) -> str | None:
+    """The supervisor to run commands under, once a backend looked for it: ``supervisor`` (None when
+    it cannot run, ``problem`` saying why). ``subreaper`` refuses to go on without it
+    (:class:`BashInfrastructureError`, reason ``start_failed``); ``auto`` goes on with the marker and
+    says so in a warning naming ``where``; ``marker`` never uses it."""
+    if setting == "marker":
+        return None
+    if supervisor is not None:
+        return supervisor
+    if setting == "subreaper":
+        raise BashInfrastructureError(f"containment = 'subreaper' but {problem}", reason="start_failed")
+    log.warning(
+        "%s: %s; commands run with the weaker containment of an environment marker (a process that "
+        "drops or overwrites it escapes kill and close)",
+        where,
+        problem,
+    )
+    return None
 
 
 SupervisedT = TypeVar("SupervisedT", bound=SupervisedCommand)

@@ -24,6 +24,7 @@ from ._backend import (
     Killable,
     Launch,
     SupervisedLeftovers,
+    choose_containment,
 )
 from ._config import BudgetConfig
 from ._errors import BashInfrastructureError
@@ -135,21 +136,13 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
                 reason="spill_unavailable",
             ) from exc
         self._bash = shutil.which(config.bash)
-        if config.containment != "marker":
-            self._supervisor, why = _find_supervisor()
-            if self._supervisor is None:
-                if config.containment == "subreaper":
-                    self._spill_dir.remove()
-                    self._spill_dir = None
-                    raise BashInfrastructureError(
-                        f"containment = 'subreaper' but {why}", reason="start_failed"
-                    )
-                log.warning(
-                    "%s: %s; commands run with the weaker containment of an environment marker "
-                    "(a process that drops or overwrites it escapes kill and close)",
-                    type(self).__name__,
-                    why,
-                )
+        path, why = _find_supervisor() if config.containment != "marker" else (None, "")
+        try:
+            self._supervisor = choose_containment(config.containment, path, why, type(self).__name__)
+        except BashInfrastructureError:
+            self._spill_dir.remove()
+            self._spill_dir = None
+            raise
 
     async def _release(self) -> None:
         if self._spill_dir is not None:

@@ -26,11 +26,13 @@ process, kill and spill mechanics; this module holds the pieces it builds them f
   :data:`SPILL_HIGH_WATER_BYTES`;
 - the native supervisor ``dsh-supervise`` (a per-command subreaper, shipped as package data, see
   ``native/README.md``): :func:`supervisor_binary`, :func:`supervisor_problem`,
-  :func:`normalize_arch`, :data:`SUPERVISOR_PROTOCOL`; its framed channel for backends that reach
-  a command through one stream pair: :class:`FrameDecoder`, :func:`encode_frame`,
-  :class:`FrameError`, :data:`FRAME_HEADER`, :data:`MAX_FRAME_PAYLOAD`; its status records read by
-  :class:`SupervisorRecords`; and :class:`FramedCommand`, the transport-independent half of a
-  command under it (output, outcome, kills), with :data:`STDIN_FRAME_BYTES`;
+  :func:`normalize_arch`, :data:`SUPERVISOR_PROTOCOL`; once a backend looked for it where its
+  commands run (:class:`SupervisorInstall`), :func:`choose_containment` applies the config's
+  setting; its framed channel for backends that reach a command through one stream pair:
+  :class:`FrameDecoder`, :func:`encode_frame`, :class:`FrameError`, :data:`FRAME_HEADER`,
+  :data:`MAX_FRAME_PAYLOAD`; its status records read by :class:`SupervisorRecords`; and
+  :class:`FramedCommand`, the transport-independent half of a command under it (output, outcome,
+  kills), with :data:`STDIN_FRAME_BYTES`;
 - configuration: :class:`dsh_bash.BudgetConfig` to subclass, :func:`config_error_from` to turn a
   pydantic ``ValidationError`` into a :class:`dsh_bash.ConfigError` that names the field;
 - errors with a machine-readable reason: :data:`InfraReason`, :data:`INFRA_REASONS`;
@@ -56,6 +58,8 @@ from ._backend import (
     Launch,
     SupervisedCommand,
     SupervisedLeftovers,
+    SupervisorInstall,
+    choose_containment,
     kill_abandoned_start,
     kill_sequence,
     signal_name,
@@ -154,10 +158,12 @@ __all__ = [
     "StreamName",
     "SupervisedCommand",
     "SupervisedLeftovers",
+    "SupervisorInstall",
     "SupervisorRecords",
     "WrapCommand",
     "boot_failure",
     "build_command_env",
+    "choose_containment",
     "config_error_from",
     "encode_frame",
     "find_host_processes",

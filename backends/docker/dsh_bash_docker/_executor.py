@@ -26,6 +26,8 @@ from dsh_bash.backend import (
     Launch,
     SpillFile,
     SupervisedLeftovers,
+    SupervisorInstall,
+    choose_containment,
     kill_abandoned_start,
     spill_file_path,
 )
@@ -269,25 +271,13 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
 
     async def _install_supervisor(self) -> None:
         config = self._docker_config
-        self._supervisor = None
-        self.signals_as_exit_codes = True
-        if config.containment == "marker":
-            return
-        install = await install_supervisor(self._engine, self._container_id, config.user)
-        if install.path is None:
-            if config.containment == "subreaper":
-                raise BashInfrastructureError(
-                    f"containment = 'subreaper' but {install.problem}", reason="start_failed"
-                )
-            log.warning(
-                "container %s: %s; commands run with the weaker containment of an environment marker "
-                "(a process that drops or overwrites it escapes kill and close)",
-                self._container_id[:12],
-                install.problem,
-            )
-            return
-        self._supervisor = install.path
-        self.signals_as_exit_codes = False
+        install = SupervisorInstall(None, "containment = 'marker'")
+        if config.containment != "marker":
+            install = await install_supervisor(self._engine, self._container_id, config.user)
+        where = f"container {self._container_id[:12]}"
+        self._supervisor = choose_containment(config.containment, install.path, install.problem, where)
+        # Without the supervisor, the engine reports a signal death as 128+n only.
+        self.signals_as_exit_codes = self._supervisor is None
 
     async def _release(self) -> None:
         config = self._docker_config

@@ -15,15 +15,20 @@ import hashlib
 import io
 import logging
 import tarfile
-from dataclasses import dataclass
 from urllib.parse import quote
 
-from dsh_bash.backend import SUPERVISOR_PROTOCOL, normalize_arch, supervisor_binary, supervisor_problem
+from dsh_bash.backend import (
+    SUPERVISOR_PROTOCOL,
+    SupervisorInstall,
+    normalize_arch,
+    supervisor_binary,
+    supervisor_problem,
+)
 
 from ._engine import EngineClient, EngineError
 from ._process import run_script
 
-__all__ = ["INSTALL_DIR", "SupervisorInstall", "install_supervisor"]
+__all__ = ["INSTALL_DIR", "install_supervisor"]
 
 log = logging.getLogger("dsh_bash.docker")
 
@@ -34,14 +39,6 @@ INSTALL_DIR = "/.dsh-bash"
 # written binary.
 _WRITE_AS_ROOT = r"""umask 022
 mkdir -p -- "${1%/*}" && cat > "$1.part" && chmod 0755 -- "$1.part" && mv -f -- "$1.part" "$1" """
-
-
-@dataclass(frozen=True, slots=True)
-class SupervisorInstall:
-    """Where the supervisor is in the container (None: not usable there), and why not."""
-
-    path: str | None
-    problem: str = ""
 
 
 def _archive(name: str, data: bytes) -> bytes:

@@ -26,6 +26,8 @@ from dsh_bash.backend import (
     Launch,
     SpillFile,
     SupervisedLeftovers,
+    SupervisorInstall,
+    choose_containment,
     kill_abandoned_start,
     spill_file_path,
 )
@@ -171,27 +173,15 @@ class SshBashExecutor(BashExecutor[SshConfig]):
 
     async def _install_supervisor(self, machine: str) -> None:
         config = self._ssh_config
-        self._supervisor = None
-        self.signals_as_exit_codes = True
-        if config.containment == "marker":
-            return
-        install = await install_supervisor(self._pool, self._home, machine)
-        if install.path is None:
-            if config.containment == "subreaper":
-                raise BashInfrastructureError(
-                    f"containment = 'subreaper' but {install.problem}", reason="start_failed"
-                )
-            log.warning(
-                "%s: %s; commands run with the weaker containment of an environment marker "
-                "(a process that drops or overwrites it escapes kill and close)",
-                self._pool.where,
-                install.problem,
-            )
-            return
-        self._supervisor = install.path
-        # Still true: detached background tasks see a signal death as 128+n only. Foreground
-        # commands under the supervisor report the signal itself (ExitStatus.signal), which the
-        # mapping leaves alone.
+        install = SupervisorInstall(None, "containment = 'marker'")
+        if config.containment != "marker":
+            install = await install_supervisor(self._pool, self._home, machine)
+        self._supervisor = choose_containment(
+            config.containment, install.path, install.problem, self._pool.where
+        )
+        # signals_as_exit_codes stays true: detached background tasks see a signal death as 128+n
+        # only. Foreground commands under the supervisor report the signal itself
+        # (ExitStatus.signal), which the mapping leaves alone.
 
     async def _release(self) -> None:
         self._warm.close()

@@ -15,16 +15,21 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
-from dataclasses import dataclass
 
 import asyncssh
 
 from dsh_bash import BashInfrastructureError
-from dsh_bash.backend import SUPERVISOR_PROTOCOL, normalize_arch, supervisor_binary, supervisor_problem
+from dsh_bash.backend import (
+    SUPERVISOR_PROTOCOL,
+    SupervisorInstall,
+    normalize_arch,
+    supervisor_binary,
+    supervisor_problem,
+)
 
 from ._connection import ChannelPool
 
-__all__ = ["CACHE_DIR", "SupervisorInstall", "install_supervisor"]
+__all__ = ["CACHE_DIR", "install_supervisor"]
 
 log = logging.getLogger("dsh_bash.ssh")
 
@@ -44,14 +49,6 @@ echo current
 "$f" --version 2>&1
 """
 _VERSION = '"$1" --version 2>&1'
-
-
-@dataclass(frozen=True, slots=True)
-class SupervisorInstall:
-    """Where the supervisor is on the host (None: not usable there), and why not."""
-
-    path: str | None
-    problem: str = ""
 
 
 async def install_supervisor(pool: ChannelPool, home: str, machine: str) -> SupervisorInstall:
