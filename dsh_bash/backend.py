@@ -26,6 +26,7 @@ process, kill and spill mechanics; this module holds the pieces it builds them f
   :data:`SPILL_HIGH_WATER_BYTES`;
 - the native supervisor ``dsh-supervise`` (a per-command subreaper, shipped as package data, see
   ``native/README.md``): :func:`supervisor_binary`, :func:`supervisor_problem`,
+  :func:`supervisor_payload` (what to install on a machine, :class:`SupervisorPayload`),
   :func:`normalize_arch`, :data:`SUPERVISOR_PROTOCOL`; once a backend looked for it where its
   commands run (:class:`SupervisorInstall`), :func:`choose_containment` applies the config's
   setting; its framed channel for backends that reach a command through one stream pair:
@@ -88,7 +89,13 @@ from ._kit_hooks import (
     run_in_fresh_loop,
 )
 from ._native import PROTOCOL_VERSION as SUPERVISOR_PROTOCOL
-from ._native import normalize_arch, supervisor_binary, supervisor_problem
+from ._native import (
+    SupervisorPayload,
+    normalize_arch,
+    supervisor_binary,
+    supervisor_payload,
+    supervisor_problem,
+)
 from ._output import OutputStream, SpillBudget, SpillFile, StreamName, merge_streams
 from ._procscan import ProcEntry, ProcScanner, ProcStat, read_proc_stat, signal_marked
 from ._procscan import scan as scan_processes
@@ -159,6 +166,7 @@ __all__ = [
     "SupervisedCommand",
     "SupervisedLeftovers",
     "SupervisorInstall",
+    "SupervisorPayload",
     "SupervisorRecords",
     "WrapCommand",
     "boot_failure",
@@ -184,5 +192,6 @@ __all__ = [
     "spawn_host_process",
     "spill_file_path",
     "supervisor_binary",
+    "supervisor_payload",
     "supervisor_problem",
 ]

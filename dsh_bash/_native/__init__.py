@@ -12,16 +12,20 @@ on request. See the source's header and ``native/README.md`` for the protocol.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
     "ARCHITECTURES",
     "PROTOCOL_VERSION",
+    "SupervisorPayload",
     "normalize_arch",
     "supervisor_binary",
+    "supervisor_payload",
     "supervisor_problem",
 ]
 
@@ -83,3 +87,24 @@ def supervisor_binary(arch: str | None = None) -> Path | None:
     if name is None or supervisor_problem(name) is not None:
         return None
     return _path(name)
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorPayload:
+    """The binary to put where commands run: a file name that changes with its content
+    (``dsh-supervise-`` and the first 16 hex digits of its SHA-256), its bytes, its whole SHA-256."""
+
+    name: str
+    data: bytes
+    sha256: str
+
+
+def supervisor_payload(machine: str) -> SupervisorPayload | str:
+    """The dsh-supervise to install on a machine whose ``uname -m`` is ``machine``, or why there is none."""
+    arch = normalize_arch(machine) if machine else None
+    binary = supervisor_binary(arch) if arch is not None else None
+    if binary is None:
+        return supervisor_problem(arch or machine or "unknown") or f"no dsh-supervise for {machine!r}"
+    data = binary.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    return SupervisorPayload(f"dsh-supervise-{digest[:16]}", data, digest)

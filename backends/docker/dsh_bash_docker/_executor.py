@@ -452,34 +452,23 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             user=self.config.user,
         )
         stream = await self._engine.exec_start(exec_id)
+        # What both kinds of process need: the exec, its stream, and the marker kill as the last resort.
+        parts: dict[str, Any] = {
+            "engine": self._engine,
+            "container": container,
+            "exec_id": exec_id,
+            "stream": stream,
+            "launch": launch,
+            "marked": marked,
+            "start_helper": self._start_helper,
+            "on_release": on_release,
+            "wait_writable": lambda: self._spills.wait_writable(marker),
+        }
         process: DockerProcess | FramedDockerProcess
         if supervisor is not None:
-            process = FramedDockerProcess(
-                engine=self._engine,
-                container=container,
-                exec_id=exec_id,
-                stream=stream,
-                launch=launch,
-                marked=marked,
-                start_helper=self._start_helper,
-                on_release=on_release,
-                wait_writable=lambda: self._spills.wait_writable(marker),
-                registry=self._supervised,
-                supervisor=supervisor,
-            )
+            process = FramedDockerProcess(**parts, registry=self._supervised, supervisor=supervisor)
         else:
-            process = DockerProcess(
-                engine=self._engine,
-                container=container,
-                exec_id=exec_id,
-                stream=stream,
-                launch=launch,
-                marked=marked,
-                start_helper=self._start_helper,
-                on_release=on_release,
-                nonce=nonce,
-                wait_writable=lambda: self._spills.wait_writable(marker),
-            )
+            process = DockerProcess(**parts, nonce=nonce)
         try:
             await process.read_preamble(self.config.user)
         except BaseException:

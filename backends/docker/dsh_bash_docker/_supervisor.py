@@ -11,7 +11,6 @@ version's protocol before any command relies on it.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import logging
 import tarfile
@@ -20,9 +19,7 @@ from urllib.parse import quote
 from dsh_bash.backend import (
     SUPERVISOR_PROTOCOL,
     SupervisorInstall,
-    normalize_arch,
-    supervisor_binary,
-    supervisor_problem,
+    supervisor_payload,
 )
 
 from ._engine import EngineClient, EngineError
@@ -60,13 +57,10 @@ async def install_supervisor(engine: EngineClient, container: str, user: str | N
     """Install the engine's architecture's dsh-supervise into ``container`` and check it runs as ``user``."""
     info = await engine.request("GET", "/info")
     machine = str(info.get("Architecture", "")) if isinstance(info, dict) else ""
-    arch = normalize_arch(machine)
-    binary = supervisor_binary(arch) if arch is not None else None
-    if binary is None:
-        problem = supervisor_problem(arch or machine or "unknown")
-        return SupervisorInstall(None, problem or f"no dsh-supervise for {machine!r}")
-    data = binary.read_bytes()
-    name = f"dsh-supervise-{hashlib.sha256(data).hexdigest()[:16]}"
+    payload = supervisor_payload(machine)
+    if isinstance(payload, str):
+        return SupervisorInstall(None, payload)
+    name, data = payload.name, payload.data
     path = f"{INSTALL_DIR}/{name}"
     status, body = await engine.request_raw(
         "PUT", f"/containers/{quote(container, safe='')}/archive?path=%2F", _archive(name, data)

@@ -12,7 +12,6 @@ a home mounted noexec, no SFTP), the caller falls back to the environment marker
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import secrets
 
@@ -22,9 +21,7 @@ from dsh_bash import BashInfrastructureError
 from dsh_bash.backend import (
     SUPERVISOR_PROTOCOL,
     SupervisorInstall,
-    normalize_arch,
-    supervisor_binary,
-    supervisor_problem,
+    supervisor_payload,
 )
 
 from ._connection import ChannelPool
@@ -53,15 +50,12 @@ _VERSION = '"$1" --version 2>&1'
 
 async def install_supervisor(pool: ChannelPool, home: str, machine: str) -> SupervisorInstall:
     """Install dsh-supervise for ``machine`` (``uname -m``) under ``home`` and check that it runs."""
-    arch = normalize_arch(machine) if machine else None
-    binary = supervisor_binary(arch) if arch is not None else None
-    if binary is None:
-        problem = supervisor_problem(arch or machine or "unknown")
-        return SupervisorInstall(None, problem or f"no dsh-supervise for the host's machine {machine!r}")
-    data = binary.read_bytes()
-    digest = hashlib.sha256(data).hexdigest()
+    payload = supervisor_payload(machine)
+    if isinstance(payload, str):
+        return SupervisorInstall(None, payload)
+    data, digest = payload.data, payload.sha256
     directory = f"{home.rstrip('/')}/{CACHE_DIR}"
-    path = f"{directory}/dsh-supervise-{digest[:16]}"
+    path = f"{directory}/{payload.name}"
     _, out, _ = await pool.run_script(_CHECK, path, digest)
     verdict, _, said = out.decode("utf-8", "replace").partition("\n")
     if verdict != "current":
