@@ -127,14 +127,22 @@ class Detached:
 
     def close(self) -> None:
         self.poll()
-        if self.alive():
-            pid, _ = self.supervisor
-            os.kill(pid, signal.SIGUSR2)
-            deadline = time.monotonic() + 10
-            while self.alive() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if self.alive():
-                os.kill(pid, signal.SIGKILL)
+        pid, start = self.state.supervisor_pid, str(self.state.supervisor_start_time)
+        if pid is None:
+            # Records that do not verify (a broken supervisor): for the clean-up alone, the first
+            # line's word, checked against the live process's start time.
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                words = self.status.read_bytes().split(b"\n", 1)[0].split()
+                if words[1] == b"supervisor":
+                    pid, start = int(words[2]), words[3].decode()
+        if pid is None or _start_time(pid) != start:
+            return
+        os.kill(pid, signal.SIGUSR2)  # its whole subtree, then it exits
+        deadline = time.monotonic() + 10
+        while _start_time(pid) == start and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if _start_time(pid) == start:
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture
