@@ -169,25 +169,26 @@ builtin printf '\0dsh-bash-boot-ok\0'
 builtin printf '\0dsh-bash-stderr-ok\0' >&2
 builtin exit 0
 """
-# A detached task under dsh-supervise --detach (mode "bg" when the supervisor is installed): the
-# command goes to BASE.cmd (a long one is there already) and its stdin to BASE.in, then this process
+# A detached task under dsh-supervise --detach (mode "bg" when the supervisor is installed): its
+# stdin goes to BASE.in (a long command is in BASE.cmd already), then this process
 # becomes the supervisor, which creates BASE.status, BASE.stdout and BASE.stderr itself (O_EXCL: they
 # must not exist), reads its key from the channel, detaches and exits. Its key follows on stdin
 # right after what BOOT reads, so nothing here reads past its own input: the header and the stdin
 # length are read by bash's `read` (a pipe one byte at a time), the stdin data by `head -c`, which
 # asks for no more than is left. No shell keeps a copy of the channel: the supervisor is exec'd.
+# A short command runs as `bash -c COMMAND`, as in the foreground (the supervisor clears its own
+# arguments; the command's bash shows its text, as any `bash -c` does).
 _DETACH_SUPERVISED = r"""
 [[ -x SUPERVISOR ]] ||
   { builtin printf '\0dsh-bash-boot-fail:supervisor_missing\0'; builtin exit 125; }
 _dsh_base=$_dsh_spill/$_dsh_nonce
-_dsh_files="stdout stderr status in"
-[[ -n $_dsh_script ]] || _dsh_files+=" cmd"  # a long command's script is BASE.cmd already
-for _dsh_e in $_dsh_files; do
+for _dsh_e in stdout stderr status in; do
   if [[ -e $_dsh_base.$_dsh_e || -L $_dsh_base.$_dsh_e ]]; then
     builtin printf '\0dsh-bash-boot-fail:start_failed:cannot create the task files\0'; builtin exit 125
   fi
 done
-_dsh_in=()
+_dsh_in=() _dsh_run=(-c "$_dsh_command")
+[[ -n $_dsh_script ]] && _dsh_run=("$_dsh_script")
 if [[ $_dsh_input == 1 ]]; then
   _dsh_len=
   IFS= builtin read -r -d '' _dsh_len
@@ -196,17 +197,13 @@ if [[ $_dsh_input == 1 ]]; then
   fi
   _dsh_in=(--stdin-file "$_dsh_base.in")
 fi
-if ! (builtin umask 077; builtin set -C
-      [[ -n $_dsh_script ]] || builtin printf '%s' "$_dsh_command" > "$_dsh_base.cmd" || builtin exit 1
-      if [[ $_dsh_input == 1 ]]; then
-        head -c "$_dsh_len" > "$_dsh_base.in" || builtin exit 1
-      fi) 2>/dev/null; then
+if [[ $_dsh_input == 1 ]] && ! (builtin umask 077; builtin set -C; head -c "$_dsh_len" > "$_dsh_base.in") 2>/dev/null; then
   builtin printf '\0dsh-bash-boot-fail:start_failed:cannot create the task files\0'; builtin exit 125
 fi
 builtin printf '\0dsh-bash-boot-ok\0'
 builtin printf '\0dsh-bash-stderr-ok\0' >&2
 exec SUPERVISOR --detach --status-file "$_dsh_base.status" "${_dsh_in[@]}" --stdout-file "$_dsh_base.stdout" \
-  --stderr-file "$_dsh_base.stderr" -- env "DSH_BASH_MARK=$_dsh_mark" bash --noprofile --norc "$_dsh_base.cmd"
+  --stderr-file "$_dsh_base.stderr" -- env "DSH_BASH_MARK=$_dsh_mark" bash --noprofile --norc "${_dsh_run[@]}"
 """
 # Plain `exec` from here: no function is defined (see above), and `builtin exec <file` would undo
 # its redirection once the builtin returned.
