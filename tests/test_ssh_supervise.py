@@ -300,3 +300,19 @@ async def test_a_detached_task_reports_its_own_signal_and_its_stdin(ssh_server: 
             with anyio.fail_after(10):
                 await task.wait()
             assert (await ex.read_output(task.id)).delta == f"{len(data)}\n"
+
+
+async def test_a_detached_supervisor_that_fails_after_boot_fails_the_start(
+    ssh_server: SshServer, cache: Path
+) -> None:
+    """BOOT says the task starts, then execs the supervisor, which may still refuse (exit 125, its
+    reason on stderr): the start fails with that reason, it never reports a task that never ran."""
+    async with ssh_server.executor(grace_ms=GRACE_MS) as ex:
+        assert ex.containment == "subreaper"
+        # The cached binary (the login's own file) replaced after open by one that refuses.
+        _cached(ssh_server).write_text("#!/bin/sh\necho 'dsh-supervise: refused by the test' >&2\nexit 125\n")
+        with pytest.raises(BashInfrastructureError) as raised, anyio.fail_after(15):
+            await ex.start(ex.resolve(BashExecRequest(command="echo never")))
+        assert raised.value.reason == "start_failed", raised.value
+        assert "refused by the test" in str(raised.value)
+        assert "exit status 125" in str(raised.value)
