@@ -316,3 +316,25 @@ async def test_a_detached_supervisor_that_fails_after_boot_fails_the_start(
         assert raised.value.reason == "start_failed", raised.value
         assert "refused by the test" in str(raised.value)
         assert "exit status 125" in str(raised.value)
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+async def test_a_detached_tasks_header_long_command_and_binary_stdin_leave_the_key_intact(
+    ssh_server: SshServer, warm: bool
+) -> None:
+    """On a cold channel BOOT reads a header (a value of the caller's environment), then the stdin
+    data's length and the data, and the supervisor reads its key right after: a byte too many or
+    too few read by BOOT and the supervisor refuses to start. Stdin holds NUL bytes and newlines."""
+    data = bytes(range(256)) * 40
+    long = (
+        "# " + "x" * 140_000 + "\nprintf '%s:' \"$DSH_TEST_SECRET\"; od -An -tx1 -v | tr -d ' \\n' | wc -c\n"
+    )
+    async with ssh_server.executor(warm_channel=warm, grace_ms=GRACE_MS) as ex:
+        await ex.warm_up()
+        for command in (long, long[long.index("\n") + 1 :]):
+            request = BashExecRequest(command=command, stdin=data, env={"DSH_TEST_SECRET": "s3cr3t value"})
+            task = await ex.start(ex.resolve(request))
+            with anyio.fail_after(15):
+                await task.wait()
+            assert (task.status, task.exit_code) == ("completed", 0), task
+            assert (await ex.read_output(task.id)).delta == f"s3cr3t value:{2 * len(data)}\n"
