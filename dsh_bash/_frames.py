@@ -139,10 +139,11 @@ class SupervisorRecords:
     """What the supervisor's status records said so far: one reading for every channel that carries them.
 
     ``apply`` takes one record (``"exit 3"``, ``"signal 15 core"``); the fields say what is known.
+    With ``--detach``, only records a :class:`~dsh_bash.backend.SignedRecords` verified belong here.
     A record this version cannot read is logged and ignored.
     """
 
-    __slots__ = ("child", "command_exit", "empty", "exec_failed")
+    __slots__ = ("child", "command_exit", "empty", "exec_failed", "supervisor_pid", "supervisor_start_time")
 
     def __init__(self) -> None:
         #: The command's bash (pid, process group and session) once ``started``.
@@ -153,6 +154,10 @@ class SupervisorRecords:
         self.command_exit: ExitStatus | None = None
         #: True once no process of the command is left (``empty``, the supervisor's last record).
         self.empty = False
+        #: A detached supervisor's pid and start time (field 22 of ``/proc/PID/stat``, clock ticks since
+        #: boot), from its first record (``supervisor``): signal the pid only while both still match.
+        self.supervisor_pid: int | None = None
+        self.supervisor_start_time: int | None = None
 
     def apply(self, record: str) -> None:
         words = record.split()
@@ -170,6 +175,9 @@ class SupervisorRecords:
                 self.command_exit = ExitStatus(code=None, signal=int(args[0]))
             elif kind == "empty":
                 self.empty = True
+            elif kind == "supervisor":
+                pid, start_time = int(args[0]), int(args[1])
+                self.supervisor_pid, self.supervisor_start_time = pid, start_time
             elif kind == "warning":
                 log.info("dsh-supervise: %s", record)
         except (IndexError, ValueError):

@@ -31,9 +31,10 @@ process, kill and spill mechanics; this module holds the pieces it builds them f
   commands run (:class:`SupervisorInstall`), :func:`choose_containment` applies the config's
   setting; its framed channel for backends that reach a command through one stream pair:
   :class:`FrameDecoder`, :func:`encode_frame`, :class:`FrameError`, :data:`FRAME_HEADER`,
-  :data:`MAX_FRAME_PAYLOAD`; its status records read by :class:`SupervisorRecords`; and
-  :class:`FramedCommand`, the transport-independent half of a command under it (output, outcome,
-  kills), with :data:`STDIN_FRAME_BYTES`;
+  :data:`MAX_FRAME_PAYLOAD`; its status records read by :class:`SupervisorRecords`; the signed
+  status file of a detached one, verified by :class:`SignedRecords` (with
+  :data:`SUPERVISOR_KEY_SIZE`); and :class:`FramedCommand`, the transport-independent half of a
+  command under it (output, outcome, kills), with :data:`STDIN_FRAME_BYTES`;
 - configuration: :class:`dsh_bash.BudgetConfig` to subclass, :func:`config_error_from` to turn a
   pydantic ``ValidationError`` into a :class:`dsh_bash.ConfigError` that names the field;
 - errors with a machine-readable reason: :data:`InfraReason`, :data:`INFRA_REASONS`;
@@ -115,6 +116,8 @@ from ._remote_bash import (
     kill_args,
     spill_file_path,
 )
+from ._signed import KEY_SIZE as SUPERVISOR_KEY_SIZE
+from ._signed import SignedRecords
 
 __all__ = [
     "BOOT_FAIL",
@@ -134,6 +137,7 @@ __all__ = [
     "SPILL_HIGH_WATER_BYTES",
     "SPILL_WRITER",
     "STDIN_FRAME_BYTES",
+    "SUPERVISOR_KEY_SIZE",
     "SUPERVISOR_PROTOCOL",
     "CommandProcess",
     "CommandSpills",
@@ -158,6 +162,7 @@ __all__ = [
     "ProcScanner",
     "ProcStat",
     "QueuedSpillFile",
+    "SignedRecords",
     "SpillBudget",
     "SpillFile",
     "SpillWriter",

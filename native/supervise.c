@@ -4,7 +4,10 @@
  *   dsh-supervise [--status-fd N] [--control-fd N] [--die-with-parent] [--allow-no-subreaper]
  *                 -- PROGRAM [ARGS...]
  *   dsh-supervise --frame [--allow-no-subreaper] -- PROGRAM [ARGS...]
- *   dsh-supervise --version      (prints "dsh-supervise 2": the protocol's version)
+ *   dsh-supervise --detach --status-file PATH [--stdin-file PATH] [--stdout-file PATH]
+ *                 [--stderr-file PATH] [--allow-no-subreaper] -- PROGRAM [ARGS...]
+ *   dsh-supervise --version      (prints "dsh-supervise 3": the protocol's version)
+ *   dsh-supervise --sha256 | --hmac-sha256 KEYHEX   (digest of stdin in hex: for the tests)
  *
  * It makes itself a child subreaper and non-dumpable, forks PROGRAM into a session and process group
  * of its own, reports what happens on the status fd (ASCII lines, one write(2) each), reaps every
@@ -17,6 +20,7 @@
  *   exit CODE           the PROGRAM process exited (descendants may live on)
  *   signal NUM[ core]   the PROGRAM process was killed by a signal
  *   signalled N         answer to a kill request: N processes signalled by its first pass
+ *   supervisor PID T    --detach only, always the first: the detached supervisor's pid and start time
  *   warning TEXT        something degraded (e.g. `warning proc-scan ERRNO`); consumers may ignore it
  *   empty               no child is left at all; the supervisor exits 0 right after
  *
@@ -37,6 +41,22 @@
  * Output read before the PROGRAM process was reaped precedes its exit record; `empty` is the last
  * frame. fd 1 is written non-blocking from a bounded buffer: while it holds OUT_LIMIT bytes the
  * command's pipes are not read (the command blocks), but fd 0, signals and kill passes are served.
+ *
+ * --detach (version 3), for background tasks that must outlive the harness's channel (an SSH
+ * connection that drops): no channel can carry the records, so they go to a file the command could
+ * append to as well, and each is signed. PR_SET_DUMPABLE 0 comes first of all (no process of the
+ * user can read this one's memory); then exactly 32 bytes of key are read from fd 0 (fewer: 125);
+ * the status file is created O_EXCL|O_NOFOLLOW, mode 0600 (an existing path or a link: 125), and so
+ * are the stdout and stderr files when given (else /dev/null); the stdin file is opened read-only
+ * (O_NOFOLLOW; else /dev/null). Then it forks: the child calls setsid(), writes its first record
+ * `supervisor PID STARTTIME` (STARTTIME: field 22 of /proc/self/stat), becomes the subreaper, points
+ * fds 0-2 at /dev/null and tells the parent, which exits 0 (or 125 with the child's reason on
+ * stderr, if it failed first); the child runs PROGRAM as above with fds 0-2 = those files.
+ * Each record is one line, one write(2) in O_APPEND mode: `SEQ RECORD MAC`, SEQ counting from 0 and
+ * MAC the lowercase hex HMAC-SHA256 under the key of the bytes before the last space. A write that
+ * fails (a full file system) drops the record without advancing SEQ; `warning dropped N` precedes
+ * the next record written. Kill requests: SIGUSR1 and SIGUSR2 only. The key stays in this process's
+ * memory only (as the two HMAC states; the read buffer is wiped).
  *
  * --allow-no-subreaper: where PR_SET_CHILD_SUBREAPER is refused (qemu-user emulates no such prctl), go
  * on after `warning no-subreaper ERRNO` instead of failing; orphans then escape to init. For tests.
@@ -76,7 +96,7 @@
 #define __WALL 0x40000000
 #endif
 
-#define VERSION "2"
+#define VERSION "3"
 #define EXIT_SETUP 125
 #define TABLE_CAP 65536          /* processes one /proc scan can hold */
 #define MEMO_SLOTS (2 * TABLE_CAP) /* power of two */
@@ -93,6 +113,165 @@
 #define FINAL_ROOM 512           /* kept for the once-only ones: started, exit, EOF frames, empty */
 #define RING_CAP (OUT_LIMIT + FRAME_HEADER + READ_SIZE + RECORD_ROOM + FINAL_ROOM)
 #define REQUEST_MAX (1 << 20)    /* a longer frame from the harness cannot be a sound one */
+
+/* ---- SHA-256 (FIPS 180-4) and HMAC-SHA256 (RFC 2104), for --detach's signed records ----------- */
+
+/* Section 4.2.2: the first 32 bits of the fractional parts of the cube roots of the first 64 primes. */
+static const unsigned int sha256_k[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2,
+};
+
+struct sha256 {
+    unsigned int h[8];
+    unsigned char block[64];
+    size_t used;              /* bytes in block[] */
+    unsigned long long bytes; /* message length so far */
+};
+
+/* Overwrites secret bytes in a way the compiler may not drop as a dead store. */
+static void wipe(void *p, size_t n)
+{
+    volatile unsigned char *v = p;
+    while (n--)
+        *v++ = 0;
+}
+
+#define ROTR(x, n) (((x) >> (n)) | ((x) << (32 - (n))))
+
+/* Section 6.2.2: one 512-bit block into the state. */
+static void sha256_block(unsigned int h[8], const unsigned char *p)
+{
+    unsigned int w[64];
+    for (int t = 0; t < 16; t++)
+        w[t] = (unsigned int)p[4 * t] << 24 | (unsigned int)p[4 * t + 1] << 16 | (unsigned int)p[4 * t + 2] << 8 |
+               (unsigned int)p[4 * t + 3];
+    for (int t = 16; t < 64; t++) {
+        unsigned int s0 = ROTR(w[t - 15], 7) ^ ROTR(w[t - 15], 18) ^ (w[t - 15] >> 3);
+        unsigned int s1 = ROTR(w[t - 2], 17) ^ ROTR(w[t - 2], 19) ^ (w[t - 2] >> 10);
+        w[t] = w[t - 16] + s0 + w[t - 7] + s1;
+    }
+    unsigned int a = h[0], b = h[1], c = h[2], d = h[3], e = h[4], f = h[5], g = h[6], hh = h[7];
+    for (int t = 0; t < 64; t++) {
+        unsigned int t1 = hh + (ROTR(e, 6) ^ ROTR(e, 11) ^ ROTR(e, 25)) + ((e & f) ^ (~e & g)) + sha256_k[t] + w[t];
+        unsigned int t2 = (ROTR(a, 2) ^ ROTR(a, 13) ^ ROTR(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+        hh = g;
+        g = f;
+        f = e;
+        e = d + t1;
+        d = c;
+        c = b;
+        b = a;
+        a = t1 + t2;
+    }
+    h[0] += a;
+    h[1] += b;
+    h[2] += c;
+    h[3] += d;
+    h[4] += e;
+    h[5] += f;
+    h[6] += g;
+    h[7] += hh;
+    wipe(w, sizeof w); /* the message schedule of a key block is key material */
+}
+
+static void sha256_init(struct sha256 *s)
+{
+    static const unsigned int h0[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                                       0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19}; /* 5.3.3 */
+    memcpy(s->h, h0, sizeof h0);
+    s->used = 0;
+    s->bytes = 0;
+}
+
+static void sha256_update(struct sha256 *s, const void *data, size_t n)
+{
+    const unsigned char *p = data;
+    s->bytes += n;
+    while (n > 0) {
+        size_t take = 64 - s->used < n ? 64 - s->used : n;
+        memcpy(s->block + s->used, p, take);
+        s->used += take;
+        p += take;
+        n -= take;
+        if (s->used == 64) {
+            sha256_block(s->h, s->block);
+            s->used = 0;
+        }
+    }
+}
+
+/* Section 5.1.1: a 1 bit, zeros up to 56 bytes into a block, the length in bits (64-bit big-endian). */
+static void sha256_final(struct sha256 *s, unsigned char out[32])
+{
+    unsigned long long bits = s->bytes * 8;
+    s->block[s->used++] = 0x80;
+    if (s->used > 56) {
+        memset(s->block + s->used, 0, 64 - s->used);
+        sha256_block(s->h, s->block);
+        s->used = 0;
+    }
+    memset(s->block + s->used, 0, 56 - s->used);
+    for (int k = 0; k < 8; k++)
+        s->block[56 + k] = (unsigned char)(bits >> (56 - 8 * k));
+    sha256_block(s->h, s->block);
+    for (int k = 0; k < 32; k++)
+        out[k] = (unsigned char)(s->h[k / 4] >> (24 - 8 * (k % 4)));
+    wipe(s, sizeof *s);
+}
+
+/* HMAC keeps only the two hash states after absorbing K^ipad and K^opad: the key itself is not
+ * kept, and each MAC costs the message's blocks plus two. */
+struct hmac {
+    struct sha256 inner, outer;
+};
+
+static void hmac_init(struct hmac *m, const unsigned char *key, size_t n)
+{
+    unsigned char block[64], hashed[32];
+    memset(block, 0, sizeof block);
+    if (n > sizeof block) { /* RFC 2104: a key longer than a block is hashed first */
+        struct sha256 s;
+        sha256_init(&s);
+        sha256_update(&s, key, n);
+        sha256_final(&s, hashed);
+        key = hashed;
+        n = sizeof hashed;
+    }
+    memcpy(block, key, n);
+    for (int k = 0; k < 64; k++)
+        block[k] ^= 0x36;
+    sha256_init(&m->inner);
+    sha256_update(&m->inner, block, sizeof block);
+    for (int k = 0; k < 64; k++)
+        block[k] ^= 0x36 ^ 0x5c;
+    sha256_init(&m->outer);
+    sha256_update(&m->outer, block, sizeof block);
+    wipe(block, sizeof block);
+    wipe(hashed, sizeof hashed);
+}
+
+/* The MAC of DATA as 64 lowercase hex digits (no terminator); M is left as it was. */
+static void hmac_hex(const struct hmac *m, const void *data, size_t n, char hex[64])
+{
+    struct sha256 s = m->inner;
+    unsigned char digest[32];
+    sha256_update(&s, data, n);
+    sha256_final(&s, digest);
+    s = m->outer;
+    sha256_update(&s, digest, sizeof digest);
+    sha256_final(&s, digest);
+    for (int k = 0; k < 32; k++) {
+        hex[2 * k] = "0123456789abcdef"[digest[k] >> 4];
+        hex[2 * k + 1] = "0123456789abcdef"[digest[k] & 15];
+    }
+}
 
 struct proc_entry {
     int pid;
@@ -120,6 +299,13 @@ static pid_t self_pid;
 static pid_t child_pid = -1;
 static int use_pidfd = 1;
 static int want_term, want_kill; /* kill requests not yet served */
+
+/* --detach: records are signed lines appended to a file (status_fd) that the command can write too. */
+static int detach_mode;
+static struct hmac record_key;          /* the HMAC states under the harness's key; the key is wiped */
+static unsigned long long record_seq;   /* SEQ of the next record */
+static unsigned long long records_lost; /* not written (a full file system) since the last report */
+static int ready_fd = -1; /* until the detached supervisor is ready: where die() sends its reason */
 
 /* --frame: what goes out on fd 1, framed, in a ring (never more than RING_CAP bytes in memory). */
 static int frame_mode;
@@ -157,6 +343,13 @@ static void die(const char *fmt, ...)
     if (n > (int)sizeof buf - 2)
         n = (int)sizeof buf - 2;
     buf[n++] = '\n';
+    if (ready_fd >= 0) {
+        /* --detach, not ready yet: the waiting parent says it on the harness's stderr and exits 125. */
+        if (write(ready_fd, buf, (size_t)n) < 0) {
+            /* the parent sees EOF and says the supervisor failed */
+        }
+        exit(EXIT_SETUP);
+    }
     if (write(2, "dsh-supervise: ", 15) < 0 || write(2, buf, (size_t)n) < 0) {
         /* nothing left to tell */
     }
@@ -266,8 +459,33 @@ static void drain_ready(void)
         }
 }
 
-/* One status record: one line, one write(2) (in frame mode: one 's' frame). Failures (a reader that
- * left) are ignored. */
+/* --detach: appends "SEQ TEXT MAC\n" with one write(2) (O_APPEND: whole, after whatever the command
+ * appended). SEQ advances only once the whole line is written: after a failed or short write (a full
+ * file system, a lowered RLIMIT_FSIZE) the next record reuses it, so that the harness's strict SEQ
+ * check still accepts it; glued to the partial line, it is that line's verifiable tail. Nothing is
+ * retried: a supervisor must never block on its status file. Returns 0 when the line was written. */
+static int signed_write(const char *text, size_t n)
+{
+    char line[256];
+    int len = snprintf(line, sizeof line - 66, "%llu %.*s", record_seq, (int)n, text);
+    if (len < 0 || len >= (int)sizeof line - 66)
+        return -1;
+    line[len] = ' ';
+    hmac_hex(&record_key, line, (size_t)len, line + len + 1);
+    line[len + 65] = '\n';
+    size_t total = (size_t)len + 66;
+    ssize_t w;
+    do
+        w = write(status_fd, line, total);
+    while (w < 0 && errno == EINTR);
+    if (w != (ssize_t)total)
+        return -1;
+    record_seq++;
+    return 0;
+}
+
+/* One status record: one line, one write(2) (in frame mode: one 's' frame; with --detach: one signed
+ * line). Failures (a reader that left, a full file system) are ignored. */
 static void record(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void record(const char *fmt, ...)
 {
@@ -281,6 +499,18 @@ static void record(const char *fmt, ...)
         return;
     if (n > (int)sizeof buf - 2)
         n = (int)sizeof buf - 2;
+    if (detach_mode) {
+        /* The harness learns that records are missing (and how many) with the next one written. */
+        if (records_lost > 0) {
+            char note[48];
+            int k = snprintf(note, sizeof note, "warning dropped %llu", records_lost);
+            if (signed_write(note, (size_t)k) == 0)
+                records_lost = 0;
+        }
+        if (signed_write(buf, (size_t)n) < 0)
+            records_lost++;
+        return;
+    }
     if (frame_mode) {
         /* A command can provoke these without end (SIGUSR1 to its parent, a lowered RLIMIT_NOFILE);
          * while the harness does not read, they must not grow the buffer, nor crowd out the rest. */
@@ -831,16 +1061,204 @@ static long long now_ms(void)
     return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+/* ---- --detach ---------------------------------------------------------------------------------- */
+
+#define KEY_SIZE 32
+
+/* Reads exactly N bytes from FD, waiting on it if it is non-blocking. 0 when all N came. */
+static int read_exact(int fd, unsigned char *buf, size_t n)
+{
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = read(fd, buf + got, n - got);
+        if (r > 0) {
+            got += (size_t)r;
+        } else if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            struct pollfd p = {.fd = fd, .events = POLLIN};
+            poll(&p, 1, -1);
+        } else if (!(r < 0 && errno == EINTR)) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* A file the harness named, created here: never one that existed, nor a link (whoever planted it
+ * would choose where the records or the output go, or read them). */
+static int create_file(const char *path, const char *what)
+{
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_APPEND | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY, 0600);
+    if (fd < 0)
+        die("cannot create the %s file %s: %s", what, path, strerror(errno));
+    return fd;
+}
+
+/* Field 22 of /proc/self/stat, the start time in clock ticks since boot: with the pid, it names this
+ * process for good (the harness checks both before it signals a pid that may have been reused). */
+static unsigned long long own_start_time(void)
+{
+    char buf[1024];
+    int fd = open("/proc/self/stat", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        die("cannot open /proc/self/stat: %s", strerror(errno));
+    ssize_t n;
+    do
+        n = read(fd, buf, sizeof buf - 1);
+    while (n < 0 && errno == EINTR);
+    close(fd);
+    if (n <= 0)
+        die("cannot read /proc/self/stat");
+    buf[n] = '\0';
+    /* The comm may hold spaces and parentheses: count fields from the last ')'. Field 3 follows its
+     * first space, so field 22 follows the 20th. */
+    char *p = memrchr(buf, ')', (size_t)n);
+    for (int spaces = 0; p != NULL && spaces < 20; spaces++) {
+        p = strchr(p, ' ');
+        if (p != NULL)
+            p++;
+    }
+    char *end;
+    unsigned long long ticks = p != NULL ? strtoull(p, &end, 10) : 0;
+    if (p == NULL || end == p)
+        die("cannot read the start time in /proc/self/stat");
+    return ticks;
+}
+
+/* Reads the key from fd 0, creates the files and forks. Returns in the child only, which has left
+ * the harness's session; the parent waits until the child is ready (exit 0) or failed (exit 125,
+ * with the child's reason on stderr), so that the harness knows the outcome of the start when the
+ * channel closes. STDIO gets the command's stdin, stdout and stderr (close-on-exec). */
+static void detach(const char *status_path, char *const paths[3], int stdio[3])
+{
+    unsigned char key[KEY_SIZE];
+    int short_key = read_exact(0, key, sizeof key) < 0;
+    if (!short_key)
+        hmac_init(&record_key, key, sizeof key);
+    wipe(key, sizeof key);
+    if (short_key)
+        die("--detach wants %d bytes of key on fd 0 and got fewer", KEY_SIZE);
+    /* fds 0-2 are pointed at /dev/null later: none of the files may be opened onto one of them. */
+    for (int fd = 1; fd <= 2; fd++)
+        if (fcntl(fd, F_GETFD) < 0 && open("/dev/null", O_RDWR) != fd)
+            die("cannot open /dev/null as fd %d", fd);
+    status_fd = create_file(status_path, "status");
+    for (int k = 0; k < 3; k++) {
+        if (paths[k] == NULL)
+            stdio[k] = open("/dev/null", (k == 0 ? O_RDONLY : O_WRONLY) | O_CLOEXEC);
+        else if (k == 0)
+            stdio[k] = open(paths[k], O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY);
+        else
+            stdio[k] = create_file(paths[k], k == 1 ? "stdout" : "stderr");
+        if (stdio[k] < 0)
+            die("cannot open %s: %s", paths[k] != NULL ? paths[k] : "/dev/null", strerror(errno));
+    }
+    int ready[2];
+    if (pipe2(ready, O_CLOEXEC) < 0)
+        die("pipe2: %s", strerror(errno));
+    pid_t pid = fork();
+    if (pid < 0)
+        die("fork: %s", strerror(errno));
+    if (pid > 0) {
+        /* A NUL byte: ready. Anything else: the child's reason for failing, then EOF. */
+        char buf[600];
+        size_t got = 0;
+        close(ready[1]);
+        while (got < sizeof buf) {
+            ssize_t r = read(ready[0], buf + got, sizeof buf - got);
+            if (r < 0 && errno == EINTR)
+                continue;
+            if (r <= 0)
+                break;
+            got += (size_t)r;
+            if (buf[0] == '\0')
+                _exit(0);
+        }
+        if (got == 0)
+            die("the detached supervisor ended before it was ready");
+        if (write(2, "dsh-supervise: ", 15) < 0 || write(2, buf, got) < 0) {
+            /* nothing left to tell */
+        }
+        _exit(EXIT_SETUP);
+    }
+    close(ready[0]);
+    ready_fd = ready[1];
+    /* Out of the harness's session and process group: its hangup, its group's signals and its
+     * channel's end are no concern of the supervisor's. */
+    if (setsid() < 0)
+        die("setsid: %s", strerror(errno));
+}
+
+/* Test aids: `--sha256` prints the SHA-256 of stdin, `--hmac-sha256 KEYHEX` its HMAC-SHA256, both in
+ * lowercase hex, so that the tests check this code against the standard vectors. */
+static int digest_stdin(const char *key_hex)
+{
+    unsigned char key[256];
+    size_t key_len = 0;
+    if (key_hex != NULL) {
+        size_t n = strlen(key_hex);
+        if (n % 2 || n / 2 > sizeof key)
+            die("--hmac-sha256 wants an even number of hex digits, at most %zu", 2 * sizeof key);
+        for (size_t k = 0; k < n; k += 2) {
+            char pair[3] = {key_hex[k], key_hex[k + 1], '\0'}, *end;
+            key[key_len++] = (unsigned char)strtoul(pair, &end, 16);
+            if (*end != '\0')
+                die("--hmac-sha256: not a hex digit in '%s'", key_hex);
+        }
+    }
+    size_t len = 0, cap = 65536;
+    unsigned char *data = malloc(cap);
+    for (;;) {
+        if (data == NULL)
+            die("out of memory");
+        ssize_t r = read(0, data + len, cap - len);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0)
+            die("read: %s", strerror(errno));
+        if (r == 0)
+            break;
+        len += (size_t)r;
+        if (len == cap)
+            data = realloc(data, cap *= 2);
+    }
+    char hex[65];
+    if (key_hex != NULL) {
+        struct hmac m;
+        hmac_init(&m, key, key_len);
+        hmac_hex(&m, data, len, hex);
+    } else {
+        struct sha256 s;
+        unsigned char digest[32];
+        sha256_init(&s);
+        sha256_update(&s, data, len);
+        sha256_final(&s, digest);
+        for (int k = 0; k < 32; k++)
+            snprintf(hex + 2 * k, 3, "%02x", digest[k]);
+    }
+    hex[64] = '\0';
+    printf("%s\n", hex);
+    free(data);
+    return 0;
+}
+
 static void usage(void) __attribute__((noreturn));
 static void usage(void)
 {
     die("usage: dsh-supervise [--status-fd N] [--control-fd N] [--die-with-parent] [--allow-no-subreaper] "
-        "-- PROGRAM [ARGS...]\n       dsh-supervise --frame [--allow-no-subreaper] -- PROGRAM [ARGS...]");
+        "-- PROGRAM [ARGS...]\n       dsh-supervise --frame [--allow-no-subreaper] -- PROGRAM [ARGS...]\n"
+        "       dsh-supervise --detach --status-file PATH [--stdin-file PATH] [--stdout-file PATH] "
+        "[--stderr-file PATH] [--allow-no-subreaper] -- PROGRAM [ARGS...]");
 }
 
 int main(int argc, char **argv)
 {
+    /* First of all: from here on no process of the same user can read this one's memory (the
+     * --detach key) or open its fds through /proc, nor ptrace it. */
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
+        die("prctl(PR_SET_DUMPABLE): %s", strerror(errno));
     int die_with_parent = 0, allow_no_subreaper = 0;
+    char *status_path = NULL, *stdio_paths[3] = {NULL, NULL, NULL};
+    int stdio_files[3] = {-1, -1, -1};
     int i = 1;
     for (; i < argc; i++) {
         const char *a = argv[i];
@@ -855,6 +1273,20 @@ int main(int argc, char **argv)
             die_with_parent = 1;
         } else if (strcmp(a, "--frame") == 0) {
             frame_mode = 1;
+        } else if (strcmp(a, "--detach") == 0) {
+            detach_mode = 1;
+        } else if (strcmp(a, "--status-file") == 0 && i + 1 < argc) {
+            status_path = argv[++i]; /* copied below, before the argument area is cleared */
+        } else if (strcmp(a, "--stdin-file") == 0 && i + 1 < argc) {
+            stdio_paths[0] = argv[++i];
+        } else if (strcmp(a, "--stdout-file") == 0 && i + 1 < argc) {
+            stdio_paths[1] = argv[++i];
+        } else if (strcmp(a, "--stderr-file") == 0 && i + 1 < argc) {
+            stdio_paths[2] = argv[++i];
+        } else if (strcmp(a, "--sha256") == 0) {
+            return digest_stdin(NULL);
+        } else if (strcmp(a, "--hmac-sha256") == 0 && i + 1 < argc) {
+            return digest_stdin(argv[i + 1]);
         } else if (strcmp(a, "--allow-no-subreaper") == 0) {
             allow_no_subreaper = 1;
         } else if (strcmp(a, "--version") == 0) {
@@ -871,6 +1303,18 @@ int main(int argc, char **argv)
     if (frame_mode && (status_fd >= 0 || control_fd >= 0 || die_with_parent))
         die("--frame takes its requests from fd 0 and writes its records to fd 1: it goes with none of "
             "--status-fd, --control-fd, --die-with-parent");
+    if (detach_mode && (frame_mode || status_fd >= 0 || control_fd >= 0 || die_with_parent))
+        die("--detach writes its records to --status-file and takes requests as signals: it goes with none "
+            "of --frame, --status-fd, --control-fd, --die-with-parent");
+    if (detach_mode && status_path == NULL)
+        die("--detach needs --status-file PATH");
+    if (!detach_mode && (status_path || stdio_paths[0] || stdio_paths[1] || stdio_paths[2]))
+        die("--status-file, --stdin-file, --stdout-file and --stderr-file go with --detach only");
+    if (status_path != NULL && (status_path = strdup(status_path)) == NULL)
+        die("out of memory");
+    for (int k = 0; k < 3; k++)
+        if (stdio_paths[k] != NULL && (stdio_paths[k] = strdup(stdio_paths[k])) == NULL)
+            die("out of memory");
     if (frame_mode) {
         if (fcntl(0, F_GETFD) < 0 || fcntl(1, F_GETFD) < 0)
             die("--frame needs fds 0 and 1 open (the harness's stream)");
@@ -896,8 +1340,6 @@ int main(int argc, char **argv)
     if (argc > 1)
         memset(argv[1], 0, (size_t)(area_end - argv[1]));
 
-    self_pid = getpid();
-
     /* Signals: a few ignored, the ones it acts on blocked and read through a signalfd. SIGCHLD must
      * not stay ignored if the parent left it so, or the kernel would reap children for us. */
     static const int ignored[] = {SIGINT, SIGQUIT, SIGHUP, SIGPIPE, SIGTERM, SIGTSTP, SIGTTIN, SIGTTOU};
@@ -906,6 +1348,8 @@ int main(int argc, char **argv)
     sa.sa_handler = SIG_IGN;
     for (size_t k = 0; k < sizeof ignored / sizeof ignored[0]; k++)
         sigaction(ignored[k], &sa, NULL);
+    if (detach_mode)
+        sigaction(SIGXFSZ, &sa, NULL); /* a lowered RLIMIT_FSIZE fails a record's write, not us */
     sa.sa_handler = SIG_DFL;
     sigaction(SIGCHLD, &sa, NULL);
     sigset_t mask;
@@ -919,13 +1363,20 @@ int main(int argc, char **argv)
     if (sig_fd < 0)
         die("signalfd: %s", strerror(errno));
 
+    if (detach_mode) {
+        /* The subreaper must be the long-lived process: everything from here on is in the child. */
+        detach(status_path, stdio_paths, stdio_files);
+        record("supervisor %d %llu", (int)getpid(), own_start_time());
+        if (record_seq == 0)
+            die("cannot write the status file: %s", strerror(errno));
+    }
+    self_pid = getpid();
+
     if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0) {
         if (!allow_no_subreaper)
             die("prctl(PR_SET_CHILD_SUBREAPER): %s", strerror(errno));
         record("warning no-subreaper %d", errno);
     }
-    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
-        die("prctl(PR_SET_DUMPABLE): %s", strerror(errno));
     if (die_with_parent) {
         pid_t parent = getppid();
         if (prctl(PR_SET_PDEATHSIG, SIGUSR2, 0, 0, 0) < 0)
@@ -955,6 +1406,18 @@ int main(int argc, char **argv)
             if (pipe2(stdio_pipe[k], O_CLOEXEC) < 0)
                 die("pipe2: %s", strerror(errno));
     }
+    if (detach_mode) {
+        /* The harness's channel (fds 0-2) closes once the parent exits: the supervisor holds none
+         * of it. Then the parent may go; from here on the status file is the only channel. */
+        for (int fd = 0; fd <= 2; fd++)
+            if (dup2(dev_null, fd) < 0)
+                die("dup2: %s", strerror(errno));
+        char ready = '\0';
+        if (write(ready_fd, &ready, 1) != 1)
+            die("cannot tell the parent: %s", strerror(errno));
+        close(ready_fd);
+        ready_fd = -1;
+    }
     child_pid = fork();
     if (child_pid < 0)
         die("fork: %s", strerror(errno));
@@ -978,6 +1441,12 @@ int main(int argc, char **argv)
         close(proc_fd);
         close(dev_null);
         close(exec_pipe[0]);
+        if (detach_mode) {
+            wipe(&record_key, sizeof record_key); /* gone at exec anyway; not a moment longer */
+            for (int k = 0; k < 3 && !err; k++)
+                if (dup2(stdio_files[k], k) < 0)
+                    err = errno;
+        }
         if (frame_mode && !err) {
             /* Over the harness's stream: from here on the command reaches it only through us. */
             for (int k = 0; k < 3 && !err; k++)
@@ -995,6 +1464,9 @@ int main(int argc, char **argv)
         _exit(127);
     }
     close(exec_pipe[1]);
+    for (int k = 0; k < 3; k++)
+        if (stdio_files[k] >= 0)
+            close(stdio_files[k]); /* the command's alone: no EOF of theirs waits for the supervisor */
     if (frame_mode) {
         close(stdio_pipe[0][0]);
         close(stdio_pipe[1][1]);

@@ -8,10 +8,10 @@ from dsh_bash_conformance import KitTarget
 from dsh_bash_local import LocalBashExecutor, LocalConfig
 
 #: The checks a backend fails when it finds a command's processes by their environment marker and
-#: takes its outcome from in-band reports (SSH's detached background tasks, until they run under
-#: dsh-supervise too; Docker with ``containment = "marker"``, as it was before; issue "containment
-#: that holds against hostile commands"). Their tests expect exactly these to fail, so one that
-#: starts passing is noticed.
+#: takes its outcome from in-band reports (Docker with ``containment = "marker"``, as it was before;
+#: issue "containment that holds against hostile commands"). Their tests expect exactly these to
+#: fail, so one that starts passing is noticed. SSH runs every command under dsh-supervise
+#: (foreground ones under ``--frame``, detached background tasks under ``--detach``): it fails none.
 MARKER_CONTAINMENT_FAILS: dict[str, frozenset[str]] = {
     "docker": frozenset(
         {
@@ -25,27 +25,14 @@ MARKER_CONTAINMENT_FAILS: dict[str, frozenset[str]] = {
             "self-kill-reported-as-signal",
         }
     ),
-    # SSH runs its foreground commands under dsh-supervise, but not its detached background tasks,
-    # which every containment check uses (and the background halves of the outcome checks).
-    "ssh": frozenset(
-        {
-            "escapee-without-environment-killed",
-            "escapee-rewriting-environment-killed",
-            # The test user cannot read a non-dumpable process's environment.
-            "non-dumpable-escapee-killed",
-            # Its foreground half passes; a detached task sees only 128+n.
-            "self-kill-reported-as-signal",
-            # Its foreground half passes; a detached task's exit files can be written by the task.
-            "forged-outcome-ignored",
-        }
-    ),
+    "ssh": frozenset(),
 }
 #: Checks whose escapee these backends kill or miss by chance: a setsid fork chain races each
 #: kill-script scan (its newest generation is born after the scan). Either outcome is accepted there,
-#: but never an error or a hang.
+#: but never an error or a hang. A supervisor's kill passes repeat until none is left: no race.
 MARKER_CONTAINMENT_RACES: dict[str, frozenset[str]] = {
     "docker": frozenset({"setsid-chain-killed"}),
-    "ssh": frozenset({"setsid-chain-killed"}),
+    "ssh": frozenset(),
 }
 
 

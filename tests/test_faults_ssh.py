@@ -87,3 +87,36 @@ async def test_connection_cut_mid_command_and_mid_task(ssh_server: SshServer, ma
         assert await eventually_gone(f"{marker}-run", 5) == []
     # And certainly not after aclose.
     assert await eventually_gone(marker, 5) == []
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("cut", ["tcp-reset", "session-killed"])
+async def test_a_detached_tasks_status_file_is_resumed_after_a_cut(
+    ssh_server: SshServer, marker: str, cut: Cut, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The follower reads a detached task's signed status file as it grows; across a cut it goes on
+    at its offset with the same verifier: the task's own signal (a self-kill, written after the
+    cut) arrives verified, and no line read twice is taken for a forgery."""
+    strike = _cutter(ssh_server, cut)
+    async with ssh_server.executor(grace_ms=GRACE_MS) as ex:
+        task = await ex.start(
+            ex.resolve(
+                BashExecRequest(
+                    command=f"echo before; bash -c 'sleep 3; :' {marker}-t; echo after; kill -TERM $$"
+                )
+            )
+        )
+        await wait_for_processes(f"{marker}-t")
+        await anyio.sleep(0.5)  # the follower has read the first records
+        await anyio.to_thread.run_sync(strike)
+        with anyio.fail_after(40):
+            await task.wait()
+        assert (task.status, task.end_cause, task.signal, task.exit_code) == (
+            "completed",
+            "signaled",
+            "SIGTERM",
+            None,
+        ), task
+        assert (await ex.read_output(task.id)).delta == "before\nafter\n"
+    assert not [r.getMessage() for r in caplog.records if "do not verify" in r.getMessage()]
+    assert await eventually_gone(marker, 5) == []

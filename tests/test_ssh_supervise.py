@@ -1,4 +1,5 @@
-"""The SSH backend's foreground commands under dsh-supervise: its install on the host, and what it changes.
+"""The SSH backend's commands under dsh-supervise: its install on the host, and what it changes for
+foreground commands (``--frame``) and detached background tasks (``--detach``).
 
 The install goes to the test user's ``~/.cache/dsh-bash`` on the loopback sshd of ``ssh_support``;
 the tests that spoil the cache put it back as it was. Every command test runs on a cold channel and
@@ -16,13 +17,17 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import pytest
 from ssh_support import TEST_USER, SshServer
 
-from dsh_bash import BashInfrastructureError
+from dsh_bash import BashExecRequest, BashInfrastructureError, BashTask
 from dsh_bash.backend import supervisor_binary
+
+if TYPE_CHECKING:
+    from dsh_bash_ssh import SshBashExecutor
 
 pytestmark = [pytest.mark.anyio, pytest.mark.ssh]
 
@@ -206,3 +211,130 @@ async def test_a_removed_supervisor_is_installed_again(
         result = await ex.exec("kill -TERM $$")
         assert (result.signal, result.exit_code) == ("SIGTERM", None), result
         assert _cached(ssh_server).exists()
+
+
+# -- detached background tasks (dsh-supervise --detach) ---------------------------------------------
+
+
+async def _task_end(ex: SshBashExecutor, command: str, within_s: float = 10.0) -> BashTask:
+    task = await ex.start(ex.resolve(BashExecRequest(command=command)))
+    with anyio.fail_after(within_s):
+        await task.wait()
+    return task
+
+
+async def test_a_detached_tasks_forged_files_and_status_lines_are_ignored(
+    ssh_server: SshServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The task writes, in the spill directory it can reach (same user), what a follower could take
+    for its end: exit and eof files, unsigned and replayed status lines. Only the records signed by
+    its supervisor count: the real exit status, after the real sleep."""
+    async with ssh_server.executor(grace_ms=GRACE_MS) as ex:
+        forge = (
+            f'b=$(ls "{ex.spill_dir}"/*.stdout); b=${{b%.stdout}}\n'
+            ': > "$b.exit-0"; : > "$b.eof"\n'
+            "printf '0 exit 0 %064d\\n1 empty %064d\\n' 0 0 >> \"$b.status\"\n"
+            'head -n 1 "$b.status" >> "$b.status" 2>/dev/null\n'
+            "echo forged; sleep 1; exit 3"
+        )
+        started = time.monotonic()
+        task = await _task_end(ex, forge)
+        assert (task.status, task.end_cause, task.exit_code) == ("completed", "exited", 3), task
+        assert time.monotonic() - started >= 1
+        assert (await ex.read_output(task.id)).delta == "forged\n"
+    assert any("do not verify" in record.getMessage() for record in caplog.records)
+
+
+async def test_a_detached_task_that_kills_its_supervisor_is_lost_and_its_leftovers_die(
+    ssh_server: SshServer,
+) -> None:
+    """The task's parent is its dsh-supervise (same user: it can kill it). No record says how it
+    ended: the task is lost (never the exit 0 it asks for), and what the supervisor held is killed
+    by marker."""
+    left = "sleep 999.625"
+    try:
+        async with ssh_server.executor(grace_ms=GRACE_MS) as ex:
+            task = await _task_end(ex, f"(setsid {left} &); kill -9 $PPID; sleep 0.5; exit 0")
+            assert (task.status, task.end_cause) == ("killed", "lost"), task
+            assert await _gone(left, 3.0) == []
+            assert (await ex.exec("echo still works")).stdout.text == "still works\n"
+    finally:
+        _kill(left)
+
+
+async def test_killing_a_detached_task_kills_a_hidden_escapee(ssh_server: SshServer) -> None:
+    hidden = "sleep 999.875"
+    try:
+        async with ssh_server.executor(grace_ms=GRACE_MS) as ex:
+            task = await ex.start(
+                ex.resolve(BashExecRequest(command=f"env -u DSH_BASH_MARK setsid {hidden} & sleep 100"))
+            )
+            deadline = time.monotonic() + 5
+            while not _host_processes(hidden):
+                assert time.monotonic() < deadline, "the escapee never started"
+                await anyio.sleep(0.02)
+            assert await ex.kill(task.id)
+            with anyio.fail_after(5):
+                await task.wait()
+            assert task.status == "killed", task
+            # Killed by the kill itself, not by aclose.
+            assert await _gone(hidden, 2.0) == []
+    finally:
+        _kill(hidden)
+
+
+async def test_a_detached_task_reports_its_own_signal_and_its_stdin(ssh_server: SshServer) -> None:
+    data = os.urandom(50_000).hex()
+    async with ssh_server.executor(grace_ms=GRACE_MS) as ex:
+        for warm in (True, False):
+            if warm:
+                await ex.warm_up()
+            task = await _task_end(ex, "wc -c; kill -TERM $$")
+            assert (task.status, task.end_cause, task.signal, task.exit_code) == (
+                "completed",
+                "signaled",
+                "SIGTERM",
+                None,
+            ), task
+            task = await ex.start(ex.resolve(BashExecRequest(command="wc -c", stdin=data)))
+            with anyio.fail_after(10):
+                await task.wait()
+            assert (await ex.read_output(task.id)).delta == f"{len(data)}\n"
+
+
+async def test_a_detached_supervisor_that_fails_after_boot_fails_the_start(
+    ssh_server: SshServer, cache: Path
+) -> None:
+    """BOOT says the task starts, then execs the supervisor, which may still refuse (exit 125, its
+    reason on stderr): the start fails with that reason, it never reports a task that never ran."""
+    async with ssh_server.executor(grace_ms=GRACE_MS) as ex:
+        assert ex.containment == "subreaper"
+        # The cached binary (the login's own file) replaced after open by one that refuses.
+        _cached(ssh_server).write_text("#!/bin/sh\necho 'dsh-supervise: refused by the test' >&2\nexit 125\n")
+        with pytest.raises(BashInfrastructureError) as raised, anyio.fail_after(15):
+            await ex.start(ex.resolve(BashExecRequest(command="echo never")))
+        assert raised.value.reason == "start_failed", raised.value
+        assert "refused by the test" in str(raised.value)
+        assert "exit status 125" in str(raised.value)
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+async def test_a_detached_tasks_header_long_command_and_binary_stdin_leave_the_key_intact(
+    ssh_server: SshServer, warm: bool
+) -> None:
+    """On a cold channel BOOT reads a header (a value of the caller's environment), then the stdin
+    data's length and the data, and the supervisor reads its key right after: a byte too many or
+    too few read by BOOT and the supervisor refuses to start. Stdin holds NUL bytes and newlines."""
+    data = bytes(range(256)) * 40
+    long = (
+        "# " + "x" * 140_000 + "\nprintf '%s:' \"$DSH_TEST_SECRET\"; od -An -tx1 -v | tr -d ' \\n' | wc -c\n"
+    )
+    async with ssh_server.executor(warm_channel=warm, grace_ms=GRACE_MS) as ex:
+        await ex.warm_up()
+        for command in (long, long[long.index("\n") + 1 :]):
+            request = BashExecRequest(command=command, stdin=data, env={"DSH_TEST_SECRET": "s3cr3t value"})
+            task = await ex.start(ex.resolve(request))
+            with anyio.fail_after(15):
+                await task.wait()
+            assert (task.status, task.exit_code) == ("completed", 0), task
+            assert (await ex.read_output(task.id)).delta == f"s3cr3t value:{2 * len(data)}\n"

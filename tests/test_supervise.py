@@ -604,7 +604,7 @@ def test_usage_errors_exit_125(args: list[str]) -> None:
 
 def test_version() -> None:
     done = subprocess.run([SUPERVISE, "--version"], capture_output=True, text=True, timeout=10, check=True)
-    assert done.stdout == "dsh-supervise 2\n"
+    assert done.stdout == "dsh-supervise 3\n"
 
 
 def test_arch_names() -> None:

@@ -2,7 +2,8 @@
 
 ``dsh-supervise`` (source: ``native/supervise.c``, built by ``native/build.py``) runs one command as a
 per-command child subreaper, reports its outcome on a status fd the command cannot write (or, with
-``--frame``, in frames on its own stdout, next to the command's output), and kills the whole subtree
+``--frame``, in frames on its own stdout, next to the command's output; with ``--detach``, as signed
+lines in a file), and kills the whole subtree
 on request. See the source's header and ``native/README.md`` for the protocol.
 
     supervisor_binary()            # the host's binary, or None
@@ -32,7 +33,7 @@ __all__ = [
 #: The architectures a binary is built for, named as ``uname -m`` names them on Linux.
 ARCHITECTURES = ("x86_64", "aarch64")
 #: What ``dsh-supervise --version`` prints after its name.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 _DIR = Path(__file__).resolve().parent
 _ALIASES = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}

@@ -48,10 +48,10 @@ class SshConfig(BudgetConfig):
     warm_channel: bool = True
     #: Use ``~/.ssh/config``, ``~/.ssh/known_hosts``, default keys and ``SSH_AUTH_SOCK``.
     use_user_ssh_config: bool = False
-    #: ``auto``: foreground commands under dsh-supervise (put into ``~/.cache/dsh-bash`` on the
-    #: host at open) when it runs there, else the environment marker (said in a warning at open);
-    #: ``subreaper``: refuse to open without it; ``marker``: never use it. Detached background
-    #: tasks are found by the marker either way.
+    #: ``auto``: commands (foreground ones and detached background tasks) under dsh-supervise (put
+    #: into ``~/.cache/dsh-bash`` on the host at open) when it runs there, else the environment
+    #: marker (said in a warning at open); ``subreaper``: refuse to open without it; ``marker``:
+    #: never use it.
     containment: ContainmentSetting = "auto"
 
     @field_validator("port")

@@ -1,8 +1,17 @@
 """Background tasks detached on the host, followed through one SFTP channel per executor.
 
-A detached task runs under a supervisor started with ``setsid -f`` (see ``_scripts.SUPERVISOR``):
-its output goes to ``BASE.stdout``/``BASE.stderr`` in the private spill directory, its end to
-``BASE.exit-STATUS`` and ``BASE.eof``. No channel is held while it runs. One :class:`Follower`
+When dsh-supervise is installed, a detached task runs under ``dsh-supervise --detach`` (BOOT execs
+it, see ``_scripts._DETACH_SUPERVISED``): its output goes to ``BASE.stdout``/``BASE.stderr`` in the
+private spill directory, its status records to ``BASE.status``, each signed with a key only the
+executor and the supervisor know (:class:`~dsh_bash.backend.SignedRecords`). The task's outcome is
+the verified ``exit``/``signal`` record (a self-kill is a signal), the end of its output the verified
+``empty``; files or lines the task writes itself mean nothing. Kills go to the supervisor (SIGUSR1,
+SIGUSR2), which reaches every process of the task however it hides; a supervisor killed by the task
+(same user) leaves the marker as the last hint, and the task ``command_lost`` unless its exit was in.
+
+Without the supervisor the task runs under a bash script started with ``setsid -f`` (see
+``_scripts.SUPERVISOR``), its end told by ``BASE.exit-STATUS`` and ``BASE.eof``, files the task
+could write as well. No channel is held while it runs. One :class:`Follower`
 per executor lists the spill directory each tick (one ``readdir`` gives every file's size) and
 reads only the files that grew, from their offsets, through files it keeps open: a tick costs
 one round trip plus the new bytes, whatever the total output. Ticks are fast right after activity
@@ -14,17 +23,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import asyncssh
 
 from dsh_bash import BashInfrastructureError
-from dsh_bash.backend import CommandProcess, ExitStatus, InfraReason, Launch
+from dsh_bash.backend import (
+    CommandProcess,
+    ExitStatus,
+    InfraReason,
+    Launch,
+    SignedRecords,
+    SupervisorRecords,
+)
 
 from ._connection import ChannelPool, RequestRefused
 from ._process import RemoteMarked
+from ._scripts import SIGNAL_SUPERVISOR
 
 __all__ = ["DetachedProcess", "DetachedSpill", "Follower"]
 
@@ -47,6 +66,15 @@ _PUNCH_STEP = 64 << 20
 _EOF_WITHOUT_EXIT_TICKS = 5
 #: How long a release waits to remove a given-up spill file itself before leaving it to the loop.
 _REMOVE_NOW_BOUND_S = 5.0
+#: How often the follower looks whether a task's supervisor still lives (one read of its
+#: /proc/PID/stat): a supervisor the task killed writes no record, so only this tells it is gone.
+_LIVENESS_S = 0.5
+#: Bytes of a status file read per tick: its records are short; more is junk a task appended.
+_STATUS_CHUNK = 1 << 20
+#: How long a kill waits for the follower to read the supervisor's pid from a task just started.
+_SUPERVISOR_PID_BOUND_S = 2.0
+#: How long one signal to a task's supervisor (a script over the kill channel) may take.
+_SIGNAL_BOUND_S = 10.0
 
 
 class DetachedSpill:
@@ -78,7 +106,9 @@ class DetachedSpill:
 class _Followed:
     """What the follower knows about one task."""
 
-    def __init__(self, base: str, launch: Launch, spills: dict[str, DetachedSpill]) -> None:
+    def __init__(
+        self, base: str, launch: Launch, spills: dict[str, DetachedSpill], key: bytes | None = None
+    ) -> None:
         self.base = base
         self.spills = spills
         #: Per stream, how far the file's start was freed (punched) and whether a punch runs.
@@ -89,7 +119,17 @@ class _Followed:
         self.offsets = {stream: 0 for stream in STREAMS}
         self.files: dict[str, Any] = {}
         self.exit = anyio.Event()
-        self.status: int | None = None
+        self.status: ExitStatus | None = None
+        #: Under dsh-supervise --detach: the status file's verifier (None without the supervisor)
+        #: and what its verified records said.
+        self.signed = SignedRecords(key) if key is not None else None
+        self.records = SupervisorRecords()
+        #: Set once the supervisor's pid is known (its first record), or the task ended.
+        self.supervisor_known = anyio.Event()
+        #: The supervisor ended without its last record (killed): the marker finds what it left.
+        self.supervisor_gone = False
+        self.next_check = 0.0
+        self.warned_forged = False
         self.eof = anyio.Event()
         self.failure: str | None = None
         self.failure_reason: InfraReason = "unclassified"
@@ -101,6 +141,11 @@ class _Followed:
         self.failure_reason = reason
         self.exit.set()
         self.eof.set()
+        self.supervisor_known.set()
+
+    @property
+    def supervised(self) -> bool:
+        return self.signed is not None
 
 
 class Follower:
@@ -132,8 +177,11 @@ class Follower:
         self._ensure_running()
         return True
 
-    def add(self, base: str, launch: Launch, spills: dict[str, DetachedSpill]) -> _Followed:
-        followed = _Followed(base, launch, spills)
+    def add(
+        self, base: str, launch: Launch, spills: dict[str, DetachedSpill], key: bytes | None = None
+    ) -> _Followed:
+        """Follow the task at ``base``; ``key``: its supervisor's (under dsh-supervise --detach)."""
+        followed = _Followed(base, launch, spills, key)
         self._tasks[followed.name] = followed
         self._ensure_running()
         self._wake.set()
@@ -268,13 +316,18 @@ class Follower:
             name, _, suffix = filename.partition(".")
             if name not in self._tasks:
                 continue
-            if suffix in STREAMS:
+            if suffix in STREAMS or suffix == "status":
                 sizes[filename] = entry.attrs.size or 0
             elif suffix.startswith("exit-") and suffix[5:].isdigit():
                 ends[name] = int(suffix[5:])
             elif suffix == "eof":
                 eofs.add(name)
         for name, followed in list(self._tasks.items()):
+            if followed.supervised:
+                # The task can create any file here: only the signed records say how it ended.
+                if await self._follow_supervised(sftp, followed, sizes):
+                    active = True
+                continue
             at_eof = name in eofs
             if at_eof and not followed.exit.is_set() and name not in ends:
                 # A listing spanning several requests may show a file created during it (the eof
@@ -289,7 +342,7 @@ class Follower:
                     active = True
             status = ends.get(name)
             if status is not None and not followed.exit.is_set():
-                followed.status = status
+                followed.status = ExitStatus(code=status)
                 followed.exit.set()
                 active = True
             if at_eof:
@@ -299,6 +352,92 @@ class Follower:
                 self._tasks.pop(name, None)
                 active = True
         return active
+
+    async def _follow_supervised(
+        self, sftp: asyncssh.SFTPClient, followed: _Followed, sizes: dict[str, int]
+    ) -> bool:
+        """One task under dsh-supervise --detach: its status file's new records, then its output."""
+        active = False
+        records = followed.records
+        signed = followed.signed
+        assert signed is not None
+        gone = False
+        now = anyio.current_time()
+        if records.supervisor_pid is not None and not records.empty and now >= followed.next_check:
+            followed.next_check = now + _LIVENESS_S
+            # Looked at before the status file is read: a supervisor that exited wrote its last
+            # record before, so a file read after this shows it.
+            gone = not await _supervisor_alive(sftp, records)
+        size = sizes.get(f"{followed.name}.status", 0)
+        complete = True
+        if size > signed.fed or gone:
+            complete = await self._read_status(sftp, followed, size, to_end=gone)
+            active = True
+        if records.supervisor_pid is not None:
+            followed.supervisor_known.set()
+        if records.command_exit is not None and not followed.exit.is_set():
+            followed.status = records.command_exit
+            followed.exit.set()
+            active = True
+        at_eof = records.empty or (gone and complete)
+        for stream in STREAMS:
+            size = sizes.get(f"{followed.name}.{stream}", 0)
+            grew = size > followed.offsets[stream] or at_eof
+            if grew and await self._read(sftp, followed, stream, size, to_end=at_eof):
+                active = True
+        if at_eof:
+            if not records.empty:
+                followed.supervisor_gone = True
+                log.warning(
+                    "the supervisor of background task %s on %s ended without its last record "
+                    "(killed by the task itself?)",
+                    followed.launch.marker,
+                    self._pool.where,
+                )
+                if not followed.exit.is_set():
+                    followed.fail(
+                        f"the background task's supervisor on {self._pool.where} ended before it "
+                        "reported how the command ended (killed by the task itself?); "
+                        "its exit status is lost",
+                        "command_lost",
+                    )
+            followed.supervisor_known.set()
+            followed.eof.set()
+            self._tasks.pop(followed.name, None)
+            active = True
+        return active
+
+    async def _read_status(
+        self, sftp: asyncssh.SFTPClient, followed: _Followed, size: int, *, to_end: bool
+    ) -> bool:
+        """Feed what the status file gained to its verifier (at most _STATUS_CHUNK a tick); True when
+        everything up to ``size`` (with ``to_end``: the file's size now) was read."""
+        signed = followed.signed
+        assert signed is not None
+        handle = followed.files.get("status")
+        if handle is None:
+            try:
+                handle = followed.files["status"] = await sftp.open(f"{followed.base}.status", "rb")
+            except asyncssh.SFTPNoSuchFile:
+                return True  # removed (by the task): no record will ever come from it
+        if to_end:
+            size = (await handle.stat()).size or 0
+        want = min(size - signed.fed, _STATUS_CHUNK)
+        if want > 0:
+            data = await handle.read(want, signed.fed)
+            assert isinstance(data, bytes)  # opened in binary mode
+            forged = signed.forged
+            for record in signed.feed(data):
+                followed.records.apply(record)
+            if signed.forged > forged and not followed.warned_forged:
+                followed.warned_forged = True
+                log.warning(
+                    "background task %s on %s: its status file holds lines that do not verify "
+                    "(written by the task?); they are ignored",
+                    followed.launch.marker,
+                    self._pool.where,
+                )
+        return signed.fed >= size
 
     async def _read(
         self, sftp: asyncssh.SFTPClient, followed: _Followed, stream: str, size: int, *, to_end: bool
@@ -378,6 +517,34 @@ class _NoSftp(Exception):
     pass
 
 
+async def _supervisor_alive(sftp: asyncssh.SFTPClient, records: SupervisorRecords) -> bool:
+    """Whether the supervisor of ``records`` still runs: its pid shows the start time it recorded
+    (another start time: the pid was reused) and is no zombie."""
+    try:
+        handle = await sftp.open(f"/proc/{records.supervisor_pid}/stat", "rb")
+        try:
+            data = await handle.read(4096, 0)
+        finally:
+            await handle.close()
+    except asyncssh.SFTPNoSuchFile:
+        return False
+    except asyncssh.SFTPError as exc:
+        # /proc out of the SFTP server's reach (a chroot): nothing tells the supervisor is gone.
+        log.debug("reading the stat of supervisor %s: %s", records.supervisor_pid, exc)
+        return True
+    assert isinstance(data, bytes)
+    return _stat_matches(data, records.supervisor_start_time)
+
+
+def _stat_matches(stat: bytes, start_time: int | None) -> bool:
+    # The command name (field 2) is in parentheses and may hold anything: fields after the last ')'.
+    fields = stat.rpartition(b")")[2].split()
+    try:
+        return fields[0] not in (b"Z", b"X") and int(fields[19]) == start_time
+    except (IndexError, ValueError):
+        return False
+
+
 async def _close_quietly(handle: Any) -> None:
     try:
         with anyio.move_on_after(2):
@@ -387,7 +554,12 @@ async def _close_quietly(handle: Any) -> None:
 
 
 class DetachedProcess(CommandProcess):
-    """A background task detached on the host: its output and end come from the follower."""
+    """A background task detached on the host: its output and end come from the follower.
+
+    Under dsh-supervise (``followed.supervised``) it is in the executor's registry of supervised
+    commands (``registry``) until its supervisor said that no process is left or is gone, so that the
+    leftovers' kill at ``aclose`` reaches it.
+    """
 
     def __init__(
         self,
@@ -398,6 +570,7 @@ class DetachedProcess(CommandProcess):
         marked: RemoteMarked,
         spills: dict[str, DetachedSpill],
         on_release: Callable[[], Awaitable[None]],
+        registry: set[Any] | None = None,
     ) -> None:
         self._pool = pool
         self._follower = follower
@@ -405,12 +578,15 @@ class DetachedProcess(CommandProcess):
         self._marked = marked
         self._spills = spills
         self._on_release = on_release
+        self._registry = registry
+        if registry is not None and followed.supervised:
+            registry.add(self)
 
     async def wait(self) -> ExitStatus:
         followed = self._followed
         await followed.exit.wait()
         if followed.status is not None:
-            return ExitStatus(code=followed.status)
+            return followed.status
         if followed.failure is not None:
             raise BashInfrastructureError(followed.failure, reason=followed.failure_reason)
         raise BashInfrastructureError(
@@ -423,12 +599,64 @@ class DetachedProcess(CommandProcess):
         finally:
             self._followed.feeding = False
 
+    @property
+    def ended(self) -> bool:
+        """True once the supervisor said no process is left, or is gone (the marker then reaches
+        what it left: the fallback of the executor's leftovers)."""
+        followed = self._followed
+        return followed.records.empty or followed.supervisor_gone or followed.failure is not None
+
+    async def _supervisor(self, request: str) -> bool:
+        """Send ``request`` (USR1, USR2, or 0: look only) to the task's supervisor; False when it is
+        gone (or its pid is not known: it never wrote its first record)."""
+        followed = self._followed
+        records = followed.records
+        if records.supervisor_pid is None and not followed.supervisor_known.is_set():
+            # Just started: the follower reads its first record at its next tick.
+            with anyio.move_on_after(_SUPERVISOR_PID_BOUND_S):
+                await followed.supervisor_known.wait()
+        if records.supervisor_pid is None or followed.supervisor_gone:
+            return False
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_SIGNAL_BOUND_S) as scope:
+            _, out, _ = await self._pool.run_script(
+                SIGNAL_SUPERVISOR,
+                str(records.supervisor_pid),
+                str(records.supervisor_start_time),
+                request,
+                kill=True,
+            )
+        await anyio.lowlevel.checkpoint()
+        if scope.cancelled_caught:
+            raise BashInfrastructureError(
+                f"signalling the supervisor of a background task on {self._pool.where} took too long",
+                reason="connection_lost",
+            )
+        return out.split() == [b"alive"]
+
     async def signal_all(self, sig: int) -> None:
+        followed = self._followed
+        if followed.supervised:
+            if followed.records.empty:
+                return
+            try:
+                if await self._supervisor("USR2" if sig == signal.SIGKILL else "USR1"):
+                    return
+            except BashInfrastructureError as exc:
+                log.debug("signalling the supervisor of %s failed: %s", followed.name, exc)
         await self._marked.signal_all(sig)
 
     async def remaining(self) -> list[str]:
-        found = await self._marked.remaining()
         followed = self._followed
+        if followed.supervised:
+            if followed.records.empty:
+                return []
+            if await self._supervisor("0"):
+                return [f"processes under dsh-supervise of background task {followed.name}"]
+            if not followed.supervisor_known.is_set():
+                return [f"the supervisor of {followed.name}"]
+            # Gone: it just wrote its last record (the follower reads it soon) or it was killed.
+            return await self._marked.remaining()
+        found = await self._marked.remaining()
         if not found and not followed.exit.is_set() and followed.failure is None:
             # The supervisor may not have started the command yet (start returns once the
             # supervisor runs): the task counts as alive until its exit status is in.
@@ -437,9 +665,14 @@ class DetachedProcess(CommandProcess):
 
     async def release(self) -> None:
         base = self._followed.base
-        remove = [f"{base}.cmd", f"{base}.in", f"{base}.eof"]
-        if self._followed.status is not None:
-            remove.append(f"{base}.exit-{self._followed.status}")
+        remove = [f"{base}.cmd", f"{base}.in"]
+        if self._followed.supervised:
+            remove.append(f"{base}.status")
+        else:
+            remove.append(f"{base}.eof")
+            status = self._followed.status
+            if status is not None and status.code is not None:
+                remove.append(f"{base}.exit-{status.code}")
         given_up: list[str] = []
         for stream in STREAMS:
             spill = self._spills.get(stream)
@@ -451,4 +684,6 @@ class DetachedProcess(CommandProcess):
         if given_up:
             # A read named this file while it was the spill: it must not outlive the task's end.
             await self._follower.remove_now(given_up)
+        if self._registry is not None and self.ended:
+            self._registry.discard(self)
         await self._on_release()

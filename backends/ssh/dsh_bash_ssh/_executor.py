@@ -18,6 +18,7 @@ from dsh_bash.backend import (
     MARKER_VAR,
     MAX_INLINE_COMMAND,
     MODEL_FRIENDLY_ENV,
+    SUPERVISOR_KEY_SIZE,
     CommandProcess,
     CommandSpills,
     Containment,
@@ -25,6 +26,7 @@ from dsh_bash.backend import (
     Killable,
     Launch,
     SpillFile,
+    SupervisedCommand,
     SupervisedLeftovers,
     SupervisorInstall,
     choose_containment,
@@ -49,6 +51,8 @@ __all__ = ["SshBashExecutor"]
 log = logging.getLogger("dsh_bash.ssh")
 
 _SPILL_FLUSH_BOUND_S = 30.0
+#: How long a detached task's dsh-supervise may take to detach once BOOT said it runs.
+_DETACH_BOUND_S = 30.0
 #: Variables of the setup script's own shell, not of the login.
 _NOT_AMBIENT = frozenset({"_", "BASH_ENV", "ENV"})
 
@@ -101,17 +105,17 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         self._detached: dict[str, tuple[str, dict[str, DetachedSpill]]] = {}
         self._supervisor: str | None = None  # dsh-supervise's path on the host
         self._machine = ""  # the host's `uname -m`
-        #: Foreground commands whose supervisor still runs (leftovers included).
-        self._supervised: set[FramedSshProcess] = set()
-        # Detached tasks (and, without the supervisor, every command) see a signal death only as
-        # 128+n; foreground commands under dsh-supervise report the observed signal
-        # (ExitStatus.signal), which the 128+n mapping leaves alone.
+        #: Commands and detached tasks whose supervisor still runs (leftovers included).
+        self._supervised: set[SupervisedCommand] = set()
+        # Without the supervisor every command sees a signal death only as 128+n (a channel's
+        # exit-signal, the detached script's `$?`); under it, foreground commands and detached tasks
+        # alike report the observed signal (ExitStatus.signal). Set at open (_install_supervisor).
         self.signals_as_exit_codes = True
 
     @property
     def containment(self) -> Containment:
-        """``subreaper`` when foreground commands run under dsh-supervise on the host, else
-        ``marker``. Detached background tasks are contained by the marker either way."""
+        """``subreaper`` when commands (foreground and detached background tasks) run under
+        dsh-supervise on the host, else ``marker``."""
         return "subreaper" if self._supervisor is not None else "marker"
 
     @property
@@ -179,9 +183,9 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         self._supervisor = choose_containment(
             config.containment, install.path, install.problem, self._pool.where
         )
-        # signals_as_exit_codes stays true: detached background tasks see a signal death as 128+n
-        # only. Foreground commands under the supervisor report the signal itself
-        # (ExitStatus.signal), which the mapping leaves alone.
+        # Under the supervisor every command's outcome is the wait status it observed: a signal is
+        # reported as one, never read back from a 128+n status.
+        self.signals_as_exit_codes = self._supervisor is None
 
     async def _release(self) -> None:
         self._warm.close()
@@ -254,7 +258,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
             return b"".join(entry + b"\0" for entry in entries)
 
         environment = tuple(f"{name}={value}" for name, value in env.items())
-        supervisor = self._supervisor if mode == "fg" else None
+        supervisor = self._supervisor
         inline = args(spec.command, bool(secret))
         line = boot_line(*inline, supervisor=supervisor)
         # One execve argument is limited to 128 KiB: a cold channel's whole line, and the command
@@ -324,6 +328,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         on_release: Callable[[], Awaitable[None]],
         *,
         warm: bool,
+        key: bytes | None = None,
     ) -> tuple[SshProcess | FramedSshProcess, CommandSession]:
         """Run BOOT on the warm channel (see _warm), if ``warm`` and there is one, or on a channel
         of its own; feed it, wait for its verdict. Under the supervisor (``plan.supervisor``) the
@@ -332,6 +337,10 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         A start given up half-way (an error, a cancellation, even while the channel opens: the
         server may already run the command) is killed by marker before the error propagates;
         :class:`_SpareDied` when the warm channel died before BOOT started.
+
+        A detached task under the supervisor (``key``): BOOT reads the stdin data's length before
+        the data, and the supervisor it becomes reads ``key`` right after it; the channel's output
+        after BOOT's verdict can only be the supervisor's complaint (kept in ``stray_stderr``).
         """
         spec = launch.spec
         marker = launch.marker
@@ -340,7 +349,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         session: CommandSession | None = None
         header = plan.header
         framed: FramedSshProcess | None = None
-        if plan.supervisor is not None:
+        if plan.supervisor is not None and key is None:
             framed = FramedSshProcess(
                 pool=self._pool,
                 launch=launch,
@@ -349,7 +358,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                 wait_writable=partial(self._spills.wait_writable, marker),
                 registry=self._supervised,
             )
-        feed = framed.feed if framed is not None else None
+        feed = framed.feed if framed is not None else (_discard if key is not None else None)
         try:
             if warm:
                 session = await self._warm.take()
@@ -388,7 +397,14 @@ class SshBashExecutor(BashExecutor[SshConfig]):
             if header is not None:
                 chan.write(header)
             if spec.stdin is not None and framed is None:
-                chan.write(spec.stdin.encode() if isinstance(spec.stdin, str) else bytes(spec.stdin))
+                data = spec.stdin.encode() if isinstance(spec.stdin, str) else bytes(spec.stdin)
+                if key is not None:
+                    chan.write(b"%d\0" % len(data))
+                chan.write(data)
+                if key is None:
+                    chan.write_eof()
+            if key is not None:
+                chan.write(key)
                 chan.write_eof()
             await process.read_preamble()
         except BaseException as exc:
@@ -414,15 +430,19 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         base = f"{self._spill_dir}/{nonce}"
         spills: dict[str, DetachedSpill] = {}
         self._detached[marker] = (base, spills)
+        # A fresh key per task: only this executor and the task's supervisor can sign its records.
+        key = secrets.token_bytes(SUPERVISOR_KEY_SIZE) if plan.supervisor is not None else None
         try:
-            _, session = await self._boot(launch, plan, _nothing, warm=warm)
+            _, session = await self._boot(launch, plan, _nothing, warm=warm, key=key)
+            if key is not None:
+                await self._detached_started(launch, session)
         except BaseException:
             self._detached.pop(marker, None)
             raise
-        # BOOT exits once the supervisor runs: the channel is done.
+        # BOOT (or the supervisor's foreground process) exited once the task runs: the channel is done.
         session.stop_feeding()
         session.close()
-        followed = self._follower.add(base, launch, spills)
+        followed = self._follower.add(base, launch, spills, key)
 
         async def on_release() -> None:
             self._detached.pop(marker, None)
@@ -434,6 +454,36 @@ class SshBashExecutor(BashExecutor[SshConfig]):
             marked=self._marked(marker),
             spills=spills,
             on_release=on_release,
+            registry=self._supervised,
+        )
+
+    async def _detached_started(self, launch: Launch, session: CommandSession) -> None:
+        """Wait for a detached task's dsh-supervise to detach: its foreground process exits 0 once
+        the task runs (its first record written), or 125 with its reason on stderr. Anything else
+        means the task did not start: what may have started is killed by marker."""
+        with anyio.move_on_after(_DETACH_BOUND_S):
+            await session.ended.wait()
+        if session.exit is not None and session.exit.code == 0:
+            return
+        said = bytes(session.stray_stderr).decode("utf-8", "replace").strip()
+        reason: InfraReason = "start_failed"
+        if session.exit is None:
+            what = "lost its channel" if session.closed else f"did not detach within {_DETACH_BOUND_S:g} s"
+            if session.lost is not None or not self._pool.connected():
+                reason = "connection_lost"
+        else:
+            what = f"exit status {session.exit.code}"
+        with anyio.CancelScope(shield=True):
+            session.stop_feeding()
+            session.close()
+            try:
+                await kill_abandoned_start(self._marked(launch.marker), self._config.grace_ms / 1000)
+            except Exception as exc:  # the connection may be what failed
+                log.warning("cleaning up after a failed start of %s failed: %s", launch.marker, exc)
+        raise BashInfrastructureError(
+            f"dsh-supervise did not start the background task on {self._pool.where} ({what}): "
+            f"{said or 'no output'}",
+            reason=reason,
         )
 
     async def _remove_quietly(self, path: str) -> None:
@@ -498,6 +548,10 @@ class SshBashExecutor(BashExecutor[SshConfig]):
 
 async def _nothing() -> None:
     pass
+
+
+def _discard(data: bytes) -> None:
+    """A detached task's channel after BOOT's verdict: dsh-supervise --detach writes nothing there."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 import asyncssh
@@ -48,7 +49,7 @@ class FramedSshProcess(FramedCommand):
         marked: RemoteMarked,
         on_release: Callable[[], Awaitable[None]],
         wait_writable: Callable[[], Awaitable[None]],
-        registry: set[FramedSshProcess],
+        registry: set[Any],
     ) -> None:
         super().__init__(launch, fallback=marked, registry=registry, where=f"on {pool.where}")
         self._pool = pool

@@ -282,8 +282,9 @@ class CommandSession(SlotSession):
         number = signal_number(signal)
         self.exit_signal_name = signal
         if number is not None:
-            # As a 128+n status, like a detached task's (whose supervisor sees only that): the
-            # executor names the signal when its kill sequence sent it (signals_as_exit_codes).
+            # The command's own death only without the supervisor (under it, the supervisor's, whose
+            # records tell the command's): as a 128+n status, as a detached task's script sees one;
+            # the executor names the signal when its kill sequence sent it (signals_as_exit_codes).
             self.exit = ExitStatus(code=128 + number)
         self.ended.set()
 

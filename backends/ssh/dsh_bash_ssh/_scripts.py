@@ -20,6 +20,7 @@ __all__ = [
     "SETUP",
     "SETUP_END",
     "SETUP_HOME",
+    "SIGNAL_SUPERVISOR",
     "SPILL_WRITER",
     "STDERR_OK",
     "WAITER",
@@ -168,6 +169,42 @@ builtin printf '\0dsh-bash-boot-ok\0'
 builtin printf '\0dsh-bash-stderr-ok\0' >&2
 builtin exit 0
 """
+# A detached task under dsh-supervise --detach (mode "bg" when the supervisor is installed): its
+# stdin goes to BASE.in (a long command is in BASE.cmd already), then this process
+# becomes the supervisor, which creates BASE.status, BASE.stdout and BASE.stderr itself (O_EXCL: they
+# must not exist), reads its key from the channel, detaches and exits. Its key follows on stdin
+# right after what BOOT reads, so nothing here reads past its own input: the header and the stdin
+# length are read by bash's `read` (a pipe one byte at a time), the stdin data by `head -c`, which
+# asks for no more than is left. No shell keeps a copy of the channel: the supervisor is exec'd.
+# A short command runs as `bash -c COMMAND`, as in the foreground (the supervisor clears its own
+# arguments; the command's bash shows its text, as any `bash -c` does).
+_DETACH_SUPERVISED = r"""
+[[ -x SUPERVISOR ]] ||
+  { builtin printf '\0dsh-bash-boot-fail:supervisor_missing\0'; builtin exit 125; }
+_dsh_base=$_dsh_spill/$_dsh_nonce
+for _dsh_e in stdout stderr status in; do
+  if [[ -e $_dsh_base.$_dsh_e || -L $_dsh_base.$_dsh_e ]]; then
+    builtin printf '\0dsh-bash-boot-fail:start_failed:cannot create the task files\0'; builtin exit 125
+  fi
+done
+_dsh_in=() _dsh_run=(-c "$_dsh_command")
+[[ -n $_dsh_script ]] && _dsh_run=("$_dsh_script")
+if [[ $_dsh_input == 1 ]]; then
+  _dsh_len=
+  IFS= builtin read -r -d '' _dsh_len
+  if [[ ! $_dsh_len =~ ^[0-9]+$ ]]; then
+    builtin printf '\0dsh-bash-boot-fail:start_failed:incomplete stdin\0'; builtin exit 125
+  fi
+  _dsh_in=(--stdin-file "$_dsh_base.in")
+fi
+if [[ $_dsh_input == 1 ]] && ! (builtin umask 077; builtin set -C; head -c "$_dsh_len" > "$_dsh_base.in") 2>/dev/null; then
+  builtin printf '\0dsh-bash-boot-fail:start_failed:cannot create the task files\0'; builtin exit 125
+fi
+builtin printf '\0dsh-bash-boot-ok\0'
+builtin printf '\0dsh-bash-stderr-ok\0' >&2
+exec SUPERVISOR --detach --status-file "$_dsh_base.status" "${_dsh_in[@]}" --stdout-file "$_dsh_base.stdout" \
+  --stderr-file "$_dsh_base.stderr" -- env "DSH_BASH_MARK=$_dsh_mark" bash --noprofile --norc "${_dsh_run[@]}"
+"""
 # Plain `exec` from here: no function is defined (see above), and `builtin exec <file` would undo
 # its redirection once the builtin returned.
 _STARTED = r"""
@@ -222,6 +259,19 @@ wait "$o" "$e" 2>/dev/null || while kill -0 "$o" 2>/dev/null || kill -0 "$e" 2>/
 (umask 077; set -C; : > "$b.eof")
 """
 
+# A detached task's dsh-supervise, signalled (or only looked at) over the kill channel. $1: its pid,
+# $2: its start time (field 22 of /proc/PID/stat, from its verified `supervisor` record), $3: USR1
+# (a TERM pass), USR2 (KILL passes) or 0 (look only). Prints "alive" when $1 is still that process,
+# and then signals it; else "gone": a pid reused by another process is never signalled.
+SIGNAL_SUPERVISOR = r"""
+stat=$(< "/proc/$1/stat") 2>/dev/null || { echo gone; exit 0; }
+read -r -a f <<< "${stat##*) }"
+# f[0] is field 3 (the state), so field 22 is f[19]; a zombie holds nothing any more.
+if [[ ${f[0]} == [ZX] || ${f[19]} != "$2" ]]; then echo gone; exit 0; fi
+[[ $3 == 0 ]] || kill -s "$3" "$1" 2>/dev/null || { echo gone; exit 0; }
+echo alive
+"""
+
 _DETACH = _DETACH.replace("SUPERVISOR_QUOTED", shlex.quote(SUPERVISOR))
 _UNEXPORT = _UNEXPORT.replace(
     "ALL_VARIABLES", " ".join(f"${{!{c}@}}" for c in "_ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
@@ -240,7 +290,8 @@ def boot_script(
 ) -> str:
     """BOOT with just the sections a command of this shape runs; ``warm``: for a warm channel's
     WAITER, whose bash started with an empty environment (so there is nothing to un-export);
-    ``supervisor``: the path of dsh-supervise on the host, for a foreground command to run under."""
+    ``supervisor``: the path of dsh-supervise on the host, for the command to run under (``--frame``
+    in the foreground, ``--detach`` for a detached task)."""
     parts = [_PRELUDE]
     if header:
         parts.append(_READ_HEADER)
@@ -249,7 +300,9 @@ def boot_script(
     parts.append(_ENVIRONMENT)
     if long:
         parts.append(_STORE_LONG_COMMAND)
-    if detached:
+    if detached and supervisor is not None:
+        parts.append(_DETACH_SUPERVISED.replace("SUPERVISOR", _ascii_quote(supervisor)))
+    elif detached:
         parts.append(_DETACH)
     elif supervisor is not None:
         parts.append(_CHECK_SUPERVISOR.replace("SUPERVISOR", _ascii_quote(supervisor)))
