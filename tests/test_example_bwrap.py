@@ -183,3 +183,28 @@ def test_installed_example_runs_by_its_entry_point_name(tmp_path: Path) -> None:
     assert ran == Outcome(4, "in-sandbox\n", "")
     assert checked.code == 0, checked
     assert checked.out.splitlines()[-1].endswith("contract OK")
+
+
+def test_a_kill_right_after_the_start_is_a_sigterm_kill(tmp_path: Path) -> None:
+    """``_spawn`` returns only once the sandboxed shell runs with SIGTERM restored: a kill sent at
+    once must end the shell by SIGTERM. It once returned as soon as the supervisor (or the launcher)
+    led its session with the marker, before the sandbox existed, and the SIGTERM was lost on the
+    launcher that ignores it: the shell then died of the SIGKILL after the grace, about half the
+    time (so it is tried eight times)."""
+    import anyio  # noqa: PLC0415
+    from dsh_bash_bwrap import BwrapBashExecutor  # noqa: PLC0415 - on sys.path only for these tests
+
+    from dsh_bash import BashExecRequest  # noqa: PLC0415
+
+    async def kill_at_once() -> list[tuple[object, ...]]:
+        ends = []
+        async with BwrapBashExecutor.from_fields(cwd=str(tmp_path), grace_ms=300) as ex:
+            for _ in range(8):
+                task = await ex.start(ex.resolve(BashExecRequest(command="while :; do sleep 0.05; done")))
+                await ex.kill(task.id)
+                with anyio.fail_after(5):
+                    await task.wait()
+                ends.append((task.status, task.end_cause, task.exit_code, task.signal))
+        return ends
+
+    assert anyio.run(kill_at_once) == [("killed", "killed", None, "SIGTERM")] * 8

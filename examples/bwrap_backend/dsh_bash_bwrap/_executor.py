@@ -123,9 +123,15 @@ def _shell_runs(marker: str) -> bool:
 
     It descends from this process through the launcher and the namespace's init (and the
     ``dsh-supervise`` subreaper in front of the launcher, when commands run under it), leads its
-    own session and carries the marker in its environment.
+    own session, carries the marker in its environment, and lives in the sandbox's PID namespace:
+    the supervisor and the launcher lead sessions with the marker too (each is started in a session
+    of its own), and a kill sent while only they run would be lost (the launcher ignores SIGTERM).
     """
     own = os.getpid()
+    try:
+        own_namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        own_namespace = ""
     parents: dict[int, tuple[int, int]] = {}  # pid -> (ppid, session)
     for name in os.listdir("/proc"):
         stat = read_proc_stat(name) if name.isdigit() else None
@@ -136,6 +142,8 @@ def _shell_runs(marker: str) -> bool:
         if session != pid or not _descends_from(own, ppid, parents, depth=4):
             continue
         try:
+            if os.readlink(f"/proc/{pid}/ns/pid") == own_namespace:
+                continue
             with open(f"/proc/{pid}/environ", "rb") as handle:
                 environ = b"\0" + handle.read()
         except OSError:
