@@ -159,6 +159,7 @@ async def bench_ssh(runs: int, server: Any = None) -> list[tuple[str, str, float
                 config=None,
             ) as conn,
             server.executor() as ex,
+            server.executor(containment="marker") as marker_ex,
         ):
 
             async def subject() -> None:
@@ -167,11 +168,18 @@ async def bench_ssh(runs: int, server: Any = None) -> list[tuple[str, str, float
             async def raw() -> None:
                 await conn.run("true")
 
+            async def marker_only() -> None:
+                await marker_ex.exec("true")
+
+            async def settle() -> None:
+                await ex.warm_up()
+                await marker_ex.warm_up()
+
             # The executor logs a channel in for the next command (a warm login shell, see
             # dsh_bash_ssh._warm) while a command runs; waiting for it, untimed, keeps that work
             # out of the baseline's timing. An agent's commands come seconds apart: warm is the
             # usual case. Back to back, the next command may wait for part of it.
-            medians = await _alternate(runs, subject, {"raw": raw}, settle=ex.warm_up)
+            medians = await _alternate(runs, subject, {"raw": raw, "marker": marker_only}, settle=settle)
             burst = await _back_to_back(runs, subject, raw)
 
             async def ssh_cli() -> None:
@@ -199,6 +207,8 @@ async def bench_ssh(runs: int, server: Any = None) -> list[tuple[str, str, float
         ("ssh", 'asyncssh conn.run("true") on a reused connection', medians["subject"], medians["raw"]),
         ("ssh", 'asyncssh conn.run("true"), calls back to back', burst["subject"], burst["baseline"]),
         ("ssh", "ssh CLI (new connection each time)", medians["subject"], cli_ms),
+        # The cost of the containment: the same executor without dsh-supervise (marker only).
+        ("ssh", "the SSH executor with containment = marker", medians["subject"], medians["marker"]),
     ]
 
 
