@@ -217,6 +217,14 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
     # -- lifecycle --------------------------------------------------------------------------------
 
     @property
+    def containment(self) -> str | None:
+        """What kills and closes rest on, once open: ``subreaper`` (each command under
+        ``dsh-supervise``: every process it starts stays findable and is killed, its outcome cannot be
+        forged) or ``marker`` (processes found by an environment marker; see ``docs/contract.md``).
+        None: the backend does not say. ``dsh-bash doctor`` reports it."""
+        return None
+
+    @property
     def config(self) -> ConfigT_co:
         return self._config
 

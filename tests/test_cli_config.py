@@ -273,9 +273,11 @@ def test_doctor_local_ok(local_toml: str, tmp_path: Path) -> None:
     assert result.code == 0, result
     lines = _lines(result)
     assert [line.split()[:2] for line in lines[:-1]] == [
-        ["ok", step] for step in ("config", "open", "bash", "workdir", "spill", "setsid", "close")
+        ["ok", step]
+        for step in ("config", "open", "containment", "bash", "workdir", "spill", "setsid", "close")
     ]
-    assert str(tmp_path / "work") in lines[3]
+    assert "subreaper" in lines[2]
+    assert str(tmp_path / "work") in lines[4]
     assert lines[-1] == "dsh-bash doctor: all ok"
 
 

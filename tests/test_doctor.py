@@ -151,3 +151,34 @@ def test_a_backend_that_blocks_its_event_loop_is_abandoned() -> None:
     assert not ok and time.monotonic() - started < 8
     assert [(f.step, f.ok) for f in findings] == [("config", True), ("open", False)]
     assert findings[1].detail.startswith("no answer within 5.5 s: the backend blocks its event loop")
+
+
+class MarkerFallback(LocalBashExecutor):
+    """Reports the marker containment as if the supervisor could not run here (config: ``auto``)."""
+
+    @property
+    def containment(self) -> str:
+        return "marker"
+
+
+def marker_fallback(**fields: Any) -> MarkerFallback:
+    return MarkerFallback(MarkerFallback.config_class(**fields))
+
+
+def _containment_finding(source: Any) -> Finding:
+    findings: list[Finding] = []
+    run_doctor(source, timeout_s=20, report=findings.append)
+    [found] = [f for f in findings if f.step == "containment"]
+    return found
+
+
+def test_doctor_reports_the_containment(tmp_path: Path) -> None:
+    """Doctor says which containment is active: the supervisor; the marker as configured; the marker
+    as a fallback the config did not ask for (a finding to fix, naming the settings)."""
+    active = _containment_finding({"backend": "local"})
+    assert active.ok and active.detail.startswith("subreaper")
+    chosen = _containment_finding({"backend": "local", "containment": "marker"})
+    assert chosen.ok and "as configured" in chosen.detail
+    fallback = _containment_finding({"backend": f"{__name__}:marker_fallback"})
+    assert not fallback.ok and "marker" in fallback.detail
+    assert "containment = 'marker'" in fallback.fix and "'subreaper'" in fallback.fix

@@ -198,6 +198,7 @@ class _Doctor:
                     opened = True
                     bound.deadline = math.inf
                     self.put("open", True, f"opened in {time.monotonic() - started:.2f} s")
+                    self._containment(ex)
                     for step, probe in (
                         ("bash", self._bash),
                         ("workdir", self._workdir),
@@ -220,6 +221,25 @@ class _Doctor:
             self.put("open", False, detail, hint(cls, "open"))
             return
         self.put("close", True, f"closed in {time.monotonic() - closing_at:.2f} s")
+
+    def _containment(self, ex: BashExecutor) -> None:
+        """Which containment is active; a marker the config did not ask for is a finding to fix."""
+        level = ex.containment
+        if level is None:
+            return
+        if level != "marker":
+            self.put("containment", True, f"{level}: every command under dsh-supervise")
+            return
+        chosen = getattr(ex.config, "containment", None) == "marker"
+        detail = "marker: processes are found by an environment marker (a process that drops it escapes)"
+        if chosen:
+            self.put("containment", True, f"{detail}; as configured")
+        else:
+            fix = (
+                "the supervisor cannot run where the commands run (the warning logged at open says why); "
+                "set containment = 'marker' to accept it, or 'subreaper' to refuse to open without it"
+            )
+            self.put("containment", False, detail, fix)
 
     async def _bash(self, ex: BashExecutor) -> str:
         result = await self.exec(ex, "bash", 'printf "%s" "$BASH_VERSION"')
