@@ -633,7 +633,9 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             exit_code, signal = command.classify_exit()
             cause = command.kill_cause
             end_cause: EndCause
-            if command.failure is not None:
+            if command.failure is not None and cause != "closed":
+                # Once aclose took the command, its end is the close's, even when the backend
+                # then lost it (a stream cut while the executor tears everything down).
                 end_cause = "lost"
             elif cause in ("killed", "aborted", "closed"):
                 end_cause = cause

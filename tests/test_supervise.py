@@ -191,7 +191,8 @@ def marker() -> Iterator[str]:
     mark = f"dshsupmark{uuid.uuid4().hex}"
     yield mark
     for pid in _marked(mark):  # never leave a survivor behind, whatever the test said
-        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # it may end between the scan and the kill
+            os.kill(pid, signal.SIGKILL)
 
 
 def _wait_for_lines(path: Path, count: int, timeout: float = 15.0) -> list[int]:

@@ -142,7 +142,8 @@ class Detached:
         while _start_time(pid) == start and time.monotonic() < deadline:
             time.sleep(0.01)
         if _start_time(pid) == start:
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture

@@ -211,7 +211,8 @@ def marker() -> Iterator[str]:
     mark = f"dshframemark{uuid.uuid4().hex}"
     yield mark
     for pid in _marked(mark):  # never leave a survivor behind, whatever the test said
-        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # it may end between the scan and the kill
+            os.kill(pid, signal.SIGKILL)
 
 
 def _frame_sizes(raw: bytes) -> list[tuple[bytes, int]]:
