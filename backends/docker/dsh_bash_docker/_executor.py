@@ -392,7 +392,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         spec = launch.spec
         env = dict(launch.env)
         marker = env.pop(MARKER_VAR)
-        nonce = secrets.token_hex(8)
+        supervisor = self._supervisor
         # The boot script itself must not read an rc file: explicit values travel under other names.
         for name in RC_FILE_VARIABLES:
             if name in env:
@@ -403,7 +403,11 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         )
         env["DSH_BASH_UNSET"] = " ".join(sorted(unset))
         env["DSH_BASH_MARK_FOR"] = marker
-        env["DSH_BASH_NONCE"] = nonce
+        # Without the supervisor, the exit status travels as a trailer carrying this nonce; the
+        # supervisor's frames need none.
+        nonce = "" if supervisor is not None else secrets.token_hex(8)
+        if supervisor is None:
+            env["DSH_BASH_NONCE"] = nonce
         command = spec.command
         script_path = ""
         if len(command.encode("utf-8", "surrogateescape")) > MAX_INLINE_COMMAND:
@@ -438,9 +442,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             kill_container=self._kill_own_container,
             host_sees_processes=self._host_sees_processes,
         )
-        supervisor = self._supervisor
         if supervisor is not None:
-            del env["DSH_BASH_NONCE"]  # the supervisor's frames need none
             argv = [supervisor, "--frame", "--", "bash", "--noprofile", "--norc", "-c", BOOT_SUPERVISED]
         else:
             argv = ["bash", "--noprofile", "--norc", "-c", BOOT]

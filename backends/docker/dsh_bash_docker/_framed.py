@@ -35,15 +35,12 @@ from dsh_bash.backend import (
 )
 
 from ._engine import EngineClient, EngineError, ExecStream
-from ._process import ContainerMarked, StartHelper, diagnose_refusal
+from ._process import ContainerMarked, StartHelper, diagnose_refusal, lost_in_container
 
 __all__ = ["FramedDockerProcess", "SupervisorMissing"]
 
 log = logging.getLogger("dsh_bash.docker")
 
-#: How long a command whose stream ended without an exit record waits for its container to show
-#: whether it is ending (then ``container_gone``, else ``command_lost``).
-_GONE_SETTLE_S = 1.0
 #: How long a failed start waits for the rest of the boot script's report.
 _REPORT_BOUND_S = 5.0
 
@@ -122,30 +119,12 @@ class FramedDockerProcess(FramedCommand):
         return True
 
     async def _lost(self) -> BashInfrastructureError:
-        with anyio.move_on_after(_GONE_SETTLE_S):
-            while True:
-                if not await self._container_runs():
-                    return BashInfrastructureError(
-                        f"container {self._container[:12]} stopped under the command", reason="container_gone"
-                    )
-                await anyio.sleep(0.05)
-        return BashInfrastructureError(
+        return await lost_in_container(
+            self._engine,
+            self._container,
             "the command's supervisor in the container died before it reported how the command ended "
             "(killed by the command itself?); its exit status is lost",
-            reason="command_lost",
         )
-
-    async def _container_runs(self) -> bool:
-        try:
-            state = (await self._engine.container_inspect(self._container)).get("State", {})
-        except EngineError as exc:
-            reason: InfraReason = exc.reason
-            if exc.status == 404:
-                reason = "container_gone"
-            elif exc.status is None:
-                reason = "connection_lost"
-            raise BashInfrastructureError(f"lost the command: {exc}", reason=reason) from exc
-        return bool(state.get("Running")) and state.get("Status") not in ("removing", "dead")
 
     # -- start ----------------------------------------------------------------------------------------
 

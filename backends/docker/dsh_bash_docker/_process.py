@@ -30,7 +30,7 @@ from dsh_bash.backend import scan_processes as scan
 from ._engine import EngineClient, EngineError, ExecStream
 from ._scripts import BOOT_FAIL, BOOT_OK, KILL
 
-__all__ = ["ContainerMarked", "DockerProcess", "diagnose_refusal", "run_script"]
+__all__ = ["ContainerMarked", "DockerProcess", "diagnose_refusal", "lost_in_container", "run_script"]
 
 #: How long a kill waits for the engine to run its script before signalling from the host (when
 #: the host sees the container's processes).
@@ -155,6 +155,30 @@ async def _has_entry(engine: EngineClient, container: str, file: str, name: str)
     except tarfile.TarError:
         return True
     return any(line.split(":", 1)[0] == name for line in lines)
+
+
+async def lost_in_container(engine: EngineClient, container: str, otherwise: str) -> BashInfrastructureError:
+    """Why a command's exec stream ended without its exit status: ``container_gone`` when the
+    container shows its end within a bound (one being removed or killed may still show as running
+    for a moment after its processes died), ``connection_lost`` when the engine cannot be reached,
+    else ``command_lost`` with ``otherwise`` as the message."""
+    with anyio.move_on_after(_GONE_SETTLE_S):
+        while True:
+            try:
+                state = (await engine.container_inspect(container)).get("State", {})
+            except EngineError as exc:
+                reason: InfraReason = exc.reason
+                if exc.status == 404:
+                    reason = "container_gone"
+                elif exc.status is None:
+                    reason = "connection_lost"
+                return BashInfrastructureError(f"lost the command: {exc}", reason=reason)
+            if not state.get("Running") or state.get("Status") in ("removing", "dead"):
+                return BashInfrastructureError(
+                    f"container {container[:12]} stopped under the command", reason="container_gone"
+                )
+            await anyio.sleep(0.05)
+    return BashInfrastructureError(otherwise, reason="command_lost")
 
 
 class ContainerMarked:
@@ -315,31 +339,11 @@ class DockerProcess(CommandProcess):
         if self._stdout.exit_code is not None:
             return ExitStatus(code=self._stdout.exit_code)
         # The stream ended without the boot script's trailer: the container (or the engine) failed.
-        # A container being removed or killed may still show as running for a moment after its
-        # processes died: it is looked at until it shows its end, within a bound.
-        with anyio.move_on_after(_GONE_SETTLE_S):
-            while True:
-                if not await self._container_runs():
-                    raise BashInfrastructureError(
-                        f"container {self._container[:12]} stopped under the command", reason="container_gone"
-                    )
-                await anyio.sleep(0.05)
-        raise BashInfrastructureError(
-            "the command's supervisor in the container died; its exit status is lost", reason="command_lost"
+        raise await lost_in_container(
+            self._engine,
+            self._container,
+            "the command's supervisor in the container died; its exit status is lost",
         )
-
-    async def _container_runs(self) -> bool:
-        """Whether the container runs (is not being removed); raise when it is gone or unreachable."""
-        try:
-            state = (await self._engine.container_inspect(self._container)).get("State", {})
-        except EngineError as exc:
-            reason: InfraReason = exc.reason
-            if exc.status == 404:
-                reason = "container_gone"
-            elif exc.status is None:
-                reason = "connection_lost"
-            raise BashInfrastructureError(f"lost the command: {exc}", reason=reason) from exc
-        return bool(state.get("Running")) and state.get("Status") not in ("removing", "dead")
 
     def _feed_stdout(self, data: memoryview | bytes) -> None:
         self._fed = True
