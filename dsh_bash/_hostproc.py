@@ -213,6 +213,11 @@ class HostProcess(CommandProcess):
                 os.unlink(name, dir_fd=directory.fd)
 
 
+#: How long an abandoned start waits for its supervisor to report that nothing is left (its SIGKILL
+#: passes take milliseconds; the bound is for a supervisor the command stopped or killed).
+_ABANDON_BOUND_S = 2.0
+
+
 class SupervisedProcess(HostProcess):
     """A command under ``dsh-supervise``: our child is the supervisor, the command's bash is its child.
 
@@ -293,8 +298,11 @@ class SupervisedProcess(HostProcess):
             )
 
     async def abandon(self) -> None:
-        """Kill whatever started and release everything (a start that failed or was cancelled)."""
-        self._signal_supervisor(signal.SIGUSR2)
+        """Kill whatever started, wait until it is gone, and release everything (a start that failed
+        or was cancelled: the caller's cancellation must not propagate while the command still runs)."""
+        if self._signal_supervisor(signal.SIGUSR2):
+            with anyio.move_on_after(_ABANDON_BOUND_S):
+                await self._status_until(lambda: self._records.empty)
         await self.release()
 
     @property
