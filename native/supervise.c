@@ -2,11 +2,12 @@
  * dsh-supervise: a per-command subreaper for dsh-bash.
  *
  *   dsh-supervise [--status-fd N] [--control-fd N] [--die-with-parent] [--allow-no-subreaper]
- *                 -- PROGRAM [ARGS...]
- *   dsh-supervise --frame [--allow-no-subreaper] -- PROGRAM [ARGS...]
+ *                 [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]
+ *   dsh-supervise --frame [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]
  *   dsh-supervise --detach --status-file PATH [--stdin-file PATH] [--stdout-file PATH]
- *                 [--stderr-file PATH] [--allow-no-subreaper] -- PROGRAM [ARGS...]
- *   dsh-supervise --version      (prints "dsh-supervise 3": the protocol's version)
+ *                 [--stderr-file PATH] [--allow-no-subreaper] [--setenv NAME=VALUE]...
+ *                 -- PROGRAM [ARGS...]
+ *   dsh-supervise --version      (prints "dsh-supervise 4": the protocol's version)
  *   dsh-supervise --sha256 | --hmac-sha256 KEYHEX   (digest of stdin in hex: for the tests)
  *
  * It makes itself a child subreaper and non-dumpable, forks PROGRAM into a session and process group
@@ -58,6 +59,14 @@
  * the next record written. Kill requests: SIGUSR1 and SIGUSR2 only. The key stays in this process's
  * memory only (as the two HMAC states; the read buffer is wiped).
  *
+ * --setenv NAME=VALUE (version 4, repeatable, every mode): the child sets NAME to VALUE (replacing any
+ * inherited value; a later --setenv of the same NAME wins) right before it execs PROGRAM. The
+ * supervisor's own environment is left as it was: a variable meant for the command alone (the
+ * harness's marker, which a kill by marker looks for in /proc/PID/environ) never marks the
+ * supervisor, and it costs no `env` exec in between. The values are copied before the argument area
+ * is cleared, so /proc/PID/cmdline of the supervisor shows none of them either. No '=' or an empty
+ * NAME: 125. A setenv(3) that fails in the child is reported as an exec failure (`execfail ERRNO`).
+ *
  * --allow-no-subreaper: where PR_SET_CHILD_SUBREAPER is refused (qemu-user emulates no such prctl), go
  * on after `warning no-subreaper ERRNO` instead of failing; orphans then escape to init. For tests.
  *
@@ -96,7 +105,7 @@
 #define __WALL 0x40000000
 #endif
 
-#define VERSION "3"
+#define VERSION "4"
 #define EXIT_SETUP 125
 #define TABLE_CAP 65536          /* processes one /proc scan can hold */
 #define MEMO_SLOTS (2 * TABLE_CAP) /* power of two */
@@ -1245,9 +1254,10 @@ static void usage(void) __attribute__((noreturn));
 static void usage(void)
 {
     die("usage: dsh-supervise [--status-fd N] [--control-fd N] [--die-with-parent] [--allow-no-subreaper] "
-        "-- PROGRAM [ARGS...]\n       dsh-supervise --frame [--allow-no-subreaper] -- PROGRAM [ARGS...]\n"
+        "[--setenv NAME=VALUE]... -- PROGRAM [ARGS...]\n"
+        "       dsh-supervise --frame [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]\n"
         "       dsh-supervise --detach --status-file PATH [--stdin-file PATH] [--stdout-file PATH] "
-        "[--stderr-file PATH] [--allow-no-subreaper] -- PROGRAM [ARGS...]");
+        "[--stderr-file PATH] [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]");
 }
 
 int main(int argc, char **argv)
@@ -1259,6 +1269,11 @@ int main(int argc, char **argv)
     int die_with_parent = 0, allow_no_subreaper = 0;
     char *status_path = NULL, *stdio_paths[3] = {NULL, NULL, NULL};
     int stdio_files[3] = {-1, -1, -1};
+    /* --setenv: indexes into argv, copied below (before the argument area is cleared). */
+    int *setenv_args = calloc((size_t)argc, sizeof *setenv_args);
+    int setenv_count = 0;
+    if (setenv_args == NULL)
+        die("out of memory");
     int i = 1;
     for (; i < argc; i++) {
         const char *a = argv[i];
@@ -1289,6 +1304,12 @@ int main(int argc, char **argv)
             return digest_stdin(argv[i + 1]);
         } else if (strcmp(a, "--allow-no-subreaper") == 0) {
             allow_no_subreaper = 1;
+        } else if (strcmp(a, "--setenv") == 0 && i + 1 < argc) {
+            /* The argument is not shown: its value may be meant for the command's eyes alone. */
+            const char *eq = strchr(argv[++i], '=');
+            if (eq == NULL || eq == argv[i])
+                die("--setenv wants NAME=VALUE with a non-empty NAME");
+            setenv_args[setenv_count++] = i;
         } else if (strcmp(a, "--version") == 0) {
             printf("dsh-supervise " VERSION "\n");
             return 0;
@@ -1336,6 +1357,21 @@ int main(int argc, char **argv)
         if (program[k] == NULL)
             die("out of memory");
     }
+    /* NAME and VALUE of each --setenv, for the child alone: the supervisor's own environment stays
+     * as it was (nothing marks it as one of the command's processes). */
+    char **setenv_names = calloc((size_t)setenv_count + 1, sizeof *setenv_names);
+    char **setenv_values = calloc((size_t)setenv_count + 1, sizeof *setenv_values);
+    if (setenv_names == NULL || setenv_values == NULL)
+        die("out of memory");
+    for (int k = 0; k < setenv_count; k++) {
+        const char *arg = argv[setenv_args[k]];
+        const char *eq = strchr(arg, '=');
+        setenv_names[k] = strndup(arg, (size_t)(eq - arg));
+        setenv_values[k] = strdup(eq + 1);
+        if (setenv_names[k] == NULL || setenv_values[k] == NULL)
+            die("out of memory");
+    }
+    free(setenv_args);
     char *area_end = argv[argc - 1] + strlen(argv[argc - 1]);
     if (argc > 1)
         memset(argv[1], 0, (size_t)(area_end - argv[1]));
@@ -1453,6 +1489,9 @@ int main(int argc, char **argv)
                 if (dup2(stdio_pipe[k][k == 0 ? 0 : 1], k) < 0)
                     err = errno;
         }
+        for (int k = 0; k < setenv_count && !err; k++)
+            if (setenv(setenv_names[k], setenv_values[k], 1) < 0)
+                err = errno;
         if (!err) {
             execvp(program[0], program);
             err = errno;

@@ -583,6 +583,79 @@ def test_forgery_probe_works_where_nothing_protects(runs: list[Supervised]) -> N
     assert records.count("empty") == 3, records  # two forged, one real
 
 
+# ---- --setenv (version 4) ------------------------------------------------------------------------
+
+
+def _proc_bytes(pid: int, name: str) -> bytes:
+    """/proc/PID/NAME; skips where this process may not read a non-dumpable one's environ."""
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except PermissionError:
+        pytest.skip(f"/proc/{pid}/{name} of the non-dumpable supervisor needs CAP_SYS_PTRACE (root)")
+
+
+def assert_set_for_the_command_alone(supervisor: int, command: int, assignment: str) -> None:
+    """ASSIGNMENT (NAME=VALUE, from --setenv) is in the environment of the COMMAND process, and
+    neither in the SUPERVISOR's environment nor on its command line (nor is --setenv)."""
+    # The control: the same read of the command's environ finds it (else the checks below prove nothing).
+    assert assignment.encode() in _proc_bytes(command, "environ").split(b"\0")
+    value = assignment.split("=", 1)[1].encode()
+    own_environ = _proc_bytes(supervisor, "environ")
+    own_cmdline = _proc_bytes(supervisor, "cmdline")
+    assert value not in own_environ, "the supervisor's own environment holds the --setenv value"
+    assert value not in own_cmdline and b"--setenv" not in own_cmdline, own_cmdline
+
+
+def test_setenv_reaches_the_command(runs: list[Supervised], marker: str) -> None:
+    # M is inherited (the marker) and replaced; a value may hold '=' or be empty; the later one of
+    # two for one NAME wins.
+    script = 'printf "%s|%s|%s|%s" "$M" "$DSH_SETENV_A" "${DSH_SETENV_B-unset}" "$DSH_SETENV_C"'
+    options = ["--setenv", "M=replaced", "--setenv", "DSH_SETENV_A=x=y", "--setenv", "DSH_SETENV_B="]
+    options += ["--setenv", "DSH_SETENV_C=first", "--setenv", "DSH_SETENV_C=second"]
+    run = Supervised(
+        [BASH, "--noprofile", "--norc", "-c", script], options=options, stdout=subprocess.PIPE, marker=marker
+    )
+    runs.append(run)
+    run.started_pid()
+    assert run.process.stdout is not None
+    output = run.process.stdout.read().decode()
+    run.process.stdout.close()
+    assert run.finish()[-2:] == ["exit 0", "empty"]
+    assert output == "replaced|x=y||second"
+
+
+def test_setenv_is_for_the_command_alone(runs: list[Supervised]) -> None:
+    """A kill by marker reads /proc/PID/environ: the supervisor must never carry the marker there,
+    nor show it on its command line."""
+    assignment = f"DSH_BASH_MARK=dshsetenv{uuid.uuid4().hex}"
+    run = Supervised([BASH, "--noprofile", "--norc", "-c", "sleep 5; true"], options=["--setenv", assignment])
+    runs.append(run)
+    child = run.started_pid()
+    assert_set_for_the_command_alone(run.process.pid, child, assignment)
+    os.kill(run.process.pid, signal.SIGUSR2)
+    assert run.finish()[-1] == "empty"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--setenv", "dshsecretNOEQUALS", "--", "true"],
+        ["--setenv", "=dshsecretvalue", "--", "true"],
+        ["--frame", "--setenv", "dshsecretNOEQUALS", "--", "true"],
+        ["--detach", "--status-file", "status", "--setenv", "=dshsecretvalue", "--", "true"],
+        ["--setenv"],
+    ],
+)
+def test_setenv_usage_errors(tmp_path: Path, args: list[str]) -> None:
+    done = subprocess.run(
+        [SUPERVISE, *args], input=b"k" * 32, capture_output=True, timeout=10, check=False, cwd=tmp_path
+    )
+    assert done.returncode == 125
+    assert done.stderr.startswith(b"dsh-supervise: ") and b"--setenv" in done.stderr, done.stderr
+    assert b"dshsecret" not in done.stderr, "the refused argument is not echoed"
+    assert not (tmp_path / "status").exists()
+
+
 # ---- usage, architectures, build -----------------------------------------------------------------
 
 
@@ -605,7 +678,7 @@ def test_usage_errors_exit_125(args: list[str]) -> None:
 
 def test_version() -> None:
     done = subprocess.run([SUPERVISE, "--version"], capture_output=True, text=True, timeout=10, check=True)
-    assert done.stdout == "dsh-supervise 3\n"
+    assert done.stdout == "dsh-supervise 4\n"
 
 
 def test_arch_names() -> None:

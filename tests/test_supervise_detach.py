@@ -22,11 +22,20 @@ import stat
 import subprocess
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from test_supervise import BASH, QEMU, SUPERVISE, _alive, _start_time, _wait_for_lines
+from test_supervise import (
+    BASH,
+    QEMU,
+    SUPERVISE,
+    _alive,
+    _start_time,
+    _wait_for_lines,
+    assert_set_for_the_command_alone,
+)
 
 from dsh_bash._native import supervisor_binary, supervisor_problem
 from dsh_bash.backend import ExitStatus, SignedRecords, SupervisorRecords
@@ -592,3 +601,24 @@ def test_aarch64_round_trip_under_qemu(tasks: list[Detached], tmp_path: Path) ->
     assert records[1] == "warning no-subreaper 22"
     assert out.read_text() == "arm\n"
     assert [r.decode() for r in _check_lines(task.status, task.key)] == records
+
+
+def test_setenv_in_detach_mode(tasks: list[Detached], tmp_path: Path) -> None:
+    assignment = f"DSH_BASH_MARK=dshsetenv{uuid.uuid4().hex}"
+    out = tmp_path / "out"
+    task = Detached(
+        tmp_path,
+        [*SH, 'printf %s "$DSH_BASH_MARK"; exec sleep 5'],
+        options=["--setenv", assignment],
+        stdout_file=out,
+    )
+    tasks.append(task)
+    assert task.returncode == 0, task.stderr
+    pid, _ = task.supervisor
+    task.wait_for(lambda: task.state.child is not None)
+    assert task.state.child is not None
+    # The detached supervisor is the start's child: its argument area was cleared before the fork.
+    assert_set_for_the_command_alone(pid, task.state.child, assignment)
+    os.kill(pid, signal.SIGUSR2)
+    assert task.finish()[-2:] == ["signal 9", "empty"]
+    assert out.read_text() == assignment.split("=", 1)[1]

@@ -35,6 +35,7 @@ from test_supervise import (
     _marked,
     _start_time,
     _wait_for_lines,
+    assert_set_for_the_command_alone,
 )
 
 from dsh_bash._native import supervisor_binary, supervisor_problem
@@ -644,7 +645,7 @@ def test_frame_excludes_the_version_1_channels(option: list[str]) -> None:
 
 def test_version_2() -> None:
     done = subprocess.run([SUPERVISE, "--version"], capture_output=True, text=True, timeout=5, check=True)
-    assert done.stdout == "dsh-supervise 3\n"
+    assert done.stdout == "dsh-supervise 4\n"
 
 
 @pytest.mark.skipif(
@@ -668,3 +669,15 @@ def test_aarch64_round_trip_under_qemu(runs: list[Framed]) -> None:
     assert run.stderr == b"err\n"
     assert run.records[0].startswith("started ")
     assert run.records[1:] == ["exit 3", "empty"]
+
+
+def test_setenv_in_frame_mode(runs: list[Framed]) -> None:
+    assignment = f"DSH_BASH_MARK=dshsetenv{uuid.uuid4().hex}"
+    run = Framed([*SH, 'printf %s "$DSH_BASH_MARK"; exec sleep 5'], options=["--setenv", assignment])
+    runs.append(run)
+    child = run.started_pid()
+    run.read_until(lambda: len(run.stdout) > 0)
+    assert_set_for_the_command_alone(run.process.pid, child, assignment)
+    run.send(b"K")
+    run.finish()
+    assert bytes(run.stdout) == assignment.split("=", 1)[1].encode()
