@@ -198,6 +198,58 @@ async def test_leftovers_live_until_aclose_then_die(ssh_server: SshServer) -> No
         _kill(hidden)
 
 
+# The command writes its marker and its parent's pid (its supervisor) to PROBE, then lives on a moment
+# while the test looks at that supervisor from outside (the loopback host is this machine).
+_PROBE = 'printf "%s %s\\n" "$DSH_BASH_MARK" "$PPID" > {probe}; sleep 2'
+
+
+async def _probe(probe: Path) -> tuple[str, int]:
+    with anyio.fail_after(10):
+        while not (probe.exists() and probe.read_text().endswith("\n")):  # noqa: ASYNC110 - a file the remote command writes
+            await anyio.sleep(0.02)
+    mark, parent = probe.read_text().split()
+    return mark, int(parent)
+
+
+@pytest.mark.parametrize("mode", ["warm", "cold", "detached"])
+async def test_the_marker_reaches_the_command_and_never_its_supervisor(
+    ssh_server: SshServer, mode: str
+) -> None:
+    """A kill by marker reads /proc/PID/environ: the supervisor (`--setenv` gives the marker to its
+    child alone) must carry it neither there nor on its command line."""
+    probe = Path(f"/tmp/dsh-marker-probe-{os.urandom(8).hex()}")
+    command = _PROBE.format(probe=probe)
+    try:
+        async with ssh_server.executor(warm_channel=mode != "cold") as ex:
+            if mode == "warm":
+                await ex.warm_up()
+            assert ex.containment == "subreaper"
+            exit_codes: list[int | None] = []
+            async with anyio.create_task_group() as group:
+                if mode == "detached":
+                    task = await ex.start(ex.resolve(BashExecRequest(command=command)))
+                else:
+
+                    async def run() -> None:
+                        exit_codes.append((await ex.exec(command)).exit_code)
+
+                    group.start_soon(run)
+                mark, supervisor = await _probe(probe)
+                assert len(mark) >= 8, f"the command's marker: {mark!r}"
+                assert "dsh-supervise" in os.readlink(f"/proc/{supervisor}/exe"), "the command's parent"
+                environ = Path(f"/proc/{supervisor}/environ").read_bytes()
+                cmdline = Path(f"/proc/{supervisor}/cmdline").read_bytes()
+                assert mark.encode() not in environ, "the supervisor carries the marker"
+                assert mark.encode() not in cmdline and b"--setenv" not in cmdline, cmdline
+            if mode == "detached":
+                with anyio.fail_after(10):
+                    await task.wait()
+                exit_codes.append(task.exit_code)
+            assert exit_codes == [0]
+    finally:
+        probe.unlink(missing_ok=True)
+
+
 @pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
 async def test_a_removed_supervisor_is_installed_again(
     ssh_server: SshServer, cache: Path, warm: bool

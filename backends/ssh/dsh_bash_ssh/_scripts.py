@@ -177,7 +177,8 @@ builtin exit 0
 # length are read by bash's `read` (a pipe one byte at a time), the stdin data by `head -c`, which
 # asks for no more than is left. No shell keeps a copy of the channel: the supervisor is exec'd.
 # A short command runs as `bash -c COMMAND`, as in the foreground (the supervisor clears its own
-# arguments; the command's bash shows its text, as any `bash -c` does).
+# arguments; the command's bash shows its text, as any `bash -c` does). The marker goes to the
+# command only (`--setenv`), as in the foreground.
 _DETACH_SUPERVISED = r"""
 [[ -x SUPERVISOR ]] ||
   { builtin printf '\0dsh-bash-boot-fail:supervisor_missing\0'; builtin exit 125; }
@@ -203,7 +204,7 @@ fi
 builtin printf '\0dsh-bash-boot-ok\0'
 builtin printf '\0dsh-bash-stderr-ok\0' >&2
 exec SUPERVISOR --detach --status-file "$_dsh_base.status" "${_dsh_in[@]}" --stdout-file "$_dsh_base.stdout" \
-  --stderr-file "$_dsh_base.stderr" -- env "DSH_BASH_MARK=$_dsh_mark" bash --noprofile --norc "${_dsh_run[@]}"
+  --stderr-file "$_dsh_base.stderr" --setenv "DSH_BASH_MARK=$_dsh_mark" -- bash --noprofile --norc "${_dsh_run[@]}"
 """
 # Plain `exec` from here: no function is defined (see above), and `builtin exec <file` would undo
 # its redirection once the builtin returned.
@@ -215,11 +216,13 @@ builtin export DSH_BASH_MARK=$_dsh_mark
 # Under dsh-supervise (a foreground command, when the supervisor is installed): the script so far
 # ran in the login's process, reading the header and the warm request from the channel's stdin;
 # now that process becomes the supervisor, which takes the channel alone (frames both ways, see
-# _framed). The marker goes to the command only (`env`), never to the supervisor: a kill by marker
-# must not hit the process that holds everything else. The supervisor gives the command a stdin
-# pipe of its own, closed when the harness says so: no /dev/null here.
+# _framed). The marker goes to the command only (`--setenv`: the supervisor's child sets it right
+# before its exec, with no `env` exec in between), never to the supervisor, whose own environment and
+# command line never show it: a kill by marker must not hit the process that holds everything else.
+# The supervisor gives the command a stdin pipe of its own, closed when the harness says so: no
+# /dev/null here.
 _RUN_SUPERVISED = (
-    'exec SUPERVISOR --frame -- env "DSH_BASH_MARK=$_dsh_mark" bash --noprofile --norc COMMAND\n'
+    'exec SUPERVISOR --frame --setenv "DSH_BASH_MARK=$_dsh_mark" -- bash --noprofile --norc COMMAND\n'
 )
 # Before the verdict, so that a supervisor removed since the executor opened (by a command of the
 # same user) is told apart from a command that could not start: the executor installs it again.
