@@ -598,7 +598,12 @@ def assert_set_for_the_command_alone(supervisor: int, command: int, assignment: 
     """ASSIGNMENT (NAME=VALUE, from --setenv) is in the environment of the COMMAND process, and
     neither in the SUPERVISOR's environment nor on its command line (nor is --setenv)."""
     # The control: the same read of the command's environ finds it (else the checks below prove nothing).
-    assert assignment.encode() in _proc_bytes(command, "environ").split(b"\0")
+    # It reads empty while the command's exec is under way (`started` comes as close-on-exec fds
+    # close, before the new image's environment is in place).
+    deadline = time.monotonic() + 5
+    while not (environ := _proc_bytes(command, "environ")) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert assignment.encode() in environ.split(b"\0")
     value = assignment.split("=", 1)[1].encode()
     own_environ = _proc_bytes(supervisor, "environ")
     own_cmdline = _proc_bytes(supervisor, "cmdline")

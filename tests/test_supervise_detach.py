@@ -608,14 +608,15 @@ def test_setenv_in_detach_mode(tasks: list[Detached], tmp_path: Path) -> None:
     out = tmp_path / "out"
     task = Detached(
         tmp_path,
-        [*SH, 'printf %s "$DSH_BASH_MARK"; exec sleep 5'],
+        [*SH, 'printf %s "$DSH_BASH_MARK"; sleep 5; true'],
         options=["--setenv", assignment],
         stdout_file=out,
     )
     tasks.append(task)
     assert task.returncode == 0, task.stderr
     pid, _ = task.supervisor
-    task.wait_for(lambda: task.state.child is not None)
+    # Not until the command's bash printed: during an exec /proc/PID/environ reads empty.
+    task.wait_for(lambda: task.state.child is not None and out.exists() and out.stat().st_size > 0)
     assert task.state.child is not None
     # The detached supervisor is the start's child: its argument area was cleared before the fork.
     assert_set_for_the_command_alone(pid, task.state.child, assignment)

@@ -673,9 +673,10 @@ def test_aarch64_round_trip_under_qemu(runs: list[Framed]) -> None:
 
 def test_setenv_in_frame_mode(runs: list[Framed]) -> None:
     assignment = f"DSH_BASH_MARK=dshsetenv{uuid.uuid4().hex}"
-    run = Framed([*SH, 'printf %s "$DSH_BASH_MARK"; exec sleep 5'], options=["--setenv", assignment])
+    run = Framed([*SH, 'printf %s "$DSH_BASH_MARK"; sleep 5; true'], options=["--setenv", assignment])
     runs.append(run)
     child = run.started_pid()
+    # Not until the command's bash printed: during an exec /proc/PID/environ reads empty.
     run.read_until(lambda: len(run.stdout) > 0)
     assert_set_for_the_command_alone(run.process.pid, child, assignment)
     run.send(b"K")
