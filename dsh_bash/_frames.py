@@ -143,19 +143,31 @@ class SupervisorRecords:
     A record this version cannot read is logged and ignored.
     """
 
-    __slots__ = ("child", "command_exit", "empty", "exec_failed", "supervisor_pid", "supervisor_start_time")
+    __slots__ = (
+        "child",
+        "command_exit",
+        "empty",
+        "exec_failed",
+        "supervisor_pid",
+        "supervisor_start_time",
+        "workdir_failed",
+    )
 
     def __init__(self) -> None:
         #: The command's bash (pid, process group and session) once ``started``.
         self.child: int | None = None
         #: The errno of a failed exec (``execfail``).
         self.exec_failed: int | None = None
+        #: The errno of a failed change to the command's directory (``cwdfail``, --fork-server only).
+        self.workdir_failed: int | None = None
         #: How the command's bash ended (``exit`` / ``signal``).
         self.command_exit: ExitStatus | None = None
         #: True once no process of the command is left (``empty``, the supervisor's last record).
         self.empty = False
-        #: A detached supervisor's pid and start time (field 22 of ``/proc/PID/stat``, clock ticks since
-        #: boot), from its first record (``supervisor``): signal the pid only while both still match.
+        #: The supervisor's pid, from its first record (``supervisor``): with ``--detach`` its start time
+        #: too (field 22 of ``/proc/PID/stat``, clock ticks since boot): signal the pid only while both
+        #: still match. A ``--fork-server`` supervisor sends its pid alone (``pidfd PID``) with a
+        #: pidfd of itself, the only handle to signal it by.
         self.supervisor_pid: int | None = None
         self.supervisor_start_time: int | None = None
 
@@ -178,6 +190,10 @@ class SupervisorRecords:
             elif kind == "supervisor":
                 pid, start_time = int(args[0]), int(args[1])
                 self.supervisor_pid, self.supervisor_start_time = pid, start_time
+            elif kind == "pidfd":
+                self.supervisor_pid = int(args[0])
+            elif kind == "cwdfail":
+                self.workdir_failed = int(args[0])
             elif kind == "warning":
                 log.info("dsh-supervise: %s", record)
         except (IndexError, ValueError):

@@ -29,6 +29,7 @@ from ._backend import (
 from ._config import BudgetConfig
 from ._errors import BashInfrastructureError
 from ._executor import BashExecutor, ConfigT_co
+from ._forkserver import SupervisorServer, server_problem
 from ._hostproc import SupervisedProcess, spawn_host_process
 from ._hostspill import HostSpillDir
 from ._kit_hooks import find_host_processes, plant_in_os_environ
@@ -108,13 +109,13 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         self._scanner = ProcScanner(self._token)
         self._spill_dir: HostSpillDir | None = None
         self._bash: str | None = None
-        self._supervisor: str | None = None
+        self._server: SupervisorServer | None = None
         self._supervised: set[SupervisedProcess] = set()
 
     @property
     def containment(self) -> Containment:
         """``subreaper`` when commands run under ``dsh-supervise``, else ``marker`` (see HostConfig)."""
-        return "subreaper" if self._supervisor is not None else "marker"
+        return "subreaper" if self._server is not None else "marker"
 
     def _host_config(self) -> HostConfig:
         config = self.config
@@ -137,14 +138,25 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
             ) from exc
         self._bash = shutil.which(config.bash)
         path, why = _find_supervisor() if config.containment != "marker" else (None, "")
+        server: SupervisorServer | None = None
+        if path is not None:
+            server = SupervisorServer(path, self._start_helper)
+            try:
+                server.start()
+            except OSError as exc:
+                server, path, why = None, None, server_problem(exc)
         try:
-            self._supervisor = choose_containment(config.containment, path, why, type(self).__name__)
+            choose_containment(config.containment, path, why, type(self).__name__)
         except BashInfrastructureError:
             self._spill_dir.remove()
             self._spill_dir = None
             raise
+        self._server = server
 
     async def _release(self) -> None:
+        if self._server is not None:
+            await self._server.aclose()
+            self._server = None
         if self._spill_dir is not None:
             self._spill_dir.remove()
             self._spill_dir = None
@@ -170,7 +182,7 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
             scanner=self._scanner,
             start_helper=self._start_helper,
             wrap=self._wrap_command,
-            supervisor=self._supervisor,
+            supervisor=self._server,
         )
         if isinstance(process, SupervisedProcess) and not process.ended:
             process.registry = self._supervised

@@ -14,7 +14,7 @@ import signal
 import socket
 import stat
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
@@ -22,6 +22,7 @@ import anyio.lowlevel
 
 from ._backend import MAX_INLINE_COMMAND, CommandProcess, ExitStatus, Launch
 from ._errors import BashInfrastructureError, InfraReason
+from ._forkserver import SupervisorServer, pidfd_exited, received_fds
 from ._frames import SupervisorRecords
 from ._hostspill import HostSpillDir
 from ._output import OutputStream
@@ -49,7 +50,7 @@ class HostProcess(CommandProcess):
 
     def __init__(
         self,
-        popen: subprocess.Popen[bytes],
+        popen: subprocess.Popen[bytes] | None,
         launch: Launch,
         *,
         stdout_fd: int,
@@ -60,7 +61,7 @@ class HostProcess(CommandProcess):
         script: tuple[HostSpillDir, str] | None,
     ) -> None:
         self._popen = popen
-        self._pid = popen.pid
+        self._pid = 0 if popen is None else popen.pid
         self._launch = launch
         self._fds: dict[int, bool] = {stdout_fd: False, stderr_fd: False}  # fd -> reached EOF
         self._stdout_fd = stdout_fd
@@ -70,11 +71,10 @@ class HostProcess(CommandProcess):
         self._start_helper = start_helper
         self._script = script
         self._reaped = False
-        self._pidfd: int | None
-        try:
-            self._pidfd = os.pidfd_open(self._pid)
-        except OSError:
-            self._pidfd = None
+        self._pidfd: int | None = None
+        if popen is not None:
+            with contextlib.suppress(OSError):
+                self._pidfd = os.pidfd_open(self._pid)
 
     # -- exit ------------------------------------------------------------------------------------
 
@@ -191,7 +191,8 @@ class HostProcess(CommandProcess):
             os.waitpid(self._pid, 0)  # noqa: ASYNC222 - it has exited: this reaps, it does not wait
             self._reaped = True
             # Tell Popen the child is reaped, so it never waits on a recycled pid.
-            self._popen.returncode = 0
+            if self._popen is not None:
+                self._popen.returncode = 0
 
     async def _release_fds(self) -> None:
         """Close the pipes (draining those descendants still hold) and remove the command's script."""
@@ -219,49 +220,60 @@ _ABANDON_BOUND_S = 2.0
 
 
 class SupervisedProcess(HostProcess):
-    """A command under ``dsh-supervise``: our child is the supervisor, the command's bash is its child.
+    """A command under a ``dsh-supervise`` supervisor (a child of the executor's fork server).
 
     The supervisor is a subreaper: every orphan of the command re-parents to it, so the whole
     subtree stays below it whatever its processes do to their session, group or environment, and
     it signals that subtree on request (SIGUSR1: SIGTERM to all; SIGUSR2: SIGKILL until none is
-    left). It reports the command's exit status on a socket only it holds (it is non-dumpable, so
-    the command cannot reach its end through ``/proc``, and a socket cannot be reopened there),
-    which makes the outcome impossible to forge. It exits once its last descendant is gone, after
-    writing ``empty``.
+    left). It reports on a socket only it holds (it is non-dumpable, so the command cannot reach its
+    end through ``/proc``, and a socket cannot be reopened there), which makes the outcome impossible
+    to forge: first its own pid with a pidfd (signals go through it, never to a recycled pid), then
+    the command's start and exit status. It exits once its last descendant is gone, after writing
+    ``empty``; the fork server reaps it.
     """
 
-    def __init__(self, popen: subprocess.Popen[bytes], launch: Launch, **kw: Any) -> None:
-        super().__init__(popen, launch, **kw)
-        self._status_fd: int | None = None  # the supervisor's status socket, once attached
+    def __init__(self, launch: Launch, *, status: socket.socket, bash: str, **kw: Any) -> None:
+        super().__init__(None, launch, **kw)
+        self._bash = bash
+        #: Set once the supervisor's pid and pidfd came, or the channel ended without them.
+        self._answered = anyio.Event()
+        self._status: socket.socket | None = status  # non-blocking; closed at release
         self._status_buffer = b""
         self._status_eof = False
         self._records = SupervisorRecords()
         self._reading = False
         self._supervisor_reaped = False
-        #: The executor's set of live supervised commands: this one leaves it once reaped.
+        #: The executor's set of live supervised commands: this one leaves it once its supervisor is gone.
         self.registry: set[SupervisedProcess] | None = None
 
     # -- the status channel ----------------------------------------------------------------------
 
-    def attach_status(self, fd: int) -> None:
-        """Take over our (non-blocking) end of the supervisor's status socket; closed at release."""
-        self._status_fd = fd
-
     def _pump_status(self) -> None:
         """Read whatever the supervisor wrote, without blocking, and apply every whole record."""
-        fd = self._status_fd
-        while fd is not None and not self._status_eof:
+        sock = self._status
+        while sock is not None and not self._status_eof:
             try:
-                data = os.read(fd, 4096)
-            except BlockingIOError:
+                data, ancdata, _flags, _addr = sock.recvmsg(4096, socket.CMSG_SPACE(4 * 4))
+            except (BlockingIOError, InterruptedError):
                 return
+            except OSError:
+                data, ancdata = b"", []
+            for fd in received_fds(ancdata):
+                if self._pidfd is None and self._records.supervisor_pid is None:
+                    self._pidfd = fd  # the supervisor's own, sent with its first record
+                    self._answered.set()
+                else:
+                    os.close(fd)
             if not data:
                 self._status_eof = True
+                self._answered.set()
                 break
             self._status_buffer += data
             *records, self._status_buffer = self._status_buffer.split(b"\n")
             for record in records:
                 self._records.apply(record.decode("ascii", "replace"))
+            if self._records.supervisor_pid is not None and not self._pid:
+                self._pid = self._records.supervisor_pid
 
     async def _status_until(self, done: Callable[[], bool]) -> None:
         # Only this loop reads while it runs: a record another task took from under it would leave
@@ -270,9 +282,9 @@ class SupervisedProcess(HostProcess):
         try:
             while True:
                 self._pump_status()
-                if done() or self._status_eof or self._status_fd is None:
+                if done() or self._status_eof or self._status is None:
                     return
-                await anyio.wait_readable(self._status_fd)
+                await anyio.wait_readable(self._status)
         finally:
             self._reading = False
 
@@ -280,26 +292,56 @@ class SupervisedProcess(HostProcess):
         if not self._reading:
             self._pump_status()
 
-    async def started(self, bash: str) -> None:
+    @property
+    def answered(self) -> bool:
+        """True once a supervisor took the command (its first record came)."""
+        return self._records.supervisor_pid is not None
+
+    def _start_known(self) -> bool:
+        records = self._records
+        known = (records.child, records.exec_failed, records.workdir_failed)
+        return any(value is not None for value in known)
+
+    async def started(self) -> None:
         """Return once the command's bash runs; raise BashInfrastructureError when it could not start."""
         records = self._records
-        await self._status_until(lambda: records.child is not None or records.exec_failed is not None)
-        if self._records.exec_failed is not None:
-            code = self._records.exec_failed
-            missing = code in (errno.ENOENT, errno.EACCES)
+        if not self._start_known():
+            await self._status_until(self._start_known)
+        spec = self._launch.spec
+        if records.workdir_failed is not None:
+            code = records.workdir_failed
+            reason: InfraReason = "start_failed"
+            if code in (errno.ENOENT, errno.ENOTDIR):
+                reason = "workdir_missing"
+            elif code == errno.EACCES:
+                reason = "workdir_not_accessible"
             raise BashInfrastructureError(
-                f"cannot start {bash!r}: {os.strerror(code)}",
-                reason="shell_missing" if missing else "start_failed",
+                f"workdir {spec.workdir!r} cannot be entered: {os.strerror(code)}", reason=reason
             )
-        if self._records.child is None:
+        if records.exec_failed is not None:
+            raise _start_error(self._bash, spec.workdir, records.exec_failed, self._launch.env)
+        if records.child is None:
             raise BashInfrastructureError(
                 "the command's supervisor (dsh-supervise) ended before the command started",
                 reason="start_failed",
             )
 
+    async def _await_answer(self) -> None:
+        """Wait (bounded) until the supervisor's pid and pidfd came, or its channel ended."""
+        if self._answered.is_set():
+            return
+        with anyio.move_on_after(_ABANDON_BOUND_S):
+            if self._reading:
+                await self._answered.wait()  # the reading task applies it
+            else:
+                await self._status_until(self._answered.is_set)
+
     async def abandon(self) -> None:
         """Kill whatever started, wait until it is gone, and release everything (a start that failed
         or was cancelled: the caller's cancellation must not propagate while the command still runs)."""
+        self._pump_unless_read()
+        # Its pid and pidfd come with its first records, the moment the command has started.
+        await self._await_answer()
         if self._signal_supervisor(signal.SIGUSR2):
             with anyio.move_on_after(_ABANDON_BOUND_S):
                 await self._status_until(lambda: self._records.empty)
@@ -313,6 +355,8 @@ class SupervisedProcess(HostProcess):
     # -- exit ------------------------------------------------------------------------------------
 
     async def wait(self) -> ExitStatus:
+        # A foreground command's start is confirmed here (spawn_host_process did not wait for it).
+        await self.started()
         await self._status_until(lambda: self._records.command_exit is not None)
         if self._records.command_exit is None:
             raise BashInfrastructureError(
@@ -327,27 +371,25 @@ class SupervisedProcess(HostProcess):
     def _supervisor_gone(self) -> bool:
         if self._supervisor_reaped:
             return True
-        try:
-            return os.waitid(os.P_PID, self._pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-        except ChildProcessError:
-            return True
+        if self._pidfd is None:
+            # No supervisor took the command yet: it is gone only if the channel is.
+            return self._status_eof
+        return pidfd_exited(self._pidfd)
 
     def _signal_supervisor(self, sig: int) -> bool:
-        """Send ``sig`` to the supervisor while it is our unreaped child; False when it is gone."""
-        if self._supervisor_gone():
+        """Send ``sig`` to the supervisor while it lives; False when it is gone (or never came)."""
+        if self._pidfd is None or self._supervisor_gone():
             return False
         with contextlib.suppress(ProcessLookupError):
             # SIGCONT first: a command may have stopped its supervisor (same user), which would
             # leave the request pending for ever.
             for each in (signal.SIGCONT, sig):
-                if self._pidfd is not None:
-                    signal.pidfd_send_signal(self._pidfd, each)
-                else:
-                    os.kill(self._pid, each)
+                signal.pidfd_send_signal(self._pidfd, each)
         return True
 
     async def signal_all(self, sig: int) -> None:
         self._pump_unless_read()
+        await self._await_answer()
         if self._records.empty:
             return
         request = signal.SIGUSR2 if sig == signal.SIGKILL else signal.SIGUSR1
@@ -362,7 +404,7 @@ class SupervisedProcess(HostProcess):
         if self._records.empty:
             return []
         if not self._supervisor_gone():
-            return [f"processes under dsh-supervise {self._pid}"]
+            return [f"processes under dsh-supervise {self._pid or '(starting)'}"]
         return await super().remaining()
 
     async def _members(self) -> tuple[bool, list[int]]:
@@ -375,40 +417,53 @@ class SupervisedProcess(HostProcess):
     # -- release ---------------------------------------------------------------------------------
 
     async def release(self) -> None:
-        if self._status_fd is not None:
-            os.close(self._status_fd)
-            self._status_fd = None
+        if self._status is not None:
+            self._status.close()
+            self._status = None
         self._reaped = True  # the supervisor, not us, reaps the command's processes
         await super()._release_fds()
         if self._supervisor_gone():
-            self._reap_supervisor()
+            self._forget_supervisor()
         else:
             # Leftovers live on under the supervisor; it exits once they are gone.
-            self._start_helper(self._reap_supervisor_when_done)
+            self._start_helper(self._forget_supervisor_when_gone)
 
-    def _reap_supervisor(self) -> None:
+    def _forget_supervisor(self) -> None:
         if self._supervisor_reaped:
             return
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self._pid, 0)
-        self._supervisor_reaped = True
-        self._popen.returncode = 0
+        self._supervisor_reaped = True  # the fork server reaps it
         if self.registry is not None:
             self.registry.discard(self)
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
 
-    async def _reap_supervisor_when_done(self) -> None:
+    async def _forget_supervisor_when_gone(self) -> None:
         try:
             while not self._supervisor_gone():
-                if self._pidfd is not None:
-                    await anyio.wait_readable(self._pidfd)
-                else:
-                    await anyio.sleep(0.05)
+                assert self._pidfd is not None
+                await anyio.wait_readable(self._pidfd)
         finally:
             if self._supervisor_gone():
-                self._reap_supervisor()
+                self._forget_supervisor()
+
+
+def _start_error(bash: str, workdir: str, code: int, env: Mapping[str, str]) -> BashInfrastructureError:
+    """The error for a command's bash that could not be exec'd with errno ``code``."""
+    if code == errno.E2BIG:
+        # The command itself is never too long here (long ones run from a file): what overflowed
+        # is the environment, whose total size the kernel limits.
+        size = sum(len(k.encode()) + len(v.encode()) + 2 for k, v in env.items())
+        return BashInfrastructureError(
+            f"cannot start {bash!r}: the command's environment (env) is too large for the "
+            f"system ({size} bytes in {len(env)} variables): {os.strerror(code)}",
+            reason="start_failed",
+        )
+    missing = code in (errno.ENOENT, errno.EACCES)
+    return BashInfrastructureError(
+        f"cannot start {bash!r} in {workdir!r}: {os.strerror(code)}",
+        reason="shell_missing" if missing else "start_failed",
+    )
 
 
 async def _discard_until_eof(fd: int) -> None:
@@ -447,15 +502,15 @@ async def spawn_host_process(
     scanner: ProcScanner,
     start_helper: StartHelper,
     wrap: WrapCommand | None = None,
-    supervisor: str | None = None,
+    supervisor: SupervisorServer | None = None,
 ) -> HostProcess:
     """Start ``launch`` as ``bash --noprofile --norc`` in a new session of this host; return once it runs.
 
     ``wrap`` lets a sandboxing backend put a launcher in front of the argv. ``supervisor`` is the
-    path of the ``dsh-supervise`` binary: the command then runs under it (a subreaper that keeps
-    every descendant findable and reports the exit status where the command cannot write), and a
-    :class:`SupervisedProcess` is returned. Raises :class:`dsh_bash.BashInfrastructureError` (with
-    its ``reason``) when it cannot start.
+    executor's ``dsh-supervise`` fork server: the command then runs under a supervisor of its own (a
+    subreaper that keeps every descendant findable and reports the exit status where the command
+    cannot write), and a :class:`SupervisedProcess` is returned. Raises
+    :class:`dsh_bash.BashInfrastructureError` (with its ``reason``) when it cannot start.
     """
     spec = launch.spec
     script: tuple[HostSpillDir, str] | None = None
@@ -478,6 +533,28 @@ async def spawn_host_process(
         if problem is not None:
             what, why = problem
             raise BashInfrastructureError(f"workdir {spec.workdir!r} {what}", reason=why)
+        if supervisor is not None:
+            # A server a command killed takes the request with it: the command never ran, so it
+            # may be asked again of a new server, once.
+            for attempt in (1, 2):
+                process = await _spawn_supervised(
+                    launch,
+                    argv,
+                    host_workdir,
+                    supervisor,
+                    bash=bash,
+                    script=script,
+                    scanner=scanner,
+                    start_helper=start_helper,
+                )
+                if process is not None:
+                    return process
+                if attempt == 1:
+                    log.warning("dsh-supervise's fork server is gone (killed?): starting another")
+            raise BashInfrastructureError(
+                "the command's supervisor (dsh-supervise) ended before the command started",
+                reason="start_failed",
+            )
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         opened += [out_r, out_w]
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -488,17 +565,6 @@ async def spawn_host_process(
             in_r, in_w = os.pipe2(os.O_CLOEXEC)
             opened += [in_r, in_w]
             stdin = in_r
-        status_r: int | None = None
-        pass_fds: tuple[int, ...] = ()
-        if supervisor is not None:
-            # A socket, not a pipe: a pipe's end in this process could be reopened for writing
-            # through /proc/<our pid>/fd/N by a command of the same user; a socket cannot be opened
-            # through /proc at all, so only the supervisor can write the status.
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            status_r, status_w = ours.detach(), theirs.detach()
-            opened += [status_r, status_w]
-            pass_fds = (status_w,)
-            argv = [supervisor, "--status-fd", str(status_w), "--die-with-parent", "--", *argv]
         try:
             # Popen forks (vfork) and execs in the calling thread, as asyncio's own subprocess does.
             popen = subprocess.Popen(  # noqa: ASYNC220
@@ -510,31 +576,21 @@ async def spawn_host_process(
                 env=launch.env,
                 start_new_session=True,
                 close_fds=True,
-                pass_fds=pass_fds,
             )
         except OSError as exc:
-            if exc.errno == errno.E2BIG:
-                # The command itself is never too long here (long ones run from a file): what
-                # overflowed is the environment, whose total size the kernel limits.
-                size = sum(len(k.encode()) + len(v.encode()) + 2 for k, v in launch.env.items())
-                raise BashInfrastructureError(
-                    f"cannot start {bash!r}: the command's environment (env) is too large for the "
-                    f"system ({size} bytes in {len(launch.env)} variables): {exc.strerror or exc}",
-                    reason="start_failed",
-                ) from exc
-            missing = exc.errno in (errno.ENOENT, errno.EACCES)
+            if exc.errno in (errno.E2BIG, errno.ENOENT, errno.EACCES) or exc.errno is None:
+                raise _start_error(bash, spec.workdir, exc.errno or 0, launch.env) from exc
             raise BashInfrastructureError(
-                f"cannot start {bash!r} in {spec.workdir!r}: {exc.strerror or exc}",
-                reason="shell_missing" if missing else "start_failed",
+                f"cannot start {bash!r} in {spec.workdir!r}: {exc.strerror or exc}", reason="start_failed"
             ) from exc
         # The child holds its own copies now; ours must go, or EOF would never come.
-        for fd in (out_w, err_w, *pass_fds) + ((stdin,) if in_w is not None else ()):
+        for fd in (out_w, err_w) + ((stdin,) if in_w is not None else ()):
             os.close(fd)
             opened.remove(fd)
         for fd in (out_r, err_r) + ((in_w,) if in_w is not None else ()):
             _set_nonblocking(fd)
-        process_class = HostProcess if status_r is None else SupervisedProcess
-        process = process_class(
+        opened.clear()
+        return HostProcess(
             popen,
             launch,
             stdout_fd=out_r,
@@ -544,16 +600,6 @@ async def spawn_host_process(
             start_helper=start_helper,
             script=script,
         )
-        if isinstance(process, SupervisedProcess) and status_r is not None:
-            _set_nonblocking(status_r)
-            process.attach_status(status_r)
-            opened.clear()  # the process owns them now, and releases them
-            try:
-                await process.started(bash)
-            except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await process.abandon()
-                raise
     except BaseException:
         for fd in opened:
             with contextlib.suppress(OSError):
@@ -562,4 +608,86 @@ async def spawn_host_process(
             with contextlib.suppress(OSError):
                 os.unlink(script[1], dir_fd=spill_dir.fd)
         raise
+
+
+async def _spawn_supervised(
+    launch: Launch,
+    argv: list[str],
+    host_workdir: str,
+    server: SupervisorServer,
+    *,
+    bash: str,
+    script: tuple[HostSpillDir, str] | None,
+    scanner: ProcScanner,
+    start_helper: StartHelper,
+) -> SupervisedProcess | None:
+    """One request to the fork server; None when the server died before a supervisor took it."""
+    spec = launch.spec
+    theirs: list[int] = []
+    ours: list[int] = []
+    status: socket.socket | None = None
+    try:
+        # A socket, not a pipe: a pipe's end in this process could be reopened for writing through
+        # /proc/<our pid>/fd/N by a command of the same user; a socket cannot be opened through /proc
+        # at all, so only the supervisor can write the status.
+        status, status_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        theirs.append(status_theirs.detach())
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        ours.append(out_r)
+        theirs.append(out_w)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        ours.append(err_r)
+        theirs.append(err_w)
+        in_w: int | None = None
+        if spec.stdin is not None:
+            in_r, in_w = os.pipe2(os.O_CLOEXEC)
+            ours.append(in_w)
+            theirs.append(in_r)
+        else:
+            in_r = server.null
+        await server.request(
+            argv, launch.env, host_workdir, status=theirs[0], stdin=in_r, stdout=out_w, stderr=err_w
+        )
+    except BaseException:
+        for fd in theirs + ours:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if status is not None:
+            status.close()
+        raise
+    # The server holds its own copies now; ours must go, or EOF would never come.
+    for fd in theirs:
+        os.close(fd)
+    for fd in ours:
+        _set_nonblocking(fd)
+    status.setblocking(False)
+    process = SupervisedProcess(
+        launch,
+        status=status,
+        stdout_fd=out_r,
+        stderr_fd=err_r,
+        stdin_fd=in_w,
+        scanner=scanner,
+        start_helper=start_helper,
+        script=None,  # not before it started: a retry still needs the file
+        bash=bash,
+    )
+    if not launch.background:
+        # A foreground command's start is confirmed by its wait(), whose errors run() raises as
+        # they are: meanwhile the executor sets up its reading, while the supervisor starts it.
+        process._script = script
+        return process
+    try:
+        await process.started()
+    except BashInfrastructureError:
+        with anyio.CancelScope(shield=True):
+            await process.abandon()
+        if not process.answered and not server.running:
+            return None
+        raise
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await process.abandon()
+        raise
+    process._script = script
     return process

@@ -77,6 +77,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <spawn.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -85,6 +86,7 @@
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/uio.h>
@@ -339,6 +341,15 @@ static size_t request_header_len;
 static unsigned char request_type;
 static size_t request_left; /* payload bytes of the current request frame still to come */
 
+/* --status-fd: records wait here until the supervisor is about to block (or exit), so that those of
+ * one moment (`exit` and `empty`, most often) reach the harness in one write and wake it once. */
+static char status_out[4096];
+static size_t status_out_len;
+/* --fork-server: the supervisor's pid and a pidfd of it go with the first records it sends. */
+static int answer_pidfd = -1;
+static pid_t answer_pid;
+
+static void flush_status(void);
 static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 static void die(const char *fmt, ...)
 {
@@ -352,6 +363,7 @@ static void die(const char *fmt, ...)
     if (n > (int)sizeof buf - 2)
         n = (int)sizeof buf - 2;
     buf[n++] = '\n';
+    flush_status();
     if (ready_fd >= 0) {
         /* --detach, not ready yet: the waiting parent says it on the harness's stderr and exits 125. */
         if (write(ready_fd, buf, (size_t)n) < 0) {
@@ -495,6 +507,60 @@ static int signed_write(const char *text, size_t n)
 
 /* One status record: one line, one write(2) (in frame mode: one 's' frame; with --detach: one signed
  * line). Failures (a reader that left, a full file system) are ignored. */
+static void flush_status(void)
+{
+    if (status_fd < 0 || (status_out_len == 0 && answer_pid == 0))
+        return;
+    char head[32] = "";
+    size_t head_len = 0;
+    if (answer_pid != 0) {
+        head_len = (size_t)snprintf(head, sizeof head, "pidfd %d\n", (int)answer_pid);
+        answer_pid = 0;
+    }
+    struct iovec iov[2] = {{head, head_len}, {status_out, status_out_len}};
+    union {
+        struct cmsghdr align;
+        char buf[CMSG_SPACE(sizeof(int))];
+    } control;
+    struct msghdr msg;
+    memset(&msg, 0, sizeof msg);
+    msg.msg_iov = iov;
+    msg.msg_iovlen = 2;
+    if (answer_pidfd >= 0) {
+        memset(&control, 0, sizeof control);
+        msg.msg_control = control.buf;
+        msg.msg_controllen = sizeof control.buf;
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &answer_pidfd, sizeof(int));
+    }
+    size_t left = head_len + status_out_len;
+    while (left > 0) {
+        ssize_t w = answer_pidfd >= 0 ? sendmsg(status_fd, &msg, MSG_NOSIGNAL) : writev(status_fd, msg.msg_iov, (int)msg.msg_iovlen);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            break; /* nobody reads any more: what is left is dropped */
+        if (answer_pidfd >= 0) {
+            close(answer_pidfd);
+            answer_pidfd = -1;
+            msg.msg_control = NULL;
+            msg.msg_controllen = 0;
+        }
+        left -= (size_t)w;
+        /* Skip what went out (rarely anything is left: a status socket holds far more). */
+        for (size_t k = 0; k < 2 && w > 0; k++) {
+            size_t take = (size_t)w < iov[k].iov_len ? (size_t)w : iov[k].iov_len;
+            iov[k].iov_base = (char *)iov[k].iov_base + take;
+            iov[k].iov_len -= take;
+            w -= (ssize_t)take;
+        }
+    }
+    status_out_len = 0;
+}
+
 static void record(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void record(const char *fmt, ...)
 {
@@ -528,6 +594,13 @@ static void record(const char *fmt, ...)
         return;
     }
     buf[n++] = '\n';
+    if (fd >= 0) {
+        if (status_out_len + (size_t)n > sizeof status_out)
+            flush_status();
+        memcpy(status_out + status_out_len, buf, (size_t)n);
+        status_out_len += (size_t)n;
+        return;
+    }
     if (fd < 0)
         fd = 2; /* only warnings are worth saying without a status fd */
     if (fd == 2 && strncmp(buf, "warning ", 8) != 0)
@@ -1250,6 +1323,311 @@ static int digest_stdin(const char *key_hex)
     return 0;
 }
 
+/* ---- --fork-server ----------------------------------------------------------------------------- */
+
+#define SERVER_REQUEST_MAX (16 << 20) /* argv + environment: far beyond what execve takes */
+#define SERVER_FDS 4                   /* status socket, then the command's stdin, stdout, stderr */
+#define SPARE_DELAY_MS 20              /* after a request was taken, at most this long without a spare */
+#define SPARE_RETRY_MS 50              /* after a fork failed for lack of processes or memory */
+
+/* What the child of one request runs, and where: set in the child, used by main's exec. */
+static char **program_env;   /* NULL: this process's own environment */
+static char *program_cwd;    /* NULL: stay */
+
+/* Reads a request's header (with its fds) from the harness's socket: 1 when one came, 0 at EOF. */
+static int server_header(unsigned *len, int fds[SERVER_FDS], int *nfds)
+{
+    unsigned char head[4];
+    size_t got = 0;
+    *nfds = 0;
+    while (got < sizeof head) {
+        union {
+            struct cmsghdr align;
+            char buf[CMSG_SPACE(sizeof(int) * (SERVER_FDS + 4))];
+        } control;
+        struct iovec iov = {head + got, sizeof head - got};
+        struct msghdr msg;
+        memset(&msg, 0, sizeof msg);
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.buf;
+        msg.msg_controllen = sizeof control.buf;
+        ssize_t n = recvmsg(0, &msg, MSG_CMSG_CLOEXEC);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return 0;
+        /* One SCM_RIGHTS message is all a request carries (musl's CMSG_NXTHDR does not build
+         * warning-free, and nothing else would come here). */
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        if (c != NULL && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+            size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            int *in = (int *)(void *)CMSG_DATA(c);
+            for (size_t k = 0; k < count; k++) {
+                if (*nfds < SERVER_FDS)
+                    fds[(*nfds)++] = in[k];
+                else
+                    close(in[k]); /* more than a request has: not a sound harness, see below */
+            }
+        }
+        if (msg.msg_flags & MSG_CTRUNC)
+            return 0;
+        got += (size_t)n;
+    }
+    *len = (unsigned)head[0] << 24 | (unsigned)head[1] << 16 | (unsigned)head[2] << 8 | head[3];
+    return 1;
+}
+
+/* Splits a request's payload (NUL-terminated strings: the working directory, the argument count, the
+ * arguments, then the environment) into the globals main runs the command with. 0 when it is sound. */
+static int server_parse(char *data, size_t len, char ***argv_out)
+{
+    if (len == 0 || data[len - 1] != '\0')
+        return -1;
+    size_t count = 0;
+    for (size_t k = 0; k < len; k++)
+        count += data[k] == '\0';
+    char **strings = calloc(count + 1, sizeof *strings);
+    if (strings == NULL)
+        return -1;
+    char *p = data;
+    for (size_t k = 0; k < count; k++) {
+        strings[k] = p;
+        p += strlen(p) + 1;
+    }
+    if (count < 3)
+        return -1;
+    char *end;
+    errno = 0;
+    unsigned long argc = strtoul(strings[1], &end, 10);
+    if (errno || *end || argc < 1 || argc > count - 2)
+        return -1;
+    char **argv = calloc(argc + 1, sizeof *argv);
+    char **envp = calloc(count - 2 - argc + 1, sizeof *envp);
+    if (argv == NULL || envp == NULL)
+        return -1;
+    memcpy(argv, strings + 2, argc * sizeof *argv);
+    memcpy(envp, strings + 2 + argc, (count - 2 - argc) * sizeof *envp);
+    program_cwd = strings[0];
+    program_env = envp;
+    *argv_out = argv;
+    return 0;
+}
+
+static void server_answer(int fd, const char *text, int pidfd)
+{
+    struct iovec iov = {(void *)text, strlen(text)};
+    union {
+        struct cmsghdr align;
+        char buf[CMSG_SPACE(sizeof(int))];
+    } control;
+    struct msghdr msg;
+    memset(&msg, 0, sizeof msg);
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    if (pidfd >= 0) {
+        memset(&control, 0, sizeof control);
+        msg.msg_control = control.buf;
+        msg.msg_controllen = sizeof control.buf;
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &pidfd, sizeof(int));
+    }
+    ssize_t w;
+    do
+        w = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    while (w < 0 && errno == EINTR);
+}
+
+/* A spare of the fork server: waits, ready, for the next request on fd 0 and takes it (then tells the
+ * server through TAKEN, so that it forks the next spare). Returns the request's program, as that
+ * command's supervisor, with status_fd, fds 0-2, and the program's environment and directory set. */
+static char **spare(int taken)
+{
+    pid_t server = getppid();
+    if (prctl(PR_SET_PDEATHSIG, SIGUSR2, 0, 0, 0) < 0 || getppid() != server)
+        _exit(0);
+    for (;;) {
+        struct pollfd pfds[2] = {{0, POLLIN, 0}, {sig_fd, POLLIN, 0}};
+        if (poll(pfds, 2, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            die("poll: %s", strerror(errno));
+        }
+        if (pfds[1].revents & POLLIN) {
+            struct signalfd_siginfo si[16];
+            ssize_t n;
+            while ((n = read(sig_fd, si, sizeof si)) > 0)
+                for (size_t k = 0; k < (size_t)n / sizeof si[0]; k++)
+                    if (si[k].ssi_signo == SIGUSR2)
+                        _exit(0); /* the server is gone, so is the harness */
+        }
+        if (pfds[0].revents & (POLLIN | POLLHUP | POLLERR))
+            break;
+    }
+    unsigned len;
+    int fds[SERVER_FDS], nfds;
+    if (!server_header(&len, fds, &nfds))
+        _exit(0); /* the executor closed */
+    if (nfds != SERVER_FDS || len > SERVER_REQUEST_MAX)
+        _exit(EXIT_SETUP); /* not a request this version sent: nothing read from here is sound */
+    char *data = malloc(len ? len : 1);
+    if (data == NULL || read_exact(0, (unsigned char *)data, len) != 0)
+        _exit(EXIT_SETUP);
+    char one = 't';
+    if (write(taken, &one, 1) != 1)
+        _exit(EXIT_SETUP);
+    close(taken);
+    status_fd = fds[0];
+    /* The harness holds this process by a pidfd from the start: no pid it signals can be reused.
+     * Both go with the first records (flush_status), so that the harness wakes once for them. */
+    answer_pid = getpid();
+    answer_pidfd = (int)syscall(SYS_pidfd_open, answer_pid, 0);
+    char **argv;
+    if (server_parse(data, len, &argv) != 0) {
+        record("execfail %d", EINVAL);
+        record("exit 127");
+        record("empty");
+        flush_status();
+        _exit(0);
+    }
+    /* The command's stdio on 0-2 (received fds are >= 3: 0-2 were taken when they came). */
+    for (int k = 0; k < 3; k++)
+        if (dup2(fds[k + 1], k) < 0)
+            die("dup2: %s", strerror(errno));
+    for (int k = 1; k < SERVER_FDS; k++)
+        close(fds[k]);
+    return argv;
+}
+
+/* The fork server: one per executor, started once, so that a command costs no exec of a supervisor.
+ * It keeps one spare child ready (a fork of itself) that takes the next request from fd 0 (a Unix
+ * stream socket) and becomes that command's supervisor; the server forks the next spare once it is
+ * told the request was taken. The server never reads fd 0 itself; it ends when the harness closes
+ * its end, or dies (--die-with-parent): every child's PDEATHSIG then kills what is left of it.
+ * Returns only in a spare that took a request. */
+static char **fork_server(void)
+{
+    if (fcntl(0, F_GETFD) < 0)
+        die("--fork-server needs fd 0 open (the harness's socket)");
+    int taken[2];
+    if (pipe2(taken, O_CLOEXEC) < 0)
+        die("pipe2: %s", strerror(errno));
+    pid_t spare_pid = -1;
+    int spare_failures = 0;
+    long long refill_at = 0; /* when to fork the next spare, if nothing calls for it sooner */
+    for (;;) {
+        if (spare_pid < 0 && now_ms() >= refill_at) {
+            spare_pid = fork();
+            if (spare_pid == 0) {
+                close(taken[0]);
+                return spare(taken[1]);
+            }
+            if (spare_pid < 0 && errno != EAGAIN && errno != ENOMEM)
+                die("fork: %s", strerror(errno));
+            if (spare_pid < 0) {
+                refill_at = now_ms() + SPARE_RETRY_MS; /* out of processes: requests wait meanwhile */
+            } else {
+                /* So that the harness can continue a spare a command stopped before it sends. */
+                int pidfd = (int)syscall(SYS_pidfd_open, spare_pid, 0);
+                char note[32];
+                snprintf(note, sizeof note, "spare %d\n", (int)spare_pid);
+                server_answer(0, note, pidfd);
+                if (pidfd >= 0)
+                    close(pidfd);
+            }
+        }
+        /* Without a spare, a request waiting on fd 0 calls for one at once. */
+        short requests = (short)(POLLRDHUP | (spare_pid < 0 ? POLLIN : 0));
+        struct pollfd pfds[3] = {{0, requests, 0}, {taken[0], POLLIN, 0}, {sig_fd, POLLIN, 0}};
+        int timeout = -1;
+        if (spare_pid < 0) {
+            long long left = refill_at - now_ms();
+            timeout = left < 0 ? 0 : (int)left;
+        }
+        if (poll(pfds, 3, timeout) < 0) {
+            if (errno == EINTR)
+                continue;
+            die("poll: %s", strerror(errno));
+        }
+        if (pfds[0].revents & (POLLRDHUP | POLLHUP | POLLERR))
+            exit(0);
+        if (pfds[0].revents & POLLIN)
+            refill_at = 0;
+        if (pfds[1].revents & POLLIN) {
+            char buf[64];
+            if (read(taken[0], buf, sizeof buf) > 0) {
+                /* The next spare is forked once this command's supervisor is done, or a little later:
+                 * on a small machine, a fork now would take a CPU from the command just starting. */
+                spare_pid = -1;
+                spare_failures = 0;
+                refill_at = now_ms() + SPARE_DELAY_MS;
+            }
+        }
+        if (pfds[2].revents & POLLIN) {
+            struct signalfd_siginfo si[16];
+            ssize_t n;
+            while ((n = read(sig_fd, si, sizeof si)) > 0)
+                for (size_t k = 0; k < (size_t)n / sizeof si[0]; k++)
+                    if (si[k].ssi_signo == SIGUSR2)
+                        exit(0);
+            int st;
+            pid_t p;
+            while ((p = waitpid(-1, &st, WNOHANG | __WALL)) > 0) {
+                if (p != spare_pid) {
+                    refill_at = 0; /* a supervisor is done: the CPU is free for the next spare */
+                    continue;
+                }
+                /* The spare died before it took a request (a command killed it): fork another, but a
+                 * spare that fails its own setup would fail every time. */
+                spare_pid = -1;
+                refill_at = 0;
+                if (WIFEXITED(st) && WEXITSTATUS(st) == EXIT_SETUP && ++spare_failures >= 3)
+                    die("the spare supervisor failed three times in a row");
+            }
+        }
+    }
+}
+
+/* A copy of BASE without the variables named in NAMES, then NAME=VALUE for each (a later one wins). */
+static char **command_environment(char **base, char **names, char **values, int count)
+{
+    size_t n = 0;
+    while (base[n] != NULL)
+        n++;
+    if (count == 0)
+        return base;
+    char **env = calloc(n + (size_t)count + 1, sizeof *env);
+    if (env == NULL)
+        die("out of memory");
+    size_t used = 0;
+    for (size_t k = 0; k < n; k++) {
+        int replaced = 0;
+        for (int j = 0; j < count && !replaced; j++) {
+            size_t len = strlen(names[j]);
+            replaced = strncmp(base[k], names[j], len) == 0 && base[k][len] == '=';
+        }
+        if (!replaced)
+            env[used++] = base[k];
+    }
+    for (int j = 0; j < count; j++) {
+        int later = 0;
+        for (int l = j + 1; l < count && !later; l++)
+            later = strcmp(names[j], names[l]) == 0;
+        if (later)
+            continue;
+        size_t size = strlen(names[j]) + strlen(values[j]) + 2;
+        char *entry = malloc(size);
+        if (entry == NULL)
+            die("out of memory");
+        snprintf(entry, size, "%s=%s", names[j], values[j]);
+        env[used++] = entry;
+    }
+    return env;
+}
+
 static void usage(void) __attribute__((noreturn));
 static void usage(void)
 {
@@ -1266,7 +1644,7 @@ int main(int argc, char **argv)
      * --detach key) or open its fds through /proc, nor ptrace it. */
     if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
         die("prctl(PR_SET_DUMPABLE): %s", strerror(errno));
-    int die_with_parent = 0, allow_no_subreaper = 0;
+    int die_with_parent = 0, allow_no_subreaper = 0, server_mode = 0;
     char *status_path = NULL, *stdio_paths[3] = {NULL, NULL, NULL};
     int stdio_files[3] = {-1, -1, -1};
     /* --setenv: indexes into argv, copied below (before the argument area is cleared). */
@@ -1290,6 +1668,8 @@ int main(int argc, char **argv)
             frame_mode = 1;
         } else if (strcmp(a, "--detach") == 0) {
             detach_mode = 1;
+        } else if (strcmp(a, "--fork-server") == 0) {
+            server_mode = 1;
         } else if (strcmp(a, "--status-file") == 0 && i + 1 < argc) {
             status_path = argv[++i]; /* copied below, before the argument area is cleared */
         } else if (strcmp(a, "--stdin-file") == 0 && i + 1 < argc) {
@@ -1319,7 +1699,10 @@ int main(int argc, char **argv)
             break;
         }
     }
-    if (i >= argc)
+    if (server_mode && (frame_mode || detach_mode || status_fd >= 0 || control_fd >= 0 || i < argc))
+        die("--fork-server takes its requests from fd 0 and runs the programs they name: it goes with none "
+            "of --frame, --detach, --status-fd, --control-fd, nor a PROGRAM");
+    if (i >= argc && !server_mode)
         usage();
     if (frame_mode && (status_fd >= 0 || control_fd >= 0 || die_with_parent))
         die("--frame takes its requests from fd 0 and writes its records to fd 1: it goes with none of "
@@ -1373,7 +1756,7 @@ int main(int argc, char **argv)
     }
     free(setenv_args);
     char *area_end = argv[argc - 1] + strlen(argv[argc - 1]);
-    if (argc > 1)
+    if (argc > 1 && !server_mode)
         memset(argv[1], 0, (size_t)(area_end - argv[1]));
 
     /* Signals: a few ignored, the ones it acts on blocked and read through a signalfd. SIGCHLD must
@@ -1398,6 +1781,26 @@ int main(int argc, char **argv)
     sig_fd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sig_fd < 0)
         die("signalfd: %s", strerror(errno));
+
+    if (server_mode) {
+        if (die_with_parent) {
+            pid_t parent = getppid();
+            if (prctl(PR_SET_PDEATHSIG, SIGUSR2, 0, 0, 0) < 0)
+                die("prctl(PR_SET_PDEATHSIG): %s", strerror(errno));
+            if (getppid() != parent)
+                die("the parent is already gone");
+        }
+        free(program);
+        program = fork_server(); /* from here on: the child of one request, its command's supervisor */
+        die_with_parent = 1;     /* its parent is the fork server, which ends with the harness */
+        if (program_cwd != NULL && chdir(program_cwd) < 0) {
+            record("cwdfail %d", errno);
+            record("exit 127");
+            record("empty");
+            flush_status();
+            return 0;
+        }
+    }
 
     if (detach_mode) {
         /* The subreaper must be the long-lived process: everything from here on is in the child. */
@@ -1431,9 +1834,6 @@ int main(int argc, char **argv)
     int dev_null = open("/dev/null", O_RDWR | O_CLOEXEC);
     if (dev_null < 0)
         die("cannot open /dev/null: %s", strerror(errno));
-    int exec_pipe[2];
-    if (pipe2(exec_pipe, O_CLOEXEC) < 0)
-        die("pipe2: %s", strerror(errno));
     /* --frame: the command's stdin, stdout and stderr, [0] its read end, [1] its write end. All
      * close-on-exec: the child dup2()s its own ends onto 0-2 and inherits none of the others. */
     int stdio_pipe[3][2] = {{-1, -1}, {-1, -1}, {-1, -1}};
@@ -1454,55 +1854,36 @@ int main(int argc, char **argv)
         close(ready_fd);
         ready_fd = -1;
     }
-    child_pid = fork();
-    if (child_pid < 0)
-        die("fork: %s", strerror(errno));
-    if (child_pid == 0) {
-        memset(&sa, 0, sizeof sa);
-        sa.sa_handler = SIG_DFL;
-        for (int s = 1; s < NSIG; s++)
-            if (s != SIGKILL && s != SIGSTOP)
-                sigaction(s, &sa, NULL); /* libc-reserved signals fail harmlessly */
-        sigset_t none;
-        sigemptyset(&none);
-        sigprocmask(SIG_SETMASK, &none, NULL);
-        int err = 0;
-        if (setsid() < 0)
-            err = errno;
-        if (status_fd >= 0)
-            close(status_fd);
-        if (control_fd >= 0 && control_fd != status_fd)
-            close(control_fd);
-        close(sig_fd);
-        close(proc_fd);
-        close(dev_null);
-        close(exec_pipe[0]);
-        if (detach_mode) {
-            wipe(&record_key, sizeof record_key); /* gone at exec anyway; not a moment longer */
-            for (int k = 0; k < 3 && !err; k++)
-                if (dup2(stdio_files[k], k) < 0)
-                    err = errno;
-        }
-        if (frame_mode && !err) {
-            /* Over the harness's stream: from here on the command reaches it only through us. */
-            for (int k = 0; k < 3 && !err; k++)
-                if (dup2(stdio_pipe[k][k == 0 ? 0 : 1], k) < 0)
-                    err = errno;
-        }
-        for (int k = 0; k < setenv_count && !err; k++)
-            if (setenv(setenv_names[k], setenv_values[k], 1) < 0)
-                err = errno;
-        if (!err) {
-            execvp(program[0], program);
-            err = errno;
-        }
-        ssize_t w;
-        do
-            w = write(exec_pipe[1], &err, sizeof err);
-        while (w < 0 && errno == EINTR);
-        _exit(127);
+    /* The command's environment: the request's (--fork-server) or ours, with each --setenv. */
+    char **command_env = command_environment(program_env != NULL ? program_env : environ, setenv_names,
+                                             setenv_values, setenv_count);
+    /* posix_spawn: a clone that shares this process's memory until the exec (no page tables copied,
+     * which a fork of even this small process costs on every command). Every fd of ours is
+     * close-on-exec; the child gets default dispositions for what we ignore, an empty mask, and a
+     * session of its own. */
+    posix_spawn_file_actions_t actions;
+    posix_spawnattr_t attr;
+    sigset_t all, none;
+    sigfillset(&all);
+    sigemptyset(&none);
+    if (posix_spawn_file_actions_init(&actions) != 0 || posix_spawnattr_init(&attr) != 0 ||
+        posix_spawnattr_setsigdefault(&attr, &all) != 0 || posix_spawnattr_setsigmask(&attr, &none) != 0 ||
+        posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSID | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK) != 0)
+        die("posix_spawn attributes: out of memory");
+    for (int k = 0; k < 3; k++) {
+        int from = detach_mode ? stdio_files[k] : frame_mode ? stdio_pipe[k][k == 0 ? 0 : 1] : -1;
+        /* Over the harness's stream (--frame): from here on the command reaches it only through us. */
+        if (from >= 0 && posix_spawn_file_actions_adddup2(&actions, from, k) != 0)
+            die("posix_spawn file actions: out of memory");
     }
-    close(exec_pipe[1]);
+    char **own_env = environ;
+    environ = command_env; /* what posix_spawnp searches PATH with, as Popen(env=) does */
+    int exec_err = posix_spawnp(&child_pid, program[0], &actions, &attr, program, command_env);
+    environ = own_env;
+    posix_spawn_file_actions_destroy(&actions);
+    posix_spawnattr_destroy(&attr);
+    if (exec_err != 0)
+        child_pid = -1; /* posix_spawn reaped it already */
     for (int k = 0; k < 3; k++)
         if (stdio_files[k] >= 0)
             close(stdio_files[k]); /* the command's alone: no EOF of theirs waits for the supervisor */
@@ -1525,22 +1906,18 @@ int main(int argc, char **argv)
             die("fcntl(O_NONBLOCK) on fds 0 and 1: %s", strerror(errno));
         requests_open = 1;
     }
-    int exec_err = 0;
-    ssize_t got;
-    do
-        got = read(exec_pipe[0], &exec_err, sizeof exec_err);
-    while (got < 0 && errno == EINTR);
-    close(exec_pipe[0]);
     /* The command's stdin, stdout and stderr are its own: held here, its output would never reach
        EOF while the supervisor waits for leftovers. From now on the status fd is the only channel. */
     for (int fd = frame_mode ? 2 : 0; fd <= 2; fd++)
         if (fd != status_fd && fd != control_fd)
             dup2(dev_null, fd);
     close(dev_null);
-    if (got == (ssize_t)sizeof exec_err)
+    if (exec_err != 0) {
         record("execfail %d", exec_err);
-    else
+        record("exit 127"); /* as a child that failed its exec and exited 127 (posix_spawn reaped it) */
+    } else {
         record("started %d", (int)child_pid);
+    }
 
     struct pollfd pfds[7];
     int killing = 0, pause_ms = PASS_MIN_MS;
@@ -1558,6 +1935,7 @@ int main(int argc, char **argv)
         if (no_children) {
             if (!frame_mode) {
                 record("empty");
+                flush_status();
                 return 0;
             }
             if (!finished)
@@ -1632,6 +2010,7 @@ int main(int argc, char **argv)
             long long left = next_pass - now_ms();
             timeout = left < 0 ? 0 : (int)left;
         }
+        flush_status();
         int r = poll(pfds, (nfds_t)nfds, timeout);
         if (r < 0) {
             if (errno == EINTR)

@@ -1,0 +1,251 @@
+"""One ``dsh-supervise --fork-server`` per host executor: a command's supervisor costs a fork, not an exec.
+
+The server keeps a spare child ready, a fork of itself, which takes the next request (the command's
+argv, environment and directory, with its stdio and status socket passed as descriptors) and becomes
+that command's supervisor; the server then forks the next spare. Exec'ing a fresh supervisor for each
+command cost about a third of a command's latency on small machines; a fork of an idle static process
+costs a fraction of that, and the request needs no exec of Python's own (``subprocess``) machinery.
+
+The server announces each spare on the request socket (``spare PID`` with a pidfd), so that a spare a
+command stopped (same user: it can) is continued before the next request goes to it. A server a
+command killed is started again for the next command; the commands it was running end with it (every
+supervisor dies with its server: PR_SET_PDEATHSIG), which ``docs/security.md`` lists.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import errno
+import os
+import select
+import signal
+import socket
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+
+import anyio
+
+__all__ = ["SupervisorServer", "pidfd_exited", "received_fds"]
+
+#: How long closing waits for the server to exit once its socket is closed (it exits at once).
+_CLOSE_BOUND_S = 2.0
+
+
+def pidfd_exited(pidfd: int) -> bool:
+    """True once the process of ``pidfd`` has exited (a pidfd polls readable then, for any process,
+    not only a child)."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+class SupervisorServer:
+    """A running ``dsh-supervise --fork-server``: :meth:`request` hands it one command.
+
+    ``start_helper(async_fn, *args)`` runs a watcher in the executor's task group: a server that dies
+    (a command of the same user killed it) has its socket closed at once, so that a request it took
+    with it ends (its status socket, in flight in that socket, closes) instead of waiting for ever.
+    """
+
+    def __init__(self, binary: str, start_helper: Callable[..., None]) -> None:
+        self._binary = binary
+        self._start_helper = start_helper
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._pidfd: int | None = None
+        self._socket: socket.socket | None = None
+        self._spare_pidfd: int | None = None
+        self._null: int | None = None  # /dev/null, the stdin of commands that are given none
+        self._watched = False  # whether a watcher runs for the current server
+
+    @property
+    def running(self) -> bool:
+        return self._pidfd is not None and not pidfd_exited(self._pidfd)
+
+    @property
+    def null(self) -> int:
+        """A descriptor of /dev/null (read-only) to pass as a command's stdin; the server owns it."""
+        assert self._null is not None
+        return self._null
+
+    def start(self) -> None:
+        """Start the server (ending one that ran before). Raises OSError when it cannot start."""
+        self._end_now()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            # An empty environment: no value of the host's is in a process that serves every
+            # command (each request brings the command's own environment).
+            self._popen = subprocess.Popen(
+                [self._binary, "--fork-server", "--die-with-parent"],
+                stdin=theirs.fileno(),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env={},
+                start_new_session=True,
+                close_fds=True,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self._socket = ours
+        self._pidfd = os.pidfd_open(self._popen.pid)
+        if self._null is None:
+            self._null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        self._watched = False
+
+    async def _watch(self, pidfd: int, sock: socket.socket) -> None:
+        try:
+            await anyio.wait_readable(pidfd)
+        finally:
+            os.close(pidfd)
+        if self._socket is sock:
+            self._close_socket()
+
+    async def request(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        cwd: str,
+        *,
+        status: int,
+        stdin: int,
+        stdout: int,
+        stderr: int,
+    ) -> None:
+        """Hand one command to the server; what becomes of it comes on the ``status`` socket.
+
+        A server that is gone (a command killed it) is started again first. The descriptors are
+        duplicated into the request: the caller still owns (and closes) its own.
+        """
+        fields = [cwd, str(len(argv)), *argv, *(f"{key}={value}" for key, value in env.items())]
+        payload = ("\0".join(fields) + "\0").encode("utf-8", "surrogateescape")
+        message = len(payload).to_bytes(4, "big") + payload
+        fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _fd_array(status, stdin, stdout, stderr))]
+        # One sendmsg carries the descriptors with the first bytes; the rest (a large environment)
+        # follows as the server's spare reads. Nothing else writes this socket meanwhile: the
+        # caller's event loop runs this whole coroutine before another request can start.
+        sent = 0
+        sock: socket.socket | None = None
+        for attempt in (1, 2):
+            if self._socket is None:
+                self.start()
+            sock = self._socket
+            assert sock is not None and self._popen is not None
+            if not self._watched:
+                # From the first request on (the executor's helpers run once it is open). The
+                # watcher gets a pidfd of its own: ours may be closed under its wait.
+                self._start_helper(self._watch, os.pidfd_open(self._popen.pid), sock)
+                self._watched = True
+            self._continue_spare()
+            try:
+                while sent == 0:
+                    try:
+                        sent = sock.sendmsg([message], fds)
+                    except BlockingIOError:
+                        await anyio.wait_writable(sock)
+                break
+            except (BrokenPipeError, ConnectionResetError):
+                if attempt == 2:
+                    raise
+                self._close_socket()  # the server is gone (a command killed it): nothing was sent
+        assert sock is not None
+        view = memoryview(message)[sent:]
+        with anyio.CancelScope(shield=True):
+            # Half a request would leave the server's next spare reading the rest of it for ever.
+            while view:
+                try:
+                    view = view[sock.send(view) :]
+                except BlockingIOError:
+                    await anyio.wait_writable(sock)
+
+    def _continue_spare(self) -> None:
+        """Take the server's spare announcements; SIGCONT the current spare (a command may have
+        stopped it, which would leave the next request unanswered)."""
+        sock = self._socket
+        assert sock is not None
+        while True:
+            try:
+                data, ancdata, _flags, _addr = sock.recvmsg(4096, socket.CMSG_SPACE(4 * 8))
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                return
+            for fd in received_fds(ancdata):
+                if self._spare_pidfd is not None:
+                    os.close(self._spare_pidfd)
+                self._spare_pidfd = fd
+            if not data:
+                break
+        if self._spare_pidfd is not None:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                signal.pidfd_send_signal(self._spare_pidfd, signal.SIGCONT)
+
+    def _close_socket(self) -> None:
+        """Close our end: the server exits (and with it every supervisor still running under it)."""
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+        if self._spare_pidfd is not None:
+            os.close(self._spare_pidfd)
+            self._spare_pidfd = None
+
+    def _end_now(self) -> None:
+        """End the server we had, if any, and reap it (a restart: it is gone or going already)."""
+        self._close_socket()
+        if self._pidfd is None:
+            return
+        if not pidfd_exited(self._pidfd):
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        self._reap(block=True)
+
+    async def aclose(self) -> None:
+        """Close the socket, wait (bounded) for the server to exit, kill it if it would not, reap it."""
+        self._close_socket()
+        if self._null is not None:
+            os.close(self._null)
+            self._null = None
+        if self._pidfd is None:
+            return
+        # Polled, not awaited on the pidfd: the watcher may still be waiting on it.
+        with anyio.move_on_after(_CLOSE_BOUND_S, shield=True):
+            while not pidfd_exited(self._pidfd):  # noqa: ASYNC110 - an fd, not an event
+                await anyio.sleep(0.005)
+        # Still there: stopped, most likely (a command of the same user can). Its supervisors die
+        # with it.
+        self._end_now()
+
+    def _reap(self, *, block: bool) -> None:
+        assert self._popen is not None and self._pidfd is not None
+        with contextlib.suppress(ChildProcessError):
+            flags = os.WEXITED if block else os.WEXITED | os.WNOHANG
+            if os.waitid(os.P_PIDFD, self._pidfd, flags) is not None:
+                self._popen.returncode = 0
+        os.close(self._pidfd)
+        self._pidfd = None
+        self._popen = None
+
+
+def _fd_array(*fds: int) -> bytes:
+    return array.array("i", fds).tobytes()
+
+
+def received_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors in ``recvmsg``'s ancillary data (SCM_RIGHTS), in order."""
+    fds: list[int] = []
+    for level, kind, blob in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            values = array.array("i")
+            values.frombytes(blob[: len(blob) - len(blob) % values.itemsize])
+            fds.extend(values)
+    return fds
+
+
+def server_problem(error: OSError) -> str:
+    """Why the server could not start, in words."""
+    if error.errno in (errno.ENOENT, errno.EACCES):
+        return f"dsh-supervise cannot be executed: {error.strerror}"
+    return f"dsh-supervise --fork-server could not start: {error.strerror or error}"
