@@ -13,10 +13,12 @@ the checks run wherever the commands run:
 - a fork chain that calls ``setsid`` in every generation: each generation leaves the session of the
   one before and the parent exits, so none shares a group or session with the command.
 
-They are "beyond" checks until every backend of this project keeps them: the local backend does
-(its subreaper); the Docker and SSH backends, which find processes by an environment marker, miss the
-first two escapees and lose the race against the fork chain now and then (``MARKER_CONTAINMENT_FAILS``
-and ``MARKER_CONTAINMENT_RACES`` in ``tests/kit_targets.py``).
+They are contract checks: every backend of this project keeps them with its default containment
+(a per-command subreaper, ``dsh-supervise``). A backend that finds processes by an environment marker
+alone misses the first two escapees and loses the race against the fork chain now and then, as the
+``marker`` fallback of Docker shows (``MARKER_CONTAINMENT_FAILS`` and ``MARKER_CONTAINMENT_RACES`` in
+``tests/kit_targets.py``). ``self-kill-reported-as-signal`` stays a beyond check while one backend of
+this repository (the bubblewrap example) sees a signal death through its launcher as ``128+n``.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ async def _start_kill_require_gone(ctx: CheckContext, body: str, mark: str, what
 
 @check(
     "escapee-without-environment-killed",
-    kind="beyond",
+    kind="contract",
     clause="R-contain-hiding",
     rule=_rule("drops its whole environment (`env -i`) and leaves the session"),
 )
@@ -111,7 +113,7 @@ async def escapee_without_environment(ctx: CheckContext) -> None:
 
 @check(
     "escapee-rewriting-environment-killed",
-    kind="beyond",
+    kind="contract",
     clause="R-contain-hiding",
     rule=_rule("overwrites its environment area in place (as setproctitle does) and leaves the session"),
 )
@@ -131,7 +133,7 @@ async def escapee_rewriting_environment(ctx: CheckContext) -> None:
 
 @check(
     "setsid-chain-killed",
-    kind="beyond",
+    kind="contract",
     clause="R-contain-hiding",
     rule=_rule("forks a chain of processes that each call `setsid` and let their parent exit"),
 )
@@ -153,7 +155,7 @@ async def setsid_chain(ctx: CheckContext) -> None:
 
 @check(
     "non-dumpable-escapee-killed",
-    kind="beyond",
+    kind="contract",
     clause="R-contain-hiding",
     rule=_rule(
         "is non-dumpable (runs an execute-only copy of bash), so that its environment cannot be "
@@ -205,7 +207,7 @@ done
 
 @check(
     "forged-outcome-ignored",
-    kind="beyond",
+    kind="contract",
     clause="R-outcome-unforgeable",
     rule="Nothing a command writes (its output, files it can write, what it reads from its parents) "
     "makes the executor report that it ended, or report another status.",
