@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import posixpath
+import shlex
 import signal
 import time
 from functools import partial
@@ -168,25 +169,32 @@ async def abort_classified(ctx: CheckContext) -> None:
     "during the kill's grace).",
 )
 async def abort_then_timeout(ctx: CheckContext) -> None:
-    # The abort is asked for at 0.1 s and lands by 0.1 s + allowance; the timeout expires after that,
-    # so the abort surely comes first. Both the shell and its child ignore SIGTERM: the abort's kill
-    # lasts a whole grace, twice the allowance, so the timeout surely expires during it.
+    # The abort comes once the shell and its child ignore SIGTERM (a ready file says so: aborted
+    # earlier, a slow start would end the shell by SIGTERM), well before the timeout; the abort's kill
+    # lasts a whole grace, which outlasts the timeout, so the timeout surely expires during it.
     allow = ctx.allowance_s
-    abort_s, timeout_s, grace_s = 0.1, 0.1 + allow, 2 * allow
+    timeout_s = 1.0 + allow
+    grace_s = timeout_s + 2 * allow
     async with ctx.executor(grace_ms=grace_s * 1000) as ex:
         mark = ctx.marker()
+        ready = f"{await ctx.tempdir(ex)}/ready"
         controller = AbortController()
+
+        async def abort_when_ready() -> None:
+            await wait_files(ex, [ready], within_s=timeout_s)
+            controller.abort("kit")
+
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_abort_after, controller, abort_s)
+            tg.start_soon(abort_when_ready)
             result = await ex.exec(
-                f'trap "" TERM; {loop(mark, trap_term=True)}',
+                f'trap "" TERM; {loop(mark, trap_term=True, prelude=f": > {shlex.quote(ready)}")}',
                 signal=controller.signal,
                 timeout_ms=timeout_s * 1000,
             )
         ctx.expect(
             result.aborted and not result.timed_out,
-            f"abort came first ({abort_s:g} s), timeout later ({timeout_s:.2f} s, grace {grace_s:.2f} s): "
-            f"expected aborted only; got {show(result)}",
+            f"abort came first (once the shell ignored SIGTERM), timeout later ({timeout_s:.2f} s, grace "
+            f"{grace_s:.2f} s): expected aborted only; got {show(result)}",
         )
         ctx.expect(
             result.signal == "SIGKILL" and result.exit_code is None,
