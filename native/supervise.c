@@ -7,6 +7,7 @@
  *   dsh-supervise --detach --status-file PATH [--stdin-file PATH] [--stdout-file PATH]
  *                 [--stderr-file PATH] [--allow-no-subreaper] [--setenv NAME=VALUE]...
  *                 -- PROGRAM [ARGS...]
+ *   dsh-supervise --fork-server [--die-with-parent] [--allow-no-subreaper]
  *   dsh-supervise --version      (prints "dsh-supervise 4": the protocol's version)
  *   dsh-supervise --sha256 | --hmac-sha256 KEYHEX   (digest of stdin in hex: for the tests)
  *
@@ -66,6 +67,20 @@
  * supervisor, and it costs no `env` exec in between. The values are copied before the argument area
  * is cleared, so /proc/PID/cmdline of the supervisor shows none of them either. No '=' or an empty
  * NAME: 125. A setenv(3) that fails in the child is reported as an exec failure (`execfail ERRNO`).
+ *
+ * --fork-server (version 4), one per harness (executor), so that a command costs a fork instead of an
+ * exec: fd 0 is a Unix stream socket. The server keeps a spare child ready (announced on fd 0 as
+ * `spare PID` with a pidfd attached), which takes the next request from fd 0 and becomes that
+ * command's supervisor as in the status-fd mode with --die-with-parent (its parent is the server). A
+ * request: a 4-byte big-endian length, then NUL-terminated strings (directory, argument count,
+ * arguments, environment entries), with exactly four fds attached (status socket, stdin, stdout,
+ * stderr). The supervisor's first message is `pidfd PID` with a pidfd of itself attached, sent with
+ * its first records; `cwdfail ERRNO` when the directory cannot be entered. EOF on fd 0 or the
+ * server's death ends every supervisor under it (PDEATHSIG SIGUSR2). A malformed request: 125.
+ *
+ * PROGRAM is started by posix_spawnp (a clone sharing memory until the exec): default dispositions,
+ * empty mask, a session of its own; PATH is searched in the command's environment. In the status-fd
+ * modes, records of one moment are written together, before the supervisor blocks or exits.
  *
  * --allow-no-subreaper: where PR_SET_CHILD_SUBREAPER is refused (qemu-user emulates no such prctl), go
  * on after `warning no-subreaper ERRNO` instead of failing; orphans then escape to init. For tests.
@@ -1327,6 +1342,7 @@ static int digest_stdin(const char *key_hex)
 
 #define SERVER_REQUEST_MAX (16 << 20) /* argv + environment: far beyond what execve takes */
 #define SERVER_FDS 4                   /* status socket, then the command's stdin, stdout, stderr */
+#define EXIT_PROTOCOL 126              /* a spare read what no harness of this version sends */
 #define SPARE_DELAY_MS 20              /* after a request was taken, at most this long without a spare */
 #define SPARE_RETRY_MS 50              /* after a fork failed for lack of processes or memory */
 
@@ -1472,10 +1488,10 @@ static char **spare(int taken)
     if (!server_header(&len, fds, &nfds))
         _exit(0); /* the executor closed */
     if (nfds != SERVER_FDS || len > SERVER_REQUEST_MAX)
-        _exit(EXIT_SETUP); /* not a request this version sent: nothing read from here is sound */
+        _exit(EXIT_PROTOCOL); /* not a request this version sent: nothing read from here is sound */
     char *data = malloc(len ? len : 1);
     if (data == NULL || read_exact(0, (unsigned char *)data, len) != 0)
-        _exit(EXIT_SETUP);
+        _exit(EXIT_PROTOCOL);
     char one = 't';
     if (write(taken, &one, 1) != 1)
         _exit(EXIT_SETUP);
@@ -1584,6 +1600,8 @@ static char **fork_server(void)
                  * spare that fails its own setup would fail every time. */
                 spare_pid = -1;
                 refill_at = 0;
+                if (WIFEXITED(st) && WEXITSTATUS(st) == EXIT_PROTOCOL)
+                    die("a request that is not one of this version's: the socket is out of step");
                 if (WIFEXITED(st) && WEXITSTATUS(st) == EXIT_SETUP && ++spare_failures >= 3)
                     die("the spare supervisor failed three times in a row");
             }
@@ -1635,7 +1653,8 @@ static void usage(void)
         "[--setenv NAME=VALUE]... -- PROGRAM [ARGS...]\n"
         "       dsh-supervise --frame [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]\n"
         "       dsh-supervise --detach --status-file PATH [--stdin-file PATH] [--stdout-file PATH] "
-        "[--stderr-file PATH] [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]");
+        "[--stderr-file PATH] [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]\n"
+        "       dsh-supervise --fork-server [--die-with-parent] [--allow-no-subreaper]");
 }
 
 int main(int argc, char **argv)
