@@ -51,10 +51,18 @@ MAX_INLINE_COMMAND = 100_000
 
 @dataclass(frozen=True, slots=True)
 class ExitStatus:
-    """How the command's shell ended: an exit code, or the number of the signal that killed it."""
+    """How the command's shell ended: an exit code, or the number of the signal that killed it.
+
+    ``exit_code_only``: the backend could observe only an exit status, in which a signal death reads
+    as ``128+n`` (the ``marker`` fallback of Docker and SSH, without a supervisor to see the wait
+    status). The executor then reports a ``128+n`` as signal ``n`` when its kill sequence sent ``n``
+    to the command, and as the plain exit code otherwise. Every supervised backend reports exact
+    statuses and leaves it False.
+    """
 
     code: int | None
     signal: int | None = None
+    exit_code_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,7 +64,6 @@ class _Command:
         "output_done",
         "process",
         "sent_signals",
-        "signals_as_exit_codes",
         "started_at",
         "task",
         "tg",
@@ -77,10 +76,8 @@ class _Command:
         process: CommandProcess,
         task: BashTask | None,
         started_at: float,
-        signals_as_exit_codes: bool,
     ):
         self.launch = launch
-        self.signals_as_exit_codes = signals_as_exit_codes
         self.process = process
         self.task = task
         self.started_at = started_at
@@ -108,12 +105,7 @@ class _Command:
         if status.signal is not None:
             return None, signal_name(status.signal)
         code = status.code
-        if (
-            code is not None
-            and code > 128
-            and self.signals_as_exit_codes
-            and (code - 128) in self.sent_signals
-        ):
+        if code is not None and code > 128 and status.exit_code_only and (code - 128) in self.sent_signals:
             return None, signal_name(code - 128)
         return code, None
 
@@ -137,11 +129,6 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
     Subclasses (backends) implement the hooks below; the public methods are the contract's.
     """
 
-    #: True for backends that observe a signal death only as exit code 128+n (a sandbox launcher
-    #: that exits with its child's status): a 128+n status is then reported as that signal only
-    #: when the kill sequence sent it. An instance may decide it at open (Docker: False under
-    #: dsh-supervise, which reports the wait status it observed).
-    signals_as_exit_codes: bool = False
     #: The backend's config model: :meth:`from_fields` validates plain fields with it.
     config_class: ClassVar[type[BudgetConfig]] = BudgetConfig
     #: False for backends whose :meth:`_leftovers` reaches every process of every command (their
@@ -495,7 +482,7 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         task = None
         if background:
             task = BashTask(BashTaskId(f"bash-{next(self._task_numbers)}"), spec.command, spec.owner)
-        command = _Command(launch, process, task, started_at, self.signals_as_exit_codes)
+        command = _Command(launch, process, task, started_at)
         if self._state != "open":
             # aclose began while the backend was starting it.
             with anyio.CancelScope(shield=True):

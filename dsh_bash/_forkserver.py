@@ -114,13 +114,22 @@ class SupervisorServer:
         stdin: int,
         stdout: int,
         stderr: int,
+        status_in_program: int = -1,
     ) -> None:
         """Hand one command to the server; what becomes of it comes on the ``status`` socket.
 
         A server that is gone (a command killed it) is started again first. The descriptors are
         duplicated into the request: the caller still owns (and closes) its own.
+        ``status_in_program`` (3 or more): the program gets the status socket as that fd too (a
+        launcher whose sandbox runs a supervisor of its own, which reports the command).
         """
-        fields = [cwd, str(len(argv)), *argv, *(f"{key}={value}" for key, value in env.items())]
+        fields = [
+            cwd,
+            str(status_in_program),
+            str(len(argv)),
+            *argv,
+            *(f"{key}={value}" for key, value in env.items()),
+        ]
         payload = ("\0".join(fields) + "\0").encode("utf-8", "surrogateescape")
         message = len(payload).to_bytes(4, "big") + payload
         fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _fd_array(status, stdin, stdout, stderr))]

@@ -181,10 +181,11 @@ class SupervisorRecords:
                 self.child = int(args[0])
             elif kind == "execfail":
                 self.exec_failed = int(args[0])
-            elif kind == "exit":
-                self.command_exit = ExitStatus(code=int(args[0]))
-            elif kind == "signal":
-                self.command_exit = ExitStatus(code=None, signal=int(args[0]))
+            elif kind in ("exit", "signal") and self.command_exit is None:
+                # The first one is the command's: a supervisor nested in a launcher's sandbox reports
+                # it before the outer supervisor reports the launcher's own end.
+                number = int(args[0])
+                self.command_exit = ExitStatus(code=number) if kind == "exit" else ExitStatus(None, number)
             elif kind == "empty":
                 self.empty = True
             elif kind == "supervisor":

@@ -13,7 +13,7 @@ import shutil
 import sys
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio.to_thread
 
@@ -102,6 +102,15 @@ def _find_supervisor() -> tuple[str | None, str]:
 class HostBashExecutor(BashExecutor[ConfigT_co]):
     """Runs each command as ``bash --noprofile --norc -c COMMAND`` in a new session on this host."""
 
+    #: For a sandboxing subclass whose launcher (``_wrap_command``) would hide how the command's bash
+    #: ended (bwrap reports a signal death as ``128+n``): with the ``subreaper`` containment, the argv
+    #: given to ``_wrap_command`` then starts with ``dsh-supervise --setenv MARKER --status-fd 3 --``
+    #: (the binary's host path, :attr:`supervisor_path`, which the sandbox must make executable at
+    #: that path) and the launcher gets the status socket as fd 3, which it must pass through. That
+    #: inner supervisor reports the command's exact status; the outer one still holds the launcher and
+    #: all under it. The marker reaches the shell alone: the launcher's environment lacks it.
+    supervise_inside_launcher: ClassVar[bool] = False
+
     def __init__(self, config: ConfigT_co) -> None:
         if config.cwd is None:
             config = config.model_copy(update={"cwd": os.getcwd()})
@@ -110,7 +119,13 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         self._spill_dir: HostSpillDir | None = None
         self._bash: str | None = None
         self._server: SupervisorServer | None = None
+        self._supervisor_path: str | None = None
         self._supervised: set[SupervisedProcess] = set()
+
+    @property
+    def supervisor_path(self) -> str | None:
+        """The ``dsh-supervise`` binary commands run under (``subreaper`` containment), else None."""
+        return self._supervisor_path
 
     @property
     def containment(self) -> Containment:
@@ -152,6 +167,7 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
             self._spill_dir = None
             raise
         self._server = server
+        self._supervisor_path = path if server is not None else None
 
     async def _release(self) -> None:
         if self._server is not None:
@@ -183,6 +199,7 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
             start_helper=self._start_helper,
             wrap=self._wrap_command,
             supervisor=self._server,
+            inner_supervisor=self._supervisor_path if self.supervise_inside_launcher else None,
         )
         if isinstance(process, SupervisedProcess) and not process.ended:
             process.registry = self._supervised

@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from ._backend import MAX_INLINE_COMMAND, CommandProcess, ExitStatus, Launch
+from ._backend import MARKER_VAR, MAX_INLINE_COMMAND, CommandProcess, ExitStatus, Launch
 from ._errors import BashInfrastructureError, InfraReason
 from ._forkserver import SupervisorServer, pidfd_exited, received_fds
 from ._frames import SupervisorRecords
@@ -214,6 +214,9 @@ class HostProcess(CommandProcess):
                 os.unlink(name, dir_fd=directory.fd)
 
 
+#: Where a launcher's program finds the status socket when a supervisor runs inside its sandbox.
+_INNER_STATUS_FD = 3
+
 #: How long an abandoned start waits for its supervisor to report that nothing is left (its SIGKILL
 #: passes take milliseconds; the bound is for a supervisor the command stopped or killed).
 _ABANDON_BOUND_S = 2.0
@@ -232,9 +235,14 @@ class SupervisedProcess(HostProcess):
     ``empty``; the fork server reaps it.
     """
 
-    def __init__(self, launch: Launch, *, status: socket.socket, bash: str, **kw: Any) -> None:
+    def __init__(
+        self, launch: Launch, *, status: socket.socket, bash: str, nested: bool = False, **kw: Any
+    ) -> None:
         super().__init__(None, launch, **kw)
         self._bash = bash
+        #: A second supervisor runs inside the launcher's sandbox and reports the command on the same
+        #: socket: its ``empty`` comes while the launcher still runs, so only the outer one's counts.
+        self._nested = nested
         #: Set once the supervisor's pid and pidfd came, or the channel ended without them.
         self._answered = anyio.Event()
         self._status: socket.socket | None = status  # non-blocking; closed at release
@@ -352,6 +360,10 @@ class SupervisedProcess(HostProcess):
         """True once the supervisor and every process under it are gone."""
         return self._supervisor_reaped or (self._records.empty and self._supervisor_gone())
 
+    def _nothing_left(self) -> bool:
+        """The supervisor said no process is left (nested: and the outer one is gone too)."""
+        return self._records.empty and (not self._nested or self._supervisor_gone())
+
     # -- exit ------------------------------------------------------------------------------------
 
     async def wait(self) -> ExitStatus:
@@ -390,7 +402,7 @@ class SupervisedProcess(HostProcess):
     async def signal_all(self, sig: int) -> None:
         self._pump_unless_read()
         await self._await_answer()
-        if self._records.empty:
+        if self._nothing_left():
             return
         request = signal.SIGUSR2 if sig == signal.SIGKILL else signal.SIGUSR1
         if self._signal_supervisor(request):
@@ -401,7 +413,7 @@ class SupervisedProcess(HostProcess):
 
     async def remaining(self) -> list[str]:
         self._pump_unless_read()
-        if self._records.empty:
+        if self._nothing_left():
             return []
         if not self._supervisor_gone():
             return [f"processes under dsh-supervise {self._pid or '(starting)'}"]
@@ -503,6 +515,7 @@ async def spawn_host_process(
     start_helper: StartHelper,
     wrap: WrapCommand | None = None,
     supervisor: SupervisorServer | None = None,
+    inner_supervisor: str | None = None,
 ) -> HostProcess:
     """Start ``launch`` as ``bash --noprofile --norc`` in a new session of this host; return once it runs.
 
@@ -511,6 +524,12 @@ async def spawn_host_process(
     subreaper that keeps every descendant findable and reports the exit status where the command
     cannot write), and a :class:`SupervisedProcess` is returned. Raises
     :class:`dsh_bash.BashInfrastructureError` (with its ``reason``) when it cannot start.
+
+    ``inner_supervisor`` (with ``supervisor``): the path of ``dsh-supervise`` as ``wrap``'s launcher
+    sees it. The argv given to ``wrap`` then starts with ``INNER --status-fd 3 --``, the launcher gets
+    the status socket as fd 3 and must pass it through: the command's exit status comes from the
+    supervisor inside the sandbox (a launcher reports a signal death as ``128+n`` at best), while the
+    outer one still holds the launcher and everything under it.
     """
     spec = launch.spec
     script: tuple[HostSpillDir, str] | None = None
@@ -527,6 +546,20 @@ async def spawn_host_process(
     opened: list[int] = []
     try:
         host_workdir = spec.workdir
+        nested = supervisor is not None and inner_supervisor is not None
+        if nested:
+            # The marker reaches the shell alone (--setenv): neither the launcher nor the supervisor
+            # inside carries it, so whoever looks for the command's processes by it finds the shell.
+            marking = f"{MARKER_VAR}={launch.marker}"
+            argv = [
+                str(inner_supervisor),
+                "--setenv",
+                marking,
+                "--status-fd",
+                str(_INNER_STATUS_FD),
+                "--",
+                *argv,
+            ]
         if wrap is not None:
             argv, host_workdir = wrap(argv, launch)
         problem = _workdir_problem(host_workdir)
@@ -546,6 +579,7 @@ async def spawn_host_process(
                     script=script,
                     scanner=scanner,
                     start_helper=start_helper,
+                    nested=nested,
                 )
                 if process is not None:
                     return process
@@ -620,6 +654,7 @@ async def _spawn_supervised(
     script: tuple[HostSpillDir, str] | None,
     scanner: ProcScanner,
     start_helper: StartHelper,
+    nested: bool,
 ) -> SupervisedProcess | None:
     """One request to the fork server; None when the server died before a supervisor took it."""
     spec = launch.spec
@@ -645,8 +680,18 @@ async def _spawn_supervised(
             theirs.append(in_r)
         else:
             in_r = server.null
+        env = launch.env
+        if nested:
+            env = {name: value for name, value in env.items() if name != MARKER_VAR}
         await server.request(
-            argv, launch.env, host_workdir, status=theirs[0], stdin=in_r, stdout=out_w, stderr=err_w
+            argv,
+            env,
+            host_workdir,
+            status=theirs[0],
+            stdin=in_r,
+            stdout=out_w,
+            stderr=err_w,
+            status_in_program=_INNER_STATUS_FD if nested else -1,
         )
     except BaseException:
         for fd in theirs + ours:
@@ -671,6 +716,7 @@ async def _spawn_supervised(
         start_helper=start_helper,
         script=None,  # not before it started: a retry still needs the file
         bash=bash,
+        nested=nested,
     )
     if not launch.background:
         # A foreground command's start is confirmed by its wait(), whose errors run() raises as

@@ -1349,6 +1349,9 @@ static int digest_stdin(const char *key_hex)
 /* What the child of one request runs, and where: set in the child, used by main's exec. */
 static char **program_env;   /* NULL: this process's own environment */
 static char *program_cwd;    /* NULL: stay */
+/* >= 3: the program gets the status socket as this fd (a launcher that runs a supervisor of its own
+ * inside a sandbox, whose records are the command's; this one's follow them). -1: it does not. */
+static int program_status_fd = -1;
 
 /* Reads a request's header (with its fds) from the harness's socket: 1 when one came, 0 at EOF. */
 static int server_header(unsigned *len, int fds[SERVER_FDS], int *nfds)
@@ -1411,19 +1414,23 @@ static int server_parse(char *data, size_t len, char ***argv_out)
         strings[k] = p;
         p += strlen(p) + 1;
     }
-    if (count < 3)
+    if (count < 4)
         return -1;
     char *end;
     errno = 0;
-    unsigned long argc = strtoul(strings[1], &end, 10);
-    if (errno || *end || argc < 1 || argc > count - 2)
+    long status_to = strtol(strings[1], &end, 10);
+    if (errno || *end || status_to < -1 || status_to > 1023 || (status_to >= 0 && status_to <= 2))
+        return -1;
+    unsigned long argc = strtoul(strings[2], &end, 10);
+    if (errno || *end || argc < 1 || argc > count - 3)
         return -1;
     char **argv = calloc(argc + 1, sizeof *argv);
-    char **envp = calloc(count - 2 - argc + 1, sizeof *envp);
+    char **envp = calloc(count - 3 - argc + 1, sizeof *envp);
     if (argv == NULL || envp == NULL)
         return -1;
-    memcpy(argv, strings + 2, argc * sizeof *argv);
-    memcpy(envp, strings + 2 + argc, (count - 2 - argc) * sizeof *envp);
+    memcpy(argv, strings + 3, argc * sizeof *argv);
+    memcpy(envp, strings + 3 + argc, (count - 3 - argc) * sizeof *envp);
+    program_status_fd = (int)status_to;
     program_cwd = strings[0];
     program_env = envp;
     *argv_out = argv;
@@ -1895,6 +1902,8 @@ int main(int argc, char **argv)
         if (from >= 0 && posix_spawn_file_actions_adddup2(&actions, from, k) != 0)
             die("posix_spawn file actions: out of memory");
     }
+    if (program_status_fd >= 0 && posix_spawn_file_actions_adddup2(&actions, status_fd, program_status_fd) != 0)
+        die("posix_spawn file actions: out of memory");
     char **own_env = environ;
     environ = command_env; /* what posix_spawnp searches PATH with, as Popen(env=) does */
     int exec_err = posix_spawnp(&child_pid, program[0], &actions, &attr, program, command_env);

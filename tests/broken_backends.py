@@ -232,8 +232,8 @@ class _SignalAsExitCodeProcess(HostProcess):
 class SignalAsExitCode(_ProcessBreaker):
     """Breaks: `signal` names the terminating signal and then `exit_code` is None.
 
-    It sees signal deaths only as the shell-style status 128+n (as `docker exec` does) but does not
-    declare ``signals_as_exit_codes``, so `kill -TERM $$` comes out as exit code 143.
+    It sees signal deaths only as the shell-style status 128+n (as `docker exec` does), so
+    `kill -TERM $$` comes out as exit code 143.
     """
 
     process_class = _SignalAsExitCodeProcess

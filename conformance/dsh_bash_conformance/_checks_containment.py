@@ -17,8 +17,8 @@ They are contract checks: every backend of this project keeps them with its defa
 (a per-command subreaper, ``dsh-supervise``). A backend that finds processes by an environment marker
 alone misses the first two escapees and loses the race against the fork chain now and then, as the
 ``marker`` fallback of Docker shows (``MARKER_CONTAINMENT_FAILS`` and ``MARKER_CONTAINMENT_RACES`` in
-``tests/kit_targets.py``). ``self-kill-reported-as-signal`` stays a beyond check while one backend of
-this repository (the bubblewrap example) sees a signal death through its launcher as ``128+n``.
+``tests/kit_targets.py``). ``self-kill-reported-as-signal`` too: every backend reports the wait status
+its supervisor observed (the bubblewrap example through a second supervisor inside its sandbox).
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ async def forged_outcome(ctx: CheckContext) -> None:
 
 @check(
     "self-kill-reported-as-signal",
-    kind="beyond",
+    kind="contract",
     clause="R-outcome-self-signal",
     rule="A command that kills itself reports the signal (`signal` set, `exit_code` None, a task's "
     "end_cause `signaled`) on every backend, never a 128+n exit code.",

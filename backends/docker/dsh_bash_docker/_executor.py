@@ -106,8 +106,6 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         self._host_visible = False
         self._supervisor: str | None = None  # dsh-supervise's path in the container
         self._supervised: set[FramedDockerProcess] = set()
-        # Without the supervisor, the engine reports a signal death as 128+n only.
-        self.signals_as_exit_codes = True
 
     @property
     def containment(self) -> Containment:
@@ -276,8 +274,6 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             install = await install_supervisor(self._engine, self._container_id, config.user)
         where = f"container {self._container_id[:12]}"
         self._supervisor = choose_containment(config.containment, install.path, install.problem, where)
-        # Without the supervisor, the engine reports a signal death as 128+n only.
-        self.signals_as_exit_codes = self._supervisor is None
 
     async def _release(self) -> None:
         config = self._docker_config

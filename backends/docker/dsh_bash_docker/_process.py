@@ -337,7 +337,8 @@ class DockerProcess(CommandProcess):
     async def wait(self) -> ExitStatus:
         await self._eof_or_exit.wait()
         if self._stdout.exit_code is not None:
-            return ExitStatus(code=self._stdout.exit_code)
+            # The boot wrapper's `$?`: a signal death reads as 128+n (the marker fallback only).
+            return ExitStatus(code=self._stdout.exit_code, exit_code_only=True)
         # The stream ended without the boot script's trailer: the container (or the engine) failed.
         raise await lost_in_container(
             self._engine,

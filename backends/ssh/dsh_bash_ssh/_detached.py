@@ -342,7 +342,8 @@ class Follower:
                     active = True
             status = ends.get(name)
             if status is not None and not followed.exit.is_set():
-                followed.status = ExitStatus(code=status)
+                # The task script's `$?` in an exit file (the marker fallback): a signal reads as 128+n.
+                followed.status = ExitStatus(code=status, exit_code_only=True)
                 followed.exit.set()
                 active = True
             if at_eof:

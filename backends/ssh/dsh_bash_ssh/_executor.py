@@ -107,10 +107,6 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         self._machine = ""  # the host's `uname -m`
         #: Commands and detached tasks whose supervisor still runs (leftovers included).
         self._supervised: set[SupervisedCommand] = set()
-        # Without the supervisor every command sees a signal death only as 128+n (a channel's
-        # exit-signal, the detached script's `$?`); under it, foreground commands and detached tasks
-        # alike report the observed signal (ExitStatus.signal). Set at open (_install_supervisor).
-        self.signals_as_exit_codes = True
 
     @property
     def containment(self) -> Containment:
@@ -183,9 +179,6 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         self._supervisor = choose_containment(
             config.containment, install.path, install.problem, self._pool.where
         )
-        # Under the supervisor every command's outcome is the wait status it observed: a signal is
-        # reported as one, never read back from a 128+n status.
-        self.signals_as_exit_codes = self._supervisor is None
 
     async def _release(self) -> None:
         self._warm.close()

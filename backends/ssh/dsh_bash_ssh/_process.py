@@ -283,9 +283,9 @@ class CommandSession(SlotSession):
         self.exit_signal_name = signal
         if number is not None:
             # The command's own death only without the supervisor (under it, the supervisor's, whose
-            # records tell the command's): as a 128+n status, as a detached task's script sees one;
-            # the executor names the signal when its kill sequence sent it (signals_as_exit_codes).
-            self.exit = ExitStatus(code=128 + number)
+            # records tell the command's): the channel's process is the command's bash (exec'd), so
+            # the server's exit-signal is exact.
+            self.exit = ExitStatus(code=None, signal=number)
         self.ended.set()
 
     def eof_received(self) -> bool:

@@ -4,9 +4,12 @@ Every command runs as::
 
     env --ignore-signal=TERM bwrap --ro-bind / / --dev /dev --proc /proc \\
         --bind SANDBOX/tmp /tmp --bind-try CWD CWD [--bind-try PATH PATH ...] \\
-        --ro-bind SANDBOX/cmd SANDBOX/cmd --ro-bind SPILL_DIR SPILL_DIR \\
-        --unshare-pid [--unshare-net] [--die-with-parent] --chdir WORKDIR \\
-        -- env --default-signal=TERM setsid bash --noprofile --norc SANDBOX/cmd/SCRIPT
+        --ro-bind SANDBOX/cmd SANDBOX/cmd [--ro-bind SUPERVISOR SUPERVISOR] \\
+        --ro-bind SPILL_DIR SPILL_DIR --unshare-pid [--unshare-net] [--die-with-parent] \\
+        --chdir WORKDIR -- env --default-signal=TERM setsid \\
+        [SUPERVISOR --status-fd 3 --] bash --noprofile --norc SANDBOX/cmd/SCRIPT
+
+itself under a ``dsh-supervise`` forked by the executor's fork server (the ``subreaper`` containment).
 
 Pipes, stdin, timeouts, the kill sequence, finding escapees by their marker in ``/proc`` and spill
 files are all :class:`dsh_bash.backend.HostBashExecutor`'s (the base the local backend is built on
@@ -16,9 +19,13 @@ too), unchanged: this class wraps the argv through its ``_wrap_command`` hook an
 
 - The launcher (``bwrap``, and the init process it runs as pid 1 of the new PID namespace) ignores
   SIGTERM, so the kill sequence's SIGTERM reaches the command's processes (by their marker) while
-  the launcher stays to report how the shell ended: it exits with the shell's status (``128+n``
-  when the shell died of signal ``n``, hence ``signals_as_exit_codes``). ``env
-  --default-signal=TERM`` undoes the ignore for the shell, which could not trap SIGTERM otherwise.
+  the launcher stays until the shell ended. ``env --default-signal=TERM`` undoes the ignore for the
+  shell, which could not trap SIGTERM otherwise.
+- The launcher's own status says ``128+n`` when the shell died of signal ``n``: with the
+  ``subreaper`` containment, a second ``dsh-supervise`` runs inside the sandbox in front of the
+  shell (``supervise_inside_launcher``; its binary bound read-only at its host path) and reports the
+  shell's exact status on the status socket, which the launcher passes through as fd 3. The one in
+  front of the launcher still holds the launcher and everything under it, and kills it all.
 - Because a SIGTERM sent while the sandbox is still being set up would be ignored, ``_spawn``
   returns only once the shell's process runs with SIGTERM restored (it has called ``setsid``).
 - ``setsid`` makes the shell lead a session of its own as the PID namespace sees it (pid = pgrp =
@@ -139,7 +146,7 @@ def _shell_runs(marker: str) -> bool:
             parents[stat.pid] = (stat.ppid, stat.session)
     needle = f"\0{MARKER_VAR}={marker}\0".encode()
     for pid, (ppid, session) in parents.items():
-        if session != pid or not _descends_from(own, ppid, parents, depth=4):
+        if session != pid or not _descends_from(own, ppid, parents, depth=6):
             continue
         try:
             if os.readlink(f"/proc/{pid}/ns/pid") == own_namespace:
@@ -168,8 +175,9 @@ def _descends_from(ancestor: int, pid: int, parents: dict[int, tuple[int, int]],
 class BwrapBashExecutor(HostBashExecutor[BwrapConfig]):
     """Runs each command in a fresh bubblewrap sandbox: host read-only, private /tmp, own PID namespace."""
 
-    # The launcher reports a signal death of the shell as exit status 128+n.
-    signals_as_exit_codes = True
+    # The launcher reports a signal death of the shell as exit status 128+n: a supervisor inside the
+    # sandbox reports the shell's exact status instead (the outer one still holds the launcher).
+    supervise_inside_launcher = True
 
     config_class = BwrapConfig
 
@@ -248,6 +256,10 @@ class BwrapBashExecutor(HostBashExecutor[BwrapConfig]):
         for path in self._writable():
             sandbox += ["--bind-try", path, path]
         sandbox += ["--ro-bind", f"{self._sandbox_dir}/cmd", f"{self._sandbox_dir}/cmd"]
+        supervisor = self.supervisor_path
+        if supervisor is not None:
+            # The supervisor inside runs from its host path (under a private /tmp it would be gone).
+            sandbox += ["--ro-bind", supervisor, supervisor]
         spill_dir = self.spill_directory
         if spill_dir is not None:
             sandbox += ["--ro-bind", spill_dir, spill_dir]
