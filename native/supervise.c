@@ -72,9 +72,9 @@
  * exec: fd 0 is a Unix stream socket. The server keeps a spare child ready (announced on fd 0 as
  * `spare PID` with a pidfd attached), which takes the next request from fd 0 and becomes that
  * command's supervisor as in the status-fd mode with --die-with-parent (its parent is the server). A
- * request: a 4-byte big-endian length, then NUL-terminated strings (directory, argument count,
- * arguments, environment entries), with exactly four fds attached (status socket, stdin, stdout,
- * stderr). The supervisor's first message is `pidfd PID` with a pidfd of itself attached, sent with
+ * request: a 4-byte big-endian length, then NUL-terminated strings (directory, the fd at which the
+ * program gets the status socket too or -1, argument count, arguments, environment entries), with
+ * exactly four fds attached (status socket, stdin, stdout, stderr). The supervisor's first message is `pidfd PID` with a pidfd of itself attached, sent with
  * its first records; `cwdfail ERRNO` when the directory cannot be entered. EOF on fd 0 or the
  * server's death ends every supervisor under it (PDEATHSIG SIGUSR2). A malformed request: 125.
  *
