@@ -148,7 +148,7 @@ class SupervisorServer:
                 # watcher gets a pidfd of its own: ours may be closed under its wait.
                 self._start_helper(self._watch, os.pidfd_open(self._popen.pid), sock)
                 self._watched = True
-            self._continue_spare()
+            self.nudge()
             try:
                 while sent == 0:
                     try:
@@ -170,11 +170,12 @@ class SupervisorServer:
                 except BlockingIOError:
                     await anyio.wait_writable(sock)
 
-    def _continue_spare(self) -> None:
-        """Take the server's spare announcements; SIGCONT the current spare (a command may have
-        stopped it, which would leave the next request unanswered)."""
+    def nudge(self) -> None:
+        """SIGCONT the server and its current spare (taking the server's spare announcements first):
+        a command of the same user may have stopped either, which would leave requests unanswered."""
         sock = self._socket
-        assert sock is not None
+        if sock is None:
+            return
         while True:
             try:
                 data, ancdata, _flags, _addr = sock.recvmsg(4096, socket.CMSG_SPACE(4 * 8))
@@ -188,9 +189,10 @@ class SupervisorServer:
                 self._spare_pidfd = fd
             if not data:
                 break
-        if self._spare_pidfd is not None:
-            with contextlib.suppress(ProcessLookupError, OSError):
-                signal.pidfd_send_signal(self._spare_pidfd, signal.SIGCONT)
+        for pidfd in (self._pidfd, self._spare_pidfd):
+            if pidfd is not None:
+                with contextlib.suppress(ProcessLookupError, OSError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGCONT)
 
     def _close_socket(self) -> None:
         """Close our end: the server exits (and with it every supervisor still running under it)."""

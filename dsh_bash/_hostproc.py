@@ -214,6 +214,9 @@ class HostProcess(CommandProcess):
                 os.unlink(name, dir_fd=directory.fd)
 
 
+#: How often a command no supervisor answered yet continues the fork server and its spare.
+_NUDGE_EVERY_S = 0.5
+
 #: Where a launcher's program finds the status socket when a supervisor runs inside its sandbox.
 _INNER_STATUS_FD = 3
 
@@ -236,10 +239,20 @@ class SupervisedProcess(HostProcess):
     """
 
     def __init__(
-        self, launch: Launch, *, status: socket.socket, bash: str, nested: bool = False, **kw: Any
+        self,
+        launch: Launch,
+        *,
+        status: socket.socket,
+        bash: str,
+        nudge: Callable[[], None],
+        nested: bool = False,
+        **kw: Any,
     ) -> None:
         super().__init__(None, launch, **kw)
         self._bash = bash
+        #: Continues the fork server and its spare (a command may have stopped them) while this
+        #: command waits for a supervisor to take it.
+        self._nudge = nudge
         #: A second supervisor runs inside the launcher's sandbox and reports the command on the same
         #: socket: its ``empty`` comes while the launcher still runs, so only the outer one's counts.
         self._nested = nested
@@ -313,8 +326,7 @@ class SupervisedProcess(HostProcess):
     async def started(self) -> None:
         """Return once the command's bash runs; raise BashInfrastructureError when it could not start."""
         records = self._records
-        if not self._start_known():
-            await self._status_until(self._start_known)
+        await self._until_answered(self._start_known)
         spec = self._launch.spec
         if records.workdir_failed is not None:
             code = records.workdir_failed
@@ -342,7 +354,19 @@ class SupervisedProcess(HostProcess):
             if self._reading:
                 await self._answered.wait()  # the reading task applies it
             else:
-                await self._status_until(self._answered.is_set)
+                await self._until_answered(self._answered.is_set)
+
+    async def _until_answered(self, done: Callable[[], bool]) -> None:
+        """Read records until ``done()`` or the channel ends, nudging the fork server while no
+        supervisor answered: a stopped server or spare is continued every half second."""
+        while not done() and not self._status_eof and self._status is not None:
+            if self._answered.is_set():
+                await self._status_until(done)
+                return
+            with anyio.move_on_after(_NUDGE_EVERY_S):
+                await self._status_until(lambda: done() or self._answered.is_set())
+            if not self._answered.is_set():
+                self._nudge()
 
     async def abandon(self) -> None:
         """Kill whatever started, wait until it is gone, and release everything (a start that failed
@@ -384,8 +408,10 @@ class SupervisedProcess(HostProcess):
         if self._supervisor_reaped:
             return True
         if self._pidfd is None:
-            # No supervisor took the command yet: it is gone only if the channel is.
-            return self._status_eof
+            # No supervisor answered: there is none we know of once the channel ended or we closed it
+            # (a request still queued at the server then runs unanswered until the server closes,
+            # which kills it: the executor's aclose, or the server's death).
+            return self._status_eof or self._status is None
         return pidfd_exited(self._pidfd)
 
     def _signal_supervisor(self, sig: int) -> bool:
@@ -716,6 +742,7 @@ async def _spawn_supervised(
         start_helper=start_helper,
         script=None,  # not before it started: a retry still needs the file
         bash=bash,
+        nudge=server.nudge,
         nested=nested,
     )
     if not launch.background:

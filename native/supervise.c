@@ -1353,7 +1353,8 @@ static char *program_cwd;    /* NULL: stay */
  * inside a sandbox, whose records are the command's; this one's follow them). -1: it does not. */
 static int program_status_fd = -1;
 
-/* Reads a request's header (with its fds) from the harness's socket: 1 when one came, 0 at EOF. */
+/* Reads a request's header (with its fds) from the harness's socket: 1 when one came, 0 at EOF, -1
+ * when it carried more fds than fit (not a request of this version). NFDS counts every fd sent. */
 static int server_header(unsigned *len, int fds[SERVER_FDS], int *nfds)
 {
     unsigned char head[4];
@@ -1384,13 +1385,14 @@ static int server_header(unsigned *len, int fds[SERVER_FDS], int *nfds)
             int *in = (int *)(void *)CMSG_DATA(c);
             for (size_t k = 0; k < count; k++) {
                 if (*nfds < SERVER_FDS)
-                    fds[(*nfds)++] = in[k];
+                    fds[*nfds] = in[k];
                 else
                     close(in[k]); /* more than a request has: not a sound harness, see below */
+                (*nfds)++;
             }
         }
         if (msg.msg_flags & MSG_CTRUNC)
-            return 0;
+            return -1; /* more fds than any request has */
         got += (size_t)n;
     }
     *len = (unsigned)head[0] << 24 | (unsigned)head[1] << 16 | (unsigned)head[2] << 8 | head[3];
@@ -1492,8 +1494,11 @@ static char **spare(int taken)
     }
     unsigned len;
     int fds[SERVER_FDS], nfds;
-    if (!server_header(&len, fds, &nfds))
+    int header = server_header(&len, fds, &nfds);
+    if (header == 0)
         _exit(0); /* the executor closed */
+    if (header < 0)
+        _exit(EXIT_PROTOCOL);
     if (nfds != SERVER_FDS || len > SERVER_REQUEST_MAX)
         _exit(EXIT_PROTOCOL); /* not a request this version sent: nothing read from here is sound */
     char *data = malloc(len ? len : 1);
@@ -1904,6 +1909,8 @@ int main(int argc, char **argv)
     }
     if (program_status_fd >= 0 && posix_spawn_file_actions_adddup2(&actions, status_fd, program_status_fd) != 0)
         die("posix_spawn file actions: out of memory");
+    if (program_status_fd >= 0)
+        flush_status(); /* our pid and pidfd first: the program writes records of its own there */
     char **own_env = environ;
     environ = command_env; /* what posix_spawnp searches PATH with, as Popen(env=) does */
     int exec_err = posix_spawnp(&child_pid, program[0], &actions, &attr, program, command_env);
