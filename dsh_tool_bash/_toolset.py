@@ -575,6 +575,11 @@ def _one_line(exc: BaseException) -> str:
 _TOO_DEEP = f"nested too deeply (at most {MAX_ARGUMENT_DEPTH} levels of JSON arrays and objects)"
 
 
+def too_deep() -> str:
+    """The problem text of arguments nested too deeply (the MCP server's stdio reader reports it too)."""
+    return _TOO_DEEP
+
+
 def _too_large(size: str) -> str:
     return f"too large ({size}; at most {MAX_ARGUMENT_BYTES} bytes of JSON)"
 
