@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 from dsh_bash_local import LocalBashExecutor, LocalConfig
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dsh_bash import BashRunResult, CollectedOutput, OwnerToken
 from dsh_bash.testing import Chunk, Script, ScriptedConfig, ScriptedExecutor
@@ -172,6 +174,17 @@ def _unescape(text: str) -> str:
     ["\\x1b\x1b", "\\\\\x07\\x07", "a\\\\\\x9b\x9b\\", "\r\r\n\\x0d", "".join(chr(i) for i in range(0x100))],
 )
 def test_escaping_is_unambiguous(raw: str) -> None:
+    shown = escape_controls(raw)
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", shown.replace("\r\n", "")), shown
+    assert _unescape(shown) == raw
+
+
+@settings(max_examples=500, deadline=None, database=None)
+@given(
+    st.text(alphabet=st.sampled_from(["\\", "x", "1", "b", "F", "\x1b", "\r", "\n", "\x9b", "\t", "é"]))
+    | st.text()
+)
+def test_escaping_reads_back_exactly(raw: str) -> None:
     shown = escape_controls(raw)
     assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", shown.replace("\r\n", "")), shown
     assert _unescape(shown) == raw
