@@ -20,8 +20,10 @@ import collections
 import contextlib
 import functools
 import ipaddress
+import json
 import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -48,7 +50,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from dsh_bash import BashExecutor, BashTask, OwnerToken, load_executor
 
-from ._toolset import BashToolset, ToolResult
+from ._toolset import BashToolset, ToolResult, too_deep
 
 __all__ = ["BashMcpServer", "parse_http_address", "run_server"]
 
@@ -63,6 +65,15 @@ _STATE_KEY: Final = "dsh_tool_bash.session"
 _LEVELS: Final = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
 _NOTICE_LEVEL: Final = "info"
 _NOTIFY_BOUND_S: Final = 5.0
+#: ``_meta`` key by which the stdio reader marks a request it rewrote because it was nested too deeply.
+REFUSED_META_KEY: Final = "dsh-bash/refused"
+#: The method a too-deep request other than ``tools/call`` is rewritten to: answered with an error.
+_REFUSED_METHOD: Final = "dsh-bash/refused"
+#: Messages nested deeper than this are refused by the stdio reader (the SDK's JSON parser refuses them
+#: at about 200 and drops the line unanswered, leaving the client waiting).
+_MAX_LINE_DEPTH: Final = 128
+#: A JSON string or a bracket: what the depth scan of a line looks at.
+_JSON_TOKENS: Final = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 #: Idle streamable-HTTP sessions (no request in flight, no open stream) end after this long.
 DEFAULT_SESSION_IDLE_TIMEOUT_S: Final = 1800.0
 
@@ -125,6 +136,7 @@ class BashMcpServer:
                 on_set_logging_level=self._set_logging_level,
             )
         self._server.add_request_handler("server/discover", types.RequestParams, self._refuse_discover)
+        self._server.add_request_handler(_REFUSED_METHOD, types.RequestParams, self._refuse_too_deep)
 
     @property
     def server(self) -> Server[Any]:
@@ -140,6 +152,12 @@ class BashMcpServer:
             code=types.METHOD_NOT_FOUND,
             message="server/discover: this server speaks the session-based protocol; use initialize",
         )
+
+    async def _refuse_too_deep(
+        self, ctx: ServerRequestContext[Any, Any], params: types.RequestParams
+    ) -> NoReturn:
+        problem = (params.meta or {}).get(REFUSED_META_KEY)
+        raise MCPError(code=types.INVALID_REQUEST, message=str(problem or "the request was refused"))
 
     async def _list_tools(
         self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
@@ -162,6 +180,12 @@ class BashMcpServer:
                 ),
                 is_error=True,
                 data={"tool": params.name, "error": "no_session"},
+            )
+        elif params.meta and REFUSED_META_KEY in params.meta:  # rewritten by the stdio reader: too deep
+            result = ToolResult(
+                text=f"invalid arguments for {params.name}: {too_deep()}",
+                is_error=True,
+                data={"tool": params.name, "error": "invalid_arguments"},
             )
         else:
             session = self._session(ctx)
@@ -400,7 +424,54 @@ class _FdLines:
             else:
                 self._eof = True
                 self._feed(self._decoder.decode(b"", final=True))
-        return self._lines.popleft()
+        return _screen(self._lines.popleft())
+
+
+def _screen(line: str) -> str:
+    """``line``, or, when it is a request nested too deeply for the SDK's parser (which would drop it
+    unanswered), a small request with the same id that the server answers with an error: a ``tools/call``
+    keeps its tool name and gets ``invalid_arguments``, anything else a JSON-RPC error."""
+    if line.count("[") + line.count("{") <= _MAX_LINE_DEPTH:
+        return line  # cannot nest deeper: the usual case, at C speed
+    pieces: list[str] = []
+    depth = kept = 0
+    cut: int | None = None
+    for match in _JSON_TOKENS.finditer(line):
+        token = match.group()
+        if token in ("[", "{"):
+            depth += 1
+            if depth == _MAX_LINE_DEPTH + 1:
+                cut = match.start()
+        elif token in ("]", "}"):
+            if depth == _MAX_LINE_DEPTH + 1 and cut is not None:
+                pieces += [line[kept:cut], "0"]
+                kept, cut = match.end(), None
+            depth -= 1
+    if not pieces or cut is not None:
+        return line  # not too deep, or not JSON: the SDK's to judge
+    try:
+        message = json.loads("".join([*pieces, line[kept:]]))
+    except (ValueError, RecursionError):
+        return line
+    if not isinstance(message, dict):
+        return line
+    number, method, params = message.get("id"), message.get("method"), message.get("params")
+    if isinstance(number, bool) or not isinstance(number, int | str) or not isinstance(method, str):
+        return line  # a notification or a response: nobody waits for an answer
+    name = params.get("name") if isinstance(params, dict) else None
+    if method == "tools/call" and isinstance(name, str):
+        replaced = {"name": name, "arguments": {}, "_meta": {REFUSED_META_KEY: too_deep()}}
+        rewritten = {"jsonrpc": "2.0", "id": number, "method": method, "params": replaced}
+    else:
+        problem = f"{method}: the request is nested too deeply (at most {_MAX_LINE_DEPTH} levels)"
+        rewritten = {
+            "jsonrpc": "2.0",
+            "id": number,
+            "method": _REFUSED_METHOD,
+            "params": {"_meta": {REFUSED_META_KEY: problem}},
+        }
+    log.warning("refused request %r (%s): nested too deeply", number, method)
+    return json.dumps(rewritten) + "\n"
 
 
 # -- the command line's entry point ---------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """What the model reads: pure functions from executor results to tool text.
 
-The joining rule, everywhere: output text is copied verbatim; a notice (``[stderr]``, ``[exit code: 1]``,
+The joining rule, everywhere: output text is copied verbatim except for control characters (see
+:func:`escape_controls`); a notice (``[stderr]``, ``[exit code: 1]``,
 ...) is a line of its own, so a newline goes before it unless the text so far is empty or already ends
 with one, and a newline goes after it only when something follows. The renderer never adds a trailing
 newline of its own: a text ends with the command's own output or with the last notice.
@@ -8,6 +9,7 @@ newline of its own: a text ends with the command's own output or with the last n
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 
 from dsh_bash import BashRunResult, BashTaskStatus, CollectedOutput
@@ -17,6 +19,7 @@ __all__ = [
     "NO_OUTPUT",
     "UNAVAILABLE",
     "completion_notice",
+    "escape_controls",
     "join",
     "lossy_line",
     "render_output",
@@ -29,6 +32,32 @@ __all__ = [
 NO_OUTPUT = "(no output)"
 NO_NEW_OUTPUT = "(no new output)"
 UNAVAILABLE = "(unavailable)"
+
+
+#: What :func:`escape_controls` rewrites: C0 controls but tab and newline, DEL, C1 controls, a CR not
+#: followed by LF, and a run of backslashes that would otherwise read as the start of an escape.
+_CONTROLS = r"\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f"
+_ESCAPED = re.compile(rf"\\+(?=x[0-9a-fA-F]{{2}}|[{_CONTROLS}]|\r(?!\n))|\r(?!\n)|[{_CONTROLS}]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    found = match.group()
+    if found[0] == "\\":
+        return found * 2
+    return f"\\x{ord(found):02x}"
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with no raw terminal control characters, for the model (and whoever displays its input).
+
+    Every C0 control except tab and newline, DEL, every C1 control (U+0080-U+009F), and a CR that does not
+    end a CRLF line end is shown as ``\\xHH``, ``HH`` its code point in lowercase hex (ESC is ``\\x1b``,
+    BEL ``\\x07``, a lone CR ``\\x0d``, CSI ``\\x9b``). So that the command's own text cannot pass for
+    such an escape, a run of backslashes followed by ``xHH`` (or by a character about to be escaped) is
+    doubled. Reading it back: in a run of backslashes before ``xHH``, each pair is one backslash, and an
+    odd last one with ``xHH`` is the character U+00HH; any other backslash is the command's own.
+    """
+    return _ESCAPED.sub(_escape, text)
 
 
 class Line(str):
@@ -64,7 +93,7 @@ def truncation_line(spill_path: str | None) -> Line:
 
 
 def _stream(output: CollectedOutput) -> list[str]:
-    pieces: list[str] = [output.text]
+    pieces: list[str] = [escape_controls(output.text)]
     if output.truncated:
         pieces.append(truncation_line(output.spill_path))
     return pieces
@@ -117,7 +146,7 @@ def render_output(delta: str, *, lossy: bool, spill_paths: Sequence[str | None],
 
     ``spill_paths`` is stdout's then stderr's; ``status`` is a :func:`status_line`.
     """
-    pieces: list[str] = [delta] if delta else [Line(NO_NEW_OUTPUT)]
+    pieces: list[str] = [escape_controls(delta)] if delta else [Line(NO_NEW_OUTPUT)]
     if lossy:
         pieces.append(lossy_line(spill_paths))
     pieces.append(Line(status))

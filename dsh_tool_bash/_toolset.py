@@ -24,7 +24,14 @@ from dsh_bash import (
     UnknownTaskError,
 )
 
-from ._render import completion_notice, render_output, render_run, status_line, status_summary
+from ._render import (
+    completion_notice,
+    escape_controls,
+    render_output,
+    render_run,
+    status_line,
+    status_summary,
+)
 from ._schemas import (
     BashArgs,
     BashForegroundArgs,
@@ -34,7 +41,14 @@ from ._schemas import (
     input_schema,
 )
 
-__all__ = ["BashToolset", "CompletionCallback", "ToolDefinition", "ToolResult"]
+__all__ = [
+    "MAX_ARGUMENT_BYTES",
+    "MAX_ARGUMENT_DEPTH",
+    "BashToolset",
+    "CompletionCallback",
+    "ToolDefinition",
+    "ToolResult",
+]
 
 log = logging.getLogger("dsh_tool_bash")
 
@@ -42,6 +56,12 @@ BASH = "bash"
 BASH_OUTPUT = "bash_output"
 BASH_KILL = "bash_kill"
 ABORTED_TEXT = "command aborted"
+
+#: A tool call's arguments may be at most this large: the UTF-8 bytes of the JSON text, or an estimate of
+#: them for an already-parsed object. Larger ones are refused as ``invalid_arguments`` before any parsing.
+MAX_ARGUMENT_BYTES = 1 << 20
+#: ... and nested at most this deep (the arguments object itself is level 1; valid ones need 1).
+MAX_ARGUMENT_DEPTH = 100
 
 #: ``callback(text, task)``: called synchronously when a task of the toolset's owner ends.
 CompletionCallback = Callable[[str, BashTask], object]
@@ -190,7 +210,8 @@ _BASH_KILL_DESCRIPTION = "\n".join(
 
 
 def _error(kind: ErrorKind, text: str, tool: str, **facts: Any) -> ToolResult:
-    return ToolResult(text=text, is_error=True, data={"tool": tool, "error": kind, **facts})
+    # Error texts quote what the model sent and what backends said: no raw control characters either.
+    return ToolResult(text=escape_controls(text), is_error=True, data={"tool": tool, "error": kind, **facts})
 
 
 def _run_data(result: BashRunResult) -> dict[str, Any]:
@@ -342,9 +363,6 @@ class BashToolset:
         names = [tool for tool in (BASH, BASH_OUTPUT, BASH_KILL) if tool == BASH or self._background]
         if name not in names:
             return _error("unknown_tool", f'unknown tool "{name}" (available: {", ".join(names)})', str(name))
-        parsed = _parse_arguments(arguments)
-        if isinstance(parsed, str):
-            return _error("invalid_arguments", f"invalid arguments for {name}: {parsed}", name)
         model: type[BaseModel]
         if name == BASH:
             model = self._bash_model()
@@ -353,10 +371,15 @@ class BashToolset:
         else:
             model = BashKillArgs
         try:
+            parsed = _parse_arguments(arguments)
+            if isinstance(parsed, str):
+                return _error("invalid_arguments", f"invalid arguments for {name}: {parsed}", name)
             args = model.model_validate(parsed)
         except ValidationError as exc:
             problem = describe_validation_error(exc, model)
             return _error("invalid_arguments", f"invalid arguments for {name}: {problem}", name)
+        except RecursionError:  # a safety net: the bounds below should have refused it first
+            return _error("invalid_arguments", f"invalid arguments for {name}: {_TOO_DEEP}", name)
         if signal is not None and signal.aborted:
             return _error("aborted", ABORTED_TEXT, name)
         if isinstance(args, BashForegroundArgs):
@@ -549,19 +572,81 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+_TOO_DEEP = f"nested too deeply (at most {MAX_ARGUMENT_DEPTH} levels of JSON arrays and objects)"
+
+
+def too_deep() -> str:
+    """The problem text of arguments nested too deeply (the MCP server's stdio reader reports it too)."""
+    return _TOO_DEEP
+
+
+def _too_large(size: str) -> str:
+    return f"too large ({size}; at most {MAX_ARGUMENT_BYTES} bytes of JSON)"
+
+
+def _object_bounds(value: object) -> str | None:
+    """What makes an already-parsed value too deep or too large, or None. Estimates its JSON size (the
+    UTF-8 bytes of strings and keys, digits, punctuation) without recursion, stopping at the first excess."""
+    size = 0
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            long = len(item) > MAX_ARGUMENT_BYTES  # too large already: spare the copy
+            size += 2 + (len(item) if long else len(item.encode("utf-8", "surrogatepass")))
+        elif isinstance(item, Mapping | list | tuple):
+            if depth > MAX_ARGUMENT_DEPTH:
+                return _TOO_DEEP
+            size += 2 + len(item)
+            if size > MAX_ARGUMENT_BYTES:
+                break
+            if isinstance(item, Mapping):
+                for key, child in item.items():
+                    stack.append((key, depth + 1))
+                    stack.append((child, depth + 1))
+            else:
+                stack.extend((child, depth + 1) for child in item)
+        elif isinstance(item, bool) or item is None:
+            size += 5
+        elif isinstance(item, int):
+            size += item.bit_length() // 3 + 2
+        else:
+            size += 24
+        if size > MAX_ARGUMENT_BYTES:
+            break
+    if size > MAX_ARGUMENT_BYTES:
+        return _too_large(f"more than {MAX_ARGUMENT_BYTES} bytes")
+    return None
+
+
 def _parse_arguments(arguments: object) -> dict[str, Any] | str:
-    """A dict of arguments, or a string saying what is wrong with them."""
+    """A dict of arguments, or a string saying what is wrong with them.
+
+    Hostile input is refused before it can cost much: JSON text larger than ``MAX_ARGUMENT_BYTES`` is not
+    parsed; objects larger, or nested deeper than ``MAX_ARGUMENT_DEPTH``, are not validated. JSON nested
+    deeper than the interpreter's recursion limit makes the parser raise ``RecursionError``: too deep too.
+    """
     if arguments is None:
         return {}
     if isinstance(arguments, str):
+        if len(arguments) > MAX_ARGUMENT_BYTES:
+            return _too_large(f"{len(arguments)} characters")
+        size = len(arguments.encode("utf-8", "surrogatepass"))
+        if size > MAX_ARGUMENT_BYTES:
+            return _too_large(f"{size} bytes")
         if not arguments.strip():
             return {}
         try:
             arguments = json.loads(arguments)
+        except RecursionError:
+            return _TOO_DEEP
         except ValueError as exc:
             return f"not valid JSON ({exc})"
     if not isinstance(arguments, Mapping):
         return f"expected a JSON object, got {type(arguments).__name__}"
+    problem = _object_bounds(arguments)
+    if problem is not None:
+        return problem
     return {str(key): value for key, value in arguments.items()}
 
 

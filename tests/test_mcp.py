@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -250,6 +251,102 @@ async def test_stdio_server_stops_on_a_signal_and_kills_everything(
                 os.kill(server[0], signum)
                 await _until_gone(marker, 10)  # the server, the foreground run and the background task
                 tg.cancel_scope.cancel()
+
+
+# -- hostile arguments and output over stdio ---------------------------------------------------------------
+
+
+def _nested(depth: int) -> Any:
+    value: Any = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+async def test_stdio_hostile_arguments_and_output(config: Path, marker: str) -> None:
+    """Arguments nested too deeply or too large are invalid_arguments; control characters are escaped."""
+    params = StdioServerParameters(command=sys.executable, args=_server_args(config, marker), cwd=str(REPO))
+    with anyio.fail_after(40):
+        async with Client(stdio_client(params)) as client:
+            deep = await client.call_tool("bash", {"command": _nested(150)})
+            assert deep.is_error and _data(deep)["error"] == "invalid_arguments"
+            assert _text(deep).startswith("invalid arguments for bash: nested too deeply"), _text(deep)
+
+            big = await client.call_tool("bash", {"command": "true", "description": "x" * (2 << 20)})
+            assert big.is_error and _data(big)["error"] == "invalid_arguments"
+            assert _text(big).startswith("invalid arguments for bash: too large"), _text(big)[:200]
+
+            noisy = await client.call_tool("bash", {"command": r"printf '\033]0;t\a\302\233x\\x1b'"})
+            assert (_text(noisy), noisy.is_error) == ("\\x1b]0;t\\x07\\x9bx\\\\x1b", False)
+
+
+async def _raw_stdio_calls(config: Path, marker: str, lines: list[str]) -> list[dict[str, Any]]:
+    """Send initialize and ``lines`` (requests with ids 2, 3, ...) as raw JSON-RPC; return the answers."""
+    hello = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {},
+            "clientInfo": {"name": "t", "version": "0"},
+        },
+    }
+    initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    sent = [json.dumps(hello), json.dumps(initialized), *lines]
+    async with await anyio.open_process(
+        [sys.executable, *_server_args(config, marker)], cwd=str(REPO)
+    ) as proc:
+        assert proc.stdin is not None and proc.stdout is not None
+        answers: dict[Any, dict[str, Any]] = {}
+        buffer = b""
+        for line in sent:
+            await proc.stdin.send(line.encode() + b"\n")
+        want = {1, *range(2, 2 + len(lines))}
+        with anyio.move_on_after(20):
+            while not want <= set(answers):
+                buffer += await proc.stdout.receive()
+                *complete, buffer = buffer.split(b"\n")
+                for raw in complete:
+                    message = json.loads(raw)
+                    if "id" in message:
+                        answers[message["id"]] = message
+        await proc.stdin.aclose()
+        with anyio.move_on_after(10):
+            await proc.wait()
+    return [answers.get(number, {}) for number in range(2, 2 + len(lines))]
+
+
+async def test_stdio_arguments_too_deep_for_the_sdk_parser_are_answered(config: Path, marker: str) -> None:
+    """Deeper than the SDK's JSON parser goes (it drops such a line unanswered), the call still gets its
+    invalid_arguments result, and the server keeps serving."""
+
+    def call(number: int, arguments: str, name: str = "bash") -> str:
+        return (
+            f'{{"jsonrpc": "2.0", "id": {number}, "method": "tools/call", '
+            f'"params": {{"name": "{name}", "arguments": {arguments}}}}}'
+        )
+
+    depth = 100_000
+    lines = [
+        call(2, '{"command": ' + "[" * depth + "]" * depth + "}"),
+        call(
+            3, '{"command": "true", "description": ' + '{"a": ' * 500 + "1" + "}" * 500 + "}", "bash_output"
+        ),
+        '{"jsonrpc": "2.0", "id": 4, "method": "tools/list", "params": {"x": '
+        + "[" * depth
+        + "]" * depth
+        + "}}",
+        call(5, '{"command": "echo alive"}'),
+    ]
+    deep, deep_dict, listing, alive = await _raw_stdio_calls(config, marker, lines)
+    for answer, tool in ((deep, "bash"), (deep_dict, "bash_output")):
+        result = answer.get("result", {})
+        assert result.get("isError") is True, answer
+        assert result["content"][0]["text"].startswith(f"invalid arguments for {tool}: nested too deeply")
+        assert result["_meta"][DATA_META_KEY]["error"] == "invalid_arguments"
+    assert "error" in listing, listing
+    assert alive.get("result", {}).get("content") == [{"type": "text", "text": "alive\n"}], alive
 
 
 # -- streamable HTTP --------------------------------------------------------------------------------------
