@@ -522,6 +522,30 @@ static int signed_write(const char *text, size_t n)
 
 /* One status record: one line, one write(2) (in frame mode: one 's' frame; with --detach: one signed
  * line). Failures (a reader that left, a full file system) are ignored. */
+/* One sendmsg(2) of IOV on FD, with PASSFD attached (SCM_RIGHTS) when it is >= 0. */
+static ssize_t send_with_fd(int fd, struct iovec *iov, int iovcnt, int passfd, int flags)
+{
+    union {
+        struct cmsghdr align;
+        char buf[CMSG_SPACE(sizeof(int))];
+    } control;
+    struct msghdr msg;
+    memset(&msg, 0, sizeof msg);
+    msg.msg_iov = iov;
+    msg.msg_iovlen = (size_t)iovcnt;
+    if (passfd >= 0) {
+        memset(&control, 0, sizeof control);
+        msg.msg_control = control.buf;
+        msg.msg_controllen = sizeof control.buf;
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &passfd, sizeof(int));
+    }
+    return sendmsg(fd, &msg, flags);
+}
+
 static void flush_status(void)
 {
     if (status_fd < 0 || (status_out_len == 0 && answer_pid == 0))
@@ -533,36 +557,17 @@ static void flush_status(void)
         answer_pid = 0;
     }
     struct iovec iov[2] = {{head, head_len}, {status_out, status_out_len}};
-    union {
-        struct cmsghdr align;
-        char buf[CMSG_SPACE(sizeof(int))];
-    } control;
-    struct msghdr msg;
-    memset(&msg, 0, sizeof msg);
-    msg.msg_iov = iov;
-    msg.msg_iovlen = 2;
-    if (answer_pidfd >= 0) {
-        memset(&control, 0, sizeof control);
-        msg.msg_control = control.buf;
-        msg.msg_controllen = sizeof control.buf;
-        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-        c->cmsg_level = SOL_SOCKET;
-        c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(c), &answer_pidfd, sizeof(int));
-    }
     size_t left = head_len + status_out_len;
     while (left > 0) {
-        ssize_t w = answer_pidfd >= 0 ? sendmsg(status_fd, &msg, MSG_NOSIGNAL) : writev(status_fd, msg.msg_iov, (int)msg.msg_iovlen);
+        ssize_t w = answer_pidfd >= 0 ? send_with_fd(status_fd, iov, 2, answer_pidfd, MSG_NOSIGNAL)
+                                      : writev(status_fd, iov, 2);
         if (w < 0 && errno == EINTR)
             continue;
         if (w <= 0)
             break; /* nobody reads any more: what is left is dropped */
         if (answer_pidfd >= 0) {
-            close(answer_pidfd);
+            close(answer_pidfd); /* it went with the first bytes */
             answer_pidfd = -1;
-            msg.msg_control = NULL;
-            msg.msg_controllen = 0;
         }
         left -= (size_t)w;
         /* Skip what went out (rarely anything is left: a status socket holds far more). */
@@ -1442,27 +1447,9 @@ static int server_parse(char *data, size_t len, char ***argv_out)
 static void server_answer(int fd, const char *text, int pidfd)
 {
     struct iovec iov = {(void *)text, strlen(text)};
-    union {
-        struct cmsghdr align;
-        char buf[CMSG_SPACE(sizeof(int))];
-    } control;
-    struct msghdr msg;
-    memset(&msg, 0, sizeof msg);
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    if (pidfd >= 0) {
-        memset(&control, 0, sizeof control);
-        msg.msg_control = control.buf;
-        msg.msg_controllen = sizeof control.buf;
-        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-        c->cmsg_level = SOL_SOCKET;
-        c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(c), &pidfd, sizeof(int));
-    }
     ssize_t w;
     do
-        w = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        w = send_with_fd(fd, &iov, 1, pidfd, MSG_NOSIGNAL | MSG_DONTWAIT);
     while (w < 0 && errno == EINTR);
 }
 
