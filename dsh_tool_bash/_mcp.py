@@ -21,6 +21,7 @@ import contextlib
 import functools
 import hmac
 import ipaddress
+import json
 import logging
 import os
 import secrets
@@ -364,7 +365,7 @@ class BashMcpServer:
             host=host,
         )
         config = uvicorn.Config(
-            _Gate(app, token, self),
+            _Gate(app, token, self, max_sessions),
             log_level="warning",
             access_log=False,
             lifespan="on",
@@ -405,13 +406,38 @@ class _Gate:
     """In front of the SDK's app: the bearer token, then a DELETE answered once its session's tasks ended.
 
     The token is checked (in constant time) before the request reaches anything else: a request without
-    it gets 401 and creates no session and no executor work.
+    it gets 401 and creates no session and no executor work. The SDK's refusal of a session beyond
+    ``max_sessions`` (503) is reworded to name the cap.
     """
 
-    def __init__(self, app: ASGIApp, token: str | None, server: BashMcpServer) -> None:
+    def __init__(
+        self, app: ASGIApp, token: str | None, server: BashMcpServer, max_sessions: int | None
+    ) -> None:
         self._app = app
         self._token = token.encode() if token is not None else None
         self._server = server
+        self._max_sessions = max_sessions
+
+    async def _opening(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A request without a session id (one that may open a session): name the cap in a 503."""
+        refused = False
+
+        async def reword(message: Message) -> None:
+            nonlocal refused
+            if message["type"] == "http.response.start" and message["status"] == 503:
+                refused = True
+                text = f"too many open sessions: at most {self._max_sessions} (dsh-bash mcp --max-sessions)"
+                error = {"code": types.INTERNAL_ERROR, "message": text}
+                body = json.dumps({"jsonrpc": "2.0", "id": None, "error": error}).encode()
+                headers = [(k, v) for k, v in message.get("headers", ()) if k != b"content-length"]
+                headers.append((b"content-length", str(len(body)).encode()))
+                await send({**message, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+            if not refused:
+                await send(message)
+
+        await self._app(scope, receive, reword)
 
     def _authorized(self, scope: Scope) -> bool:
         if self._token is None:
@@ -448,9 +474,6 @@ class _Gate:
             )
             await send({"type": "http.response.body", "body": body})
             return
-        if scope.get("method") != "DELETE":
-            await self._app(scope, receive, send)
-            return
         session_id = next(
             (
                 value.decode("latin-1")
@@ -459,6 +482,12 @@ class _Gate:
             ),
             None,
         )
+        if session_id is None and self._max_sessions is not None:
+            await self._opening(scope, receive, send)
+            return
+        if scope.get("method") != "DELETE":
+            await self._app(scope, receive, send)
+            return
         session = self._server._by_session_id.get(session_id) if session_id is not None else None
         if session is None:
             await self._app(scope, receive, send)

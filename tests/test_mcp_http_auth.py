@@ -231,6 +231,7 @@ async def test_sessions_beyond_the_cap_are_refused(config: Path, marker: str) ->
                 await b.list_tools()
                 refused = await _raw_initialize(url, {"Authorization": f"Bearer {TOKEN}"})
                 assert refused.status_code == 503
+                assert "at most 2" in refused.text and "--max-sessions" in refused.text, refused.text
                 assert "mcp-session-id" not in refused.headers
             # Both left (DELETE): there is room again.
             async with _client(url) as c:
@@ -291,3 +292,81 @@ async def test_a_deleted_sessions_tasks_are_gone_within_the_kill_bound(config: P
                 f"{len(left)} task processes alive when the DELETE was answered ({answered:.2f}s)"
             )
             assert answered <= bound_s, answered
+
+
+async def test_an_abandoned_sessions_tasks_are_killed_when_it_idles_out(config: Path, marker: str) -> None:
+    idle_s = 1.0
+    bound_s = 2 * GRACE_MS / 1000 + 0.5
+    with anyio.fail_after(40):
+        async with _server(config, marker, "--session-idle-timeout", str(idle_s)) as (_, url, _said):
+            headers = {"Authorization": f"Bearer {TOKEN}"}
+            async with (
+                create_mcp_http_client(headers=headers) as http,
+                Client(streamable_http_client(url, http_client=http, terminate_on_close=False)) as client,
+            ):
+                for i in range(5):
+                    trap = "trap '' TERM; " if i % 2 else ""
+                    result = await client.call_tool(
+                        "bash",
+                        {"command": f"{trap}exec -a {marker}-t{i} sleep 60", "run_in_background": True},
+                    )
+                    assert not result.is_error, _text(result)
+            left_at = time.monotonic()  # no DELETE: the session lives on until it idles out
+            assert len(find_host_processes(f"{marker}-t")) == 5
+            while True:
+                if not find_host_processes(f"{marker}-t"):
+                    break
+                assert time.monotonic() - left_at < idle_s + bound_s + 1.0, "tasks outlived the idle session"
+                await anyio.sleep(0.05)
+
+
+def _main_status(argv: list[str]) -> int:
+    from dsh_bash_cli import main  # noqa: PLC0415 - in-process, for the usage errors only
+
+    return main(argv)
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("file-without-http", ["--token-file is for --http"]),
+        ("file-and-environment", ["--token-file or DSH_MCP_TOKEN, not both"]),
+        ("empty-file", ["empty"]),
+        ("space-in-token", ["visible ASCII"]),
+        ("missing-file", ["--token-file", "No such file"]),
+        ("total-below-per-session", ["--max-running-total 1 is below --max-running 2"]),
+    ],
+)
+def test_token_and_cap_options_are_checked_before_serving(
+    config: Path,
+    tmp_path: Path,
+    *,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    case: str,
+    words: list[str],
+) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(f"{TOKEN}\n")
+    token_file.chmod(0o600)
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    http = ["--http", "127.0.0.1:0"]
+    argv = ["mcp", "--config", str(config)]
+    if case == "file-without-http":
+        argv += ["--token-file", str(token_file)]
+    elif case == "file-and-environment":
+        monkeypatch.setenv(TOKEN_ENV, TOKEN)
+        argv += [*http, "--token-file", str(token_file)]
+    elif case == "empty-file":
+        token_file.write_text("\n")
+        argv += [*http, "--token-file", str(token_file)]
+    elif case == "space-in-token":
+        monkeypatch.setenv(TOKEN_ENV, "two words")
+        argv += http
+    elif case == "missing-file":
+        argv += [*http, "--token-file", str(tmp_path / "absent")]
+    else:
+        argv += [*http, "--max-running", "2", "--max-running-total", "1"]
+    assert _main_status(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dsh-bash: error:") and all(word in err for word in words), err
