@@ -9,6 +9,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+import anyio
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dsh_bash import (
@@ -517,15 +518,24 @@ class BashToolset:
         return _book(self._executor, self._owner).running()
 
     async def kill_all(self) -> list[BashTaskId]:
-        """Kill every running task of :meth:`running_tasks`; return the ids whose kill began."""
-        killed: list[BashTaskId] = []
-        for task in self.running_tasks():
+        """Kill every running task of :meth:`running_tasks`; return the ids whose kill began.
+
+        The kills are requested concurrently: each task's kill sequence starts without waiting for the
+        requests of the others (100 tasks one after another took a noticeable part of the kill bound).
+        """
+        tasks = self.running_tasks()
+        began = [False] * len(tasks)
+
+        async def kill(index: int, task_id: BashTaskId) -> None:
             try:
-                if await self._executor.kill(task.id):
-                    killed.append(task.id)
+                began[index] = await self._executor.kill(task_id)
             except DshBashError as exc:
-                log.debug("kill_all: %s: %s", task.id, exc)
-        return killed
+                log.debug("kill_all: %s: %s", task_id, exc)
+
+        async with anyio.create_task_group() as tg:
+            for index, task in enumerate(tasks):
+                tg.start_soon(kill, index, task.id)
+        return [task.id for task, ok in zip(tasks, began, strict=True) if ok]
 
     def on_completion(self, callback: CompletionCallback) -> Callable[[], None]:
         """Call ``callback(text, task)`` whenever a background task of this toolset's owner ends.

@@ -291,7 +291,10 @@ async def test_a_deleted_sessions_tasks_are_gone_within_the_kill_bound(config: P
             assert left == [], (
                 f"{len(left)} task processes alive when the DELETE was answered ({answered:.2f}s)"
             )
-            assert answered <= bound_s, answered
+            # The kill bound is the executor's; 0.5 s more for the DELETE's round trip and the session's
+            # teardown on a loaded machine (seen: 0.35-0.5 s alone, up to 1.2 s with three copies of this
+            # test at once on 2 CPUs).
+            assert answered <= bound_s + 0.5, answered
 
 
 async def test_an_abandoned_sessions_tasks_are_killed_when_it_idles_out(config: Path, marker: str) -> None:
