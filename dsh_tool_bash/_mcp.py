@@ -19,6 +19,7 @@ import codecs
 import collections
 import contextlib
 import functools
+import hmac
 import ipaddress
 import json
 import logging
@@ -47,12 +48,20 @@ from mcp.server.stdio import stdio_server
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPDeprecationWarning, MCPError
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dsh_bash import BashExecutor, BashTask, OwnerToken, load_executor
 
 from ._toolset import BashToolset, ToolResult, too_deep
 
-__all__ = ["BashMcpServer", "parse_http_address", "run_server"]
+__all__ = [
+    "TOKEN_ENV",
+    "BashMcpServer",
+    "parse_http_address",
+    "read_token_file",
+    "run_server",
+    "token_from_environment",
+]
 
 log = logging.getLogger("dsh_tool_bash.mcp")
 
@@ -76,6 +85,15 @@ _MAX_LINE_DEPTH: Final = 128
 _JSON_TOKENS: Final = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 #: Idle streamable-HTTP sessions (no request in flight, no open stream) end after this long.
 DEFAULT_SESSION_IDLE_TIMEOUT_S: Final = 1800.0
+#: Live streamable-HTTP sessions at most; one more is refused (HTTP 503).
+DEFAULT_MAX_SESSIONS: Final = 16
+#: ``max_running_total`` when not given: this many times ``max_running``.
+DEFAULT_TOTAL_FACTOR: Final = 4
+#: The environment variable holding the HTTP bearer token (read and removed from the environment). Not
+#: ``DSH_BASH_*``: those are the backend's configuration fields.
+TOKEN_ENV: Final = "DSH_MCP_TOKEN"
+#: Beyond the executor's kill bound, what a session's DELETE waits for its teardown to begin.
+_DELETE_MARGIN_S: Final = 1.0
 
 _INSTRUCTIONS: Final = (
     "Shell access. Run commands with the bash tool: each call is a fresh non-interactive bash (use its "
@@ -103,6 +121,9 @@ class _Session:
     toolset: BashToolset
     log_level: str | None = None
     unsubscribe: Callable[[], None] = field(default=lambda: None)
+    #: Set once the session's end has sent its tasks the kill (``killed`` are those tasks).
+    ending: anyio.Event = field(default_factory=anyio.Event)
+    killed: list[BashTask] = field(default_factory=list)
 
 
 def _connection_of(ctx: ServerRequestContext[Any, Any]) -> Connection:
@@ -117,12 +138,24 @@ def _connection_of(ctx: ServerRequestContext[Any, Any]) -> Connection:
 class BashMcpServer:
     """The MCP server over one open executor. Serve it with :meth:`serve_stdio` or :meth:`serve_http`."""
 
-    def __init__(self, executor: BashExecutor, *, background: bool = True, max_running: int = 10) -> None:
+    def __init__(
+        self,
+        executor: BashExecutor,
+        *,
+        background: bool = True,
+        max_running: int = 10,
+        max_running_total: int | None = None,
+    ) -> None:
         self._executor = executor
         self._background = background
         self._max_running = max_running
-        self._template = BashToolset(executor, background=background, max_running=max_running)
+        self._max_running_total = max_running_total
+        self._template = BashToolset(
+            executor, background=background, max_running=max_running, max_running_total=max_running_total
+        )
         self._tg: anyio.abc.TaskGroup | None = None
+        #: Sessions with a toolset, by HTTP session id (a DELETE waits for its session's end).
+        self._by_session_id: dict[str, _Session] = {}
         with warnings.catch_warnings():
             # logging/setLevel is deprecated from 2026-07-28 on; the handshake versions this server speaks
             # still use it, and it is what declares the logging capability the notices need.
@@ -215,21 +248,51 @@ class BashMcpServer:
             return session
         owner = OwnerToken(f"mcp-{secrets.token_hex(8)}")
         toolset = BashToolset(
-            self._executor, owner=owner, background=self._background, max_running=self._max_running
+            self._executor,
+            owner=owner,
+            background=self._background,
+            max_running=self._max_running,
+            max_running_total=self._max_running_total,
         )
         session = _Session(connection, toolset, log_level=connection.state.get(f"{_STATE_KEY}.log_level"))
         session.unsubscribe = toolset.on_completion(lambda text, task: self._announce(session, text, task))
         connection.state[_STATE_KEY] = session
+        if connection.session_id is not None:
+            self._by_session_id[connection.session_id] = session
         connection.exit_stack.push_async_callback(self._end_session, session)
         log.debug("session %s: owner %s", connection.session_id or "stdio", owner)
         return session
 
     async def _end_session(self, session: _Session) -> None:
-        """The connection ended: stop announcing, kill its running tasks."""
+        """The connection ended: stop announcing, kill its running tasks (a DELETE then waits for them)."""
         session.unsubscribe()
-        killed = await session.toolset.kill_all()
+        session.killed = session.toolset.running_tasks()
+        try:
+            killed = await session.toolset.kill_all()
+        finally:
+            session.ending.set()
+            session_id = session.connection.session_id
+            if session_id is not None and self._by_session_id.get(session_id) is session:
+                del self._by_session_id[session_id]
         if killed:
             log.info("connection ended: killed %s", ", ".join(killed))
+
+    def _kill_bound_s(self) -> float:
+        """The executor's bound on a kill: ``2 x grace + 0.5 s``."""
+        grace_ms = getattr(self._executor.config, "grace_ms", 3000)
+        return 2 * float(grace_ms) / 1000 + 0.5
+
+    async def _await_session_end(self, session: _Session) -> None:
+        """Until the session's tasks have ended (bounded by the kill bound plus a margin)."""
+        with anyio.move_on_after(self._kill_bound_s() + _DELETE_MARGIN_S) as scope:
+            await session.ending.wait()
+            for task in session.killed:
+                await task.wait()
+        if scope.cancelled_caught:
+            left = [task.id for task in session.killed if task.status == "running"]
+            log.warning(
+                "session %s: tasks still running after its end: %s", session.connection.session_id, left
+            )
 
     def _announce(self, session: _Session, text: str, task: BashTask) -> None:
         level = session.log_level
@@ -288,16 +351,26 @@ class BashMcpServer:
         *,
         stop: anyio.Event | None = None,
         path: str = "/mcp",
+        token: str | None = None,
+        max_sessions: int | None = DEFAULT_MAX_SESSIONS,
         session_idle_timeout: float | None = DEFAULT_SESSION_IDLE_TIMEOUT_S,
         shutdown_grace_s: int = 1,
     ) -> None:
         """Serve streamable HTTP on a bound, listening socket until ``stop`` is set.
 
-        On a loopback address, DNS-rebinding protection admits only loopback ``Host`` and ``Origin``
-        headers. At the stop, open streams get ``shutdown_grace_s`` to end before they are cancelled;
-        then every session ends (its tasks are killed).
+        With ``token``, every request must carry ``Authorization: Bearer TOKEN`` (else 401, before
+        anything else happens); without one the socket must be on a loopback address (``ValueError``
+        otherwise). At most ``max_sessions`` sessions live at once (one more gets HTTP 503). A session's
+        DELETE is answered once its background tasks have ended (bounded by the executor's kill bound
+        plus 1 s). On a loopback address, DNS-rebinding protection admits only loopback ``Host`` and
+        ``Origin`` headers. At the stop, open streams get ``shutdown_grace_s`` to end before they are
+        cancelled; then every session ends (its tasks are killed).
         """
         host = sock.getsockname()[0]
+        if token is None and not _is_loopback(host):
+            raise ValueError(_TOKEN_REQUIRED.format(host=host))
+        if token is not None:
+            _check_token(token, "the token")
         security = None
         if _is_loopback(host):
             shown = f"[{host}]" if ":" in host else host
@@ -310,11 +383,12 @@ class BashMcpServer:
         app = self._server.streamable_http_app(
             streamable_http_path=path,
             session_idle_timeout=session_idle_timeout,
+            max_sessions=max_sessions,
             transport_security=security,
             host=host,
         )
         config = uvicorn.Config(
-            app,
+            _Gate(app, token, self, max_sessions),
             log_level="warning",
             access_log=False,
             lifespan="on",
@@ -338,6 +412,122 @@ class BashMcpServer:
                 tg.cancel_scope.cancel()
         finally:
             uvicorn_log.removeFilter(quiet)
+
+
+_TOKEN_REQUIRED: Final = (
+    "--http {host}: not a loopback address, and no token: give one with --token-file PATH or the "
+    f"{TOKEN_ENV} environment variable (every request must then carry 'Authorization: Bearer TOKEN')"
+)
+_MCP_SESSION_HEADER: Final = b"mcp-session-id"
+_UNAUTHORIZED_BODY: Final = (
+    b'{"jsonrpc":"2.0","id":null,"error":{"code":-32001,'
+    b'"message":"unauthorized: this server needs Authorization: Bearer TOKEN"}}'
+)
+
+
+class _Gate:
+    """In front of the SDK's app: the bearer token, then a DELETE answered once its session's tasks ended.
+
+    The token is checked (in constant time) before the request reaches anything else: a request without
+    it gets 401 and creates no session and no executor work. The SDK's refusal of a session beyond
+    ``max_sessions`` (503) is reworded to name the cap.
+    """
+
+    def __init__(
+        self, app: ASGIApp, token: str | None, server: BashMcpServer, max_sessions: int | None
+    ) -> None:
+        self._app = app
+        self._token = token.encode() if token is not None else None
+        self._server = server
+        self._max_sessions = max_sessions
+
+    async def _opening(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A request without a session id (one that may open a session): name the cap in a 503."""
+        refused = False
+
+        async def reword(message: Message) -> None:
+            nonlocal refused
+            if message["type"] == "http.response.start" and message["status"] == 503:
+                refused = True
+                text = f"too many open sessions: at most {self._max_sessions} (dsh-bash mcp --max-sessions)"
+                error = {"code": types.INTERNAL_ERROR, "message": text}
+                body = json.dumps({"jsonrpc": "2.0", "id": None, "error": error}).encode()
+                headers = [(k, v) for k, v in message.get("headers", ()) if k != b"content-length"]
+                headers.append((b"content-length", str(len(body)).encode()))
+                await send({**message, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+            if not refused:
+                await send(message)
+
+        await self._app(scope, receive, reword)
+
+    def _authorized(self, scope: Scope) -> bool:
+        if self._token is None:
+            return True
+        values = [value for name, value in scope.get("headers", ()) if name == b"authorization"]
+        if len(values) != 1:
+            return False
+        scheme, _, given = values[0].partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        return hmac.compare_digest(given.strip(), self._token)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._app(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            return  # websockets: not served
+        if not self._authorized(scope):
+            body = _UNAUTHORIZED_BODY
+            challenge = b'Bearer realm="dsh-bash"'
+            if any(name == b"authorization" for name, _ in scope.get("headers", ())):
+                challenge += b', error="invalid_token"'
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 401,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                        (b"www-authenticate", challenge),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        session_id = next(
+            (
+                value.decode("latin-1")
+                for name, value in scope.get("headers", ())
+                if name == _MCP_SESSION_HEADER
+            ),
+            None,
+        )
+        if session_id is None and self._max_sessions is not None:
+            await self._opening(scope, receive, send)
+            return
+        if scope.get("method") != "DELETE":
+            await self._app(scope, receive, send)
+            return
+        session = self._server._by_session_id.get(session_id) if session_id is not None else None
+        if session is None:
+            await self._app(scope, receive, send)
+            return
+        # Hold the answer until the session's tasks are gone: a client that saw its DELETE answered
+        # knows nothing of its session runs on.
+        held: list[Message] = []
+
+        async def hold(message: Message) -> None:
+            held.append(message)
+
+        await self._app(scope, receive, hold)
+        status = next((m["status"] for m in held if m["type"] == "http.response.start"), None)
+        if status is not None and 200 <= status < 300:
+            await self._server._await_session_end(session)
+        for message in held:
+            await send(message)
 
 
 class _QuietShutdown(logging.Filter):
@@ -504,6 +694,61 @@ def parse_http_address(text: str) -> tuple[str, int]:
     return host, port
 
 
+_MIN_TOKEN_LENGTH: Final = 16
+
+
+def _check_token(token: str, what: str) -> None:
+    """A token is visible ASCII (what an ``Authorization`` header carries), not empty."""
+    if not token:
+        raise ValueError(f"{what} is empty")
+    if not all("!" <= char <= "~" for char in token):
+        raise ValueError(f"{what}: only visible ASCII characters (no spaces) can be sent as a bearer token")
+
+
+def _warn_short(token: str) -> None:
+    if len(token) < _MIN_TOKEN_LENGTH:
+        _say(
+            f"WARNING: the token has {len(token)} characters; use a long random one "
+            "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
+
+
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """The bearer token in the first line of ``path`` (stripped).
+
+    Refused (``ValueError``) when the file is readable or writable by its group or others, empty, or
+    holds characters a header cannot carry.
+    """
+    shown = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as file:
+            mode = os.fstat(file.fileno()).st_mode
+            if not stat.S_ISREG(mode):
+                raise ValueError(f"--token-file {shown}: not a regular file")
+            if mode & 0o077:
+                raise ValueError(
+                    f"--token-file {shown}: its mode {stat.S_IMODE(mode):04o} lets its group or others read "
+                    f"or change it: chmod 600 {shown}"
+                )
+            first = file.readline().strip()
+    except OSError as exc:
+        raise ValueError(f"--token-file {shown}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--token-file {shown}: not UTF-8 text") from None
+    _check_token(first, f"--token-file {shown}: the first line")
+    return first
+
+
+def token_from_environment() -> str | None:
+    """The token in ``DSH_MCP_TOKEN`` (stripped), removed from the environment so no command inherits it."""
+    raw = os.environ.pop(TOKEN_ENV, None)
+    if raw is None:
+        return None
+    token = raw.strip()
+    _check_token(token, f"the {TOKEN_ENV} environment variable")
+    return token
+
+
 def _bind(host: str, port: int) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -541,11 +786,18 @@ async def _serve(
     http: tuple[str, int] | None,
     background: bool,
     max_running: int,
+    max_running_total: int | None,
+    max_sessions: int | None,
+    token: str | None,
     idle_timeout: float | None,
     received: list[int],
 ) -> None:
     executor = load_executor(config)
     sock = _bind(*http) if http is not None else None
+    if sock is not None and token is None and not _is_loopback(sock.getsockname()[0]):
+        sock.close()
+        assert http is not None
+        raise ValueError(_TOKEN_REQUIRED.format(host=http[0]))
     stop = anyio.Event()
 
     async def watch(signals: AsyncIterator[int]) -> None:
@@ -559,17 +811,30 @@ async def _serve(
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with executor, anyio.create_task_group() as tg:
                 tg.start_soon(watch, signals)
-                server = BashMcpServer(executor, background=background, max_running=max_running)
+                server = BashMcpServer(
+                    executor,
+                    background=background,
+                    max_running=max_running,
+                    max_running_total=max_running_total,
+                )
                 if sock is None:
                     await server.serve_stdio(stop=stop)
                 else:
-                    if not _is_loopback(sock.getsockname()[0]):
+                    if token is None:
                         _say(
-                            "WARNING: listening beyond loopback without authentication: anyone who "
-                            "can reach this port can run commands"
+                            "WARNING: no token (--token-file or "
+                            f"{TOKEN_ENV}): any local user can reach this port and run commands"
                         )
+                    else:
+                        _warn_short(token)
                     _say(f"serving {_url(sock, '/mcp')}")
-                    await server.serve_http(sock, stop=stop, session_idle_timeout=idle_timeout)
+                    await server.serve_http(
+                        sock,
+                        stop=stop,
+                        token=token,
+                        max_sessions=max_sessions,
+                        session_idle_timeout=idle_timeout,
+                    )
                 tg.cancel_scope.cancel()
     finally:
         if sock is not None:
@@ -582,10 +847,19 @@ def run_server(
     http: str | None = None,
     background: bool = True,
     max_running: int = 10,
+    max_running_total: int | None = None,
+    max_sessions: int | None = DEFAULT_MAX_SESSIONS,
+    token: str | None = None,
     session_idle_timeout: float | None = DEFAULT_SESSION_IDLE_TIMEOUT_S,
 ) -> int:
-    """Serve until stopped; return the exit status (0, or 130 after SIGINT). Errors propagate."""
+    """Serve until stopped; return the exit status (0, or 130 after SIGINT). Errors propagate.
+
+    ``max_running_total`` defaults to ``4 x max_running``. With ``http``, ``token`` is the bearer token
+    every request must carry; it is required unless ``http`` is a loopback address.
+    """
     address = parse_http_address(http) if http is not None else None
+    if max_running_total is None:
+        max_running_total = DEFAULT_TOTAL_FACTOR * max_running
     received: list[int] = []
     try:
         main = functools.partial(
@@ -594,6 +868,9 @@ def run_server(
             http=address,
             background=background,
             max_running=max_running,
+            max_running_total=max_running_total,
+            max_sessions=max_sessions,
+            token=token,
             idle_timeout=session_idle_timeout,
             received=received,
         )

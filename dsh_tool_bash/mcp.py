@@ -5,6 +5,24 @@ opened yourself, use :class:`BashMcpServer` (``serve_stdio`` or ``serve_http``).
 module imports the MCP SDK; ``import dsh_tool_bash`` alone does not.
 """
 
-from ._mcp import DATA_META_KEY, BashMcpServer, parse_http_address, run_server
+from ._mcp import (
+    DATA_META_KEY,
+    DEFAULT_MAX_SESSIONS,
+    TOKEN_ENV,
+    BashMcpServer,
+    parse_http_address,
+    read_token_file,
+    run_server,
+    token_from_environment,
+)
 
-__all__ = ["DATA_META_KEY", "BashMcpServer", "parse_http_address", "run_server"]
+__all__ = [
+    "DATA_META_KEY",
+    "DEFAULT_MAX_SESSIONS",
+    "TOKEN_ENV",
+    "BashMcpServer",
+    "parse_http_address",
+    "read_token_file",
+    "run_server",
+    "token_from_environment",
+]

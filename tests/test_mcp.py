@@ -359,10 +359,10 @@ async def _http_server(config: Path, marker: str) -> AsyncIterator[tuple[anyio.a
     try:
         assert process.stderr is not None
         said = b""
-        with anyio.fail_after(20):
-            while b"\n" not in said:
+        with anyio.fail_after(20):  # a warning (no token) may come first
+            while not re.search(rb"serving (http://\S+)\n", said):
                 said += await process.stderr.receive()
-        found = re.search(rb"serving (http://\S+)", said)
+        found = re.search(rb"serving (http://\S+)\n", said)
         assert found, said
         yield process, found.group(1).decode()
     finally:

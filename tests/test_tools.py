@@ -545,6 +545,27 @@ async def test_max_running_per_owner() -> None:
 
 
 @pytest.mark.anyio
+async def test_max_running_total_across_owners() -> None:
+    async with _scripted() as ex:
+        alice = BashToolset(ex, owner=ALICE, max_running=2, max_running_total=3)
+        bob = BashToolset(ex, owner=BOB, max_running=2, max_running_total=3)
+        start = {"command": "sleep 30", "run_in_background": True}
+        ids = [(await tools.call("bash", start)).data["task_id"] for tools in (alice, alice, bob)]
+        over = await bob.call("bash", start)
+        assert over.is_error and over.data["error"] == "too_many_running"
+        assert over.data["max_running_total"] == 3 and over.data["running_total"] == 3
+        assert "across all sessions (3 of at most 3)" in over.text
+        mine = await alice.call("bash", start)  # the owner's own cap is checked first
+        assert "(2 of at most 2)" in mine.text and "across" not in mine.text
+        await alice.call("bash_kill", {"task_id": ids[0]})
+        await _until_finished(alice, ids[0])
+        assert not (await bob.call("bash", start)).is_error  # room again
+        assert len(await alice.kill_all()) == 1 and len(await bob.kill_all()) == 2
+    with pytest.raises(ValueError, match="max_running_total"):
+        BashToolset(ex, max_running_total=0)
+
+
+@pytest.mark.anyio
 async def test_lossy_read_names_the_spill_files() -> None:
     seq = "".join(f"{i}\n" for i in range(1, 2001)).encode()
     ex = _scripted(max_output_bytes=100).on("seq 1 2000", Script(stdout=seq))

@@ -37,10 +37,13 @@ Subcommands:
     2 when the configuration does not load.
 
 ``dsh-bash mcp --config FILE [--http [HOST:]PORT] [--max-running N] [--no-background] [...]``
-    Serve the bash tools over the Model Context Protocol (``dsh_tool_bash._mcp``, extra ``mcp``):
+    Serve the bash tools over the Model Context Protocol (``dsh_tool_bash.mcp``, extra ``mcp``):
     over stdio, or with ``--http`` over streamable HTTP on loopback unless HOST says otherwise (the
-    URL goes to stderr). Runs until SIGTERM, SIGINT or the end of stdin; exit status 0, 130 after
-    SIGINT, 2 when the configuration does not load or the address cannot be bound. See
+    URL goes to stderr). Over HTTP, ``--token-file PATH`` or ``DSH_MCP_TOKEN`` sets the bearer token
+    every request must carry (required beyond loopback); ``--max-sessions`` and
+    ``--max-running-total`` cap sessions and background tasks across sessions. Runs until SIGTERM,
+    SIGINT or the end of stdin; exit status 0, 130 after SIGINT, 2 when the configuration or the token
+    does not load, a non-loopback HOST has no token, or the address cannot be bound. See
     ``dsh_tool_bash/README.md``.
 """
 
@@ -508,6 +511,26 @@ def _add_mcp_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser
         help="running background tasks allowed per session (default: 10)",
     )
     mcp.add_argument(
+        "--max-running-total",
+        metavar="N",
+        type=_max_running,
+        help="running background tasks allowed across all sessions (default: 4 x --max-running)",
+    )
+    mcp.add_argument(
+        "--max-sessions",
+        metavar="N",
+        type=_max_running,
+        default=16,
+        help="with --http: live sessions allowed at once; one more is refused with HTTP 503 (default: 16)",
+    )
+    mcp.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help="with --http: every request must carry 'Authorization: Bearer TOKEN', TOKEN being the first "
+        "line of PATH (mode 600 or stricter); or set the DSH_MCP_TOKEN environment variable. Required "
+        "unless HOST is loopback",
+    )
+    mcp.add_argument(
         "--no-background", action="store_true", help="offer the bash tool alone, without background tasks"
     )
     mcp.add_argument(
@@ -523,15 +546,32 @@ def _add_mcp_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser
 
 def _cmd_mcp(args: argparse.Namespace) -> int:
     try:
-        from dsh_tool_bash.mcp import run_server  # needs the optional mcp SDK
+        # needs the optional mcp SDK
+        from dsh_tool_bash.mcp import TOKEN_ENV, read_token_file, run_server, token_from_environment
     except ImportError as exc:
         raise _CliError(f"dsh-bash mcp needs the mcp extra: pip install 'dsh-bash[mcp]' ({exc})") from exc
     try:
+        # Taken out of the environment whatever the transport: no command inherits it.
+        from_env = token_from_environment()
+        token = from_env
+        if args.token_file is not None:
+            if args.http is None:
+                raise _CliError("mcp: --token-file is for --http (stdio needs no token)")
+            if from_env is not None:
+                raise _CliError(f"mcp: give the token once: --token-file or {TOKEN_ENV}, not both")
+            token = read_token_file(args.token_file)
+        if args.max_running_total is not None and args.max_running_total < args.max_running:
+            raise _CliError(
+                f"mcp: --max-running-total {args.max_running_total} is below --max-running {args.max_running}"
+            )
         return run_server(
             args.config,
             http=args.http,
             background=not args.no_background,
             max_running=args.max_running,
+            max_running_total=args.max_running_total,
+            max_sessions=args.max_sessions,
+            token=token if args.http is not None else None,
             session_idle_timeout=args.session_idle_timeout,
         )
     except OSError as exc:  # the HTTP address cannot be bound
