@@ -195,11 +195,18 @@ class SupervisorServer:
                     signal.pidfd_send_signal(pidfd, signal.SIGCONT)
 
     def _close_socket(self) -> None:
-        """Close our end: the server exits (and with it every supervisor still running under it)."""
+        """Close our end: the server exits (and with it every supervisor still running under it).
+
+        The current spare is killed first: it runs nothing yet, and one a command stopped would never
+        act on its PDEATHSIG, outliving the executor. The server is continued, so that it sees EOF.
+        """
         if self._socket is not None:
+            self.nudge()  # the latest announcement, and the server continued
             self._socket.close()
             self._socket = None
         if self._spare_pidfd is not None:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                signal.pidfd_send_signal(self._spare_pidfd, signal.SIGKILL)
             os.close(self._spare_pidfd)
             self._spare_pidfd = None
 

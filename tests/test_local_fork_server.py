@@ -136,6 +136,36 @@ async def test_a_stopped_spare_is_continued_before_the_next_request() -> None:
                 assert (await ex.exec(f"echo {i}")).stdout.text == f"{i}\n"
 
 
+def _alive(pid: int) -> bool:
+    try:
+        state = next(
+            line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:")
+        )
+    except (OSError, StopIteration):
+        return False
+    return "Z" not in state.split(":", 1)[1]
+
+
+async def test_a_stopped_spare_does_not_outlive_the_executor() -> None:
+    # A stopped spare cannot act on the SIGUSR2 its server's death sends it: closing must not rely on it.
+    stop_the_spare = (
+        f"s={SERVER_PID}; "
+        "for _ in $(seq 100); do "
+        "  for c in $(cat /proc/$s/task/$s/children); do "
+        '    [ "$c" != "$PPID" ] && kill -STOP "$c" && echo "$c" && exit 0; '
+        "  done; sleep 0.01; "
+        "done; exit 1"
+    )
+    async with _executor() as ex:
+        with anyio.fail_after(BOUND_S):
+            result = await ex.exec(stop_the_spare)
+        assert result.exit_code == 0, "no spare was found to stop"
+        spare = int(result.stdout.text)
+    with anyio.fail_after(BOUND_S):
+        while _alive(spare):  # noqa: ASYNC110 - a process, not an event
+            await anyio.sleep(0.02)
+
+
 async def test_a_stopped_server_does_not_stall_later_commands() -> None:
     # A command of the same user may stop the server itself: no next spare is forked until the
     # server runs again (the stopping command's own request was taken before).
