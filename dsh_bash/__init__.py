@@ -7,7 +7,7 @@ budget config and :func:`load_executor`. What a backend author needs beyond that
 """
 
 from ._abort import AbortController, AbortSignal
-from ._config import DEFAULT_ENV_SCRUB, BudgetConfig
+from ._config import DEFAULT_ENV_SCRUB, BudgetConfig, default_task_cap
 from ._errors import (
     INFRA_REASONS,
     BashInfrastructureError,
@@ -59,6 +59,7 @@ __all__ = [
     "TaskListener",
     "UnknownTaskError",
     "backend_factory",
+    "default_task_cap",
     "load_executor",
     "registered_backends",
 ]

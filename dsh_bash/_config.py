@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import resource
 from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
@@ -32,8 +33,26 @@ BUDGET_FIELDS: frozenset[str] = frozenset(
         "grace_ms",
         "env_scrub",
         "env_allow",
+        "max_running_tasks",
     }
 )
+
+
+#: Descriptors a running task may hold in the harness (pipes, a status socket, a pidfd, spill files),
+#: and those kept for everything else, when the task cap is derived from the descriptor limit.
+_FDS_PER_TASK = 8
+_FDS_RESERVED = 128
+#: The derived cap never exceeds this, whatever the descriptor limit.
+_TASK_CAP_CEILING = 4096
+
+
+def default_task_cap() -> int:
+    """The default ``max_running_tasks``: what this process's descriptor limit leaves room for
+    (``(RLIMIT_NOFILE - 128) // 8``, at least 16, at most 4096)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return _TASK_CAP_CEILING
+    return max(16, min(_TASK_CAP_CEILING, (soft - _FDS_RESERVED) // _FDS_PER_TASK))
 
 
 class BudgetConfig(BaseModel):
@@ -47,6 +66,9 @@ class BudgetConfig(BaseModel):
     max_spill_bytes: int = 64 * 1024 * 1024
     max_spill_total_bytes: int = 1024 * 1024 * 1024
     grace_ms: float = 3_000
+    #: Background tasks that may run at once; one more is refused (reason ``task_limit``). None: derived
+    #: from this process's descriptor limit when the executor is made (:func:`default_task_cap`).
+    max_running_tasks: int | None = None
     cwd: str | None = None
     env_scrub: tuple[str, ...] = DEFAULT_ENV_SCRUB
     env_allow: tuple[str, ...] = ()
@@ -70,6 +92,15 @@ class BudgetConfig(BaseModel):
             finite = False
         if not finite or value <= 0:
             raise ValueError(f"must be a positive finite number, got {value!r}")
+        return value
+
+    @field_validator("max_running_tasks", mode="before")
+    @classmethod
+    def _task_cap(cls, value: object) -> object:
+        if value is None:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"must be a positive whole number (or null for the default), got {value!r}")
         return value
 
     @field_validator("env_scrub", "env_allow", mode="before")

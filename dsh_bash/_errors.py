@@ -26,6 +26,7 @@ InfraReason = Literal[
     "shell_missing",  # no usable bash where commands run
     "start_failed",  # the process could not be created (fork, exec, descriptors, a refused start)
     "spill_unavailable",  # the private spill directory could not be created or used (at open)
+    "task_limit",  # max_running_tasks background tasks run already
     # Where commands run could not be reached or set up.
     "engine_unreachable",  # the Docker engine does not answer
     "image_missing",  # the image is not there and may not be pulled

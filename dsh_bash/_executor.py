@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from typing_extensions import TypeVar
 
 from ._backend import MARKER_VAR, CommandProcess, ExitStatus, Killable, Launch, kill_sequence, signal_name
-from ._config import BUDGET_FIELDS, BudgetConfig, config_error_from
+from ._config import BUDGET_FIELDS, BudgetConfig, config_error_from, default_task_cap
 from ._env import build_command_env
 from ._errors import BashInfrastructureError, ConfigError, ExecutorClosedError, InfraReason, UnknownTaskError
 from ._output import OutputStream, SpillBudget, SpillFile, StreamName, merge_streams
@@ -167,6 +167,9 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         self._task_numbers = itertools.count(1)
         self._tasks: dict[BashTaskId, _Command] = {}
         self._live: set[_Command] = set()
+        #: Background tasks started or starting and not finalized yet, against max_running_tasks.
+        self._running_tasks = 0
+        self._default_task_cap = default_task_cap()
         self._listeners: list[TaskListener] = []
         self._spill_budget = SpillBudget(config.max_spill_total_bytes)
         self._helper_scopes: set[anyio.CancelScope] = set()
@@ -452,6 +455,24 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
                 "the abort signal was already aborted; nothing was started", reason="already_aborted"
             )
         config = self._config
+        if background:
+            cap = config.max_running_tasks or self._default_task_cap
+            if self._running_tasks >= cap:
+                raise BashInfrastructureError(
+                    f"{self._running_tasks} background tasks are running, the most this executor allows "
+                    f"(max_running_tasks = {cap}); nothing was started: kill or wait for one first",
+                    reason="task_limit",
+                )
+            self._running_tasks += 1
+            try:
+                return await self._launch_counted(spec, background=True)
+            except BaseException:
+                self._running_tasks -= 1
+                raise
+        return await self._launch_counted(spec, background=False)
+
+    async def _launch_counted(self, spec: BashExecSpec, *, background: bool) -> _Command:
+        config = self._config
         marker = f"{self._token}-{next(self._command_numbers)}"
         env = build_command_env(
             self._ambient_env(), scrub=config.env_scrub, allow=config.env_allow, explicit=spec.env
@@ -614,7 +635,10 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
                 await command.process.release()
             except Exception:
                 log.exception("releasing command %s failed", command.launch.marker)
-        self._live.discard(command)
+        if command in self._live:
+            self._live.discard(command)
+            if command.task is not None:
+                self._running_tasks -= 1
         task = command.task
         if task is not None:
             exit_code, signal = command.classify_exit()

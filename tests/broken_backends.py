@@ -273,6 +273,17 @@ class AbortReportedAsTimeout(LocalBashExecutor):
         return super()._request_kill(command, "timeout" if cause == "aborted" else cause)
 
 
+class IgnoresTaskCap(LocalBashExecutor):
+    """Breaks: a start beyond `max_running_tasks` running background tasks is refused.
+
+    It starts every task, however many run already (as the executor did before the cap).
+    """
+
+    async def _launch(self, spec: BashExecSpec, *, background: bool) -> _Command:
+        self._ensure_open()
+        return await self._launch_counted(spec, background=background)
+
+
 class LastCauseWins(LocalBashExecutor):
     """Breaks: never both `timed_out` and `aborted`; the first cause wins.
 

@@ -188,3 +188,23 @@ def test_with_changes_lets_only_config_error_escape_for_a_huge_int(field: str) -
     config = BudgetConfig()
     with contextlib.suppress(ConfigError):  # accepting the value would be fine too
         config.with_changes(**{field: 10**400})
+
+
+def test_max_running_tasks_must_be_a_positive_whole_number() -> None:
+    from dsh_bash import BudgetConfig, ConfigError  # noqa: PLC0415
+
+    assert BudgetConfig().max_running_tasks is None
+    assert BudgetConfig(max_running_tasks=3).max_running_tasks == 3
+    for bad in (0, -1, True, 1.5, "3"):
+        with pytest.raises(ConfigError, match="max_running_tasks"):
+            BudgetConfig().with_changes(max_running_tasks=bad)
+
+
+def test_default_task_cap_follows_the_descriptor_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import resource  # noqa: PLC0415
+
+    from dsh_bash import default_task_cap  # noqa: PLC0415
+
+    for soft, cap in ((1024, 112), (256, 16), (65536, 4096), (resource.RLIM_INFINITY, 4096), (4224, 512)):
+        monkeypatch.setattr(resource, "getrlimit", lambda _which, soft=soft: (soft, resource.RLIM_INFINITY))
+        assert default_task_cap() == cap, soft

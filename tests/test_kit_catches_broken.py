@@ -98,6 +98,7 @@ CAUGHT_BY: list[Row] = [
     # -- background tasks ----------------------------------------------------------------------------
     Row("start-returns-while-running", bb.StartReturnsSnapshot),
     Row("background-has-no-timeout", bb.BackgroundTasksTimedOut),
+    Row("task-cap-refused", bb.IgnoresTaskCap),
     Row("kill-running-task", bb.KillWaitsForEnd),
     Row("kill-ended-task-kills-leftovers", bb.KillOfEndedTaskNoop),
     Row("unknown-task-id", bb.UnknownIdRaisesKeyError),

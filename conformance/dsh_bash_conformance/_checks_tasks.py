@@ -11,6 +11,7 @@ from dsh_bash import (
     AbortController,
     BashExecRequest,
     BashExecutor,
+    BashInfrastructureError,
     BashTask,
     BashTaskId,
     OwnerToken,
@@ -98,6 +99,40 @@ async def background_no_timeout(ctx: CheckContext) -> None:
         ctx.expect(took >= 0.55, f"the task ended after {took:.2f} s, before its 0.6 s sleep")
         delta = await read_to_end(ctx, ex, task.id)
         ctx.expect(delta == "done", f"the task's output is {delta!r}, expected 'done'")
+
+
+@check(
+    "task-cap-refused",
+    kind="contract",
+    clause="R-task-cap",
+    rule="A start beyond `max_running_tasks` running background tasks raises BashInfrastructureError with "
+    "reason `task_limit` and starts nothing; once a task ended, a start works again. Foreground runs do "
+    "not count.",
+)
+async def task_cap_refused(ctx: CheckContext) -> None:
+    async with ctx.executor(max_running_tasks=2) as ex:
+        first = await _start(ex, "while :; do sleep 0.05; done")
+        await _start(ex, "while :; do sleep 0.05; done")
+        ran = await ex.exec("echo foreground")
+        ctx.expect(ran.stdout.text == "foreground\n", f"a foreground run beside the capped tasks: {ran!r}")
+        mark = ctx.marker()
+        error = await expect_raises(
+            BashInfrastructureError, partial(_start, ex, loop(mark)), "a start beyond max_running_tasks = 2"
+        )
+        ctx.expect(
+            getattr(error, "reason", None) == "task_limit" and "max_running_tasks" in str(error),
+            f"a start beyond the cap should raise reason 'task_limit' naming max_running_tasks: {error!r}",
+        )
+        await anyio.sleep(0.2)
+        started = await ctx.processes(mark)
+        ctx.expect(not started, f"the refused start ran its command anyway: {started}")
+        await ex.kill(first.id)
+        await wait_task(first, 2 * GRACE_S + ctx.allowance_s, "a killed task")
+        third = await _start(ex, "echo again")
+        await wait_task(third, ctx.allowance_s, "a start after a task ended")
+        ctx.expect(
+            _final(third) == ("completed", "exited", 0, None), f"a start after one ended: {show_task(third)}"
+        )
 
 
 @check(
