@@ -92,6 +92,10 @@ GENERIC_HINTS: Mapping[InfraReason, str] = {
         "make the spill location writable where the commands run, and check free space and "
         "max_spill_bytes/max_spill_total_bytes"
     ),
+    "task_limit": (
+        "wait for or kill a running background task, or raise max_running_tasks (each task holds a few "
+        "descriptors: raise the descriptor limit with it)"
+    ),
     "engine_unreachable": "start the container engine, or point the config at one that answers",
     "image_missing": "pull the image, or let the backend pull it",
     "container_missing": "name an existing, running container in the config",
