@@ -218,7 +218,7 @@ class SupervisorServer:
         if not pidfd_exited(self._pidfd):
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-        self._reap(block=True)
+        self._reap()
 
     async def aclose(self) -> None:
         """Close the socket, wait (bounded) for the server to exit, kill it if it would not, reap it."""
@@ -236,11 +236,11 @@ class SupervisorServer:
         # with it.
         self._end_now()
 
-    def _reap(self, *, block: bool) -> None:
+    def _reap(self) -> None:
+        """Reap the server (it has exited or was just killed: the wait is short)."""
         assert self._popen is not None and self._pidfd is not None
         with contextlib.suppress(ChildProcessError):
-            flags = os.WEXITED if block else os.WEXITED | os.WNOHANG
-            if os.waitid(os.P_PIDFD, self._pidfd, flags) is not None:
+            if os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED) is not None:
                 self._popen.returncode = 0
         os.close(self._pidfd)
         self._pidfd = None

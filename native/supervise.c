@@ -1453,6 +1453,22 @@ static void server_answer(int fd, const char *text, int pidfd)
     while (w < 0 && errno == EINTR);
 }
 
+#define DRAINED_USR2 1
+
+/* Reads every pending signal from the signalfd (the fork server and its spares act on SIGUSR2 alone;
+ * SIGCHLD only wakes them). Returns DRAINED_USR2 when SIGUSR2 was among them. */
+static int drain_signals(void)
+{
+    struct signalfd_siginfo si[16];
+    ssize_t n;
+    int seen = 0;
+    while ((n = read(sig_fd, si, sizeof si)) > 0)
+        for (size_t k = 0; k < (size_t)n / sizeof si[0]; k++)
+            if (si[k].ssi_signo == SIGUSR2)
+                seen |= DRAINED_USR2;
+    return seen;
+}
+
 /* A spare of the fork server: waits, ready, for the next request on fd 0 and takes it (then tells the
  * server through TAKEN, so that it forks the next spare). Returns the request's program, as that
  * command's supervisor, with status_fd, fds 0-2, and the program's environment and directory set. */
@@ -1468,14 +1484,8 @@ static char **spare(int taken)
                 continue;
             die("poll: %s", strerror(errno));
         }
-        if (pfds[1].revents & POLLIN) {
-            struct signalfd_siginfo si[16];
-            ssize_t n;
-            while ((n = read(sig_fd, si, sizeof si)) > 0)
-                for (size_t k = 0; k < (size_t)n / sizeof si[0]; k++)
-                    if (si[k].ssi_signo == SIGUSR2)
-                        _exit(0); /* the server is gone, so is the harness */
-        }
+        if ((pfds[1].revents & POLLIN) && drain_signals() & DRAINED_USR2)
+            _exit(0); /* the server is gone, so is the harness */
         if (pfds[0].revents & (POLLIN | POLLHUP | POLLERR))
             break;
     }
@@ -1582,12 +1592,8 @@ static char **fork_server(void)
             }
         }
         if (pfds[2].revents & POLLIN) {
-            struct signalfd_siginfo si[16];
-            ssize_t n;
-            while ((n = read(sig_fd, si, sizeof si)) > 0)
-                for (size_t k = 0; k < (size_t)n / sizeof si[0]; k++)
-                    if (si[k].ssi_signo == SIGUSR2)
-                        exit(0);
+            if (drain_signals() & DRAINED_USR2)
+                exit(0);
             int st;
             pid_t p;
             while ((p = waitpid(-1, &st, WNOHANG | __WALL)) > 0) {
