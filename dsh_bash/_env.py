@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 from collections.abc import Iterable, Mapping
 from functools import lru_cache
 from types import MappingProxyType
+from typing import Any
 
 __all__ = ["MODEL_FRIENDLY_ENV", "RC_FILE_VARIABLES", "build_command_env", "is_scrubbed"]
 
@@ -59,6 +61,38 @@ def build_command_env(
 ) -> dict[str, str]:
     """The command's environment: scrubbed ambient, then the model-friendly set, then ``explicit``."""
     scrub, allow = tuple(scrub), tuple(allow)
+    raw = _raw_environ(ambient)
+    cached = _last_base.get((scrub, allow)) if raw is not None else None
+    if cached is not None and cached[0] == raw:
+        env = dict(cached[1])
+    else:
+        env = _scrubbed_base(ambient, scrub, allow)
+        if raw is not None:
+            if len(_last_base) >= 8:
+                _last_base.clear()
+            _last_base[(scrub, allow)] = (dict(raw), dict(env))
+    if explicit:
+        env.update(explicit)
+    return env
+
+
+#: Per policy, the last ``os.environ`` seen (its raw bytes) and the base built from it: the host
+#: backends build an environment per command, and decoding ``os.environ`` each time is most of the
+#: cost of a short command's set-up. Compared whole on every call, so a change is never missed.
+_last_base: dict[tuple[tuple[str, ...], tuple[str, ...]], tuple[dict[Any, Any], dict[str, str]]] = {}
+
+
+def _raw_environ(ambient: Mapping[str, str]) -> dict[Any, Any] | None:
+    """``os.environ``'s own undecoded dict (CPython keeps it as ``_data``), else None."""
+    if ambient is not os.environ:
+        return None
+    raw = getattr(ambient, "_data", None)
+    return raw if isinstance(raw, dict) else None
+
+
+def _scrubbed_base(
+    ambient: Mapping[str, str], scrub: tuple[str, ...], allow: tuple[str, ...]
+) -> dict[str, str]:
     dropped = _dropped_names(scrub, allow)
     env: dict[str, str] = {}
     for name, value in ambient.items():
@@ -68,6 +102,4 @@ def build_command_env(
         if not drop:
             env[name] = value
     env.update(MODEL_FRIENDLY_ENV)
-    if explicit:
-        env.update(explicit)
     return env

@@ -529,7 +529,10 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
                 command.failure = BashInfrastructureError(
                     f"the backend lost the command: {exc!r}", reason="command_lost"
                 )
-            command.watch_scope.cancel()
+            if command.spec.signal is not None:
+                # Only then is there a watcher; cancelling a scope formats the current task's repr
+                # into its reason, which a short command would feel.
+                command.watch_scope.cancel()
             command.leader_exited = True
             if command.failure is not None:
                 self._request_kill(command, "lost")

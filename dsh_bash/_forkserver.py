@@ -148,13 +148,15 @@ class SupervisorServer:
                 # watcher gets a pidfd of its own: ours may be closed under its wait.
                 self._start_helper(self._watch, os.pidfd_open(self._popen.pid), sock)
                 self._watched = True
-            self.nudge()
             try:
                 while sent == 0:
                     try:
                         sent = sock.sendmsg([message], fds)
                     except BlockingIOError:
+                        self.nudge()  # a stopped server fills its socket
                         await anyio.wait_writable(sock)
+                # After sending, not before: the spare starts on the request meanwhile.
+                self.nudge()
                 break
             except (BrokenPipeError, ConnectionResetError):
                 if attempt == 2:

@@ -10,6 +10,7 @@ import contextlib
 import errno
 import logging
 import os
+import select
 import signal
 import socket
 import stat
@@ -100,36 +101,59 @@ class HostProcess(CommandProcess):
     # -- output ----------------------------------------------------------------------------------
 
     async def pump_output(self) -> None:
+        if self._stdin_fd is None:
+            await self._read_both()
+            return
         async with anyio.create_task_group() as tg:
-            if self._stdin_fd is not None:
-                tg.start_soon(self._write_stdin, self._stdin_fd)
-            tg.start_soon(self._read, self._stdout_fd, self._launch.stdout)
-            await self._read(self._stderr_fd, self._launch.stderr)
+            tg.start_soon(self._write_stdin, self._stdin_fd)
+            await self._read_both()
         # The stdin writer may still wait on a reader that never reads; pumping is done either way.
 
+    async def _read_both(self) -> None:
+        """Read stdout and stderr to EOF in one task: one epoll set of their own is waited on for both,
+        which spares a short command a second task and a second wait (the event loop's turns are most
+        of what it costs). Without a descriptor for the set, each stream gets a task of its own."""
+        streams = {self._stdout_fd: self._launch.stdout, self._stderr_fd: self._launch.stderr}
+        try:
+            ready = select.epoll(len(streams))
+        except OSError:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._read, self._stdout_fd, self._launch.stdout)
+                await self._read(self._stderr_fd, self._launch.stderr)
+            return
+        buffers: dict[int, bytearray] = {}
+        with ready:
+            for fd in streams:
+                ready.register(fd, select.EPOLLIN)
+            while streams:
+                events = ready.poll(0)
+                if not events:
+                    await anyio.wait_readable(ready.fileno())
+                    continue
+                fed = False
+                for fd, _mask in events:
+                    count = _read_once(fd, streams[fd], buffers)
+                    if count == 0:
+                        ready.unregister(fd)
+                        del streams[fd]
+                        self._fds[fd] = True
+                    fed = fed or count > 0
+                if fed:
+                    # Always yield after data: a stream that never blocks must not starve timers and
+                    # other tasks.
+                    await anyio.lowlevel.checkpoint()
+
     async def _read(self, fd: int, stream: OutputStream) -> None:
-        size = _FIRST_READ
-        buffer: bytearray | None = None
+        buffers: dict[int, bytearray] = {}
         while True:
-            try:
-                if buffer is None:
-                    data: bytes | memoryview = os.read(fd, size)
-                    count = len(data)
-                    if count == _FIRST_READ:
-                        # A heavy stream: switch to one reused large buffer.
-                        buffer = bytearray(_BIG_READ)
-                else:
-                    count = os.readv(fd, [buffer])
-                    data = memoryview(buffer)[:count]
-            except BlockingIOError:
-                await anyio.wait_readable(fd)
-                continue
-            if not count:
+            count = _read_once(fd, stream, buffers)
+            if count == 0:
                 self._fds[fd] = True
                 return
-            stream.feed(data)
-            # Always yield: a stream that never blocks must not starve timers and other tasks.
-            await anyio.lowlevel.checkpoint()
+            if count < 0:
+                await anyio.wait_readable(fd)
+            else:
+                await anyio.lowlevel.checkpoint()
 
     async def _write_stdin(self, fd: int) -> None:
         data = self._launch.spec.stdin
@@ -212,6 +236,27 @@ class HostProcess(CommandProcess):
             self._script = None
             with contextlib.suppress(OSError):
                 os.unlink(name, dir_fd=directory.fd)
+
+
+def _read_once(fd: int, stream: OutputStream, buffers: dict[int, bytearray]) -> int:
+    """One non-blocking read of ``fd`` into ``stream``: the count fed, 0 at EOF, -1 when nothing is there.
+
+    Small reads first; a stream that fills one switches to a large buffer of its own, reused."""
+    buffer = buffers.get(fd)
+    try:
+        if buffer is None:
+            data: bytes | memoryview = os.read(fd, _FIRST_READ)
+            count = len(data)
+            if count == _FIRST_READ:
+                buffers[fd] = bytearray(_BIG_READ)
+        else:
+            count = os.readv(fd, [buffer])
+            data = memoryview(buffer)[:count]
+    except BlockingIOError:
+        return -1
+    if count:
+        stream.feed(data)
+    return count
 
 
 #: How often a command no supervisor answered yet continues the fork server and its spare.
@@ -460,7 +505,9 @@ class SupervisedProcess(HostProcess):
             self._status = None
         self._reaped = True  # the supervisor, not us, reaps the command's processes
         await super()._release_fds()
-        if self._supervisor_gone():
+        if self._nothing_left() or self._supervisor_gone():
+            # After ``empty`` the supervisor has no descendant and can get none: it is exiting (the
+            # fork server reaps it), so there is nothing left to watch for.
             self._forget_supervisor()
         else:
             # Leftovers live on under the supervisor; it exits once they are gone.
