@@ -208,3 +208,24 @@ def test_read_only_mappings_are_accepted() -> None:
 
 def test_empty_explicit_env_changes_nothing() -> None:
     assert build({"HOME": "/h"}, explicit={}) == build({"HOME": "/h"}, explicit=None)
+
+
+def test_changes_to_os_environ_are_seen_by_the_next_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The base built from os.environ is reused while os.environ is unchanged: every kind of change
+    # (a new value, a new name, a removed name, a scrubbed one) must show in the next build.
+    import os  # noqa: PLC0415
+
+    monkeypatch.setenv("VISIBLE_FOR_TEST", "one")
+    first = build_command_env(os.environ, scrub=DEFAULT_ENV_SCRUB)
+    assert first["VISIBLE_FOR_TEST"] == "one"
+    first["VISIBLE_FOR_TEST"] = "mutated by the caller"
+    assert build_command_env(os.environ, scrub=DEFAULT_ENV_SCRUB)["VISIBLE_FOR_TEST"] == "one"
+    monkeypatch.setenv("VISIBLE_FOR_TEST", "two")
+    assert build_command_env(os.environ, scrub=DEFAULT_ENV_SCRUB)["VISIBLE_FOR_TEST"] == "two"
+    monkeypatch.setenv("ADDED_FOR_TEST", "x")
+    monkeypatch.setenv("FOR_TEST_API_KEY", "secret")
+    built = build_command_env(os.environ, scrub=DEFAULT_ENV_SCRUB)
+    assert built["ADDED_FOR_TEST"] == "x" and "FOR_TEST_API_KEY" not in built
+    monkeypatch.delenv("VISIBLE_FOR_TEST")
+    assert "VISIBLE_FOR_TEST" not in build_command_env(os.environ, scrub=DEFAULT_ENV_SCRUB)
+    assert build_command_env(os.environ, scrub=())["FOR_TEST_API_KEY"] == "secret"
