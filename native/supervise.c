@@ -1349,6 +1349,7 @@ static int digest_stdin(const char *key_hex)
 #define SERVER_FDS 4                   /* status socket, then the command's stdin, stdout, stderr */
 #define EXIT_PROTOCOL 126              /* a spare read what no harness of this version sends */
 #define SPARE_DELAY_MS 20              /* after a request was taken, at most this long without a spare */
+#define SERVER_END_MS 1500             /* at close: how long the server waits for its supervisors */
 #define SPARE_RETRY_MS 50              /* after a fork failed for lack of processes or memory */
 
 /* What the child of one request runs, and where: set in the child, used by main's exec. */
@@ -1527,6 +1528,35 @@ static char **spare(int taken)
     return argv;
 }
 
+/* The harness closed the server's socket: every supervisor still running (and the spare) is told to
+ * kill its command's processes, and the server stays until they are all gone, so that the harness,
+ * which waits for the server to exit, knows that nothing of its commands is left. They all share the
+ * server's process group (the harness made it a session leader; each command has a session of its
+ * own), so one kill reaches exactly them. SIGCONT first: a supervisor a command stopped would never
+ * act. SIGUSR2 is what their PDEATHSIG sends once the server is gone, so past the bound that still
+ * happens. */
+static void end_server(void) __attribute__((noreturn));
+static void end_server(void)
+{
+    kill(0, SIGCONT);
+    kill(0, SIGUSR2);
+    long long deadline = now_ms() + SERVER_END_MS;
+    for (;;) {
+        int st;
+        pid_t p;
+        while ((p = waitpid(-1, &st, WNOHANG | __WALL)) > 0)
+            ;
+        if (p < 0 && errno == ECHILD)
+            exit(0);
+        long long left = deadline - now_ms();
+        if (left <= 0)
+            exit(0);
+        struct pollfd pfd = {sig_fd, POLLIN, 0};
+        if (poll(&pfd, 1, (int)left) > 0)
+            drain_signals();
+    }
+}
+
 /* The fork server: one per executor, started once, so that a command costs no exec of a supervisor.
  * It keeps one spare child ready (a fork of itself) that takes the next request from fd 0 (a Unix
  * stream socket) and becomes that command's supervisor; the server forks the next spare once it is
@@ -1578,7 +1608,7 @@ static char **fork_server(void)
             die("poll: %s", strerror(errno));
         }
         if (pfds[0].revents & (POLLRDHUP | POLLHUP | POLLERR))
-            exit(0);
+            end_server();
         if (pfds[0].revents & POLLIN)
             refill_at = 0;
         if (pfds[1].revents & POLLIN) {

@@ -449,6 +449,41 @@ def test_closing_the_socket_ends_the_server_and_its_commands(server: Server, mar
     assert _wait_until(lambda: not _marked(marker), 2.0), "the command outlived the server"
 
 
+def test_closing_the_socket_returns_once_the_commands_are_gone(server: Server, marker: str) -> None:
+    # The harness waits for the server's exit at close: by then, every process of its commands must be
+    # gone, even one that ignores SIGTERM in a session of its own.
+    script = "trap '' TERM; (setsid sleep 100 &); sleep 100"
+    status = server.request(["bash", "-c", script], {"PATH": "/usr/bin:/bin", "M": marker})
+    supervisor, _ = status.supervisor()
+    status.expect("started ")
+    assert _wait_until(lambda: len(_marked(marker)) >= 2), _marked(marker)
+    exited = os.pidfd_open(server.process.pid)
+    try:
+        server.sock.close()
+        assert select.select([exited], [], [], BOUND_S)[0], "the server did not exit"
+        # Looked at the moment the server is gone (a pidfd wakes us), not some polling later.
+        assert not _live(supervisor), "the command's supervisor outlived the server's exit"
+    finally:
+        os.close(exited)
+    assert server.process.wait(BOUND_S) == 0
+    assert not _marked(marker), "processes of a command outlived the server's exit"
+
+
+def test_closing_the_socket_ends_the_commands_of_a_stopped_supervisor(server: Server, marker: str) -> None:
+    # A command can stop its own supervisor (same user): it would never act on its PDEATHSIG.
+    status = server.request(
+        ["bash", "-c", "(setsid sleep 100 &); sleep 100"], {"PATH": "/usr/bin:/bin", "M": marker}
+    )
+    supervisor, pidfd = status.supervisor()
+    status.expect("started ")
+    assert _wait_until(lambda: len(_marked(marker)) >= 2), _marked(marker)
+    signal.pidfd_send_signal(pidfd, signal.SIGSTOP)
+    assert _wait_until(lambda: (_status_field(supervisor, "State") or "").startswith("T"))
+    server.sock.close()
+    assert server.process.wait(BOUND_S) == 0
+    assert _wait_until(lambda: not _marked(marker), 2.0), f"survivors: {_marked(marker)}"
+
+
 def test_sigkill_of_the_server_kills_running_commands(server: Server, marker: str) -> None:
     script = "sleep 100 & (setsid sleep 100 &) ; sleep 100"
     status = server.request(["bash", "-c", script], {"PATH": "/usr/bin:/bin", "M": marker})
