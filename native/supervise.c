@@ -1470,6 +1470,30 @@ static int drain_signals(void)
     return seen;
 }
 
+/* What becomes of this process as a supervisor, done ahead of its command (a spare does it while it
+ * waits, off the path of the request it will take): a subreaper; /proc, to find descendants; /dev/null,
+ * opened before the spawn so that dropping the command's stdio needs no new fd. A failure is kept, to
+ * be reported once a status channel exists. */
+static int dev_null = -1;
+static int subreaper_errno, proc_errno, dev_null_errno;
+static void prepare_supervisor(void)
+{
+    self_pid = getpid();
+    if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0)
+        subreaper_errno = errno;
+    proc_fd = open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (proc_fd < 0) {
+        proc_errno = errno;
+    } else {
+        char children_path[64];
+        snprintf(children_path, sizeof children_path, "%d/task/%d/children", (int)self_pid, (int)self_pid);
+        have_children_files = faccessat(proc_fd, children_path, R_OK, 0) == 0;
+    }
+    dev_null = open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (dev_null < 0)
+        dev_null_errno = errno;
+}
+
 /* A spare of the fork server: waits, ready, for the next request on fd 0 and takes it (then tells the
  * server through TAKEN, so that it forks the next spare). Returns the request's program, as that
  * command's supervisor, with status_fd, fds 0-2, and the program's environment and directory set. */
@@ -1478,6 +1502,7 @@ static char **spare(int taken)
     pid_t server = getppid();
     if (prctl(PR_SET_PDEATHSIG, SIGUSR2, 0, 0, 0) < 0 || getppid() != server)
         _exit(0);
+    prepare_supervisor();
     for (;;) {
         struct pollfd pfds[2] = {{0, POLLIN, 0}, {sig_fd, POLLIN, 0}};
         if (poll(pfds, 2, -1) < 0) {
@@ -1863,31 +1888,26 @@ int main(int argc, char **argv)
         if (record_seq == 0)
             die("cannot write the status file: %s", strerror(errno));
     }
-    self_pid = getpid();
-
-    if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0) {
+    if (!server_mode) {
+        /* A spare did this before it took its request (and set its PDEATHSIG there). */
+        prepare_supervisor();
+        if (die_with_parent) {
+            pid_t parent = getppid();
+            if (prctl(PR_SET_PDEATHSIG, SIGUSR2, 0, 0, 0) < 0)
+                die("prctl(PR_SET_PDEATHSIG): %s", strerror(errno));
+            if (getppid() != parent)
+                die("the parent is already gone");
+        }
+    }
+    if (subreaper_errno != 0) {
         if (!allow_no_subreaper)
-            die("prctl(PR_SET_CHILD_SUBREAPER): %s", strerror(errno));
-        record("warning no-subreaper %d", errno);
+            die("prctl(PR_SET_CHILD_SUBREAPER): %s", strerror(subreaper_errno));
+        record("warning no-subreaper %d", subreaper_errno);
     }
-    if (die_with_parent) {
-        pid_t parent = getppid();
-        if (prctl(PR_SET_PDEATHSIG, SIGUSR2, 0, 0, 0) < 0)
-            die("prctl(PR_SET_PDEATHSIG): %s", strerror(errno));
-        if (getppid() != parent)
-            die("the parent is already gone");
-    }
-    proc_fd = open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (proc_fd < 0)
-        die("cannot open /proc: %s", strerror(errno));
-    char children_path[64];
-    snprintf(children_path, sizeof children_path, "%d/task/%d/children", (int)self_pid, (int)self_pid);
-    have_children_files = faccessat(proc_fd, children_path, R_OK, 0) == 0;
-
-    /* Opened before the fork, so that dropping the command's stdio below needs no new fd. */
-    int dev_null = open("/dev/null", O_RDWR | O_CLOEXEC);
+        die("cannot open /proc: %s", strerror(proc_errno));
     if (dev_null < 0)
-        die("cannot open /dev/null: %s", strerror(errno));
+        die("cannot open /dev/null: %s", strerror(dev_null_errno));
     /* --frame: the command's stdin, stdout and stderr, [0] its read end, [1] its write end. All
      * close-on-exec: the child dup2()s its own ends onto 0-2 and inherits none of the others. */
     int stdio_pipe[3][2] = {{-1, -1}, {-1, -1}, {-1, -1}};
