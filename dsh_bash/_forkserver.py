@@ -163,6 +163,8 @@ class SupervisorServer:
                     raise
                 self._close_socket()  # the server is gone (a command killed it): nothing was sent
         assert sock is not None
+        if sent == len(message):
+            return
         view = memoryview(message)[sent:]
         with anyio.CancelScope(shield=True):
             # Half a request would leave the server's next spare reading the rest of it for ever.
