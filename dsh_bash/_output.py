@@ -25,7 +25,11 @@ class SpillFile(Protocol):
     """A file holding a whole stream, where the backend's commands run.
 
     ``write`` appends (a backend whose commands write the file themselves may make it a no-op);
-    ``close`` ends writing and keeps the file; ``delete`` removes it. Errors are ``OSError``.
+    ``close`` ends writing and keeps the file; ``delete`` removes it and calls ``gone`` once its
+    bytes are really gone from the disk (at once for a file removed synchronously; for a remote
+    file, after its writer stopped and the removal was confirmed; never when the removal failed).
+    The stream hands the file's budget back only then, so the budget bounds the disk at every
+    moment. Errors are ``OSError``.
 
     ``lost`` is for files written behind the scenes (a remote writer fed from a queue), which learn
     of a failure only later: it turns true then, and the stream reports no spill path from that
@@ -43,7 +47,7 @@ class SpillFile(Protocol):
 
     def close(self) -> None: ...
 
-    def delete(self) -> None: ...
+    def delete(self, gone: Callable[[], None]) -> None: ...
 
 
 class SpillBudget:
@@ -197,13 +201,24 @@ class OutputStream:
     def _lose_spill(self) -> None:
         spill, self._spill = self._spill, None
         self._spill_state = "lost"
-        self._budget.release(self._spill_reserved)
-        self._spill_reserved = 0
-        if spill is not None:
-            try:
-                spill.delete()
-            except OSError as exc:
-                log.warning("deleting %s spill file %s failed: %s", self.name, spill.path, exc)
+        reserved, self._spill_reserved = self._spill_reserved, 0
+        if spill is None:
+            self._budget.release(reserved)
+            return
+        released = False
+
+        def gone() -> None:
+            # The bytes left the disk: only now may another spill have their budget. A file whose
+            # removal failed keeps holding it (the disk still does) until the executor closes.
+            nonlocal released
+            if not released:
+                released = True
+                self._budget.release(reserved)
+
+        try:
+            spill.delete(gone)
+        except OSError as exc:
+            log.warning("deleting %s spill file %s failed: %s", self.name, spill.path, exc)
 
     # -- reading -----------------------------------------------------------------------------
 

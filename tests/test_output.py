@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -45,8 +46,9 @@ class FakeSpill:
             raise OSError("close failed")
         self.closed = True
 
-    def delete(self) -> None:
+    def delete(self, gone: Callable[[], None]) -> None:
         self.deleted = True
+        gone()
 
     lost = False
 

@@ -15,7 +15,7 @@ import posixpath
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -341,8 +341,9 @@ def test_a_spill_lost_behind_the_scenes_frees_its_budget_and_is_no_longer_fed() 
         def close(self) -> None:
             pass
 
-        def delete(self) -> None:
+        def delete(self, gone: Callable[[], None]) -> None:
             self.deleted = True
+            gone()  # removed at once here; a real remote file confirms its removal later
 
     spill = QueuedFile()
     budget = SpillBudget(1_000_000)

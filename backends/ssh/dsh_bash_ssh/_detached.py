@@ -88,6 +88,8 @@ class DetachedSpill:
     def __init__(self, path: str) -> None:
         self._path = path
         self.deleted = False
+        #: From :meth:`delete`: called once the file was removed (the stream's budget is free).
+        self.gone: Callable[[], None] | None = None
 
     @property
     def path(self) -> str:
@@ -99,8 +101,10 @@ class DetachedSpill:
     def close(self) -> None:
         pass
 
-    def delete(self) -> None:
+    def delete(self, gone: Callable[[], None]) -> None:
+        # The task still writes the file: its bytes are gone only once it is removed, at release.
         self.deleted = True
+        self.gone = gone
 
 
 class _Followed:
@@ -156,6 +160,8 @@ class Follower:
         self._start_helper = start_helper
         self._tasks: dict[str, _Followed] = {}
         self._to_remove: list[str] = []
+        #: Called once the path was removed (a given-up spill's budget is free only then).
+        self._on_removed: dict[str, Callable[[], None]] = {}
         self._running = False
         self._wake = anyio.Event()
         self._sftp: asyncssh.SFTPClient | None = None
@@ -198,15 +204,18 @@ class Follower:
         self._ensure_running()
         self._wake.set()
 
-    async def remove_now(self, paths: list[str]) -> None:
+    async def remove_now(self, paths: list[str], on_removed: dict[str, Callable[[], None]]) -> None:
         """Remove ``paths`` before returning (a spill file given up must be gone once its task is
-        reported done); what cannot be removed now is left to the loop."""
+        reported done); what cannot be removed now is left to the loop. ``on_removed[path]`` is
+        called once ``path`` is confirmed removed."""
+        self._on_removed.update(on_removed)
         try:
             with anyio.move_on_after(_REMOVE_NOW_BOUND_S):
                 sftp = await self._ensure_sftp()
                 while paths:
                     with contextlib.suppress(asyncssh.SFTPNoSuchFile):
                         await sftp.remove(paths[0])
+                    self._removed(paths[0])
                     paths = paths[1:]
         except (asyncssh.Error, OSError, BashInfrastructureError, _NoSftp) as exc:
             log.debug("removing %s now failed (%s): left to the follower", paths, exc)
@@ -214,6 +223,11 @@ class Follower:
             self._to_remove.extend(paths)
             self._ensure_running()
             self._wake.set()
+
+    def _removed(self, path: str) -> None:
+        callback = self._on_removed.pop(path, None)
+        if callback is not None:
+            callback()
 
     def close(self) -> None:
         self._closed = True
@@ -301,9 +315,11 @@ class Follower:
         active = False
         if self._to_remove:
             paths, self._to_remove = self._to_remove, []
-            for path in paths:
+            while paths:
                 with contextlib.suppress(asyncssh.SFTPNoSuchFile):
-                    await sftp.remove(path)
+                    await sftp.remove(paths[0])
+                self._removed(paths[0])
+                paths = paths[1:]
             active = True
         if not self._tasks:
             return active
@@ -674,17 +690,17 @@ class DetachedProcess(CommandProcess):
             status = self._followed.status
             if status is not None and status.code is not None:
                 remove.append(f"{base}.exit-{status.code}")
-        given_up: list[str] = []
+        given_up: dict[str, Callable[[], None]] = {}
         for stream in STREAMS:
             spill = self._spills.get(stream)
             if spill is None:
                 remove.append(f"{base}.{stream}")
             elif spill.deleted:
-                given_up.append(f"{base}.{stream}")
+                given_up[f"{base}.{stream}"] = spill.gone or (lambda: None)
         self._follower.forget(self._followed, remove)
         if given_up:
             # A read named this file while it was the spill: it must not outlive the task's end.
-            await self._follower.remove_now(given_up)
+            await self._follower.remove_now(list(given_up), given_up)
         if self._registry is not None and self.ended:
             self._registry.discard(self)
         await self._on_release()
