@@ -2130,6 +2130,8 @@ int main(int argc, char **argv)
                 pfds[nfds++].events = POLLIN;
             }
         }
+        if (no_children && relay_pipe[0] < 0 && relay_pipe[1] < 0 && cap_bytes >= 0)
+            continue; /* the last output just reached its file: `empty` is due, nothing to wait for */
         if (frame_mode) {
             /* Written before waiting: most of the time nothing is left to wait for. */
             write_stdin();

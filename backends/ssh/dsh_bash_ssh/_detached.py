@@ -525,7 +525,8 @@ class Follower:
         writer may wait for exactly this while nothing else moves)."""
         target = followed.launch.stdout if stream == "stdout" else followed.launch.stderr
         if (
-            target.total_bytes > target.max_bytes
+            followed.feeding
+            and target.total_bytes > target.max_bytes
             and target.spill_path is None
             and self._punch_works
             and stream not in followed.punching
@@ -586,6 +587,8 @@ class Follower:
             )
             if code == 0:
                 followed.punched[stream] = length
+            elif not followed.feeding:
+                pass  # released meanwhile: its file is gone, which says nothing about fallocate
             elif self._punch_works:
                 self._punch_works = False
                 log.warning(
