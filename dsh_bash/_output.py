@@ -90,9 +90,9 @@ def prepay_spills(streams: list[OutputStream]) -> int:
 
     Each stream's spill holds at most its grant less the slack (past it, when the budget gives no
     more, the spill is lost and its file only passes bytes through); the grant comes back when the
-    backend confirms the
-    file removed: :meth:`OutputStream.prepaid_gone` for a file that never became the spill, the
-    spill's ``gone`` for one given up. A kept spill keeps its whole grant until the executor closes.
+    backend confirms the file removed: :meth:`OutputStream.prepaid_gone` for a file that never
+    became the spill, the spill's ``gone`` for one given up. A kept spill keeps its whole grant
+    until the executor closes.
     """
     if not streams:
         return 0
