@@ -7,6 +7,7 @@ import os
 import secrets
 import shutil
 import tempfile
+from collections.abc import Callable
 
 __all__ = ["HostSpillDir", "HostSpillFile"]
 
@@ -39,10 +40,11 @@ class HostSpillFile:
         if fd is not None:
             os.close(fd)
 
-    def delete(self) -> None:
+    def delete(self, gone: Callable[[], None]) -> None:
         self.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._name, dir_fd=self._dir.fd)
+        gone()  # unlinked and closed: the blocks are free (an error above raises before this)
 
 
 class HostSpillDir:

@@ -14,18 +14,29 @@ from typing import Literal, Protocol
 
 from ._types import CollectedOutput
 
-__all__ = ["OutputStream", "SpillBudget", "SpillFile", "merge_streams"]
+__all__ = ["PREPAID_SLACK", "OutputStream", "SpillBudget", "SpillFile", "merge_streams", "prepay_spills"]
 
 log = logging.getLogger("dsh_bash")
 
 StreamName = Literal["stdout", "stderr"]
+
+#: A prepaid file's writer stops one block short of its cap (block rounding): a spill in it may hold
+#: this much less than the cap, so that it is given up before its writer blocks (see prepay_spills).
+PREPAID_SLACK = 64 * 1024
+#: The least a prepaid file may be granted: room for the kept tail, and for progress when its
+#: bytes are only passing through (a lost spill, whose read part the backend frees).
+_PREPAID_LEAST = 256 * 1024
 
 
 class SpillFile(Protocol):
     """A file holding a whole stream, where the backend's commands run.
 
     ``write`` appends (a backend whose commands write the file themselves may make it a no-op);
-    ``close`` ends writing and keeps the file; ``delete`` removes it. Errors are ``OSError``.
+    ``close`` ends writing and keeps the file; ``delete`` removes it and calls ``gone`` once its
+    bytes are really gone from the disk (at once for a file removed synchronously; for a remote
+    file, after its writer stopped and the removal was confirmed; never when the removal failed).
+    The stream hands the file's budget back only then, so the budget bounds the disk at every
+    moment. Errors are ``OSError``.
 
     ``lost`` is for files written behind the scenes (a remote writer fed from a queue), which learn
     of a failure only later: it turns true then, and the stream reports no spill path from that
@@ -43,7 +54,7 @@ class SpillFile(Protocol):
 
     def close(self) -> None: ...
 
-    def delete(self) -> None: ...
+    def delete(self, gone: Callable[[], None]) -> None: ...
 
 
 class SpillBudget:
@@ -65,6 +76,36 @@ class SpillBudget:
         self.used = max(0, self.used - size)
 
 
+def prepay_spills(streams: list[OutputStream]) -> int:
+    """Grant each of ``streams`` (one command's) a file of the same size, reserved at once from their
+    budget, for a backend whose command writes its output files itself, through a writer that
+    stops at that size (a detached task's supervisor, ``dsh-supervise --cap-bytes``): the files'
+    disk use then stays within the reservation at every moment, whatever the command writes.
+
+    The first grant is small: room for the kept tail and some (most files never become a spill).
+    Returns it, or 0 (nothing reserved) when the budget has not that much left. A stream whose
+    spill outgrows half its grant asks the budget for more as it goes (doubling, up to
+    ``max_spill_bytes`` plus :data:`PREPAID_SLACK`): the backend reads :attr:`OutputStream.prepaid`
+    after each chunk it fed and raises its writer's cap to it.
+
+    Each stream's spill holds at most its grant less the slack (past it, when the budget gives no
+    more, the spill is lost and its file only passes bytes through); the grant comes back when the
+    backend confirms the file removed: :meth:`OutputStream.prepaid_gone` for a file that never
+    became the spill, the spill's ``gone`` for one given up. A kept spill keeps its whole grant
+    until the executor closes.
+    """
+    if not streams:
+        return 0
+    budget = streams[0]._budget
+    grant = max(_PREPAID_LEAST, *(stream.max_bytes + 2 * PREPAID_SLACK for stream in streams))
+    grant += -grant % 4096
+    if not budget.reserve(grant * len(streams)):
+        return 0
+    for stream in streams:
+        stream._prepaid = stream._spill_reserved = grant
+    return grant
+
+
 def _skip_continuation(buffer: bytearray | bytes, start: int, limit: int = 3) -> int:
     """Index of the first byte at or after ``start`` that does not continue a UTF-8 sequence."""
     end = min(len(buffer), start + limit)
@@ -81,6 +122,7 @@ class OutputStream:
         "_budget",
         "_decoder",
         "_open_spill",
+        "_prepaid",
         "_read_pos",
         "_skip_left",
         "_spill",
@@ -113,6 +155,8 @@ class OutputStream:
         self._tail = bytearray()
         self._spill: SpillFile | None = None
         self._spill_reserved = 0
+        #: Granted at once by prepay_spills (0: reserved chunk by chunk as bytes come).
+        self._prepaid = 0
         # "none": not needed yet; "active": holds the whole stream; "lost": deleted or refused, for good.
         self._spill_state: Literal["none", "active", "lost"] = "none"
         self._read_pos = 0
@@ -159,7 +203,40 @@ class OutputStream:
                 log.warning("closing %s spill file %s failed: %s", self.name, self._spill.path, exc)
                 self._lose_spill()
 
+    @property
+    def prepaid(self) -> int:
+        """The bytes granted to this stream's prepaid file (0: not prepaid; see prepay_spills)."""
+        return self._prepaid
+
+    def _grow_prepaid(self) -> None:
+        """A spill in a prepaid file past half its grant asks the budget for more: double, up to what
+        a spill may need; what the budget has left when less than that."""
+        most = self.max_spill_bytes + PREPAID_SLACK
+        if self._prepaid >= most or self.total_bytes <= self._prepaid // 2:
+            return
+        want = min(most, max(2 * self._prepaid, self.total_bytes + 2 * PREPAID_SLACK))
+        extra = min(want - self._prepaid, self._budget.limit - self._budget.used)
+        extra -= extra % 4096
+        if extra > 0 and self._budget.reserve(extra):
+            self._prepaid += extra
+            self._spill_reserved += extra
+
+    def prepaid_gone(self) -> None:
+        """The backend removed this stream's prepaid file, which never became its spill: its grant
+        is free again. (A spill given up returns it through ``gone``; a kept one keeps it.)"""
+        if self._prepaid and self._spill is None:
+            self._budget.release(self._spill_reserved)
+            self._spill_reserved = self._prepaid = 0
+
+    def _spill_limit(self) -> int:
+        if self._prepaid:
+            return min(self.max_spill_bytes, self._prepaid - PREPAID_SLACK)
+        return self.max_spill_bytes
+
     def _spill_begin(self, data: bytes | bytearray | memoryview) -> None:
+        if self._prepaid:
+            self._prepaid_spill_begin()
+            return
         if self.total_bytes > self.max_spill_bytes or not self._budget.reserve(self.total_bytes):
             self._spill_state = "lost"
             return
@@ -182,7 +259,26 @@ class OutputStream:
             log.warning("writing %s spill file %s failed: %s", self.name, spill.path, exc)
             self._lose_spill()
 
+    def _prepaid_spill_begin(self) -> None:
+        """The prepaid file already holds the whole stream (its writer is the command's side): it
+        becomes the spill, or, past the limit, is given up (its grant comes back once it is gone)."""
+        try:
+            self._spill = self._open_spill()
+        except OSError as exc:
+            log.warning("cannot name a spill file for %s: %s", self.name, exc)
+            self._spill_state = "lost"  # the grant stays with the file, until prepaid_gone
+            return
+        self._spill_state = "active"
+        self._grow_prepaid()
+        if self.total_bytes > self._spill_limit():
+            self._lose_spill()
+
     def _spill_append(self, data: bytes | bytearray | memoryview, size: int) -> None:
+        if self._prepaid:
+            self._grow_prepaid()
+            if self.total_bytes > self._spill_limit():
+                self._lose_spill()
+            return
         if self.total_bytes > self.max_spill_bytes or not self._budget.reserve(size):
             self._lose_spill()
             return
@@ -197,13 +293,24 @@ class OutputStream:
     def _lose_spill(self) -> None:
         spill, self._spill = self._spill, None
         self._spill_state = "lost"
-        self._budget.release(self._spill_reserved)
-        self._spill_reserved = 0
-        if spill is not None:
-            try:
-                spill.delete()
-            except OSError as exc:
-                log.warning("deleting %s spill file %s failed: %s", self.name, spill.path, exc)
+        reserved, self._spill_reserved = self._spill_reserved, 0
+        if spill is None:
+            self._budget.release(reserved)
+            return
+        released = False
+
+        def gone() -> None:
+            # The bytes left the disk: only now may another spill have their budget. A file whose
+            # removal failed keeps holding it (the disk still does) until the executor closes.
+            nonlocal released
+            if not released:
+                released = True
+                self._budget.release(reserved)
+
+        try:
+            spill.delete(gone)
+        except OSError as exc:
+            log.warning("deleting %s spill file %s failed: %s", self.name, spill.path, exc)
 
     # -- reading -----------------------------------------------------------------------------
 

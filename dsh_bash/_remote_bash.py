@@ -248,6 +248,10 @@ class QueuedSpillFile(ABC):
         #: True once the writer failed or was refused: the file is incomplete or was never made.
         self.lost = False
         self.done = anyio.Event()
+        #: From :meth:`delete`: called once the removal was confirmed (the stream's budget is free).
+        self._gone: Callable[[], None] | None = None
+        #: Starts a helper task (set by :meth:`CommandSpills.add`): for a removal after :meth:`run` ended.
+        self.start_helper: Callable[..., None] | None = None
 
     @abstractmethod
     async def _open_writer(self) -> SpillWriter:
@@ -255,7 +259,8 @@ class QueuedSpillFile(ABC):
 
     @abstractmethod
     async def _remove(self) -> None:
-        """Remove the file (``rm -f -- PATH``) where the commands run."""
+        """Remove the file (``rm -f -- PATH``) where the commands run; raise ``OSError`` unless the
+        removal was confirmed (the remover's exit status 0)."""
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if self.done.is_set():  # the writer ended: nothing more reaches the file, queueing would only grow
@@ -268,13 +273,33 @@ class QueuedSpillFile(ABC):
         self._closed = True
         self._wake.set()
 
-    def delete(self) -> None:
+    def delete(self, gone: Callable[[], None]) -> None:
+        """Stop writing and remove the file; ``gone`` is called once its removal was confirmed, after
+        the writer ended (a writer still running could write on into the removed file's blocks)."""
+        already = self._deleted
         self._deleted = True
         self._closed = True
+        self._gone = gone
         self._queue.clear()
         self._queued_bytes = 0
         self._wake.set()
         self._signal_drained()
+        # The writer ended before (it failed: the file may hold part of the stream): :meth:`run`
+        # will not remove it any more. Untracked (no helper starter): left for the directory's
+        # removal at close, and its budget with it.
+        if self.done.is_set() and not already and self.start_helper is not None:
+            self.start_helper(self._remove_confirmed)
+
+    async def _remove_confirmed(self) -> None:
+        """Remove the file (bounded); call ``gone`` only when that was confirmed."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            try:
+                await self._remove()
+            except Exception as exc:  # each transport has its own errors; the budget stays held
+                log.warning("spill file %s: removing failed: %s", self.path, exc)
+                return
+            if self._gone is not None:
+                self._gone()
 
     @property
     def backlogged(self) -> bool:
@@ -324,11 +349,8 @@ class QueuedSpillFile(ABC):
         finally:
             self.lost = not complete and not self._deleted
             if self._deleted:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                    try:
-                        await self._remove()
-                    except Exception as exc:
-                        log.warning("spill file %s: removing failed: %s", self.path, exc)
+                # The writer ended (finish() waited for it, or its transport is closed): remove.
+                await self._remove_confirmed()
             self._queue.clear()
             self._queued_bytes = 0
             self.done.set()
@@ -351,6 +373,7 @@ class CommandSpills:
     def add(self, marker: str, spill: QueuedSpillFile) -> QueuedSpillFile:
         """Track ``spill`` for the command ``marker`` and start its writer."""
         self._by_marker.setdefault(marker, []).append(spill)
+        spill.start_helper = self._start_helper
         self._start_helper(spill.run)
         return spill
 

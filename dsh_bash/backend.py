@@ -15,7 +15,8 @@ process, kill and spill mechanics; this module holds the pieces it builds them f
   :func:`scan_processes`, :class:`ProcEntry`, :func:`read_proc_stat`, :class:`ProcStat`,
   :func:`signal_marked` (pid-fd signalling);
 - output accounting: :class:`OutputStream`, :class:`SpillFile`, :class:`SpillBudget`,
-  :data:`StreamName`, :func:`merge_streams`;
+  :data:`StreamName`, :func:`merge_streams`, :func:`prepay_spills` (a budget granted up front to
+  output files a capped writer on the far side fills);
 - the environment policy: :func:`build_command_env`, :func:`is_scrubbed`,
   :data:`MODEL_FRIENDLY_ENV`, :data:`RC_FILE_VARIABLES`;
 - bash reached remotely (through an API or a channel): the boot markers :data:`BOOT_OK`,
@@ -97,7 +98,7 @@ from ._native import (
     supervisor_payload,
     supervisor_problem,
 )
-from ._output import OutputStream, SpillBudget, SpillFile, StreamName, merge_streams
+from ._output import OutputStream, SpillBudget, SpillFile, StreamName, merge_streams, prepay_spills
 from ._procscan import ProcEntry, ProcScanner, ProcStat, read_proc_stat, signal_marked
 from ._procscan import scan as scan_processes
 from ._remote_bash import (
@@ -189,6 +190,7 @@ __all__ = [
     "normalize_arch",
     "parse_pids",
     "plant_in_os_environ",
+    "prepay_spills",
     "read_proc_stat",
     "run_in_fresh_loop",
     "scan_processes",

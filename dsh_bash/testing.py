@@ -284,9 +284,10 @@ class _MemorySpill:
     def close(self) -> None:
         self.closed = True
 
-    def delete(self) -> None:
+    def delete(self, gone: Callable[[], None]) -> None:
         self.closed = True
         self._files.pop(self.path, None)
+        gone()
 
 
 class _ScriptedProcess(CommandProcess):

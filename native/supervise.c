@@ -5,7 +5,8 @@
  *                 [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]
  *   dsh-supervise --frame [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]
  *   dsh-supervise --detach --status-file PATH [--stdin-file PATH] [--stdout-file PATH]
- *                 [--stderr-file PATH] [--allow-no-subreaper] [--setenv NAME=VALUE]...
+ *                 [--stderr-file PATH] [--cap-bytes N [--cap-file PATH]] [--allow-no-subreaper]
+ *                 [--setenv NAME=VALUE]...
  *                 -- PROGRAM [ARGS...]
  *   dsh-supervise --fork-server [--die-with-parent] [--allow-no-subreaper]
  *   dsh-supervise --version      (prints "dsh-supervise 4": the protocol's version)
@@ -60,6 +61,17 @@
  * the next record written. Kill requests: SIGUSR1 and SIGUSR2 only. The key stays in this process's
  * memory only (as the two HMAC states; the read buffer is wiped).
  *
+ * --cap-bytes N (with --detach and both --stdout-file and --stderr-file): the command's stdout and
+ * stderr are pipes, relayed into their files by the supervisor, which writes a file only while the
+ * disk space it holds (st_blocks * 512, plus one block for rounding) stays within N bytes. A full
+ * file is not written (and its pipe not read: the command blocks) until the harness frees space in
+ * it (it punches holes into what it has read) or raises the cap, looked at again every RELAY_WAIT_MS.
+ * --cap-file PATH: the harness raises (or sets) the caps there, as two decimal numbers (stdout's,
+ * stderr's); read while a file is full, through no link and only from a regular file. After a kill
+ * request, or once the file was removed (no link left), or after a write error, the stream's output
+ * is read and dropped instead. `empty` follows the EOF of both pipes. This makes the harness's
+ * spill budget a bound on the disk at every moment, however fast the command writes.
+ *
  * --setenv NAME=VALUE (version 4, repeatable, every mode): the child sets NAME to VALUE (replacing any
  * inherited value; a later --setenv of the same NAME wins) right before it execs PROGRAM. The
  * supervisor's own environment is left as it was: a variable meant for the command alone (the
@@ -102,6 +114,7 @@
 #include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/uio.h>
@@ -332,6 +345,14 @@ static struct hmac record_key;          /* the HMAC states under the harness's k
 static unsigned long long record_seq;   /* SEQ of the next record */
 static unsigned long long records_lost; /* not written (a full file system) since the last report */
 static int ready_fd = -1; /* until the detached supervisor is ready: where die() sends its reason */
+/* --cap-bytes: the relays of stdout and stderr into their files (see the top comment). */
+#define RELAY_WAIT_MS 10
+static long long cap_bytes = -1;
+static long long relay_cap[2];
+static char *cap_path;
+static int relay_pipe[2] = {-1, -1}; /* read ends of the command's stdout and stderr, -1 at EOF */
+static int relay_file[2] = {-1, -1};
+static int relay_drop[2];            /* read and dropped from now on */
 
 /* --frame: what goes out on fd 1, framed, in a ring (never more than RING_CAP bytes in memory). */
 static int frame_mode;
@@ -1165,6 +1186,70 @@ static long long now_ms(void)
 
 /* ---- --detach ---------------------------------------------------------------------------------- */
 
+/* --cap-bytes: moves what stream K's pipe holds into its file while the file stays within the cap.
+ * Returns 1 when the file is full (the pipe is left unread: look again after RELAY_WAIT_MS). */
+/* --cap-file: the caps the harness wrote last (left as they are when it cannot be read). */
+static void read_caps(void)
+{
+    if (cap_path == NULL)
+        return;
+    int fd = open(cap_path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0)
+        return;
+    char text[64];
+    struct stat st;
+    ssize_t n = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) ? read(fd, text, sizeof text - 1) : -1;
+    close(fd);
+    if (n <= 0)
+        return;
+    text[n] = '\0';
+    long long out, err;
+    if (sscanf(text, "%lld %lld", &out, &err) == 2 && out >= 0 && err >= 0) {
+        relay_cap[0] = out;
+        relay_cap[1] = err;
+    }
+}
+
+static int relay(int k)
+{
+    static char buf[READ_SIZE];
+    for (int rounds = 0; rounds < 16 && relay_pipe[k] >= 0; rounds++) {
+        size_t room = sizeof buf;
+        if (!relay_drop[k]) {
+            struct stat st;
+            if (fstat(relay_file[k], &st) < 0 || st.st_nlink == 0) {
+                relay_drop[k] = 1; /* removed (the harness gave the task up): nobody reads it */
+            } else {
+                long long used = (long long)st.st_blocks * 512 + 4096;
+                if (used >= relay_cap[k])
+                    read_caps(); /* full: the harness may have granted more */
+                if (used >= relay_cap[k])
+                    return 1;
+                if (relay_cap[k] - used < (long long)room)
+                    room = (size_t)(relay_cap[k] - used);
+            }
+        }
+        ssize_t n = read(relay_pipe[k], buf, room);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return 0;
+        if (n <= 0) {
+            close(relay_pipe[k]);
+            relay_pipe[k] = -1;
+            return 0;
+        }
+        for (ssize_t done = 0; done < n && !relay_drop[k];) {
+            ssize_t w = write(relay_file[k], buf + done, (size_t)(n - done));
+            if (w > 0)
+                done += w;
+            else if (!(w < 0 && errno == EINTR))
+                relay_drop[k] = 1; /* a full file system, RLIMIT_FSIZE: these bytes are lost */
+        }
+    }
+    return 0;
+}
+
 #define KEY_SIZE 32
 
 /* Reads exactly N bytes from FD, waiting on it if it is non-blocking. 0 when all N came. */
@@ -1757,6 +1842,15 @@ int main(int argc, char **argv)
             stdio_paths[1] = argv[++i];
         } else if (strcmp(a, "--stderr-file") == 0 && i + 1 < argc) {
             stdio_paths[2] = argv[++i];
+        } else if (strcmp(a, "--cap-bytes") == 0 && i + 1 < argc) {
+            char *end;
+            errno = 0;
+            cap_bytes = strtoll(argv[++i], &end, 10);
+            if (errno != 0 || end == argv[i] || *end != '\0' || cap_bytes < 2 * 4096)
+                die("--cap-bytes wants a number of bytes, at least 8192");
+            relay_cap[0] = relay_cap[1] = cap_bytes;
+        } else if (strcmp(a, "--cap-file") == 0 && i + 1 < argc) {
+            cap_path = argv[++i]; /* copied below, before the argument area is cleared */
         } else if (strcmp(a, "--sha256") == 0) {
             return digest_stdin(NULL);
         } else if (strcmp(a, "--hmac-sha256") == 0 && i + 1 < argc) {
@@ -1793,6 +1887,12 @@ int main(int argc, char **argv)
         die("--detach needs --status-file PATH");
     if (!detach_mode && (status_path || stdio_paths[0] || stdio_paths[1] || stdio_paths[2]))
         die("--status-file, --stdin-file, --stdout-file and --stderr-file go with --detach only");
+    if (cap_bytes >= 0 && (!detach_mode || stdio_paths[1] == NULL || stdio_paths[2] == NULL))
+        die("--cap-bytes goes with --detach, --stdout-file and --stderr-file");
+    if (cap_path != NULL && cap_bytes < 0)
+        die("--cap-file goes with --cap-bytes");
+    if (cap_path != NULL && (cap_path = strdup(cap_path)) == NULL)
+        die("out of memory");
     if (status_path != NULL && (status_path = strdup(status_path)) == NULL)
         die("out of memory");
     for (int k = 0; k < 3; k++)
@@ -1927,6 +2027,15 @@ int main(int argc, char **argv)
             die("cannot tell the parent: %s", strerror(errno));
         close(ready_fd);
         ready_fd = -1;
+        /* --cap-bytes: the command writes pipes, the supervisor its files (see relay()). */
+        for (int k = 0; k < 2 && cap_bytes >= 0; k++) {
+            int relay_ends[2];
+            if (pipe2(relay_ends, O_CLOEXEC) < 0 || fcntl(relay_ends[0], F_SETFL, O_NONBLOCK) < 0)
+                die("pipe2: %s", strerror(errno));
+            relay_file[k] = stdio_files[k + 1];
+            relay_pipe[k] = relay_ends[0];
+            stdio_files[k + 1] = relay_ends[1]; /* the command's; closed here once it is spawned */
+        }
     }
     /* The command's environment: the request's (--fork-server) or ours, with each --setenv. */
     char **command_env = command_environment(program_env != NULL ? program_env : environ, setenv_names,
@@ -2010,7 +2119,10 @@ int main(int argc, char **argv)
                     streams[k].budget = queued;
             }
         }
-        if (no_children) {
+        if (no_children && (relay_pipe[0] >= 0 || relay_pipe[1] >= 0)) {
+            /* No writer is left: what the pipes hold is all there is; `empty` waits for it. */
+            want_term = want_kill = killing = 0;
+        } else if (no_children) {
             if (!frame_mode) {
                 record("empty");
                 flush_status();
@@ -2056,6 +2168,20 @@ int main(int argc, char **argv)
             pfds[nfds].fd = control_fd;
             pfds[nfds++].events = POLLIN;
         }
+        int relay_full = 0;
+        for (int k = 0; k < 2; k++) {
+            if (relay_pipe[k] < 0)
+                continue;
+            if (relay(k)) {
+                relay_full = 1;
+            } else if (relay_pipe[k] >= 0) {
+                at_stream[k] = nfds;
+                pfds[nfds].fd = relay_pipe[k];
+                pfds[nfds++].events = POLLIN;
+            }
+        }
+        if (no_children && relay_pipe[0] < 0 && relay_pipe[1] < 0 && cap_bytes >= 0)
+            continue; /* the last output just reached its file: `empty` is due, nothing to wait for */
         if (frame_mode) {
             /* Written before waiting: most of the time nothing is left to wait for. */
             write_stdin();
@@ -2083,10 +2209,12 @@ int main(int argc, char **argv)
                 pfds[nfds++].events = POLLOUT;
             }
         }
-        int timeout = -1;
+        int timeout = relay_full ? RELAY_WAIT_MS : -1;
         if (killing) {
             long long left = next_pass - now_ms();
             timeout = left < 0 ? 0 : (int)left;
+            if (relay_full && timeout > RELAY_WAIT_MS)
+                timeout = RELAY_WAIT_MS;
         }
         flush_status();
         int r = poll(pfds, (nfds_t)nfds, timeout);
@@ -2096,7 +2224,7 @@ int main(int argc, char **argv)
             die("poll: %s", strerror(errno));
         }
         if (r == 0)
-            continue; /* a pass is due */
+            continue; /* a pass is due, or a full file may have room again */
         if (pfds[0].revents & POLLIN) {
             struct signalfd_siginfo si[16];
             ssize_t n;
@@ -2108,6 +2236,9 @@ int main(int argc, char **argv)
                         want_kill = 1;
                 }
             }
+            /* A killed task's output is of no use to anyone: it must not keep the supervisor. */
+            if (want_kill)
+                relay_drop[0] = relay_drop[1] = 1;
         }
         if (at_control >= 0 && pfds[at_control].revents) {
             char buf[64];
@@ -2128,7 +2259,8 @@ int main(int argc, char **argv)
         if (at_requests >= 0 && pfds[at_requests].revents)
             read_requests();
         for (int k = 0; k < 2; k++)
-            if (at_stream[k] >= 0 && pfds[at_stream[k]].revents && streams[k].fd >= 0 && ring_len < OUT_LIMIT)
+            if (frame_mode && at_stream[k] >= 0 && pfds[at_stream[k]].revents && streams[k].fd >= 0 &&
+                ring_len < OUT_LIMIT)
                 read_stream(&streams[k], READ_SIZE);
         if (at_stdin >= 0 && pfds[at_stdin].revents)
             write_stdin();

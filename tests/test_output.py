@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsh_bash.backend import OutputStream, SpillBudget, merge_streams
+from dsh_bash.backend import OutputStream, SpillBudget, merge_streams, prepay_spills
 
 
 class FakeSpill:
@@ -45,8 +46,9 @@ class FakeSpill:
             raise OSError("close failed")
         self.closed = True
 
-    def delete(self) -> None:
+    def delete(self, gone: Callable[[], None]) -> None:
         self.deleted = True
+        gone()
 
     lost = False
 
@@ -726,3 +728,67 @@ def test_spill_holds_the_whole_stream_for_any_chunking(
     assert collected.truncated == (len(payload) > max_bytes)
     if not collected.truncated:
         assert collected.text == payload.decode("utf-8", "replace")
+
+
+class _LaterGoneSpill:
+    """A spill whose removal is confirmed only when the test says so (a remote file)."""
+
+    path = "/spill/remote.stdout"
+    lost = False
+
+    def __init__(self) -> None:
+        self.gone: Callable[[], None] | None = None
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def delete(self, gone: Callable[[], None]) -> None:
+        self.gone = gone
+
+
+def test_a_lost_spill_holds_its_budget_until_its_removal_is_confirmed() -> None:
+    spill = _LaterGoneSpill()
+    budget = SpillBudget(1_000)
+    stream = OutputStream("stdout", max_bytes=10, max_spill_bytes=50, budget=budget, open_spill=lambda: spill)
+    stream.feed(b"x" * 40)
+    assert budget.used == 40 and stream.spill_path == spill.path
+    stream.feed(b"x" * 20)  # past max_spill_bytes: lost, deleted, not gone yet
+    assert stream.spill_path is None and spill.gone is not None
+    assert budget.used == 40  # the disk still holds them
+    spill.gone()
+    assert budget.used == 0
+    spill.gone()  # a second confirmation changes nothing
+    assert budget.used == 0
+
+
+def test_prepaid_spills_are_granted_at_once_grow_and_come_back_once_gone() -> None:
+    budget = SpillBudget(3 << 20)  # runs out before max_spill_bytes is reached
+    spills = [_LaterGoneSpill(), _LaterGoneSpill()]
+    out, err = (
+        OutputStream(name, max_bytes=1000, max_spill_bytes=3 << 20, budget=budget, open_spill=lambda s=s: s)
+        for name, s in zip(("stdout", "stderr"), spills, strict=True)
+    )
+    grant = prepay_spills([out, err])
+    assert grant == 256 << 10 and out.prepaid == err.prepaid == grant and budget.used == 2 * grant
+    # Feeding within the grant reserves nothing more; past half of it the grant doubles.
+    out.feed(b"x" * (200 << 10))
+    assert out.spill_path == spills[0].path and out.prepaid == 2 * grant
+    assert budget.used == 3 * grant
+    # Past what the budget can still give: the spill is lost; its grant stays until the file is gone.
+    for _ in range(40):
+        out.feed(b"x" * (100 << 10))
+    assert out.spill_path is None and budget.used == 3 << 20 and out.prepaid < (3 << 20) + (64 << 10)
+    assert spills[0].gone is not None
+    spills[0].gone()
+    assert budget.used == err.prepaid == grant
+    err.prepaid_gone()  # never a spill: its file removed
+    assert budget.used == 0
+    # A budget that cannot grant the least refuses, reserving nothing.
+    small = SpillBudget(100 << 10)
+    lone = OutputStream(
+        "stdout", max_bytes=1000, max_spill_bytes=1 << 20, budget=small, open_spill=_LaterGoneSpill
+    )
+    assert prepay_spills([lone]) == 0 and small.used == 0

@@ -15,7 +15,7 @@ import posixpath
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -185,6 +185,38 @@ async def test_planted_link_at_a_detached_task_file_is_refused(
         await _assert_link_not_followed(ex, link, planted, victim)
 
 
+@pytest.mark.parametrize("link", ["victim_file", "dangling", "fifo"])
+async def test_planted_link_at_a_detached_task_cap_file_is_never_followed(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, link: LinkKind
+) -> None:
+    """An SSH background task's supervisor reads its raised output caps from BASE.cap, which the
+    executor writes under a fresh name (O_EXCL) and renames into place: a link planted at BASE.cap is
+    replaced, never written through, and the supervisor never reads through it."""
+    import dsh_bash_ssh._executor as ssh_executor  # noqa: PLC0415
+
+    nonce = "d" * 16
+    size = 1 << 20  # past half of the first grant (256 KiB): the caps are raised
+    async with make_executor(request, "ssh", max_output_bytes=MAX_OUTPUT) as ex:
+        assert isinstance(ex, ssh_executor.SshBashExecutor)
+        victim = await _make_victim(ex, link)
+        planted = f"{ex.spill_dir}/{nonce}.cap"
+        await _sh(ex, f"ln -s {victim} {planted}")
+        monkeypatch.setattr(ssh_executor, "secrets", PredictableTokens(8, [nonce]))
+        task = await ex.start(ex.resolve(BashExecRequest(command=f"head -c {size} /dev/zero | tr '\\0' x")))
+        with anyio.fail_after(60):
+            await task.wait()
+        read = await ex.read_output(task.id)
+        assert task.status == "completed" and task.exit_code == 0, task
+        assert read.stdout_spill_path is not None and len(read.delta.encode()) + read.dropped_bytes == size
+        await _assert_private_spill(ex, read.stdout_spill_path, size)
+        if link == "victim_file":
+            assert await _sh(ex, f"cat {victim}") == "original"
+        elif link == "dangling":
+            assert await _sh(ex, f"[ -e {victim} ] || [ -L {victim} ] || echo absent") == "absent\n"
+        else:
+            assert (await _sh(ex, f"[ -p {victim} ] && echo fifo")) == "fifo\n"
+
+
 @pytest.mark.parametrize("backend", ["local", "docker"])
 async def test_planted_link_at_the_long_command_script_path_is_never_followed(
     request: pytest.FixtureRequest, tokens: PredictableTokens, backend: str
@@ -341,8 +373,9 @@ def test_a_spill_lost_behind_the_scenes_frees_its_budget_and_is_no_longer_fed() 
         def close(self) -> None:
             pass
 
-        def delete(self) -> None:
+        def delete(self, gone: Callable[[], None]) -> None:
             self.deleted = True
+            gone()  # removed at once here; a real remote file confirms its removal later
 
     spill = QueuedFile()
     budget = SpillBudget(1_000_000)

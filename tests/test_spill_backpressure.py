@@ -120,7 +120,7 @@ async def test_wait_writable_never_waits_on_a_deleted_spill() -> None:
         tg.start_soon(waiter)
         await anyio.sleep(0.1)
         assert not waiter_done.is_set()
-        spill.delete()  # a waiter already blocked is released too
+        spill.delete(lambda: None)  # a waiter already blocked is released too
         with anyio.fail_after(5):
             await waiter_done.wait()
         writer.open.set()

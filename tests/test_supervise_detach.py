@@ -623,3 +623,83 @@ def test_setenv_in_detach_mode(tasks: list[Detached], tmp_path: Path) -> None:
     os.kill(pid, signal.SIGUSR2)
     assert task.finish()[-2:] == ["signal 9", "empty"]
     assert out.read_text() == assignment.split("=", 1)[1]
+
+
+# ---- --cap-bytes: the output files never hold more disk than the harness granted ------------------
+
+
+def _disk(path: Path) -> int:
+    return path.stat().st_blocks * 512
+
+
+@pytest.mark.timeout(60)
+def test_cap_bytes_bounds_the_files_until_space_is_freed_or_the_cap_raised(
+    tasks: list[Detached], tmp_path: Path
+) -> None:
+    """The command writes 4 MiB to each stream; the files never hold more than 256 KiB of disk (plus
+    a block) until the harness punches what it read or raises the caps in the cap file."""
+    cap = 256 * 1024
+    out, err, caps = tmp_path / "out", tmp_path / "err", tmp_path / "caps"
+    script = "head -c 4194304 /dev/zero >&2 & head -c 4194304 /dev/zero; wait"
+    task = Detached(
+        tmp_path,
+        [*SH, script],
+        stdout_file=out,
+        stderr_file=err,
+        options=["--cap-bytes", str(cap), "--cap-file", str(caps)],
+    )
+    tasks.append(task)
+    assert task.returncode == 0, task.stderr
+    peak = 0
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:  # blocked at the cap: nothing more is written
+        peak = max(peak, _disk(out), _disk(err))
+        time.sleep(0.005)
+    task.poll()
+    assert not task.state.empty
+    assert peak <= cap + 4096, peak
+    assert out.stat().st_size >= cap - 2 * 4096  # it did write up to the cap
+    # Punching the part read frees room: the writer goes on, still within the cap.
+    for _ in range(40):
+        for path in (out, err):
+            size = path.stat().st_size
+            subprocess.run(
+                ["fallocate", "--punch-hole", "--offset", "0", "--length", str(size), str(path)], check=True
+            )
+            peak = max(peak, _disk(out), _disk(err))
+        if out.stat().st_size >= 1 << 20 and err.stat().st_size >= 1 << 20:
+            break
+        time.sleep(0.02)
+    assert out.stat().st_size >= 1 << 20 and err.stat().st_size >= 1 << 20
+    assert peak <= cap + 4096, peak
+    # Raised caps (written whole, then renamed into place): the rest fits, the task ends.
+    (tmp_path / "caps.new").write_text("16777216 16777216\n")
+    (tmp_path / "caps.new").rename(caps)
+    assert task.finish()[-2:] == ["exit 0", "empty"]
+    assert out.stat().st_size == err.stat().st_size == 4194304
+
+
+@pytest.mark.timeout(60)
+def test_cap_bytes_drops_output_after_a_kill_or_a_removal(tasks: list[Detached], tmp_path: Path) -> None:
+    """A full file whose task is killed (SIGUSR2), or whose file was removed, keeps no supervisor."""
+    for case in ("kill", "remove"):
+        directory = tmp_path / case
+        directory.mkdir()
+        out, err = directory / "out", directory / "err"
+        task = Detached(
+            directory,
+            [*SH, "head -c 4194304 /dev/zero; echo done >&2"],
+            stdout_file=out,
+            stderr_file=err,
+            options=["--cap-bytes", "65536"],
+        )
+        tasks.append(task)
+        assert task.returncode == 0, task.stderr
+        pid, _ = task.supervisor
+        time.sleep(0.3)
+        if case == "kill":
+            os.kill(pid, signal.SIGUSR2)
+        else:
+            out.unlink()
+        task.finish()
+        assert _disk(err) <= 65536 + 4096

@@ -53,4 +53,6 @@ class DockerSpillFile(QueuedSpillFile):
         return _ExecWriter(self._engine, exec_id, await self._engine.exec_start(exec_id))
 
     async def _remove(self) -> None:
-        await run_script(self._engine, self._container, self._user, 'rm -f -- "$1"', self.path)
+        code, _, err = await run_script(self._engine, self._container, self._user, 'rm -f -- "$1"', self.path)
+        if code != 0:
+            raise OSError(f"rm exited with status {code}: {err[-300:].decode('utf-8', 'replace').strip()}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -37,6 +38,7 @@ from dsh_bash.backend import (
     ExitStatus,
     InfraReason,
     Launch,
+    OutputStream,
     SignedRecords,
     SupervisorRecords,
 )
@@ -60,7 +62,8 @@ _IDLE_LINGER_S = 1.0
 STREAMS = ("stdout", "stderr")
 #: Stands in for bytes that are counted but never read (see Follower._read).
 _PLACEHOLDER = bytes(1 << 20)
-#: A lost spill's file gets its read part freed each time this many more bytes were read.
+#: A lost spill's file gets its read part freed each time this many more bytes were read (a capped
+#: file: a quarter of its cap, so that its writer, which stops at the cap, never waits long).
 _PUNCH_STEP = 64 << 20
 #: Listings in a row that show a task's eof file but no exit file before the task counts as lost.
 _EOF_WITHOUT_EXIT_TICKS = 5
@@ -88,6 +91,8 @@ class DetachedSpill:
     def __init__(self, path: str) -> None:
         self._path = path
         self.deleted = False
+        #: From :meth:`delete`: called once the file was removed (the stream's budget is free).
+        self.gone: Callable[[], None] | None = None
 
     @property
     def path(self) -> str:
@@ -99,18 +104,29 @@ class DetachedSpill:
     def close(self) -> None:
         pass
 
-    def delete(self) -> None:
+    def delete(self, gone: Callable[[], None]) -> None:
+        # The task still writes the file: its bytes are gone only once it is removed, at release.
         self.deleted = True
+        self.gone = gone
 
 
 class _Followed:
     """What the follower knows about one task."""
 
     def __init__(
-        self, base: str, launch: Launch, spills: dict[str, DetachedSpill], key: bytes | None = None
+        self,
+        base: str,
+        launch: Launch,
+        spills: dict[str, DetachedSpill],
+        key: bytes | None = None,
+        cap: int | None = None,
     ) -> None:
         self.base = base
         self.spills = spills
+        #: Under dsh-supervise --cap-bytes: the caps its writer knows of (stdout's, stderr's), raised
+        #: through BASE.cap as the streams' grants grow (None: no cap, the marker fallback).
+        self.caps = None if cap is None else (cap, cap)
+        self.writing_caps = False
         #: Per stream, how far the file's start was freed (punched) and whether a punch runs.
         self.punched = {stream: 0 for stream in STREAMS}
         self.punching: set[str] = set()
@@ -156,6 +172,8 @@ class Follower:
         self._start_helper = start_helper
         self._tasks: dict[str, _Followed] = {}
         self._to_remove: list[str] = []
+        #: Called once the path was removed (a given-up spill's budget is free only then).
+        self._on_removed: dict[str, Callable[[], None]] = {}
         self._running = False
         self._wake = anyio.Event()
         self._sftp: asyncssh.SFTPClient | None = None
@@ -178,17 +196,27 @@ class Follower:
         return True
 
     def add(
-        self, base: str, launch: Launch, spills: dict[str, DetachedSpill], key: bytes | None = None
+        self,
+        base: str,
+        launch: Launch,
+        spills: dict[str, DetachedSpill],
+        key: bytes | None = None,
+        cap: int | None = None,
     ) -> _Followed:
-        """Follow the task at ``base``; ``key``: its supervisor's (under dsh-supervise --detach)."""
-        followed = _Followed(base, launch, spills, key)
+        """Follow the task at ``base``; ``key``: its supervisor's (under dsh-supervise --detach);
+        ``cap``: what each of its output files may hold on disk (dsh-supervise --cap-bytes)."""
+        followed = _Followed(base, launch, spills, key, cap)
         self._tasks[followed.name] = followed
         self._ensure_running()
         self._wake.set()
         return followed
 
-    def forget(self, followed: _Followed, remove: list[str]) -> None:
-        """Stop following ``followed``; remove ``remove`` (paths) on the host."""
+    def forget(
+        self, followed: _Followed, remove: list[str], on_removed: dict[str, Callable[[], None]]
+    ) -> None:
+        """Stop following ``followed``; remove ``remove`` (paths) on the host; ``on_removed[path]``
+        is called once ``path`` is confirmed removed."""
+        self._on_removed.update(on_removed)
         followed.feeding = False
         self._tasks.pop(followed.name, None)
         self._to_remove.extend(remove)
@@ -198,15 +226,18 @@ class Follower:
         self._ensure_running()
         self._wake.set()
 
-    async def remove_now(self, paths: list[str]) -> None:
+    async def remove_now(self, paths: list[str], on_removed: dict[str, Callable[[], None]]) -> None:
         """Remove ``paths`` before returning (a spill file given up must be gone once its task is
-        reported done); what cannot be removed now is left to the loop."""
+        reported done); what cannot be removed now is left to the loop. ``on_removed[path]`` is
+        called once ``path`` is confirmed removed."""
+        self._on_removed.update(on_removed)
         try:
             with anyio.move_on_after(_REMOVE_NOW_BOUND_S):
                 sftp = await self._ensure_sftp()
                 while paths:
                     with contextlib.suppress(asyncssh.SFTPNoSuchFile):
                         await sftp.remove(paths[0])
+                    self._removed(paths[0])
                     paths = paths[1:]
         except (asyncssh.Error, OSError, BashInfrastructureError, _NoSftp) as exc:
             log.debug("removing %s now failed (%s): left to the follower", paths, exc)
@@ -214,6 +245,11 @@ class Follower:
             self._to_remove.extend(paths)
             self._ensure_running()
             self._wake.set()
+
+    def _removed(self, path: str) -> None:
+        callback = self._on_removed.pop(path, None)
+        if callback is not None:
+            callback()
 
     def close(self) -> None:
         self._closed = True
@@ -301,9 +337,11 @@ class Follower:
         active = False
         if self._to_remove:
             paths, self._to_remove = self._to_remove, []
-            for path in paths:
+            while paths:
                 with contextlib.suppress(asyncssh.SFTPNoSuchFile):
-                    await sftp.remove(path)
+                    await sftp.remove(paths[0])
+                self._removed(paths[0])
+                paths = paths[1:]
             active = True
         if not self._tasks:
             return active
@@ -386,6 +424,9 @@ class Follower:
             grew = size > followed.offsets[stream] or at_eof
             if grew and await self._read(sftp, followed, stream, size, to_end=at_eof):
                 active = True
+            if followed.caps is not None:
+                self._maybe_punch(followed, stream)
+        self._raise_caps(followed)
         if at_eof:
             if not records.empty:
                 followed.supervisor_gone = True
@@ -474,24 +515,70 @@ class Follower:
                 target.feed(memoryview(_PLACEHOLDER)[:step])
                 skip -= step
             target.feed(data)
-        # No spill file kept (refused or lost past max_spill_bytes): the bytes read are needed
-        # nowhere any more.
+        self._maybe_punch(followed, stream)
+        self._raise_caps(followed)
+        return True
+
+    def _maybe_punch(self, followed: _Followed, stream: str) -> None:
+        """No spill file kept (refused or lost past max_spill_bytes): the bytes read are needed
+        nowhere any more, free them. Checked after each read, and each tick for a capped task (its
+        writer may wait for exactly this while nothing else moves)."""
+        target = followed.launch.stdout if stream == "stdout" else followed.launch.stderr
         if (
-            target.total_bytes > target.max_bytes
+            followed.feeding
+            and target.total_bytes > target.max_bytes
             and target.spill_path is None
             and self._punch_works
             and stream not in followed.punching
-            and followed.offsets[stream] - followed.punched[stream] >= _PUNCH_STEP
+            and followed.offsets[stream] - followed.punched[stream] >= self._punch_step(followed, target)
         ):
             followed.punching.add(stream)
             self._start_helper(self._punch, followed, stream, followed.offsets[stream])
-        return True
+
+    def _raise_caps(self, followed: _Followed) -> None:
+        """Start telling the supervisor of grants that grew (checked after each read and each tick:
+        a writer waiting at its old cap must learn of the new one even when nothing else moves)."""
+        if followed.caps is not None and not followed.writing_caps and followed.feeding:
+            launch = followed.launch
+            if (launch.stdout.prepaid, launch.stderr.prepaid) != followed.caps:
+                followed.writing_caps = True
+                self._start_helper(self._write_caps, followed)
+
+    @staticmethod
+    def _punch_step(followed: _Followed, target: OutputStream) -> int:
+        # A capped file's writer stops at its grant: free a quarter of it at a time, so that it never
+        # waits long. An uncapped one (the marker fallback) is freed in larger steps.
+        if followed.caps is None:
+            return _PUNCH_STEP
+        return max(4096, min(_PUNCH_STEP, target.prepaid // 4))
+
+    async def _write_caps(self, followed: _Followed) -> None:
+        """Tell the task's supervisor its streams' grants grew: BASE.cap, replaced whole by a rename
+        (created O_EXCL under a fresh name first: never written through a planted link)."""
+        launch = followed.launch
+        caps = (launch.stdout.prepaid, launch.stderr.prepaid)
+        temporary = f"{followed.base}.cap-{secrets.token_hex(8)}"
+        try:
+            sftp = await self._ensure_sftp()
+            handle = await sftp.open(temporary, "xb", asyncssh.SFTPAttrs(permissions=0o600))
+            try:
+                await handle.write(b"%d %d\n" % caps)
+            finally:
+                await handle.close()
+            await sftp.posix_rename(temporary, f"{followed.base}.cap")
+            followed.caps = caps
+        except (asyncssh.Error, OSError, BashInfrastructureError, _NoSftp) as exc:
+            log.debug("raising the output caps of %s failed (%s): tried again next tick", followed.base, exc)
+            self._to_remove.append(temporary)
+        finally:
+            followed.writing_caps = False
+        self._wake.set()
 
     async def _punch(self, followed: _Followed, stream: str, upto: int) -> None:
         """Free the disk blocks of a lost spill's bytes already read: the file keeps its size and
         offsets (a hole reads as zeros), so following goes on, and the disk does not fill up
         with output nobody keeps."""
-        length = upto - upto % (1 << 20)
+        length = upto - upto % 4096
         try:
             code, _, err = await self._pool.run_script(
                 'exec fallocate --punch-hole --offset 0 --length "$2" -- "$1"',
@@ -500,6 +587,8 @@ class Follower:
             )
             if code == 0:
                 followed.punched[stream] = length
+            elif not followed.feeding:
+                pass  # released meanwhile: its file is gone, which says nothing about fallocate
             elif self._punch_works:
                 self._punch_works = False
                 log.warning(
@@ -512,6 +601,7 @@ class Follower:
             log.debug("punching %s.%s failed: %s", followed.base, stream, exc)
         finally:
             followed.punching.discard(stream)
+            self._wake.set()  # a capped writer may go on now: look soon
 
 
 class _NoSftp(Exception):
@@ -669,22 +759,29 @@ class DetachedProcess(CommandProcess):
         remove = [f"{base}.cmd", f"{base}.in"]
         if self._followed.supervised:
             remove.append(f"{base}.status")
+            if self._followed.caps is not None:
+                remove.append(f"{base}.cap")
         else:
             remove.append(f"{base}.eof")
             status = self._followed.status
             if status is not None and status.code is not None:
                 remove.append(f"{base}.exit-{status.code}")
-        given_up: list[str] = []
+        given_up: dict[str, Callable[[], None]] = {}
+        removed: dict[str, Callable[[], None]] = {}
+        launch = self._followed.launch
         for stream in STREAMS:
             spill = self._spills.get(stream)
+            path = f"{base}.{stream}"
             if spill is None:
-                remove.append(f"{base}.{stream}")
+                remove.append(path)
+                # Never the spill: a grant (prepay_spills) comes back once the file is gone.
+                removed[path] = (launch.stdout if stream == "stdout" else launch.stderr).prepaid_gone
             elif spill.deleted:
-                given_up.append(f"{base}.{stream}")
-        self._follower.forget(self._followed, remove)
+                given_up[path] = spill.gone or (lambda: None)
+        self._follower.forget(self._followed, remove, removed)
         if given_up:
             # A read named this file while it was the spill: it must not outlive the task's end.
-            await self._follower.remove_now(given_up)
+            await self._follower.remove_now(list(given_up), given_up)
         if self._registry is not None and self.ended:
             self._registry.discard(self)
         await self._on_release()

@@ -31,6 +31,7 @@ from dsh_bash.backend import (
     SupervisorInstall,
     choose_containment,
     kill_abandoned_start,
+    prepay_spills,
     spill_file_path,
 )
 
@@ -301,6 +302,24 @@ class SshBashExecutor(BashExecutor[SshConfig]):
     async def _spawn_once(self, launch: Launch, detached: bool, *, warm: bool) -> CommandProcess:
         marker = launch.marker
         nonce = secrets.token_hex(8)
+        if detached and self._supervisor is not None:
+            # The supervisor writes the task's output files itself, never past this grant, so the
+            # spill budget bounds them at every moment (a lost spill's file only passes bytes on).
+            grant = prepay_spills([launch.stdout, launch.stderr])
+            if not grant:
+                raise BashInfrastructureError(
+                    "the spill budget (max_spill_total_bytes) has no room left for the output files of "
+                    f"one more background task on {self._pool.where}",
+                    reason="task_limit",
+                )
+            try:
+                plan = self._plan(launch, nonce, f"bg:{grant}")
+                return await self._spawn_detached(launch, nonce, plan, warm=warm, cap=grant)
+            except BaseException:
+                # Not started: its files hold nothing (a retry grants anew).
+                launch.stdout.prepaid_gone()
+                launch.stderr.prepaid_gone()
+                raise
         plan = self._plan(launch, nonce, "bg" if detached else "fg")
         script = plan.script
         if detached:
@@ -418,7 +437,9 @@ class SshBashExecutor(BashExecutor[SshConfig]):
             framed.running()
         return process, session
 
-    async def _spawn_detached(self, launch: Launch, nonce: str, plan: _Boot, *, warm: bool) -> CommandProcess:
+    async def _spawn_detached(
+        self, launch: Launch, nonce: str, plan: _Boot, *, warm: bool, cap: int | None = None
+    ) -> CommandProcess:
         marker = launch.marker
         base = f"{self._spill_dir}/{nonce}"
         spills: dict[str, DetachedSpill] = {}
@@ -435,7 +456,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         # BOOT (or the supervisor's foreground process) exited once the task runs: the channel is done.
         session.stop_feeding()
         session.close()
-        followed = self._follower.add(base, launch, spills, key)
+        followed = self._follower.add(base, launch, spills, key, cap)
 
         async def on_release() -> None:
             self._detached.pop(marker, None)

@@ -169,7 +169,9 @@ builtin printf '\0dsh-bash-boot-ok\0'
 builtin printf '\0dsh-bash-stderr-ok\0' >&2
 builtin exit 0
 """
-# A detached task under dsh-supervise --detach (mode "bg" when the supervisor is installed): its
+# A detached task under dsh-supervise --detach (mode "bg:N" when the supervisor is installed; N: the
+# bytes of the spill budget granted to each of its output files, which the supervisor's writer never
+# exceeds, --cap-bytes; raised later through BASE.cap, --cap-file): its
 # stdin goes to BASE.in (a long command is in BASE.cmd already), then this process
 # becomes the supervisor, which creates BASE.status, BASE.stdout and BASE.stderr itself (O_EXCL: they
 # must not exist), reads its key from the channel, detaches and exits. Its key follows on stdin
@@ -201,10 +203,12 @@ fi
 if [[ $_dsh_input == 1 ]] && ! (builtin umask 077; builtin set -C; head -c "$_dsh_len" > "$_dsh_base.in") 2>/dev/null; then
   builtin printf '\0dsh-bash-boot-fail:start_failed:cannot create the task files\0'; builtin exit 125
 fi
+_dsh_cap=()
+[[ $_dsh_mode == bg:* ]] && _dsh_cap=(--cap-bytes "${_dsh_mode#bg:}" --cap-file "$_dsh_base.cap")
 builtin printf '\0dsh-bash-boot-ok\0'
 builtin printf '\0dsh-bash-stderr-ok\0' >&2
 exec SUPERVISOR --detach --status-file "$_dsh_base.status" "${_dsh_in[@]}" --stdout-file "$_dsh_base.stdout" \
-  --stderr-file "$_dsh_base.stderr" --setenv "DSH_BASH_MARK=$_dsh_mark" -- bash --noprofile --norc "${_dsh_run[@]}"
+  --stderr-file "$_dsh_base.stderr" "${_dsh_cap[@]}" --setenv "DSH_BASH_MARK=$_dsh_mark" -- bash --noprofile --norc "${_dsh_run[@]}"
 """
 # Plain `exec` from here: no function is defined (see above), and `builtin exec <file` would undo
 # its redirection once the builtin returned.
@@ -343,7 +347,7 @@ def boot_line(*args: str, supervisor: str | None = None) -> str:
 
 def _shape(args: tuple[str, ...]) -> tuple[bool, bool, bool, bool]:
     """(detached, header, long, stdin) of a command from BOOT's arguments."""
-    return args[2] == "bg", args[7] == "1", args[3] == "", args[6] == "1"
+    return args[2].startswith("bg"), args[7] == "1", args[3] == "", args[6] == "1"
 
 
 #: Written to stdout by WAITER once its login shell waits for a command.

@@ -43,4 +43,6 @@ class SshSpillFile(QueuedSpillFile):
         return _ChannelWriter(await self._pool.open(cmdline(SPILL_WRITER, self.path, begin_marker=False)))
 
     async def _remove(self) -> None:
-        await self._pool.run_script('rm -f -- "$1"', self.path)
+        code, _, err = await self._pool.run_script('rm -f -- "$1"', self.path)
+        if code != 0:
+            raise OSError(f"rm exited with status {code}: {err[-300:].decode('utf-8', 'replace').strip()}")
