@@ -54,8 +54,9 @@ _NO_USER_SWITCH = {
 }
 
 #: The image-mode container gets back the capabilities adduser and runuser need (the Docker backend
-#: drops all by default), but not CAP_DAC_OVERRIDE, so file modes hold for root.
-_IMAGE_CAPS = ["CHOWN", "FOWNER", "SETUID", "SETGID"]
+#: drops all by default). adduser needs CAP_DAC_OVERRIDE too (it writes into the home it has just
+#: given away), so root there ignores file modes.
+_IMAGE_CAPS = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID"]
 
 
 @dataclass
@@ -72,7 +73,7 @@ def _toml(fields: dict[str, Any]) -> str:
         if isinstance(item, list):
             return "[" + ", ".join(value(x) for x in item) + "]"
         if isinstance(item, dict):
-            return "{" + ", ".join(f"{k} = {value(v)}" for k, v in item.items()) + "}"
+            return "{" + ", ".join(f"{value(k)} = {value(v)}" for k, v in item.items()) + "}"
         return str(item).lower() if isinstance(item, bool) else str(item)
 
     return "".join(f"{name} = {value(item)}\n" for name, item in fields.items())
@@ -104,24 +105,25 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
         yield Backend("local", {"backend": "local"}, dict(_ROOT_IGNORES_MODES if root else _NO_USER_SWITCH))
     elif name == "docker-image":
         image = _debian_image()
-        yield Backend(
-            name,
-            {
-                "backend": "docker",
-                "image": image,
-                "cap_add": _IMAGE_CAPS,
-                "labels": {SESSION_LABEL: SESSION_ID},
-            },
-        )
+        config = {
+            "backend": "docker",
+            "image": image,
+            "cap_add": _IMAGE_CAPS,
+            "labels": {SESSION_LABEL: SESSION_ID},
+        }
+        yield Backend(name, config, _ROOT_IGNORES_MODES)
     elif name == "docker-container":
         image = _debian_image()
-        container = start_idle_container(image)  # Docker's default capabilities: root ignores modes
+        container = start_idle_container(image)
         try:
-            yield Backend(
-                name,
-                {"backend": "docker", "container": container.get_wrapped_container().id},
-                _ROOT_IGNORES_MODES,
-            )
+            # Commands run as a non-root user of the image here (image mode runs as root), so file
+            # modes hold and no user switch is possible.
+            config = {
+                "backend": "docker",
+                "container": container.get_wrapped_container().id,
+                "user": "nobody",
+            }
+            yield Backend(name, config, _NO_USER_SWITCH)
         finally:
             container.stop()
     else:
