@@ -12,9 +12,17 @@ Without inspect-ai installed the module skips (``pip install 'dsh-bash[inspect]'
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,7 +39,7 @@ except ImportError:
 
 from docker_support import SESSION_ID, SESSION_LABEL, docker_available, start_idle_container
 from dsh_bash_inspect import DshBashSandboxEnvironment
-from inspect_ai.util import SandboxEnvironment
+from inspect_ai.util import SandboxEnvironment, SandboxEnvironmentLimits
 
 # The checks themselves, collected as this module's tests (inspect's documented way to reuse them).
 from inspect_ai.util._sandbox.self_check import *  # noqa: F403
@@ -156,3 +164,229 @@ def sandbox_env(
     if reason is not None:
         request.node.add_marker(pytest.mark.xfail(reason=reason, strict=True))
     return sample
+
+
+# -- the provider's own translations (local backend; beyond what the self-check asks) ----------------
+
+
+@pytest.fixture
+async def local_sandbox(tmp_path: Path) -> AsyncIterator[DshBashSandboxEnvironment]:
+    config = tmp_path / "local.toml"
+    config.write_text('backend = "local"\ntimeout_ms = 3000\n')
+    environments = await DshBashSandboxEnvironment.sample_init("translations", str(config), {})
+    env = environments["default"]
+    assert isinstance(env, DshBashSandboxEnvironment)
+    try:
+        yield env
+    finally:
+        await DshBashSandboxEnvironment.sample_cleanup("translations", str(config), environments, False)
+
+
+async def test_signal_death_is_128_plus_n(local_sandbox: DshBashSandboxEnvironment) -> None:
+    result = await local_sandbox.exec(["bash", "-c", "kill -KILL $$"])
+    assert (result.returncode, result.success) == (137, False)
+
+
+async def test_configured_timeout_raises_timeout_error(local_sandbox: DshBashSandboxEnvironment) -> None:
+    # No timeout given: the config's timeout_ms (3 s here) applies, and inspect's TimeoutError says so.
+    with pytest.raises(TimeoutError):
+        await local_sandbox.exec(["sleep", "30"])
+
+
+async def test_timeout_above_the_configured_cap_is_honoured(local_sandbox: DshBashSandboxEnvironment) -> None:
+    local_sandbox.executor.reconfigure(max_timeout_ms=3000)
+    result = await local_sandbox.exec(["sh", "-c", "sleep 4; echo done"], timeout=10)
+    assert result.stdout == "done\n"
+
+
+async def test_missing_cwd_is_file_not_found(local_sandbox: DshBashSandboxEnvironment) -> None:
+    with pytest.raises(FileNotFoundError):
+        await local_sandbox.exec(["true"], cwd="/nonexistent/dsh-bash-inspect")
+
+
+async def test_arguments_reach_the_command_verbatim(local_sandbox: DshBashSandboxEnvironment) -> None:
+    words = ["$HOME", "`id`", "'quoted'", '"double"', "a b", "new\nline", "*", ""]
+    result = await local_sandbox.exec(["printf", "%s\\0", *words])
+    assert result.stdout.split("\0")[:-1] == words
+
+
+async def test_output_beyond_inspects_limit_keeps_the_tail(local_sandbox: DshBashSandboxEnvironment) -> None:
+    # inspect's exec limit per stream (10 MiB by default); the executor keeps that much, then the tail.
+    limit = SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE
+    result = await local_sandbox.exec(["sh", "-c", f"head -c {limit} /dev/zero | tr '\\0' a; echo END"])
+    assert len(result.stdout) == limit
+    assert result.stdout.endswith("aEND\n")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs commands that run as root")
+async def test_user_switch_keeps_path_and_env(local_sandbox: DshBashSandboxEnvironment) -> None:
+    result = await local_sandbox.exec(
+        ["sh", "-c", 'echo "$(id -un) $GREETING $PATH"'],
+        user="nobody",
+        env={"GREETING": "hi", "PATH": "/opt/dsh-bash-inspect-test:/usr/bin:/bin"},
+        cwd="/",
+    )
+    assert result.stdout == "nobody hi /opt/dsh-bash-inspect-test:/usr/bin:/bin\n", result.stderr
+
+
+async def test_local_has_no_connection(local_sandbox: DshBashSandboxEnvironment) -> None:
+    with pytest.raises(NotImplementedError):
+        await local_sandbox.connection()
+
+
+async def test_sample_directory_is_private_and_removed(tmp_path: Path) -> None:
+    config = tmp_path / "local.toml"
+    config.write_text('backend = "local"\n')
+    environments = await DshBashSandboxEnvironment.sample_init("private", str(config), {})
+    env = environments["default"]
+    assert isinstance(env, DshBashSandboxEnvironment)
+    await env.write_file("left-behind", "x")
+    workdir = Path(env.workdir)
+    assert (workdir / "left-behind").is_file()
+    assert workdir.stat().st_mode & 0o777 == 0o700
+    await DshBashSandboxEnvironment.sample_cleanup("private", str(config), environments, True)
+    assert not workdir.exists()
+
+
+# -- found through inspect's entry point; the example; a cancelled eval ------------------------------
+
+_REPO = Path(__file__).resolve().parent.parent
+
+
+def _inspect_env() -> dict[str, str]:
+    """The environment of an inspect subprocess: offline, no log viewer, this checkout's packages."""
+    env = dict(os.environ)
+    env["INSPECT_DISPLAY"] = "plain"
+    env.pop("DSH_BASH_MARK", None)
+    return env
+
+
+@pytest.mark.timeout(60)
+def test_entry_point_finds_the_provider() -> None:
+    # A fresh interpreter that imports nothing of ours: inspect's registry finds "dsh-bash" by itself.
+    code = (
+        "import sys\n"
+        "from inspect_ai.util._sandbox.registry import registry_find_sandboxenv\n"
+        "cls = registry_find_sandboxenv('dsh-bash')\n"
+        "print(cls.__module__, cls.__name__)\n"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=50, check=False
+    )
+    assert found.stdout.strip() == "dsh_bash_inspect._sandbox DshBashSandboxEnvironment", found.stderr
+
+
+@pytest.mark.timeout(120)
+def test_example_eval_runs_offline() -> None:
+    ran = subprocess.run(
+        [sys.executable, str(_REPO / "examples" / "inspect_eval" / "run.py")],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env=_inspect_env(),
+        check=False,
+    )
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "sandbox output: '1\\nHELLO FROM THE SANDBOX\\n'" in ran.stdout
+    assert "score: C" in ran.stdout
+
+
+_CANCEL_TASK = """
+from inspect_ai import Task, task
+from inspect_ai.dataset import Sample
+from inspect_ai.solver import Generate, Solver, TaskState, solver
+from inspect_ai.util import sandbox
+
+
+@solver
+def hang() -> Solver:
+    async def solve(state: TaskState, generate: Generate) -> TaskState:
+        # A command that leaves its process group (setsid) and one that waits: both must die.
+        await sandbox().exec(["bash", "-c", "setsid sleep {escapee} & sleep {waiter}"], timeout=600)
+        return state
+
+    return solve
+
+
+@task
+def cancel_me() -> Task:
+    return Task(dataset=[Sample(input="x")], solver=hang(), sandbox=("dsh-bash", "sandbox.toml"))
+"""
+
+
+def _host_processes(needle: str) -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if needle in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    found.append(entry.name)
+    return found
+
+
+def _container_processes(label: str, needle: str) -> list[str] | None:
+    """Processes of the labelled container whose command line holds ``needle``; None: no container."""
+    import docker  # noqa: PLC0415
+
+    client = docker.from_env()
+    try:
+        containers = client.containers.list(all=True, filters={"label": label})
+        if not containers:
+            return None
+        top = containers[0].top(ps_args="-eo pid,args") if containers[0].status == "running" else {}
+        return [row[0] for row in top.get("Processes") or [] if needle in row[-1]]
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("where", ["local", "docker-image"])
+def test_cancelled_eval_leaves_nothing(where: str, tmp_path: Path) -> None:
+    """SIGINT to `inspect eval` mid-command: the command, its escapee, the sample's directory and (image
+    mode) the container are gone when inspect exits."""
+    token = secrets.token_hex(4)
+    seconds = 4000 + int(token, 16) % 1000
+    escapee, waiter = f"{seconds}.17", f"{seconds}.18"
+    (tmp_path / "cancel_task.py").write_text(_CANCEL_TASK.format(escapee=escapee, waiter=waiter))
+    label = f"dsh-bash-test.inspect-cancel={token}"
+    if where == "local":
+        fields: dict[str, Any] = {"backend": "local"}
+    else:
+        fields = {
+            "backend": "docker",
+            "image": _debian_image(),
+            "labels": {SESSION_LABEL: SESSION_ID, "dsh-bash-test.inspect-cancel": token},
+        }
+    (tmp_path / "sandbox.toml").write_text(_toml(fields))
+    before = {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("dsh-bash-inspect.")}
+
+    def running() -> list[str]:
+        if where == "local":
+            return _host_processes(f"sleep {waiter}") + _host_processes(f"sleep {escapee}")
+        return _container_processes(label, "sleep ") or []
+
+    command = [sys.executable, "-m", "inspect_ai", "eval", "cancel_task.py", "--model", "mockllm/model"]
+    command += ["--log-dir", str(tmp_path / "logs")]
+    inspect_run = subprocess.Popen(
+        command, cwd=tmp_path, env=_inspect_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while len(running()) < 2:
+            assert inspect_run.poll() is None, inspect_run.communicate()[0].decode(errors="replace")
+            assert time.monotonic() < deadline, "the sample's command did not start within 90 s"
+            time.sleep(0.2)
+        inspect_run.send_signal(signal.SIGINT)
+        output = inspect_run.communicate(timeout=45)[0].decode(errors="replace")
+    finally:
+        if inspect_run.poll() is None:
+            inspect_run.kill()
+            inspect_run.wait()
+    assert "interrupted" in output.lower(), output
+    assert running() == []
+    if where == "local":
+        assert _host_processes(f"sleep {escapee}") == []
+        after = {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("dsh-bash-inspect.")}
+        assert after - before == set()
+    else:
+        assert _container_processes(label, "sleep") is None, "the sample's container is still there"

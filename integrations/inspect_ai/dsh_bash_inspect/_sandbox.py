@@ -12,6 +12,7 @@ did not get to close.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import errno
@@ -20,6 +21,7 @@ import posixpath
 from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import Any, ClassVar, Literal, overload
 
+import anyio
 from inspect_ai.util import (
     ExecResult,
     OutputLimitExceededError,
@@ -72,6 +74,60 @@ _WORKDIR_ERRORS: dict[str, tuple[type[OSError], int]] = {
 }
 
 
+class _Holder:
+    """Keeps an executor open in a task of its own, from ``open`` until ``close``.
+
+    An executor is an async context manager whose block holds a task group, and a task group must be
+    left in the task, and at the nesting of cancel scopes, where it was entered. inspect opens a
+    sandbox in ``sample_init`` and closes it in ``sample_cleanup``, with its own scopes entered and
+    left in between, so the provider cannot hold the block in inspect's task: it holds it in a task
+    spawned outside inspect's scopes (an asyncio task, or a trio system task). If the event loop
+    ends first (an eval interrupted hard), the loop cancels that task and the block closes the
+    executor on the way out.
+    """
+
+    _tasks: ClassVar[set[Any]] = set()  # asyncio keeps only weak references to its tasks
+
+    def __init__(self, executor: BashExecutor[Any]) -> None:
+        self.executor = executor
+        self._ready = anyio.Event()
+        self._stop = anyio.Event()
+        self._done = anyio.Event()
+        self._error: Exception | None = None
+
+    async def _hold(self) -> None:
+        try:
+            async with self.executor:
+                self._ready.set()
+                await self._stop.wait()
+        except Exception as exc:  # opening failed: open() raises it in the caller's task
+            self._error = exc
+        finally:
+            self._ready.set()
+            self._done.set()
+
+    async def open(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not asyncio: inspect's other event loop is trio's
+            import trio  # noqa: PLC0415 - only under trio
+
+            trio.lowlevel.spawn_system_task(self._hold)
+        else:
+            task = loop.create_task(self._hold())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        await self._ready.wait()
+        if self._error is not None:
+            raise self._error
+
+    async def close(self) -> None:
+        """Close the executor (kills what is left, releases the backend) and wait for it."""
+        self._stop.set()
+        with anyio.CancelScope(shield=True):
+            await self._done.wait()
+
+
 def _translate_infra(exc: BashInfrastructureError, workdir: str | None) -> Exception:
     """inspect's exception for an executor's infrastructure error, chosen by ``reason`` (never the text)."""
     mapped = _WORKDIR_ERRORS.get(exc.reason)
@@ -97,7 +153,7 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
 
     def __init__(
         self,
-        executor: BashExecutor[Any],
+        holder: _Holder,
         *,
         task_name: str,
         uid: int,
@@ -106,7 +162,8 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
         runuser: str | None,
     ) -> None:
         super().__init__()
-        self.executor = executor
+        self._holder = holder
+        self.executor = holder.executor
         self.task_name = task_name
         self.uid = uid
         self.user_name = user_name
@@ -133,10 +190,14 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
         cls, task_name: str, config: SandboxEnvironmentConfigType | None, metadata: dict[str, str]
     ) -> dict[str, SandboxEnvironment]:
         executor = cls._load(config)
-        # inspect's callers get up to its exec output limit per stream and truncate for the model
-        # themselves, so the executor keeps that much (the tail beyond it, as inspect allows).
-        await executor.__aenter__()
+        holder = _Holder(executor)
         try:
+            await holder.open()
+        except BashInfrastructureError as exc:
+            raise _translate_infra(exc, None) from exc
+        try:
+            # inspect's callers get up to its exec output limit per stream and truncate for the model
+            # themselves, so the executor keeps that much (the tail beyond it, as inspect allows).
             executor.reconfigure(
                 max_output_bytes=max(
                     SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE, executor.config.max_output_bytes
@@ -150,12 +211,12 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
                     f"{probe.stderr.text.strip()}"
                 )
         except BaseException as exc:
-            await executor.__aexit__(type(exc), exc, exc.__traceback__)
+            await holder.close()
             if isinstance(exc, BashInfrastructureError):
                 raise _translate_infra(exc, None) from exc
             raise
         env = cls(
-            executor,
+            holder,
             task_name=task_name,
             uid=int(lines[0]),
             user_name=lines[1],
@@ -173,12 +234,7 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
             await self.executor.exec(
                 f"rm -rf -- {argv_to_command([self.workdir])}", timeout_ms=_HOUSEKEEPING_MS
             )
-        try:
-            await self.executor.__aexit__(None, None, None)
-        except RuntimeError:
-            # Entered in another task (inspect enters and leaves in the sample's task; this is
-            # task_cleanup's last chance): aclose works from any task.
-            await self.executor.aclose()
+        await self._holder.close()
 
     @classmethod
     async def sample_cleanup(
@@ -197,7 +253,7 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
         cls, task_name: str, config: SandboxEnvironmentConfigType | None, cleanup: bool
     ) -> None:
         for env in list(cls._open.pop(task_name, set())):
-            await env.executor.aclose()
+            await env._holder.close()
 
     @classmethod
     async def cli_cleanup(cls, id: str | None) -> None:
