@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shlex
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 __all__ = [
     "BROKEN",
@@ -62,16 +62,15 @@ def argv_to_command(argv: Sequence[str]) -> str:
     return shlex.join(argv)
 
 
-def as_user(command: str, user: str, runuser: str, env_names: Sequence[str] = ()) -> str:
+def as_user(command: str, user: str, runuser: str) -> str:
     """``command`` run by ``user`` through ``runuser`` (the caller checked that it may switch).
 
-    runuser resets ``PATH`` and the login variables for the target user; ``-w`` keeps ``PATH`` and
-    the names inspect passed in ``env`` (names only: values stay off every command line). The inner
-    shell is the outer one (``$BASH``), not one found through ``PATH``.
+    Without ``--login``, runuser keeps the environment (``PATH`` and inspect's ``env`` included) and
+    the working directory, and sets only ``HOME``, ``SHELL``, ``USER`` and ``LOGNAME`` for the
+    target user. The inner shell is the outer one (``$BASH``), not one found through ``PATH``.
     """
-    keep = ",".join(["PATH", *[name for name in env_names if name not in ("PATH", "HOME")]])
     return (
-        f"exec {shlex.quote(runuser)} -u {shlex.quote(user)} -w {shlex.quote(keep)} -- "
+        f"exec {shlex.quote(runuser)} -u {shlex.quote(user)} -- "
         f'"$BASH" --noprofile --norc -c {shlex.quote(command)}'
     )
 
@@ -145,7 +144,3 @@ def not_executable_script(argv0: str) -> str:
         'for d in $PATH; do [ -f "$d/$c" ] && [ ! -x "$d/$c" ] && exit 0; done\n'
         "exit 1\n"
     )
-
-
-def env_names(env: Mapping[str, str] | None) -> list[str]:
-    return sorted(env or {})

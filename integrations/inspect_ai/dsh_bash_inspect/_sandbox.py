@@ -47,7 +47,6 @@ from ._commands import (
     PROBE_SCRIPT,
     argv_to_command,
     as_user,
-    env_names,
     not_executable_script,
     read_chunk_script,
     read_start_script,
@@ -274,7 +273,7 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
         # inspect's own subprocess limiter (the same name as its subprocess() uses), when asked.
         return inspect_concurrency("subprocesses", os.cpu_count() or 1) if wanted else nullcontext()
 
-    def _command_for(self, command: str, user: str | None, env: dict[str, str] | None) -> str:
+    def _command_for(self, command: str, user: str | None) -> str:
         if user is None or user in (self.user_name, str(self.uid)):
             return command
         if self.uid != 0:
@@ -286,7 +285,7 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
             raise SandboxUserUnsupportedError(
                 f"dsh-bash: cannot run as {user!r}: no runuser where commands run"
             )
-        return as_user(command, user, self.runuser, env_names(env))
+        return as_user(command, user, self.runuser)
 
     async def _run(
         self,
@@ -325,7 +324,7 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
         timeout_retry: bool = True,
         concurrency: bool = True,
     ) -> ExecResult[str]:
-        command = self._command_for(argv_to_command(cmd), user, env)
+        command = self._command_for(argv_to_command(cmd), user)
         timeout_ms = None if timeout is None else float(timeout) * 1000.0
         async with self._throttle(concurrency):
             result = await self._run(command, stdin=input, cwd=cwd, env=env, timeout_ms=timeout_ms)
@@ -335,7 +334,7 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
             returncode = returncode_of(result.exit_code, result.signal)
             if returncode == 126:
                 # bash's status for a file it found but could not execute: inspect wants PermissionError.
-                check = self._command_for(not_executable_script(cmd[0]), user, env)
+                check = self._command_for(not_executable_script(cmd[0]), user)
                 probe = await self._run(check, cwd=cwd, env=env, timeout_ms=_HOUSEKEEPING_MS)
                 if probe.exit_code == 0:
                     raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), cmd[0])
