@@ -45,6 +45,8 @@ from inspect_ai.util import SandboxEnvironment, SandboxEnvironmentLimits
 from inspect_ai.util._sandbox.self_check import *  # noqa: F403
 from ssh_support import BACKEND_UNAVAILABLE, SshServer
 
+from dsh_bash import ConfigError
+
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
 #: Root reads and writes files whatever their mode (CAP_DAC_OVERRIDE), as inspect notes for its own
@@ -229,11 +231,6 @@ async def test_user_switch_keeps_path_and_env(local_sandbox: DshBashSandboxEnvir
     assert result.stdout == "nobody hi /opt/dsh-bash-inspect-test:/usr/bin:/bin\n", result.stderr
 
 
-async def test_local_has_no_connection(local_sandbox: DshBashSandboxEnvironment) -> None:
-    with pytest.raises(NotImplementedError):
-        await local_sandbox.connection()
-
-
 async def test_sample_directory_is_private_and_removed(tmp_path: Path) -> None:
     config = tmp_path / "local.toml"
     config.write_text('backend = "local"\n')
@@ -390,3 +387,30 @@ def test_cancelled_eval_leaves_nothing(where: str, tmp_path: Path) -> None:
         assert after - before == set()
     else:
         assert _container_processes(label, "sleep") is None, "the sample's container is still there"
+
+
+async def test_connection_where_the_backend_has_one(backend: Backend, sample: SandboxEnvironment) -> None:
+    """Docker: a docker exec into the sample's container; SSH: an ssh to the host; local: none."""
+    assert isinstance(sample, DshBashSandboxEnvironment)
+    if backend.name == "local":
+        with pytest.raises(NotImplementedError):
+            await sample.connection()
+        return
+    connection = await sample.connection()
+    assert connection.type == "dsh-bash"
+    if backend.name.startswith("docker"):
+        container_id = getattr(sample.executor, "container_id", None)
+        assert connection.container == container_id
+        assert connection.command.startswith("docker exec -it ")
+        assert f"{container_id} bash" in connection.command
+    else:
+        config = backend.config
+        assert connection.command.startswith(f"ssh -t -p {config['port']} -i ")
+        assert f"{config['username']}@{config['host']}" in connection.command
+
+
+async def test_task_init_refuses_a_bad_config(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text('backend = "local"\ntimeout_ms = -1\n')
+    with pytest.raises(ConfigError, match="timeout_ms"):
+        await DshBashSandboxEnvironment.task_init("bad", str(config))

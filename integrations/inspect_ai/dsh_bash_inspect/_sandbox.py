@@ -185,6 +185,12 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
         )
 
     @classmethod
+    async def task_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None) -> None:
+        # A config file that does not load fails the task before any sample starts (ConfigError names
+        # the file, the field and the problem). Loading makes an unopened executor: no I/O but the read.
+        cls._load(config)
+
+    @classmethod
     async def sample_init(
         cls, task_name: str, config: SandboxEnvironmentConfigType | None, metadata: dict[str, str]
     ) -> dict[str, SandboxEnvironment]:
@@ -415,21 +421,35 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
     # -- connection --------------------------------------------------------------------------------
 
     async def connection(self, *, user: str | None = None) -> SandboxConnection:
+        """A shell where the sample's commands run: ``docker exec`` into the container, or ``ssh``.
+
+        Read from the executor's public ``container_id`` (Docker) and its config's ``host`` (SSH), so
+        a third-party backend with either gets the same. The local backend has none.
+        """
         config = self.executor.config
         container = getattr(self.executor, "container_id", None)
         if isinstance(container, str):
-            who = f"--user {argv_to_command([user])} " if user else ""
+            login = user or getattr(config, "user", None)
+            who = f"--user {argv_to_command([login])} " if login else ""
             return SandboxConnection(
                 type=SANDBOX_TYPE,
-                command=f"docker exec -it {who}{container} bash -l",
+                command=f"docker exec -it {who}-w {argv_to_command([self.workdir])} {container} bash",
                 container=container,
             )
         host = getattr(config, "host", None)
         if isinstance(host, str):
             login = user or getattr(config, "username", None)
-            port = getattr(config, "port", 22)
-            target = f"{login}@{host}" if login else host
-            return SandboxConnection(type=SANDBOX_TYPE, command=f"ssh -p {port} {target}")
+            words = ["ssh", "-t", "-p", str(getattr(config, "port", 22))]
+            for key in getattr(config, "client_keys", None) or []:
+                words += ["-i", key]
+            known_hosts = getattr(config, "known_hosts", None)
+            if known_hosts:
+                words += ["-o", f"UserKnownHostsFile={known_hosts}"]
+            words += [
+                f"{login}@{host}" if login else host,
+                f"cd {argv_to_command([self.workdir])} && exec bash",
+            ]
+            return SandboxConnection(type=SANDBOX_TYPE, command=argv_to_command(words))
         raise NotImplementedError(
             "dsh-bash: this backend has no connection to offer (the local backend runs commands here)"
         )
