@@ -414,3 +414,27 @@ async def test_task_init_refuses_a_bad_config(tmp_path: Path) -> None:
     config.write_text('backend = "local"\ntimeout_ms = -1\n')
     with pytest.raises(ConfigError, match="timeout_ms"):
         await DshBashSandboxEnvironment.task_init("bad", str(config))
+
+
+@pytest.mark.timeout(60)
+async def test_a_uid_without_a_name(tmp_path: Path) -> None:
+    """Docker's user may be a bare uid with no passwd entry: GNU `id -un` prints the uid and fails."""
+    container = start_idle_container(_debian_image())
+    try:
+        config = tmp_path / "uid.toml"
+        config.write_text(
+            _toml({"backend": "docker", "container": container.get_wrapped_container().id, "user": "4242"})
+        )
+        environments = await DshBashSandboxEnvironment.sample_init("uid", str(config), {})
+        try:
+            env = environments["default"]
+            assert isinstance(env, DshBashSandboxEnvironment)
+            assert (env.uid, env.user_name) == (4242, "4242")
+            assert env.workdir.startswith("/tmp/dsh-bash-inspect.")
+            await env.write_file("bytes", b"\x00\xff")
+            assert await env.read_file("bytes", text=False) == b"\x00\xff"
+            assert (await env.exec(["id", "-u"], user="4242")).stdout == "4242\n"
+        finally:
+            await DshBashSandboxEnvironment.sample_cleanup("uid", str(config), environments, False)
+    finally:
+        container.stop()

@@ -42,7 +42,12 @@ RUNUSER_PATHS = ("/usr/sbin/runuser", "/sbin/runuser", "/usr/bin/runuser", "/bin
 #: Run once per sample: who commands run as (uid, name), a private working directory for the sample,
 #: and runuser's path when there is one (empty line otherwise).
 PROBE_SCRIPT = (
-    'id -u && id -un && mktemp -d "${TMPDIR:-/tmp}/dsh-bash-inspect.XXXXXXXXXX" || exit 1\n'
+    # A uid without a passwd entry (Docker's user = "4242") has no name: the uid stands for it (GNU id
+    # prints it and fails, others print nothing).
+    "u=$(id -u) || exit 1\n"
+    'n=$(id -un 2>/dev/null) || n=$u\n'
+    'd=$(mktemp -d "${TMPDIR:-/tmp}/dsh-bash-inspect.XXXXXXXXXX") || exit 1\n'
+    'printf \'%s\\n\' "$u" "$n" "$d"\n'
     "for p in " + " ".join(RUNUSER_PATHS) + '; do if [ -x "$p" ]; then echo "$p"; exit 0; fi; done\n'
     "echo\n"
 )
