@@ -107,7 +107,15 @@ def anyio_backend() -> str:
     return "asyncio"  # inspect runs on asyncio, and the SSH backend needs it
 
 
-@pytest.fixture(scope="module", params=["local", "docker-image", "docker-container", "ssh"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        "local",
+        pytest.param("docker-image", marks=pytest.mark.docker),
+        pytest.param("docker-container", marks=pytest.mark.docker),
+        pytest.param("ssh", marks=pytest.mark.ssh),
+    ],
+)
 def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     name: str = request.param
     if name == "local":
@@ -337,7 +345,7 @@ def _container_processes(label: str, needle: str) -> list[str] | None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("where", ["local", "docker-image"])
+@pytest.mark.parametrize("where", ["local", pytest.param("docker-image", marks=pytest.mark.docker)])
 def test_cancelled_eval_leaves_nothing(where: str, tmp_path: Path) -> None:
     """SIGINT to `inspect eval` mid-command: the command, its escapee, the sample's directory and (image
     mode) the container are gone when inspect exits."""
@@ -416,6 +424,7 @@ async def test_task_init_refuses_a_bad_config(tmp_path: Path) -> None:
         await DshBashSandboxEnvironment.task_init("bad", str(config))
 
 
+@pytest.mark.docker
 @pytest.mark.timeout(60)
 async def test_a_uid_without_a_name(tmp_path: Path) -> None:
     """Docker's user may be a bare uid with no passwd entry: GNU `id -un` prints the uid and fails."""
