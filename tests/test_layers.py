@@ -26,6 +26,7 @@ PACKAGES = (
     "dsh_bash_bwrap",
     "dsh_bash_conformance",
     "dsh_tool_bash",
+    "dsh_bash_inspect",
     "dsh_bash_cli",
 )
 BACKENDS = ("dsh_bash_local", "dsh_bash_docker", "dsh_bash_ssh", "dsh_bash_bwrap")
@@ -99,10 +100,13 @@ def test_the_fake_tree_keeps_them_too(tmp_path: Path) -> None:
     [
         ("dsh_bash", "import dsh_bash_cli", "ground-floor"),
         ("dsh_bash", "import dsh_bash_local", "ground-floor"),
+        ("dsh_bash", "import dsh_bash_inspect", "ground-floor"),
         ("dsh_bash_docker", "import dsh_bash_ssh", "backends-apart"),
         ("dsh_bash_bwrap", "import dsh_bash_local", "backends-apart"),
         ("dsh_bash_local", "import dsh_bash_conformance", "backends-below"),
         ("dsh_bash_ssh", "import dsh_bash_cli", "backends-below"),
+        ("dsh_bash_docker", "import dsh_bash_inspect", "backends-below"),
+        ("dsh_tool_bash", "import dsh_bash_inspect", "kit-and-tools-on-the-seam"),
         ("dsh_bash_conformance", "import dsh_bash_local", "kit-and-tools-on-the-seam"),
         ("dsh_tool_bash", "import dsh_bash_cli", "kit-and-tools-on-the-seam"),
         ("dsh_bash_cli", "from dsh_bash import _inner", "private-stays-inside"),
