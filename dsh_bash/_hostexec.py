@@ -30,7 +30,7 @@ from ._config import BudgetConfig
 from ._errors import BashInfrastructureError
 from ._executor import BashExecutor, ConfigT_co
 from ._forkserver import SupervisorServer, server_problem
-from ._hostproc import SupervisedProcess, spawn_host_process
+from ._hostproc import ChannelPool, SupervisedProcess, spawn_host_process
 from ._hostspill import HostSpillDir
 from ._kit_hooks import find_host_processes, plant_in_os_environ
 from ._output import SpillFile
@@ -121,6 +121,7 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         self._server: SupervisorServer | None = None
         self._supervisor_path: str | None = None
         self._supervised: set[SupervisedProcess] = set()
+        self._channels = ChannelPool()
 
     @property
     def supervisor_path(self) -> str | None:
@@ -170,6 +171,7 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         self._supervisor_path = path if server is not None else None
 
     async def _release(self) -> None:
+        self._channels.close()
         if self._server is not None:
             await self._server.aclose()
             self._server = None
@@ -200,6 +202,7 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
             wrap=self._wrap_command,
             supervisor=self._server,
             inner_supervisor=self._supervisor_path if self.supervise_inside_launcher else None,
+            channels=self._channels,
         )
         if isinstance(process, SupervisedProcess) and not process.ended:
             process.registry = self._supervised

@@ -16,6 +16,7 @@ import socket
 import stat
 import subprocess
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -29,7 +30,14 @@ from ._hostspill import HostSpillDir
 from ._output import OutputStream
 from ._procscan import ProcScanner, signal_marked
 
-__all__ = ["HostProcess", "StartHelper", "SupervisedProcess", "WrapCommand", "spawn_host_process"]
+__all__ = [
+    "ChannelPool",
+    "HostProcess",
+    "StartHelper",
+    "SupervisedProcess",
+    "WrapCommand",
+    "spawn_host_process",
+]
 
 _FIRST_READ = 64 * 1024
 _BIG_READ = 1024 * 1024
@@ -257,6 +265,70 @@ def _read_once(fd: int, stream: OutputStream, buffers: dict[int, bytearray]) -> 
     if count:
         stream.feed(data)
     return count
+
+
+@dataclass(slots=True)
+class CommandChannels:
+    """A supervised command's plumbing: the status socket, the stdout and stderr pipes (ours
+    non-blocking; theirs go to the supervisor with the request, and are closed here after it)."""
+
+    status: socket.socket
+    status_theirs: int
+    out_r: int
+    out_w: int
+    err_r: int
+    err_w: int
+
+    @classmethod
+    def open(cls) -> CommandChannels:
+        made: list[int] = []
+        # A socket, not a pipe: a pipe's end in this process could be reopened for writing through
+        # /proc/<our pid>/fd/N by a command of the same user; a socket cannot be opened through /proc
+        # at all, so only the supervisor can write the status.
+        status, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            made.append(theirs.detach())
+            status.setblocking(False)
+            out_r, out_w = os.pipe2(os.O_CLOEXEC)
+            made += [out_r, out_w]
+            err_r, err_w = os.pipe2(os.O_CLOEXEC)
+            made += [err_r, err_w]
+            _set_nonblocking(out_r)
+            _set_nonblocking(err_r)
+        except BaseException:
+            for fd in made:
+                os.close(fd)
+            status.close()
+            raise
+        return cls(status, made[0], out_r, out_w, err_r, err_w)
+
+    def close(self) -> None:
+        for fd in (self.status_theirs, self.out_r, self.out_w, self.err_r, self.err_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.status.close()
+
+
+class ChannelPool:
+    """One set of :class:`CommandChannels` made ahead of the next command: made while the previous
+    one starts, it is not made on the next one's way (a short command feels each system call)."""
+
+    def __init__(self) -> None:
+        self._ready: CommandChannels | None = None
+
+    def take(self) -> CommandChannels | None:
+        ready, self._ready = self._ready, None
+        return ready
+
+    def refill(self) -> None:
+        if self._ready is None:
+            with contextlib.suppress(OSError):  # out of descriptors: the next command makes its own
+                self._ready = CommandChannels.open()
+
+    def close(self) -> None:
+        if self._ready is not None:
+            self._ready.close()
+            self._ready = None
 
 
 #: How often a command no supervisor answered yet continues the fork server and its spare.
@@ -589,6 +661,7 @@ async def spawn_host_process(
     wrap: WrapCommand | None = None,
     supervisor: SupervisorServer | None = None,
     inner_supervisor: str | None = None,
+    channels: ChannelPool | None = None,
 ) -> HostProcess:
     """Start ``launch`` as ``bash --noprofile --norc`` in a new session of this host; return once it runs.
 
@@ -603,6 +676,9 @@ async def spawn_host_process(
     the status socket as fd 3 and must pass it through: the command's exit status comes from the
     supervisor inside the sandbox (a launcher reports a signal death as ``128+n`` at best), while the
     outer one still holds the launcher and everything under it.
+
+    ``channels`` (with ``supervisor``): where a command's status socket and pipes are made ahead of
+    time, while the previous command starts.
     """
     spec = launch.spec
     script: tuple[HostSpillDir, str] | None = None
@@ -653,6 +729,7 @@ async def spawn_host_process(
                     scanner=scanner,
                     start_helper=start_helper,
                     nested=nested,
+                    channels=channels,
                 )
                 if process is not None:
                     return process
@@ -728,27 +805,21 @@ async def _spawn_supervised(
     scanner: ProcScanner,
     start_helper: StartHelper,
     nested: bool,
+    channels: ChannelPool | None,
 ) -> SupervisedProcess | None:
     """One request to the fork server; None when the server died before a supervisor took it."""
     spec = launch.spec
-    theirs: list[int] = []
-    ours: list[int] = []
-    status: socket.socket | None = None
+    plumbing = channels.take() if channels is not None else None
+    if plumbing is None:
+        plumbing = CommandChannels.open()
+    theirs = [plumbing.status_theirs, plumbing.out_w, plumbing.err_w]
+    ours = [plumbing.out_r, plumbing.err_r]
+    status = plumbing.status
     try:
-        # A socket, not a pipe: a pipe's end in this process could be reopened for writing through
-        # /proc/<our pid>/fd/N by a command of the same user; a socket cannot be opened through /proc
-        # at all, so only the supervisor can write the status.
-        status, status_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        theirs.append(status_theirs.detach())
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        ours.append(out_r)
-        theirs.append(out_w)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        ours.append(err_r)
-        theirs.append(err_w)
         in_w: int | None = None
         if spec.stdin is not None:
             in_r, in_w = os.pipe2(os.O_CLOEXEC)
+            _set_nonblocking(in_w)
             ours.append(in_w)
             theirs.append(in_r)
         else:
@@ -760,25 +831,25 @@ async def _spawn_supervised(
             argv,
             env,
             host_workdir,
-            status=theirs[0],
+            status=plumbing.status_theirs,
             stdin=in_r,
-            stdout=out_w,
-            stderr=err_w,
+            stdout=plumbing.out_w,
+            stderr=plumbing.err_w,
             status_in_program=_INNER_STATUS_FD if nested else -1,
         )
     except BaseException:
         for fd in theirs + ours:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        if status is not None:
-            status.close()
+        status.close()
         raise
     # The server holds its own copies now; ours must go, or EOF would never come.
     for fd in theirs:
         os.close(fd)
-    for fd in ours:
-        _set_nonblocking(fd)
-    status.setblocking(False)
+    if channels is not None:
+        # While the supervisor starts this command: the next one finds its plumbing ready.
+        channels.refill()
+    out_r, err_r = plumbing.out_r, plumbing.err_r
     process = SupervisedProcess(
         launch,
         status=status,
