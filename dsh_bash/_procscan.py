@@ -39,7 +39,6 @@ __all__ = [
     "signal_marked",
 ]
 
-_NEEDLE = b"\0" + MARKER_VAR.encode() + b"="
 _DEAD_STATES = frozenset("ZXx")
 #: The errors of a /proc read that mean the process is gone.
 _GONE = frozenset({errno.ENOENT, errno.ESRCH})
@@ -118,22 +117,32 @@ class ProcEntry:
 
 
 def _read_file(path: str) -> bytes:
-    with open(path, "rb") as fh:
-        return fh.read()
+    # Unbuffered: a /proc file reads in one pass of growing reads, without a second copy in a buffer
+    # (an environment can be megabytes, and a scan reads hundreds).
+    with open(path, "rb", buffering=0) as fh:
+        return fh.readall()
+
+
+_ASSIGN = MARKER_VAR.encode() + b"="
 
 
 def _read_marker(pid: int, prefix: bytes, reserve: FdReserve = _NO_RESERVE) -> str | None:
     """The process's marker value when it starts with ``prefix``; None otherwise, if gone or if
     unreadable. Raises ProcScanError when the read failed for another reason."""
     try:
-        environ = b"\0" + reserve.call(lambda: _read_file(f"/proc/{pid}/environ"))
+        environ = reserve.call(lambda: _read_file(f"/proc/{pid}/environ"))
     except OSError as exc:
         _classify(exc)
         return None
-    start = environ.find(_NEEDLE + prefix)
-    if start < 0:
-        return None
-    start += len(_NEEDLE)
+    # No concatenation (b"\0" + environ would copy megabytes): the first variable, or one after a NUL.
+    wanted = _ASSIGN + prefix
+    if environ.startswith(wanted):
+        start = len(_ASSIGN)
+    else:
+        start = environ.find(b"\0" + wanted)
+        if start < 0:
+            return None
+        start += 1 + len(_ASSIGN)
     end = environ.find(b"\0", start)
     return environ[start : end if end >= 0 else len(environ)].decode("ascii", "replace")
 
@@ -147,6 +156,8 @@ class ProcStat:
     ppid: int
     pgrp: int
     session: int
+    #: When the process started (clock ticks after boot): with the pid, it names one process for good.
+    starttime: int = 0
 
     @property
     def alive(self) -> bool:
@@ -169,17 +180,39 @@ def read_proc_stat(pid: int | str, proc: str = "/proc", reserve: FdReserve = _NO
     if len(fields) < 4:
         return None
     try:
-        return ProcStat(int(pid), fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[3]))
+        start = int(fields[19]) if len(fields) > 19 else 0
+        return ProcStat(int(pid), fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[3]), start)
     except ValueError:
         return None
 
 
-def _entry(pid: int, prefix: bytes, reserve: FdReserve) -> ProcEntry | None:
+#: A scanner's memory of markers already read: (pid, start time) -> marker. The pair names one
+#: process for good, and a process's environment is read once: later scans cost a stat read each.
+MarkerCache = dict[tuple[int, int], "str | None"]
+
+
+def _entry(
+    pid: int,
+    prefix: bytes,
+    reserve: FdReserve,
+    cache: MarkerCache | None = None,
+    seen: set[tuple[int, int]] | None = None,
+) -> ProcEntry | None:
     stat = read_proc_stat(pid, reserve=reserve)
     if stat is None:
         return None
     alive = stat.alive
-    return ProcEntry(pid, stat.pgrp, alive, _read_marker(pid, prefix, reserve) if alive else None)
+    if not alive:
+        return ProcEntry(pid, stat.pgrp, alive, None)
+    key = (pid, stat.starttime)
+    if seen is not None:
+        seen.add(key)
+    if cache is not None and key in cache:
+        return ProcEntry(pid, stat.pgrp, alive, cache[key])
+    marker = _read_marker(pid, prefix, reserve)
+    if cache is not None:
+        cache[key] = marker
+    return ProcEntry(pid, stat.pgrp, alive, marker)
 
 
 def _pids(reserve: FdReserve) -> list[int]:
@@ -199,15 +232,24 @@ def scan(prefix: bytes, reserve: FdReserve = _NO_RESERVE) -> list[ProcEntry]:
     return [entry for pid in _pids(reserve) if (entry := _entry(pid, prefix, reserve)) is not None]
 
 
-async def scan_async(prefix: bytes, reserve: FdReserve = _NO_RESERVE) -> list[ProcEntry]:
-    """:func:`scan` in the event loop, a checkpoint every few dozen processes (no worker thread)."""
+async def scan_async(
+    prefix: bytes, reserve: FdReserve = _NO_RESERVE, cache: MarkerCache | None = None
+) -> list[ProcEntry]:
+    """:func:`scan` in the event loop, a checkpoint every few dozen processes (no worker thread).
+
+    With ``cache``, each process's environment is read once (the first scan that sees it); entries
+    of processes no longer there are dropped from it."""
     entries = []
+    seen: set[tuple[int, int]] = set()
     for index, pid in enumerate(_pids(reserve)):
         if index % _SCAN_STEP == _SCAN_STEP - 1:
             await anyio.lowlevel.checkpoint()
-        entry = _entry(pid, prefix, reserve)
+        entry = _entry(pid, prefix, reserve, cache, seen)
         if entry is not None:
             entries.append(entry)
+    if cache is not None:
+        for key in cache.keys() - seen:
+            del cache[key]
     return entries
 
 
@@ -251,6 +293,9 @@ class ProcScanner:
         self._taken_at = -1.0
         self._started_at = -1.0
         self._lock = anyio.Lock()
+        #: Markers read so far: a process that changes its environment in place after the first read
+        #: is not seen to (which only a kill by marker cares about, and it re-reads before signalling).
+        self._markers: MarkerCache = {}
 
     async def entries(self) -> list[ProcEntry]:
         asked_at = time.monotonic()
@@ -261,7 +306,7 @@ class ProcScanner:
             fresh = self._started_at >= asked_at or time.monotonic() - self._taken_at <= self._max_age_s
             if not fresh:
                 self._started_at = time.monotonic()
-                self._entries = await scan_async(self._prefix_bytes, self.reserve)
+                self._entries = await scan_async(self._prefix_bytes, self.reserve, self._markers)
                 self._taken_at = time.monotonic()
             return self._entries
 

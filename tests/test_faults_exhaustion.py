@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -21,13 +22,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fault_support import GRACE_MS, Backend, backend_params, eventually_gone, wait_for_processes
+
+from dsh_bash import BashExecRequest
 
 pytestmark = [pytest.mark.faults]
 
 HARNESS = Path(__file__).with_name("exhaustion_harness.py")
 PIDS_ROOT = Path("/sys/fs/cgroup/pids")
-#: The harness's grace (exhaustion_harness.GRACE_MS) in seconds, and the slack the bounds allow.
-GRACE_S = 0.3
+#: The harness's grace (exhaustion_harness.GRACE_MS, the suite's GRACE_MS) in seconds, and the slack
+#: the bounds allow.
+GRACE_S = GRACE_MS / 1000
 SLACK_S = 1.0
 
 
@@ -181,3 +186,45 @@ def test_a_proc_scan_never_reads_emfile_as_gone() -> None:
     assert report["stat"] == ["ProcScanError", errno.EMFILE]
     assert report["signal"] == ["OSError", errno.EMFILE]
     assert report["found"] == [[True, "tok-1"]]
+
+
+#: 14 variables of 100,000 bytes (about 1.4 MB of environment), then 300 sleepers that inherit them,
+#: each named MARKER by ``exec -a`` (found by command line), then the shell waits.
+LARGE_ENV_LEFTOVERS = (
+    "for n in $(seq 14); do export BIG$n=$(head -c 100000 /dev/zero | tr '\\0' x); done; "
+    'for i in $(seq 300); do (exec -a "$0" sleep 60) & done; echo ready; wait'
+)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize(
+    "backend, containment",
+    [
+        *(pytest.param(p.values[0], "auto", marks=p.marks, id=p.id) for p in backend_params()),
+        pytest.param("local", "marker", id="local-marker"),
+    ],
+    indirect=["backend"],
+)
+async def test_timeouts_arrive_on_time_beside_300_large_environments(
+    backend: Backend, containment: str, marker: str
+) -> None:
+    extra = {"containment": containment} if containment != "auto" else {}
+    async with backend.make(**extra) as ex:
+        task = await ex.start(
+            ex.resolve(BashExecRequest(command=f"bash -c {shlex.quote(LARGE_ENV_LEFTOVERS)} {marker}"))
+        )
+        await wait_for_processes(marker, count=300, within_s=60)
+        began = time.monotonic()
+        result = await ex.exec("sleep 30", timeout_ms=1000)
+        elapsed = time.monotonic() - began
+        print(
+            f"{backend.name} ({containment}): sleep 30 with a 1 s timeout beside 300 x 1.4 MB: {elapsed:.2f}s"
+        )
+        assert result.timed_out
+        assert elapsed <= 1.0 + 2 * GRACE_MS / 1000 + SLACK_S, elapsed
+        assert await ex.kill(task.id) is True
+        closing = time.monotonic()
+    print(f"aclose: {time.monotonic() - closing:.2f}s")
+    assert await eventually_gone(marker, 10) == []
