@@ -86,12 +86,17 @@ class _MarkedLeftovers:
 
     async def signal_all(self, sig: int) -> None:
         try:
-            for entry in await self._scanner.entries():
-                if entry.alive and entry.marker is not None:
+            entries = await self._scanner.entries()
+        except ProcScanError as exc:
+            log.warning("cannot find the marked leftovers: %s", exc)
+            entries = []
+        for entry in entries:
+            if entry.alive and entry.marker is not None:
+                try:
                     signal_marked(entry.pid, self._scanner.prefix, sig, False, self._scanner.reserve)
-                    await anyio.lowlevel.checkpoint()
-        except OSError as exc:
-            log.warning("cannot signal the marked leftovers: %s", exc)
+                except OSError as exc:
+                    log.warning("cannot signal leftover %d: %s", entry.pid, exc)
+                await anyio.lowlevel.checkpoint()
         self._scanner.invalidate()
 
     async def remaining(self) -> list[str]:

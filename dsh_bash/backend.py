@@ -12,6 +12,7 @@ process, kill and spill mechanics; this module holds the pieces it builds them f
   :class:`HostProcess`, :func:`spawn_host_process`, :class:`HostSpillDir`, :data:`MAX_INLINE_COMMAND`;
 - killing: :func:`kill_sequence`, :func:`kill_abandoned_start`, :func:`signal_name`;
 - markers and process scanning on a Linux host: :data:`MARKER_VAR`, :class:`ProcScanner`,
+  :class:`ProcScanError` (a /proc read that says nothing about the process), :class:`FdReserve`,
   :func:`scan_processes`, :class:`ProcEntry`, :func:`read_proc_stat`, :class:`ProcStat`,
   :func:`signal_marked` (pid-fd signalling);
 - output accounting: :class:`OutputStream`, :class:`SpillFile`, :class:`SpillBudget`,
@@ -98,7 +99,15 @@ from ._native import (
     supervisor_problem,
 )
 from ._output import OutputStream, SpillBudget, SpillFile, StreamName, merge_streams
-from ._procscan import ProcEntry, ProcScanner, ProcStat, read_proc_stat, signal_marked
+from ._procscan import (
+    FdReserve,
+    ProcEntry,
+    ProcScanError,
+    ProcScanner,
+    ProcStat,
+    read_proc_stat,
+    signal_marked,
+)
 from ._procscan import scan as scan_processes
 from ._remote_bash import (
     BOOT_FAIL,
@@ -146,6 +155,7 @@ __all__ = [
     "ContainmentSetting",
     "ExitStatus",
     "ExitTrailerFilter",
+    "FdReserve",
     "FrameDecoder",
     "FrameError",
     "FramedCommand",
@@ -159,6 +169,7 @@ __all__ = [
     "Launch",
     "OutputStream",
     "ProcEntry",
+    "ProcScanError",
     "ProcScanner",
     "ProcStat",
     "QueuedSpillFile",

@@ -188,11 +188,20 @@ def test_a_proc_scan_never_reads_emfile_as_gone() -> None:
     assert report["found"] == [[True, "tok-1"]]
 
 
-#: 14 variables of 100,000 bytes (about 1.4 MB of environment), then 300 sleepers that inherit them,
-#: each named MARKER by ``exec -a`` (found by command line), then the shell waits.
+#: Known limitation (docs/faults.md): with the marker containment a remote kill sequence runs several
+#: scans, an exec or channel each; one scan now takes about 0.4 s beside 300 x 1.4 MB environments (it
+#: took 10-47 s), but the sequence still returns 2-4 s past the bound.
+REMOTE_MARKER_SLOW = (
+    "marker containment on Docker and SSH: a timed-out kill beside 300 large environments takes 3-6 s"
+)
+
+#: 14 variables of 100,000 bytes (about 1.4 MB of environment), then 300 shells that inherit them,
+#: each waiting (no child of its own) on a FIFO with MARKER on its command line; then the shell waits.
+#: (Not ``exec -a MARKER sleep``: the Docker test image's sleep is busybox, which goes by its name.)
 LARGE_ENV_LEFTOVERS = (
+    'f="/tmp/$0.fifo"; mkfifo "$f"; '
     "for n in $(seq 14); do export BIG$n=$(head -c 100000 /dev/zero | tr '\\0' x); done; "
-    'for i in $(seq 300); do (exec -a "$0" sleep 60) & done; echo ready; wait'
+    """for i in $(seq 300); do bash -c 'read -t 60 _ <> "$1"' "$0" "$f" & done; echo ready; wait"""
 )
 
 
@@ -203,7 +212,19 @@ LARGE_ENV_LEFTOVERS = (
     "backend, containment",
     [
         *(pytest.param(p.values[0], "auto", marks=p.marks, id=p.id) for p in backend_params()),
-        pytest.param("local", "marker", id="local-marker"),
+        *(
+            pytest.param(p.values[0], "marker", marks=p.marks, id=f"{p.id}-marker")
+            for p in backend_params("local")
+        ),
+        *(
+            pytest.param(p.values[0], "marker", marks=p.marks, id=f"{p.id}-marker")
+            for p in backend_params(
+                "docker-image",
+                "docker-container",
+                "ssh",
+                xfail=dict.fromkeys(("docker-image", "docker-container", "ssh"), REMOTE_MARKER_SLOW),
+            )
+        ),
     ],
     indirect=["backend"],
 )
@@ -225,6 +246,7 @@ async def test_timeouts_arrive_on_time_beside_300_large_environments(
         assert result.timed_out
         assert elapsed <= 1.0 + 2 * GRACE_MS / 1000 + SLACK_S, elapsed
         assert await ex.kill(task.id) is True
+        await ex.exec(f"rm -f /tmp/{marker}.fifo")
         closing = time.monotonic()
     print(f"aclose: {time.monotonic() - closing:.2f}s")
     assert await eventually_gone(marker, 10) == []
