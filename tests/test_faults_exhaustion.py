@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from fault_support import GRACE_MS, Backend, backend_params, eventually_gone, wait_for_processes
 
@@ -221,9 +222,18 @@ LARGE_ENV_LEFTOVERS = (
             for p in backend_params(
                 "docker-image",
                 "docker-container",
-                "ssh",
-                xfail=dict.fromkeys(("docker-image", "docker-container", "ssh"), REMOTE_MARKER_SLOW),
+                xfail=dict.fromkeys(("docker-image", "docker-container"), REMOTE_MARKER_SLOW),
             )
+        ),
+        # Not strict: SSH lands 0.15-0.9 s past the bound here (2.75-3.21 s), so a quiet host may pass.
+        *(
+            pytest.param(
+                p.values[0],
+                "marker",
+                marks=[*p.marks, pytest.mark.xfail(strict=False, reason=REMOTE_MARKER_SLOW)],
+                id=f"{p.id}-marker",
+            )
+            for p in backend_params("ssh")
         ),
     ],
     indirect=["backend"],
@@ -233,20 +243,22 @@ async def test_timeouts_arrive_on_time_beside_300_large_environments(
 ) -> None:
     extra = {"containment": containment} if containment != "auto" else {}
     async with backend.make(**extra) as ex:
-        task = await ex.start(
-            ex.resolve(BashExecRequest(command=f"bash -c {shlex.quote(LARGE_ENV_LEFTOVERS)} {marker}"))
-        )
-        await wait_for_processes(marker, count=300, within_s=60)
-        began = time.monotonic()
-        result = await ex.exec("sleep 30", timeout_ms=1000)
-        elapsed = time.monotonic() - began
-        print(
-            f"{backend.name} ({containment}): sleep 30 with a 1 s timeout beside 300 x 1.4 MB: {elapsed:.2f}s"
-        )
-        assert result.timed_out
-        assert elapsed <= 1.0 + 2 * GRACE_MS / 1000 + SLACK_S, elapsed
-        assert await ex.kill(task.id) is True
-        await ex.exec(f"rm -f /tmp/{marker}.fifo")
+        try:
+            task = await ex.start(
+                ex.resolve(BashExecRequest(command=f"bash -c {shlex.quote(LARGE_ENV_LEFTOVERS)} {marker}"))
+            )
+            await wait_for_processes(marker, count=300, within_s=60)
+            began = time.monotonic()
+            result = await ex.exec("sleep 30", timeout_ms=1000)
+            elapsed = time.monotonic() - began
+            print(f"{backend.name} ({containment}): 1 s timeout beside 300 x 1.4 MB: {elapsed:.2f}s")
+            assert result.timed_out
+            assert elapsed <= 1.0 + 2 * GRACE_MS / 1000 + SLACK_S, elapsed
+            assert await ex.kill(task.id) is True
+        finally:
+            # The FIFO is where the commands run (this host, or the container): removed there.
+            with anyio.move_on_after(10):
+                await ex.exec(f"rm -f /tmp/{marker}.fifo")
         closing = time.monotonic()
     print(f"aclose: {time.monotonic() - closing:.2f}s")
     assert await eventually_gone(marker, 10) == []
