@@ -225,7 +225,7 @@ LARGE_ENV_LEFTOVERS = (
                 xfail=dict.fromkeys(("docker-image", "docker-container"), REMOTE_MARKER_SLOW),
             )
         ),
-        # Not strict: SSH lands 0.15-0.9 s past the bound here (2.75-3.21 s), so a quiet host may pass.
+        # Not strict: SSH lands 0.15-0.9 s past the bound here (2.75-3.51 s), so a quiet host may pass.
         *(
             pytest.param(
                 p.values[0],
