@@ -48,6 +48,10 @@ MARKER_VAR = "DSH_BASH_MARK"
 #: bytes, UTF-8) must reach bash another way than ``bash -c COMMAND`` (a file), on every backend.
 MAX_INLINE_COMMAND = 100_000
 
+#: How a :meth:`Killable.remaining` entry starts when the processes could not be looked at (a /proc
+#: scan refused descriptors or memory): they are unknown, never "gone". ``aclose`` raises on them.
+UNKNOWN_PREFIX = "(unknown: "
+
 
 @dataclass(frozen=True, slots=True)
 class ExitStatus:

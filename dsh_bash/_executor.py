@@ -20,7 +20,16 @@ import anyio.lowlevel
 from pydantic import ValidationError
 from typing_extensions import TypeVar
 
-from ._backend import MARKER_VAR, CommandProcess, ExitStatus, Killable, Launch, kill_sequence, signal_name
+from ._backend import (
+    MARKER_VAR,
+    UNKNOWN_PREFIX,
+    CommandProcess,
+    ExitStatus,
+    Killable,
+    Launch,
+    kill_sequence,
+    signal_name,
+)
 from ._config import BUDGET_FIELDS, BudgetConfig, config_error_from, default_task_cap
 from ._env import build_command_env
 from ._errors import BashInfrastructureError, ConfigError, ExecutorClosedError, InfraReason, UnknownTaskError
@@ -267,6 +276,8 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             return
         self._state = "closing"
         grace_s = self._config.grace_ms / 1000
+        #: Why aclose cannot say that nothing it started is alive: raised once everything is released.
+        problem: BashInfrastructureError | None = None
         with anyio.CancelScope(shield=True):
             try:
                 sent = _SentToAll()
@@ -277,7 +288,29 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
                         command.kill_cause = "closed"  # the leftovers' sequence below kills it
                         sent.commands.append(command)
                 with anyio.move_on_after(2 * grace_s + 0.5) as bound:
-                    await kill_sequence(self._leftovers(), grace_s, f"{type(self).__name__} leftovers", sent)
+                    try:
+                        survivors = await kill_sequence(
+                            self._leftovers(), grace_s, f"{type(self).__name__} leftovers", sent
+                        )
+                    except Exception as exc:
+                        # Only the library's own errors leave aclose (a worker thread or descriptor the
+                        # OS refused must not surface as a bare RuntimeError or OSError).
+                        log.exception("%s: killing the leftovers failed", type(self).__name__)
+                        problem = BashInfrastructureError(
+                            f"{type(self).__name__}.aclose could not kill every process it started: {exc}"
+                        )
+                        problem.__cause__ = exc
+                    else:
+                        # A look at the processes that failed for the whole sequence (a /proc scan
+                        # refused descriptors or memory) leaves them unknown: that is not "all gone".
+                        # (Survivors a supervisor has not confirmed gone yet are only logged: its
+                        # ``empty`` may still be on its way.)
+                        unknown = [each for each in survivors if each.startswith(UNKNOWN_PREFIX)]
+                        if unknown:
+                            problem = BashInfrastructureError(
+                                f"{type(self).__name__}.aclose cannot tell whether every process it "
+                                f"started is gone: {'; '.join(unknown)}"
+                            )
                     for command in list(self._live):
                         await command.finished.wait()
                 if bound.cancelled_caught:
@@ -295,6 +328,8 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
                 self._state = "closed"
                 assert self._closed_event is not None
                 self._closed_event.set()
+        if problem is not None:
+            raise problem
 
     async def _last_sigkill(self, grace_s: float, sent: set[int]) -> None:
         """One more SIGKILL to everything still marked, when the close bound cut the kills short.

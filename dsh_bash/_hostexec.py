@@ -10,12 +10,14 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
-import anyio.to_thread
+import anyio
+import anyio.lowlevel
 
 from ._backend import (
     CommandProcess,
@@ -30,15 +32,19 @@ from ._config import BudgetConfig
 from ._errors import BashInfrastructureError
 from ._executor import BashExecutor, ConfigT_co
 from ._forkserver import SupervisorServer, server_problem
-from ._hostproc import ChannelPool, SupervisedProcess, spawn_host_process
+from ._hostproc import ChannelPool, SupervisedProcess, spawn_host_process, unknown_leftovers
 from ._hostspill import HostSpillDir
 from ._kit_hooks import find_host_processes, plant_in_os_environ
 from ._output import SpillFile
-from ._procscan import ProcScanner, signal_marked
+from ._procscan import ProcScanError, ProcScanner, signal_marked
 
 __all__ = ["Containment", "HostBashExecutor", "HostConfig", "host_support_problem"]
 
 log = logging.getLogger("dsh_bash")
+
+#: How long releasing waits for supervisors to confirm that the kills left nothing (see
+#: ``HostBashExecutor._confirm_nothing_left``).
+_CONFIRM_BOUND_S = 1.0
 
 
 class HostConfig(BudgetConfig):
@@ -70,19 +76,46 @@ def host_support_problem() -> str | None:
 
 
 class _MarkedLeftovers:
-    """Every live process on this host carrying one of the executor's markers."""
+    """Every live process on this host carrying one of the executor's markers.
+
+    Runs in the event loop (no worker thread: see ``_procscan``). A scan that fails (EMFILE, ENOMEM)
+    is logged and leaves the set "unknown": :meth:`remaining` says so, never "empty"."""
 
     def __init__(self, scanner: ProcScanner) -> None:
         self._scanner = scanner
 
     async def signal_all(self, sig: int) -> None:
-        for entry in await self._scanner.entries():
+        try:
+            entries = await self._scanner.entries()
+        except ProcScanError as exc:
+            log.warning("cannot find the marked leftovers: %s", exc)
+            entries = []
+        for entry in entries:
             if entry.alive and entry.marker is not None:
-                await anyio.to_thread.run_sync(signal_marked, entry.pid, self._scanner.prefix, sig, False)
+                try:
+                    signal_marked(entry.pid, self._scanner.prefix, sig, False, self._scanner.reserve)
+                except OSError as exc:
+                    log.warning("cannot signal leftover %d: %s", entry.pid, exc)
+                await anyio.lowlevel.checkpoint()
         self._scanner.invalidate()
 
     async def remaining(self) -> list[str]:
-        return [str(e.pid) for e in await self._scanner.entries() if e.alive and e.marker is not None]
+        try:
+            entries = await self._scanner.entries()
+        except ProcScanError as exc:
+            return [unknown_leftovers(exc)]
+        return [str(e.pid) for e in entries if e.alive and e.marker is not None]
+
+
+class _NoLeftovers:
+    """What the marker fallback has to find while every command ran under a supervisor that is still
+    there (or ended having said that nothing is left): nothing, so no scan of /proc at all."""
+
+    async def signal_all(self, sig: int) -> None:
+        pass
+
+    async def remaining(self) -> list[str]:
+        return []
 
 
 def _find_supervisor() -> tuple[str | None, str]:
@@ -122,6 +155,12 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         self._supervisor_path: str | None = None
         self._supervised: set[SupervisedProcess] = set()
         self._channels = ChannelPool()
+        #: Whether processes may exist that no live supervisor holds (a command ran without one, or a
+        #: supervisor died before it said that nothing was left): only then do leftovers need a scan.
+        self._unheld = False
+
+    def _lost_supervisor(self) -> None:
+        self._unheld = True
 
     @property
     def supervisor_path(self) -> str | None:
@@ -153,6 +192,7 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
                 reason="spill_unavailable",
             ) from exc
         self._bash = shutil.which(config.bash)
+        self._scanner.prepare()
         path, why = _find_supervisor() if config.containment != "marker" else (None, "")
         server: SupervisorServer | None = None
         if path is not None:
@@ -166,18 +206,36 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         except BashInfrastructureError:
             self._spill_dir.remove()
             self._spill_dir = None
+            self._scanner.close()
             raise
         self._server = server
         self._supervisor_path = path if server is not None else None
 
     async def _release(self) -> None:
         self._channels.close()
+        await self._confirm_nothing_left()
         if self._server is not None:
             await self._server.aclose()
             self._server = None
         if self._spill_dir is not None:
             self._spill_dir.remove()
             self._spill_dir = None
+        self._scanner.close()
+
+    async def _confirm_nothing_left(self) -> None:
+        """Wait (bounded) until every supervisor said that nothing is left under it.
+
+        aclose's bound can end before they all confirmed (a hundred commands closed at once on a
+        busy host): the SIGKILL passes it asked for are then still under way, and closing the fork
+        server now would return with processes alive. Milliseconds, normally. What still stands at
+        the bound gets one SIGKILL by marker (a scan in the event loop: no thread is needed)."""
+        leftovers = self._leftovers()
+        with anyio.move_on_after(_CONFIRM_BOUND_S):
+            while await leftovers.remaining():  # noqa: ASYNC110 - supervisors report on sockets we poll
+                await anyio.sleep(0.01)
+            return
+        log.warning("%s: supervisors did not confirm their ends; killing by marker", type(self).__name__)
+        await _MarkedLeftovers(self._scanner).signal_all(signal.SIGKILL)
 
     def _default_cwd(self) -> str:
         cwd = self.config.cwd
@@ -204,9 +262,13 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
             inner_supervisor=self._supervisor_path if self.supervise_inside_launcher else None,
             channels=self._channels,
         )
-        if isinstance(process, SupervisedProcess) and not process.ended:
-            process.registry = self._supervised
-            self._supervised.add(process)
+        if isinstance(process, SupervisedProcess):
+            process.on_lost = self._lost_supervisor
+            if not process.ended:
+                process.registry = self._supervised
+                self._supervised.add(process)
+        else:
+            self._unheld = True
         return process
 
     def _wrap_command(self, argv: list[str], launch: Launch) -> tuple[list[str], str]:
@@ -232,7 +294,8 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         return self._spill_dir.new_file(stream)
 
     def _leftovers(self) -> Killable:
-        return SupervisedLeftovers(self._supervised, _MarkedLeftovers(self._scanner))
+        fallback: Killable = _MarkedLeftovers(self._scanner) if self._unheld else _NoLeftovers()
+        return SupervisedLeftovers(self._supervised, fallback)
 
     # -- the conformance kit's hooks (dsh_bash.backend.ConformanceHooks) ------------------------------
 

@@ -22,13 +22,13 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from ._backend import MARKER_VAR, MAX_INLINE_COMMAND, CommandProcess, ExitStatus, Launch
+from ._backend import MARKER_VAR, MAX_INLINE_COMMAND, UNKNOWN_PREFIX, CommandProcess, ExitStatus, Launch
 from ._errors import BashInfrastructureError, InfraReason
 from ._forkserver import SupervisorServer, pidfd_exited, received_fds
 from ._frames import SupervisorRecords
 from ._hostspill import HostSpillDir
 from ._output import OutputStream
-from ._procscan import ProcScanner, signal_marked
+from ._procscan import ProcScanError, ProcScanner, signal_marked
 
 __all__ = [
     "ChannelPool",
@@ -37,6 +37,7 @@ __all__ = [
     "SupervisedProcess",
     "WrapCommand",
     "spawn_host_process",
+    "unknown_leftovers",
 ]
 
 _FIRST_READ = 64 * 1024
@@ -48,6 +49,11 @@ log = logging.getLogger("dsh_bash")
 StartHelper = Callable[..., None]
 #: ``wrap(argv, launch) -> (argv, host_workdir)``: see ``HostBashExecutor._wrap_command``.
 WrapCommand = Callable[[list[str], Launch], tuple[list[str], str]]
+
+
+def unknown_leftovers(error: OSError) -> str:
+    """What a kill reports as left when /proc could not be read: unknown, never "nothing"."""
+    return f"{UNKNOWN_PREFIX}/proc could not be read: {error.strerror or error})"
 
 
 def _set_nonblocking(fd: int) -> None:
@@ -194,17 +200,31 @@ class HostProcess(CommandProcess):
         return group_ours, outside
 
     async def signal_all(self, sig: int) -> None:
-        group_ours, outside = await self._members()
+        # In the event loop, not a worker thread: the kill path needs nothing it may not get (a
+        # thread under a pids limit a fork bomb filled). A failed scan is logged; remaining() then
+        # reports the command's processes as unknown, so that the kill sequence tries again.
+        try:
+            group_ours, outside = await self._members()
+        except ProcScanError as exc:
+            log.warning("cannot find the processes of %s: %s", self._launch.marker, exc)
+            group_ours, outside = not self._reaped, []
         if group_ours:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self._pid, sig)
         marker = self._launch.marker
         for pid in outside:
-            await anyio.to_thread.run_sync(signal_marked, pid, marker, sig, True)
+            try:
+                signal_marked(pid, marker, sig, True, self._scanner.reserve)
+            except OSError as exc:
+                log.warning("cannot signal process %d of %s: %s", pid, marker, exc)
+            await anyio.lowlevel.checkpoint()
         self._scanner.invalidate()
 
     async def remaining(self) -> list[str]:
-        entries = await self._scanner.entries()
+        try:
+            entries = await self._scanner.entries()
+        except ProcScanError as exc:
+            return [unknown_leftovers(exc)]
         marker = self._launch.marker
         pgid = self._pid
         group_ours = not self._reaped or any(e.marker == marker and e.pgrp == pgid for e in entries)
@@ -383,6 +403,9 @@ class SupervisedProcess(HostProcess):
         self._supervisor_reaped = False
         #: The executor's set of live supervised commands: this one leaves it once its supervisor is gone.
         self.registry: set[SupervisedProcess] | None = None
+        #: Called once the supervisor is found gone before it said that nothing was left: processes
+        #: may then live that no supervisor holds, which only a scan by marker can still find.
+        self.on_lost: Callable[[], None] | None = None
 
     # -- the status channel ----------------------------------------------------------------------
 
@@ -552,6 +575,7 @@ class SupervisedProcess(HostProcess):
             return
         # The supervisor died with descendants left (the command killed it): they re-parented to
         # init, so only the marker, the last hint, can still find them.
+        self._report_lost()
         await super().signal_all(sig)
 
     async def remaining(self) -> list[str]:
@@ -560,7 +584,12 @@ class SupervisedProcess(HostProcess):
             return []
         if not self._supervisor_gone():
             return [f"processes under dsh-supervise {self._pid or '(starting)'}"]
+        self._report_lost()
         return await super().remaining()
+
+    def _report_lost(self) -> None:
+        if self.on_lost is not None and not self._records.empty:
+            self.on_lost()
 
     async def _members(self) -> tuple[bool, list[int]]:
         # Without a live supervisor only the marker finds them; the command's group is not ours to
@@ -573,6 +602,7 @@ class SupervisedProcess(HostProcess):
 
     async def release(self) -> None:
         if self._status is not None:
+            self._pump_unless_read()  # an ``empty`` already there tells that nothing is left
             self._status.close()
             self._status = None
         self._reaped = True  # the supervisor, not us, reaps the command's processes
@@ -588,6 +618,7 @@ class SupervisedProcess(HostProcess):
     def _forget_supervisor(self) -> None:
         if self._supervisor_reaped:
             return
+        self._report_lost()
         self._supervisor_reaped = True  # the fork server reaps it
         if self.registry is not None:
             self.registry.discard(self)

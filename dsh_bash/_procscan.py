@@ -4,6 +4,13 @@ Every command's environment carries ``DSH_BASH_MARK=<executor token>-<n>``; desc
 even after they leave the process group (``setsid``, double fork). A scan reads each process's
 ``stat`` (group, state) and ``environ`` (marker). Signals to single pids go through a pidfd opened
 *before* the marker is checked again, so a recycled pid is never signalled.
+
+Scans run on the kill path, which must need nothing it may not get (issue 15): no worker thread (a
+fork bomb under a pids limit leaves none to start), and no error of the OS read as "process gone".
+Only ENOENT and ESRCH mean gone, EACCES and EPERM mean unreadable (a non-dumpable process's environ);
+any other error (EMFILE, ENFILE, ENOMEM, EAGAIN, ...) raises :class:`ProcScanError`. A scanner keeps
+a small reserve of open descriptors (:class:`FdReserve`), given back to the OS for one retry when
+the process runs out of them. Scans run in the event loop, a checkpoint every few dozen processes.
 """
 
 from __future__ import annotations
@@ -12,17 +19,93 @@ import errno
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import anyio
-import anyio.to_thread
+import anyio.lowlevel
 
 from ._backend import MARKER_VAR
 
-__all__ = ["ProcEntry", "ProcScanner", "ProcStat", "read_proc_stat", "scan", "signal_marked"]
+__all__ = [
+    "FdReserve",
+    "ProcEntry",
+    "ProcScanError",
+    "ProcScanner",
+    "ProcStat",
+    "read_proc_stat",
+    "scan",
+    "signal_marked",
+]
 
-_NEEDLE = b"\0" + MARKER_VAR.encode() + b"="
 _DEAD_STATES = frozenset("ZXx")
+#: The errors of a /proc read that mean the process is gone.
+_GONE = frozenset({errno.ENOENT, errno.ESRCH})
+#: The errors that mean it exists but may not be read (hidepid, a non-dumpable process's environ).
+_UNREADABLE = frozenset({errno.EACCES, errno.EPERM})
+#: Out of descriptors: the reserve may help.
+_NO_FDS = frozenset({errno.EMFILE, errno.ENFILE})
+#: How many processes an async scan looks at between two checkpoints.
+_SCAN_STEP = 32
+
+T = TypeVar("T")
+
+
+class ProcScanError(OSError):
+    """A /proc read failed for a reason that says nothing about the process (EMFILE, ENOMEM, ...):
+    whether it still lives is unknown. Never read as "gone"."""
+
+
+def _classify(exc: OSError) -> bool:
+    """True for "gone", False for "unreadable"; raises ProcScanError for anything else."""
+    if exc.errno in _GONE:
+        return True
+    if exc.errno in _UNREADABLE:
+        return False
+    raise ProcScanError(exc.errno or 0, f"cannot read /proc: {exc.strerror or exc}") from exc
+
+
+class FdReserve:
+    """A few descriptors held open ahead of time, handed back to the OS when the process runs out
+    (the kill path then still gets the one it needs: a ``/proc`` file, a pidfd). Refilled after."""
+
+    def __init__(self, count: int = 3) -> None:
+        self._count = count
+        self._fds: list[int] = []
+        self._closed = False
+
+    def fill(self) -> None:
+        while not self._closed and len(self._fds) < self._count:
+            try:
+                self._fds.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+            except OSError:
+                return  # still short: the next fill tries again
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """``fn()``; when it fails for lack of descriptors, once more with the reserve given back."""
+        try:
+            return fn()
+        except OSError as exc:
+            if exc.errno not in _NO_FDS or not self._fds:
+                raise
+        self.release()
+        try:
+            return fn()
+        finally:
+            self.fill()
+
+    def release(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def close(self) -> None:
+        self._closed = True
+        self.release()
+
+
+_NO_RESERVE = FdReserve(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,17 +116,33 @@ class ProcEntry:
     marker: str | None  # this executor's marker value, or None
 
 
-def _read_marker(pid: int, prefix: bytes) -> str | None:
-    """The process's marker value when it starts with ``prefix``; None otherwise or if unreadable."""
+def _read_file(path: str) -> bytes:
+    # Unbuffered: a /proc file reads in one pass of growing reads, without a second copy in a buffer
+    # (an environment can be megabytes, and a scan reads hundreds).
+    with open(path, "rb", buffering=0) as fh:
+        return fh.readall()
+
+
+_ASSIGN = MARKER_VAR.encode() + b"="
+
+
+def _read_marker(pid: int, prefix: bytes, reserve: FdReserve = _NO_RESERVE) -> str | None:
+    """The process's marker value when it starts with ``prefix``; None otherwise, if gone or if
+    unreadable. Raises ProcScanError when the read failed for another reason."""
     try:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            environ = b"\0" + fh.read()
-    except OSError:
+        environ = reserve.call(lambda: _read_file(f"/proc/{pid}/environ"))
+    except OSError as exc:
+        _classify(exc)
         return None
-    start = environ.find(_NEEDLE + prefix)
-    if start < 0:
-        return None
-    start += len(_NEEDLE)
+    # No concatenation (b"\0" + environ would copy megabytes): the first variable, or one after a NUL.
+    wanted = _ASSIGN + prefix
+    if environ.startswith(wanted):
+        start = len(_ASSIGN)
+    else:
+        start = environ.find(b"\0" + wanted)
+        if start < 0:
+            return None
+        start += 1 + len(_ASSIGN)
     end = environ.find(b"\0", start)
     return environ[start : end if end >= 0 else len(environ)].decode("ascii", "replace")
 
@@ -57,6 +156,8 @@ class ProcStat:
     ppid: int
     pgrp: int
     session: int
+    #: When the process started (clock ticks after boot): with the pid, it names one process for good.
+    starttime: int = 0
 
     @property
     def alive(self) -> bool:
@@ -64,45 +165,100 @@ class ProcStat:
         return self.state not in _DEAD_STATES
 
 
-def read_proc_stat(pid: int | str, proc: str = "/proc") -> ProcStat | None:
-    """``/proc/PID/stat`` parsed, or None when the process is gone or its stat unreadable."""
+def read_proc_stat(pid: int | str, proc: str = "/proc", reserve: FdReserve = _NO_RESERVE) -> ProcStat | None:
+    """``/proc/PID/stat`` parsed, or None when the process is gone or its stat unreadable.
+
+    Raises :class:`ProcScanError` when the read failed for another reason (EMFILE, ENOMEM, ...):
+    then nothing is known about the process."""
     try:
-        with open(f"{proc}/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-    except OSError:
+        stat = reserve.call(lambda: _read_file(f"{proc}/{pid}/stat"))
+    except OSError as exc:
+        _classify(exc)
         return None
     # The command name may contain spaces and parentheses: fields start after the last ')'.
     fields = stat[stat.rfind(b")") + 2 :].split()
     if len(fields) < 4:
         return None
     try:
-        return ProcStat(int(pid), fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[3]))
+        start = int(fields[19]) if len(fields) > 19 else 0
+        return ProcStat(int(pid), fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[3]), start)
     except ValueError:
         return None
 
 
-def scan(prefix: bytes) -> list[ProcEntry]:
-    """Every process whose stat is readable, with its marker if it belongs to ``prefix``."""
-    entries = []
+#: A scanner's memory of markers already read: (pid, start time) -> marker. The pair names one
+#: process for good, and a process's environment is read once: later scans cost a stat read each.
+MarkerCache = dict[tuple[int, int], "str | None"]
+
+
+def _entry(
+    pid: int,
+    prefix: bytes,
+    reserve: FdReserve,
+    cache: MarkerCache | None = None,
+    seen: set[tuple[int, int]] | None = None,
+) -> ProcEntry | None:
+    stat = read_proc_stat(pid, reserve=reserve)
+    if stat is None:
+        return None
+    alive = stat.alive
+    if not alive:
+        return ProcEntry(pid, stat.pgrp, alive, None)
+    key = (pid, stat.starttime)
+    if seen is not None:
+        seen.add(key)
+    if cache is not None and key in cache:
+        return ProcEntry(pid, stat.pgrp, alive, cache[key])
+    marker = _read_marker(pid, prefix, reserve)
+    if cache is not None:
+        cache[key] = marker
+    return ProcEntry(pid, stat.pgrp, alive, marker)
+
+
+def _pids(reserve: FdReserve) -> list[int]:
+    try:
+        names = reserve.call(lambda: os.listdir("/proc"))
+    except OSError as exc:
+        raise ProcScanError(exc.errno or 0, f"cannot list /proc: {exc.strerror or exc}") from exc
     own = os.getpid()
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        pid = int(name)
-        if pid == own:
-            continue
-        stat = read_proc_stat(pid)
-        if stat is None:
-            continue
-        alive = stat.alive
-        entries.append(ProcEntry(pid, stat.pgrp, alive, _read_marker(pid, prefix) if alive else None))
+    return [int(name) for name in names if name.isdigit() and int(name) != own]
+
+
+def scan(prefix: bytes, reserve: FdReserve = _NO_RESERVE) -> list[ProcEntry]:
+    """Every process whose stat is readable, with its marker if it belongs to ``prefix``.
+
+    Raises :class:`ProcScanError` when /proc could not be read for a reason other than a process
+    being gone or unreadable: a partial scan must not pass for a complete one."""
+    return [entry for pid in _pids(reserve) if (entry := _entry(pid, prefix, reserve)) is not None]
+
+
+async def scan_async(
+    prefix: bytes, reserve: FdReserve = _NO_RESERVE, cache: MarkerCache | None = None
+) -> list[ProcEntry]:
+    """:func:`scan` in the event loop, a checkpoint every few dozen processes (no worker thread).
+
+    With ``cache``, each process's environment is read once (the first scan that sees it); entries
+    of processes no longer there are dropped from it."""
+    entries = []
+    seen: set[tuple[int, int]] = set()
+    for index, pid in enumerate(_pids(reserve)):
+        if index % _SCAN_STEP == _SCAN_STEP - 1:
+            await anyio.lowlevel.checkpoint()
+        entry = _entry(pid, prefix, reserve, cache, seen)
+        if entry is not None:
+            entries.append(entry)
+    if cache is not None:
+        for key in cache.keys() - seen:
+            del cache[key]
     return entries
 
 
-def signal_marked(pid: int, marker: str, sig: int, exact: bool) -> None:
-    """Signal ``pid`` if it still carries ``marker`` (exactly, or as a prefix)."""
+def signal_marked(pid: int, marker: str, sig: int, exact: bool, reserve: FdReserve = _NO_RESERVE) -> None:
+    """Signal ``pid`` if it still carries ``marker`` (exactly, or as a prefix).
+
+    Raises OSError (:class:`ProcScanError` for /proc) when it could not tell: never a silent skip."""
     try:
-        pidfd = os.pidfd_open(pid)
+        pidfd: int | None = reserve.call(lambda: os.pidfd_open(pid))
     except ProcessLookupError:
         return
     except OSError as exc:
@@ -110,7 +266,7 @@ def signal_marked(pid: int, marker: str, sig: int, exact: bool) -> None:
             raise
         pidfd = None
     try:
-        value = _read_marker(pid, marker.encode())
+        value = _read_marker(pid, marker.encode(), reserve)
         if value is None or (exact and value != marker):
             return
         if pidfd is not None:
@@ -128,6 +284,8 @@ class ProcScanner:
     """Scans /proc for one executor's processes; concurrent callers share a recent scan."""
 
     def __init__(self, token: str, max_age_s: float = 0.02) -> None:
+        #: Descriptors held for the kill path (see :class:`FdReserve`): filled by :meth:`prepare`.
+        self.reserve = FdReserve()
         self.prefix = token + "-"
         self._prefix_bytes = self.prefix.encode()
         self._max_age_s = max_age_s
@@ -135,6 +293,9 @@ class ProcScanner:
         self._taken_at = -1.0
         self._started_at = -1.0
         self._lock = anyio.Lock()
+        #: Markers read so far: a process that changes its environment in place after the first read
+        #: is not seen to (which only a kill by marker cares about, and it re-reads before signalling).
+        self._markers: MarkerCache = {}
 
     async def entries(self) -> list[ProcEntry]:
         asked_at = time.monotonic()
@@ -145,9 +306,17 @@ class ProcScanner:
             fresh = self._started_at >= asked_at or time.monotonic() - self._taken_at <= self._max_age_s
             if not fresh:
                 self._started_at = time.monotonic()
-                self._entries = await anyio.to_thread.run_sync(scan, self._prefix_bytes)
+                self._entries = await scan_async(self._prefix_bytes, self.reserve, self._markers)
                 self._taken_at = time.monotonic()
             return self._entries
 
     def invalidate(self) -> None:
         self._taken_at = -1.0
+
+    def prepare(self) -> None:
+        """Take the descriptor reserve (at the executor's open, while descriptors are there)."""
+        self.reserve.fill()
+
+    def close(self) -> None:
+        """Give the reserve back (at the executor's release)."""
+        self.reserve.close()

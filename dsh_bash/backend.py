@@ -12,6 +12,7 @@ process, kill and spill mechanics; this module holds the pieces it builds them f
   :class:`HostProcess`, :func:`spawn_host_process`, :class:`HostSpillDir`, :data:`MAX_INLINE_COMMAND`;
 - killing: :func:`kill_sequence`, :func:`kill_abandoned_start`, :func:`signal_name`;
 - markers and process scanning on a Linux host: :data:`MARKER_VAR`, :class:`ProcScanner`,
+  :class:`ProcScanError` (a /proc read that says nothing about the process), :class:`FdReserve`,
   :func:`scan_processes`, :class:`ProcEntry`, :func:`read_proc_stat`, :class:`ProcStat`,
   :func:`signal_marked` (pid-fd signalling);
 - output accounting: :class:`OutputStream`, :class:`SpillFile`, :class:`SpillBudget`,
@@ -99,7 +100,15 @@ from ._native import (
     supervisor_problem,
 )
 from ._output import OutputStream, SpillBudget, SpillFile, StreamName, merge_streams, prepay_spills
-from ._procscan import ProcEntry, ProcScanner, ProcStat, read_proc_stat, signal_marked
+from ._procscan import (
+    FdReserve,
+    ProcEntry,
+    ProcScanError,
+    ProcScanner,
+    ProcStat,
+    read_proc_stat,
+    signal_marked,
+)
 from ._procscan import scan as scan_processes
 from ._remote_bash import (
     BOOT_FAIL,
@@ -147,6 +156,7 @@ __all__ = [
     "ContainmentSetting",
     "ExitStatus",
     "ExitTrailerFilter",
+    "FdReserve",
     "FrameDecoder",
     "FrameError",
     "FramedCommand",
@@ -160,6 +170,7 @@ __all__ = [
     "Launch",
     "OutputStream",
     "ProcEntry",
+    "ProcScanError",
     "ProcScanner",
     "ProcStat",
     "QueuedSpillFile",

@@ -11,7 +11,7 @@ import time
 import anyio
 import pytest
 from dsh_bash_conformance import find_host_processes
-from fault_support import Backend, backend_params, eventually_gone, wait_for_processes
+from fault_support import GRACE_MS, Backend, backend_params, eventually_gone, wait_for_processes
 
 from dsh_bash import BashExecRequest
 
@@ -20,6 +20,9 @@ pytestmark = [pytest.mark.faults, pytest.mark.anyio]
 ALL = backend_params()
 #: The test image holds bash and busybox only: cases that need git run where git is (this host).
 WITH_GIT = backend_params("local", "ssh")
+#: What a timed-out run may take beyond timeout + 2 x grace (docs/faults.md: the kill request's own
+#: round trips, an exec each on Docker).
+SLACK_S = 1.5
 
 
 @pytest.fixture
@@ -177,5 +180,25 @@ async def test_fork_bomb_is_bounded_by_the_pids_limit(backend: Backend, marker: 
         print(f"fork bomb under pids_limit=64: {task.status}, {task.end_cause}, signal {task.signal}")
         assert task.status == "killed"
         assert task.end_cause in ("killed", "lost"), task.end_cause
+        assert await eventually_gone(marker, 10) == []
+        assert (await ex.exec("echo alive")).stdout.text == "alive\n"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", backend_params("docker-image"), indirect=True)
+async def test_timed_out_fork_bomb_under_the_pids_limit_returns_in_time(
+    backend: Backend, marker: str
+) -> None:
+    # Issue 15: the bomb fills the container's pids limit and keeps it full; the run's timeout must
+    # still end it as timed out within timeout + 2 x grace (+ slack), not as a dead supervisor.
+    bomb = f"bash -c ':(){{ :|:& }};:; exec sleep 30' {marker}"
+    grace_s = GRACE_MS / 1000
+    async with backend.make(pids_limit=64) as ex:
+        began = time.monotonic()
+        result = await ex.exec(bomb, timeout_ms=2000)
+        elapsed = time.monotonic() - began
+        print(f"fork bomb, 2 s timeout, pids_limit=64: {elapsed:.2f}s, timed_out={result.timed_out}")
+        assert result.timed_out, result
+        assert elapsed <= 2.0 + 2 * grace_s + SLACK_S, elapsed
         assert await eventually_gone(marker, 10) == []
         assert (await ex.exec("echo alive")).stdout.text == "alive\n"
