@@ -101,6 +101,9 @@ class ChannelPool:
         self.on_reconnect: Callable[[], None] | None = None
         #: Called when a slot is wanted and none is free: closes an idle warm channel, if any.
         self.reclaim: Callable[[], None] | None = None
+        #: The login's variable names helper scripts keep (space-separated), set once SETUP told
+        #: the login's environment: from then on every helper starts with the scrubbed environment.
+        self.helper_keep: str | None = None
 
     # -- the connection ---------------------------------------------------------------------------
 
@@ -297,11 +300,15 @@ class ChannelPool:
         when ``max_channels`` is below it, as advised."""
         return await self._create(lambda conn: conn.start_sftp_client())
 
+    def helper_line(self, script: str, *args: str, begin_marker: bool = True) -> str:
+        """The command line of a helper script, with the scrubbed environment once it is known."""
+        return cmdline(script, *args, begin_marker=begin_marker, keep=self.helper_keep)
+
     async def run_script(
         self, script: str, *args: str, stdin: bytes | None = None, kill: bool = False
     ) -> ScriptResult:
         """Run a helper script to its end: (exit status, its stdout after the begin marker, stderr)."""
-        channel = await self.open(cmdline(script, *args), kill=kill)
+        channel = await self.open(self.helper_line(script, *args), kill=kill)
         try:
             process = channel.process
             if stdin is not None:

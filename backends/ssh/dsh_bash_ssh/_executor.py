@@ -30,6 +30,7 @@ from dsh_bash.backend import (
     SupervisedLeftovers,
     SupervisorInstall,
     choose_containment,
+    dropped_names,
     kill_abandoned_start,
     spill_file_path,
 )
@@ -154,6 +155,9 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                     raise ValueError(f"exit status {code}")
                 reason = "unclassified"
                 self._ambient, self._home, self._spill_dir, machine = parse_setup(out)
+                config = self._config
+                dropped = set(dropped_names(self._ambient, scrub=config.env_scrub, allow=config.env_allow))
+                self._pool.helper_keep = " ".join(name for name in self._ambient if name not in dropped)
                 self._follower.directory = self._spill_dir
                 if not self._spill_dir.startswith("/"):
                     reason = "spill_unavailable"
