@@ -102,6 +102,8 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         #: Whether background tasks run detached: None until the first one asks the server (SFTP).
         self._detach: bool | None = None
         self._detach_lock = anyio.Lock()
+        #: Background tasks attached to a channel (the server offers no SFTP), by marker.
+        self._attached: set[str] = set()
         #: Detached tasks by marker: their files' base path and their streams' spill files.
         self._detached: dict[str, tuple[str, dict[str, DetachedSpill]]] = {}
         self._supervisor: str | None = None  # dsh-supervise's path on the host
@@ -290,6 +292,27 @@ class SshBashExecutor(BashExecutor[SshConfig]):
 
     async def _spawn(self, launch: Launch) -> CommandProcess:
         detached = launch.background and await self._detached_mode()
+        if launch.background and not detached:
+            # No SFTP at all: the task holds its channel for its whole life. A start that waited
+            # for a channel would wait for another task to end: refused instead, and one command
+            # slot stays for foreground commands and helpers (spill writers, rm).
+            budget = self._ssh_config.max_channels - 2
+            if len(self._attached) >= budget:
+                raise BashInfrastructureError(
+                    f"{self._pool.where} offers no SFTP (subsystem or sftp-server program), so each "
+                    f"background task holds an SSH channel while it runs; {len(self._attached)} run "
+                    f"already, as many as max_channels={self._ssh_config.max_channels} allows "
+                    "(one channel is kept for kills, one for other commands)",
+                    reason="task_limit",
+                )
+            self._attached.add(launch.marker)
+        try:
+            return await self._spawn_attempts(launch, detached)
+        except BaseException:
+            self._attached.discard(launch.marker)
+            raise
+
+    async def _spawn_attempts(self, launch: Launch, detached: bool) -> CommandProcess:
         try:
             return await self._spawn_once(launch, detached, warm=True)
         except _SpareDied as exc:
@@ -311,6 +334,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
             return await self._spawn_detached(launch, nonce, plan, warm=warm)
 
         async def on_release() -> None:
+            self._attached.discard(marker)  # an attached background task's channel is free again
             if script is not None:
                 self._start_helper(self._remove_quietly, script)
             await self._spills.wait_complete(marker)

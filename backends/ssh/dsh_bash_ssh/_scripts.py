@@ -21,6 +21,7 @@ __all__ = [
     "SETUP",
     "SETUP_END",
     "SETUP_HOME",
+    "SFTP_SERVER",
     "SIGNAL_SUPERVISOR",
     "SPILL_WRITER",
     "STDERR_OK",
@@ -71,6 +72,18 @@ HELPER_SCRUB = (
     'exec bash --noprofile --norc -c "$0" dsh-bash "${@:2}"\n'
 )
 
+
+# The host's sftp-server, for a server that offers no SFTP subsystem: run over an exec channel (with
+# the helper's scrubbed environment), after the begin marker (rc noise before it is skipped). The
+# usual places of OpenSSH's sftp-server (Debian, Red Hat, Arch and Alpine, BSDs), then PATH.
+SFTP_SERVER = r"""
+for p in /usr/lib/openssh/sftp-server /usr/libexec/openssh/sftp-server /usr/libexec/sftp-server \
+    /usr/lib/ssh/sftp-server /usr/libexec/ssh/sftp-server /usr/lib/sftp-server "$(command -v sftp-server)"; do
+  if [[ -n $p && -f $p && -x $p ]]; then printf '\0dsh-bash-begin\0'; exec "$p"; fi
+done
+echo "no sftp-server program found" >&2
+exit 127
+"""
 
 # At connect: the login's environment (NUL-separated NAME=VALUE), its home (the directory sshd
 # starts sessions in; $HOME may say otherwise), a new private spill directory, and the machine
