@@ -436,6 +436,25 @@ async def test_no_helper_process_carries_an_ambient_secret(helper_planted: Plant
     assert leaks == [], report
 
 
+async def test_helpers_follow_a_reconfigured_scrub(helper_planted: Planted) -> None:
+    """Opened with ``env_scrub=[]``, then ``reconfigure`` to the default scrub: from then on the
+    helpers drop the planted values too. A container the executor made while nothing was scrubbed
+    got its ``environment`` whole (that is decided when it is created): its PID 1 and idle loop keep
+    the values, as an existing container's do."""
+    from dsh_bash import DEFAULT_ENV_SCRUB  # noqa: PLC0415
+
+    async with helper_planted.make(max_output_bytes=1000, env_scrub=[]) as ex:
+        ex.reconfigure(env_scrub=DEFAULT_ENV_SCRUB)
+        report = await _exercise_helpers(ex, helper_planted.secrets, helper_planted.witness)
+    expected: list[str] = []
+    if helper_planted.kind.startswith("docker"):
+        expected = [line for line in report.splitlines() if "sleep 3600" in line]
+        assert [line for line in expected if line.startswith("pid 1:")], report
+    hits = [line for line in report.splitlines() if line.startswith("pid ") and line not in expected]
+    leaks = [line for line in hits if not line.split(": ", 1)[1].startswith(_BEFORE_EXEC)]
+    assert leaks == [], report
+
+
 async def test_the_helper_scan_sees_an_unscrubbed_login(helper_planted: Planted) -> None:
     """Control for the case above: with the scrub emptied the commands themselves carry the
     values, and the same scan reports them."""

@@ -274,12 +274,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         container_config = info.get("Config") or {}
         self._cwd = container_config.get("WorkingDir") or "/"
         self._ambient = dict(item.split("=", 1) for item in container_config.get("Env") or [] if "=" in item)
-        # Every exec starts with the container's Env: what the policy drops is unset before any
-        # process of ours runs (RC file variables are set empty by every exec already).
-        dropped = dropped_names(self._ambient, scrub=self._config.env_scrub, allow=self._config.env_allow)
-        self._engine.unset_names = tuple(
-            name for name in dropped if self._ambient[name] and name not in RC_FILE_VARIABLES
-        )
+        self._engine.unset_names = self._unset_names
         user = self._docker_config.user
         try:
             code, out, err = await run_script(self._engine, self._container_id, user, SPILL_DIR)
@@ -351,6 +346,13 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
 
     def _ambient_env(self) -> Mapping[str, str]:
         return self._ambient
+
+    def _unset_names(self) -> list[str]:
+        """Every exec starts with the container's Env: what the policy (as it is now) drops is
+        unset before any process of ours runs (RC file variables are set empty by every exec)."""
+        config = self._config
+        dropped = dropped_names(self._ambient, scrub=config.env_scrub, allow=config.env_allow)
+        return [name for name in dropped if self._ambient[name] and name not in RC_FILE_VARIABLES]
 
     async def _spawn(self, launch: Launch) -> CommandProcess:
         try:

@@ -107,9 +107,10 @@ class ChannelPool:
         self.reclaim: Callable[[], None] | None = None
         #: The server offers no SFTP subsystem: SFTP goes over an exec channel (see open_sftp).
         self.sftp_over_exec = False
-        #: The login's variable names helper scripts keep (space-separated), set once SETUP told
-        #: the login's environment: from then on every helper starts with the scrubbed environment.
-        self.helper_keep: str | None = None
+        #: The login's variable names helper scripts keep (space-separated), under the executor's
+        #: policy as it is now (``reconfigure`` may change it); set once SETUP told the login's
+        #: environment: from then on every helper starts with the scrubbed environment.
+        self.helper_keep: Callable[[], str] | None = None
 
     # -- the connection ---------------------------------------------------------------------------
 
@@ -356,7 +357,8 @@ class ChannelPool:
 
     def helper_line(self, script: str, *args: str, begin_marker: bool = True) -> str:
         """The command line of a helper script, with the scrubbed environment once it is known."""
-        return cmdline(script, *args, begin_marker=begin_marker, keep=self.helper_keep)
+        keep = None if self.helper_keep is None else self.helper_keep()
+        return cmdline(script, *args, begin_marker=begin_marker, keep=keep)
 
     async def run_script(
         self, script: str, *args: str, stdin: bytes | None = None, kill: bool = False

@@ -157,9 +157,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                     raise ValueError(f"exit status {code}")
                 reason = "unclassified"
                 self._ambient, self._home, self._spill_dir, machine = parse_setup(out)
-                config = self._config
-                dropped = set(dropped_names(self._ambient, scrub=config.env_scrub, allow=config.env_allow))
-                self._pool.helper_keep = " ".join(name for name in self._ambient if name not in dropped)
+                self._pool.helper_keep = self._helper_keep
                 self._follower.directory = self._spill_dir
                 if not self._spill_dir.startswith("/"):
                     reason = "spill_unavailable"
@@ -204,6 +202,12 @@ class SshBashExecutor(BashExecutor[SshConfig]):
 
     def _ambient_env(self) -> Mapping[str, str]:
         return self._ambient
+
+    def _helper_keep(self) -> str:
+        """The login's names a helper script keeps under the policy now (space-separated)."""
+        config = self._config
+        dropped = set(dropped_names(self._ambient, scrub=config.env_scrub, allow=config.env_allow))
+        return " ".join(name for name in self._ambient if name not in dropped)
 
     def _plan(self, launch: Launch, nonce: str, mode: str) -> _Boot:
         """How BOOT gets its arguments and the command's environment, cold or warm.
