@@ -66,7 +66,7 @@ def cmdline(script: str, *args: str, begin_marker: bool = True, keep: str | None
 # with the values the login gives them in this session, as for BOOT). Costs one bash exec.
 HELPER_SCRUB = (
     "builtin declare +x -- ALL_VARIABLES 2>/dev/null\n"
-    "if builtin compgen -A function >/dev/null; then builtin mapfile -t _dsh_f < <(builtin compgen -A function);"
+    "if builtin compgen -A function >/dev/null 2>&1; then builtin mapfile -t _dsh_f < <(builtin compgen -A function);"
     ' builtin unset -f -- "${_dsh_f[@]}"; fi\n'
     "builtin export -- $1 >/dev/null 2>&1\n"
     'exec bash --noprofile --norc -c "$0" dsh-bash "${@:2}"\n'
