@@ -10,7 +10,7 @@ from functools import lru_cache
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["MODEL_FRIENDLY_ENV", "RC_FILE_VARIABLES", "build_command_env", "is_scrubbed"]
+__all__ = ["MODEL_FRIENDLY_ENV", "RC_FILE_VARIABLES", "build_command_env", "dropped_names", "is_scrubbed"]
 
 MODEL_FRIENDLY_ENV: Mapping[str, str] = MappingProxyType(
     {
@@ -50,6 +50,24 @@ def is_scrubbed(name: str, scrub: Iterable[str], allow: Iterable[str] = ()) -> b
 def _dropped_names(scrub: tuple[str, ...], allow: tuple[str, ...]) -> dict[str, bool]:
     """Per policy, the verdict on each name seen so far: ambient names repeat on every command."""
     return {}
+
+
+def dropped_names(ambient: Iterable[str], *, scrub: Iterable[str], allow: Iterable[str] = ()) -> list[str]:
+    """The names of ``ambient`` that the policy drops (scrubbed, or rc-file variables), in order.
+
+    What a backend takes out of the environment of the processes it starts for itself (spill
+    writers, boot wrappers, kill scripts): they get the command's scrubbed ambient, never more.
+    """
+    scrub, allow = tuple(scrub), tuple(allow)
+    dropped = _dropped_names(scrub, allow)
+    names = []
+    for name in ambient:
+        drop = dropped.get(name)
+        if drop is None:
+            drop = dropped[name] = name in RC_FILE_VARIABLES or is_scrubbed(name, scrub, allow)
+        if drop:
+            names.append(name)
+    return names
 
 
 def build_command_env(

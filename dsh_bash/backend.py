@@ -18,7 +18,7 @@ process, kill and spill mechanics; this module holds the pieces it builds them f
 - output accounting: :class:`OutputStream`, :class:`SpillFile`, :class:`SpillBudget`,
   :data:`StreamName`, :func:`merge_streams`, :func:`prepay_spills` (a budget granted up front to
   output files a capped writer on the far side fills);
-- the environment policy: :func:`build_command_env`, :func:`is_scrubbed`,
+- the environment policy: :func:`build_command_env`, :func:`is_scrubbed`, :func:`dropped_names`,
   :data:`MODEL_FRIENDLY_ENV`, :data:`RC_FILE_VARIABLES`;
 - bash reached remotely (through an API or a channel): the boot markers :data:`BOOT_OK`,
   :data:`BOOT_FAIL` (:func:`boot_failure` reads its report), :data:`EXIT_PREFIX`, the scripts
@@ -69,7 +69,7 @@ from ._backend import (
     signal_name,
 )
 from ._config import BUDGET_FIELDS, config_error_from
-from ._env import MODEL_FRIENDLY_ENV, RC_FILE_VARIABLES, build_command_env, is_scrubbed
+from ._env import MODEL_FRIENDLY_ENV, RC_FILE_VARIABLES, build_command_env, dropped_names, is_scrubbed
 from ._errors import INFRA_REASONS, InfraReason
 from ._framed import STDIN_FRAME_BYTES, FramedCommand
 from ._frames import (
@@ -190,6 +190,7 @@ __all__ = [
     "build_command_env",
     "choose_containment",
     "config_error_from",
+    "dropped_names",
     "encode_frame",
     "find_host_processes",
     "host_support_problem",

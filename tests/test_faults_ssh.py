@@ -11,8 +11,8 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
 
 import anyio
 import pytest
@@ -120,3 +120,85 @@ async def test_a_detached_tasks_status_file_is_resumed_after_a_cut(
         assert (await ex.read_output(task.id)).delta == "before\nafter\n"
     assert not [r.getMessage() for r in caplog.records if "do not verify" in r.getMessage()]
     assert await eventually_gone(marker, 5) == []
+
+
+# -- a server without an SFTP subsystem --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server_without_sftp() -> Iterator[SshServer]:
+    from ssh_support import _unavailable, start_server, stop_server  # noqa: PLC0415
+
+    reason = _unavailable()
+    if reason is not None:
+        pytest.skip(f"backend unavailable: {reason}")
+    server = start_server(sftp=False)
+    try:
+        yield server
+    finally:
+        stop_server(server)
+
+
+def _hundred_tasks(marker: str) -> list[str]:
+    # `; :` keeps each marked bash alive (a lone `sleep` would be exec'd in its place, marker and all).
+    loop = f"bash -c 'while :; do sleep 1; done' {marker}-loop"
+    sleeper = f"bash -c 'sleep 30; :' {marker}-sleep"
+    return [loop, sleeper] * 50
+
+
+@pytest.mark.timeout(120)
+async def test_without_sftp_a_hundred_background_tasks_start_and_aclose_ends(
+    server_without_sftp: SshServer, marker: str
+) -> None:
+    """Issue 15: against an sshd with no SFTP subsystem, 100 background tasks (loops, `sleep 30`)
+    all start, none waiting for another to end, and aclose ends them all within its bound."""
+    tasks = []
+    async with server_without_sftp.executor(grace_ms=GRACE_MS) as ex:
+        started = time.monotonic()
+        for command in _hundred_tasks(marker):
+            with anyio.fail_after(10):  # a start that waits for a channel never returns
+                tasks.append(await ex.start(ex.resolve(BashExecRequest(command=command))))
+        print(f"100 starts without SFTP took {time.monotonic() - started:.1f}s")
+        await wait_for_processes(f"{marker}-loop", 50, within_s=30)
+        await wait_for_processes(f"{marker}-sleep", 50, within_s=30)
+        assert all(task.status == "running" for task in tasks)
+        closing = time.monotonic()
+        with anyio.fail_after(30):  # before: it never ended (the issue's 2-minute limit)
+            await ex.aclose()
+        print(f"aclose with 100 tasks without SFTP took {time.monotonic() - closing:.2f}s")
+    assert [task.status for task in tasks] == ["killed"] * 100
+    assert await eventually_gone(marker, within_s=5) == []
+
+
+@pytest.mark.timeout(120)
+async def test_without_any_sftp_starts_past_the_channel_budget_are_refused(
+    server_without_sftp: SshServer, marker: str
+) -> None:
+    """Without SFTP and without an sftp-server to run (``exec_sftp_server=False``), background
+    tasks hold a channel each: a start past the channel budget is refused at once (reason
+    ``task_limit``), never left waiting for a task to end; the others run; aclose ends them all."""
+    started: list[Any] = []
+    refused: list[BashInfrastructureError] = []
+    async with server_without_sftp.executor(grace_ms=GRACE_MS, exec_sftp_server=False) as ex:
+        for command in _hundred_tasks(marker)[:20]:
+            with anyio.fail_after(10):
+                try:
+                    started.append(await ex.start(ex.resolve(BashExecRequest(command=command))))
+                except BashInfrastructureError as exc:
+                    refused.append(exc)
+        # max_channels 8: one channel is kept for kills, one for other commands, 6 hold a task each.
+        assert len(started) == 6, (len(started), refused[:1])
+        assert {exc.reason for exc in refused} == {"task_limit"}, refused
+        assert "SFTP" in str(refused[0]), refused[0]
+        assert all(task.status == "running" for task in started)
+        with anyio.fail_after(10):  # foreground commands still run meanwhile
+            assert (await ex.exec("echo ok", timeout_ms=5000)).stdout.text == "ok\n"
+        # A task's end frees its channel: the next start is accepted.
+        assert await ex.kill(started[0].id)
+        with anyio.fail_after(10):
+            await started[0].wait()
+            started.append(await ex.start(ex.resolve(BashExecRequest(command=_hundred_tasks(marker)[1]))))
+        assert started[-1].status == "running"
+        with anyio.fail_after(30):
+            await ex.aclose()
+    assert await eventually_gone(marker, within_s=5) == []

@@ -16,6 +16,7 @@ import hashlib
 import os
 import pwd
 import secrets
+import shlex
 import shutil
 import subprocess
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -48,6 +49,11 @@ class Planted:
 
     secrets: dict[str, str]
     make: Callable[..., BashExecutor]
+    kind: str = ""
+    #: A name only this test's own server puts in its sessions' environments (SSH: its ``SetEnv``),
+    #: when other planted values come from files other servers read too (the test user's
+    #: ``~/.ssh/environment`` and ``.bashrc``, shared with every SSH test running at the same time).
+    witness: str | None = None
 
 
 # -- planting, per backend --------------------------------------------------------------------------
@@ -165,13 +171,14 @@ def ssh_planted(ssh_env_server: Any) -> Planted:
         fields.setdefault("grace_ms", 300)
         return server.executor(**fields)  # type: ignore[no-any-return]
 
-    return Planted(planted, make)
+    return Planted(planted, make, witness=next(name for name in planted if "SETENV" in name))
 
 
 @pytest.fixture(params=["local", "docker", "docker_container", "ssh"])
 def planted(request: pytest.FixtureRequest) -> Planted:
     value = request.getfixturevalue(f"{request.param}_planted")
     assert isinstance(value, Planted)
+    value.kind = request.param
     return value
 
 
@@ -308,3 +315,149 @@ async def test_docker_inspect_shows_no_explicit_value(request: pytest.FixtureReq
     assert any('"dsh-bash"' in text for text in shown[3:]), shown
     for value in explicit.values():
         assert not [text for text in shown if value in text], value
+
+
+# -- the executor's own helpers ---------------------------------------------------------------------
+
+
+def _scan_command(values: dict[str, str], seconds: float, witness: str | None = None) -> str:
+    """A command that, for ``seconds``, lists every process whose environment it can read and that
+    holds one of ``values`` (as ``NAME=VALUE``), with that process's command line.
+
+    The entries are matched in ``/proc/PID/environ``, the environment each process was started
+    with: what another process of the same user reads. Whole entries, anchored at the name: the
+    command's own text (which the Docker boot script gets in DSH_BASH_COMMAND) never matches, nor
+    does another test session's executor (same login, same names, other values). The command line
+    is read before and after the environment and a hit counts only when both agree: an ``exec`` in
+    between changes both, and the hit would be put on the wrong program. ``witness``: a hit counts
+    only when the process holds that entry too (see :attr:`Planted.witness`).
+    """
+    for value in values.values():
+        assert value.replace("-", "").isalnum(), value  # regex-safe as it is
+    pattern = shlex.quote("^(" + "|".join(f"{name}={value}" for name, value in values.items()) + ")$")
+    check_witness = ""
+    if witness is not None:
+        entry = shlex.quote(f"{witness}={values[witness]}")
+        check_witness = f"    grep -q -a -z -x {entry} /proc/$p/environ 2>/dev/null || continue\n"
+    return (
+        "export LC_ALL=C\n"
+        f"end=$((SECONDS + {int(seconds)}))\n"
+        "while (( SECONDS < end )); do\n"
+        # -z: entries are NUL-separated, so ^ anchors at each entry's start.
+        f"  for f in $(grep -l -a -z -E {pattern} /proc/[0-9]*/environ 2>/dev/null); do\n"
+        "    p=${f#/proc/}; p=${p%/environ}\n"
+        "    c1=$(tr '\\0\\n' '  ' < /proc/$p/cmdline 2>/dev/null | head -c 200)\n"
+        f"    grep -q -a -z -E {pattern} /proc/$p/environ 2>/dev/null || continue\n"
+        "    c2=$(tr '\\0\\n' '  ' < /proc/$p/cmdline 2>/dev/null | head -c 200)\n"
+        f"{check_witness}"
+        '    [ -n "$c1" ] && [ "$c1" = "$c2" ] && echo "pid $p: $c1"\n'
+        "  done\n"
+        "  sleep 0.05\n"
+        "done | sort -u\n"
+        "echo scanned\n"
+    )
+
+
+#: The first process of an SSH session is the login shell sshd starts with ``SetEnv`` and
+#: ``~/.ssh/environment`` values, ``bash -c LINE`` (LINE: what the executor sent); a helper's first
+#: bash (HELPER_SCRUB) inherits what rc files exported. Each holds them only until its ``exec``
+#: (a few ms): sshd makes that environment, no client can. A Docker exec starts with the
+#: container's Env: the wrapper that unsets the scrubbed names holds them until its ``exec``.
+_BEFORE_EXEC = (
+    "bash -c ",
+    "bash --noprofile --norc -c builtin declare +x ",
+    "bash --noprofile --norc -c unset -v $0;",
+)
+
+
+async def _exercise_helpers(ex: BashExecutor, values: dict[str, str], witness: str | None) -> str:
+    """Run a scan (a background task) while every helper the executor has exists: spill writers
+    (both streams past max_output_bytes, the writers kept alive while the command sleeps), a
+    background task and its kill, a foreground timeout and its kill sequence. The scan's report."""
+    scan = await ex.start(_spec(ex, _scan_command(values, 4, witness)))
+    await anyio.sleep(0.3)
+    flood = (
+        "head -c 70000 /dev/zero | tr '\\0' x; head -c 70000 /dev/zero | tr '\\0' y >&2; sleep 1.5; echo done"
+    )
+    async with anyio.create_task_group() as group:
+        results: list[Any] = []
+
+        async def run_flood() -> None:
+            results.append(await ex.exec(flood, timeout_ms=20_000))
+
+        group.start_soon(run_flood)
+        task = await ex.start(_spec(ex, "sleep 30 & sleep 30"))
+        await anyio.sleep(0.5)
+        assert await ex.kill(task.id)
+        await task.wait()
+        timed = await ex.exec("trap '' TERM; sleep 30", timeout_ms=800)
+        assert timed.timed_out
+    flooded = results[0]
+    assert flooded.exit_code == 0, flooded
+    # Control: both streams spilled, so both spill writers ran while the scan did.
+    assert flooded.stdout.spill_path is not None and flooded.stderr.spill_path is not None, flooded
+    with anyio.fail_after(20):
+        await scan.wait()
+    read = await ex.read_output(scan.id)
+    assert scan.exit_code == 0 and "scanned" in read.delta, (scan, read)
+    return read.delta
+
+
+@pytest.fixture
+def docker_nobody_planted(docker_planted: Planted) -> Planted:
+    """Image mode with commands (and so every exec) as uid 65534: the helpers are that user's too."""
+    return Planted(docker_planted.secrets, lambda **fields: docker_planted.make(user="65534", **fields))
+
+
+@pytest.fixture(params=["local", "docker", "docker_nobody", "docker_container", "ssh"])
+def helper_planted(request: pytest.FixtureRequest) -> Planted:
+    value = request.getfixturevalue(f"{request.param}_planted")
+    assert isinstance(value, Planted)
+    value.kind = request.param
+    return value
+
+
+async def test_no_helper_process_carries_an_ambient_secret(helper_planted: Planted) -> None:
+    """Issue 15: spill writers, boot wrappers, relays, supervisors and kill scripts start with the
+    scrubbed environment, so no process a command can read holds a scrubbed value (SSH: sshd
+    ``SetEnv``, ``~/.ssh/environment``, ``.bashrc``; Docker: the container's ``environment`` and
+    the image's ``ENV``). Container mode cannot change PID 1's environment: that one is expected."""
+    async with helper_planted.make(max_output_bytes=1000) as ex:
+        report = await _exercise_helpers(ex, helper_planted.secrets, helper_planted.witness)
+        expected: list[str] = []
+        if helper_planted.kind == "docker_container":
+            # The existing container's PID 1 was started with its Env: the executor cannot change
+            # that (documented). Control: the scan sees it, so it would see a helper too.
+            # Neither can it change the processes of the container's own command (its idle loop).
+            expected = [line for line in report.splitlines() if "sleep 3600" in line]
+            assert [line for line in expected if line.startswith("pid 1:")], report
+    hits = [line for line in report.splitlines() if line.startswith("pid ") and line not in expected]
+    leaks = [line for line in hits if not line.split(": ", 1)[1].startswith(_BEFORE_EXEC)]
+    assert leaks == [], report
+
+
+async def test_helpers_follow_a_reconfigured_scrub(helper_planted: Planted) -> None:
+    """Opened with ``env_scrub=[]``, then ``reconfigure`` to the default scrub: from then on the
+    helpers drop the planted values too. A container the executor made while nothing was scrubbed
+    got its ``environment`` whole (that is decided when it is created): its PID 1 and idle loop keep
+    the values, as an existing container's do."""
+    from dsh_bash import DEFAULT_ENV_SCRUB  # noqa: PLC0415
+
+    async with helper_planted.make(max_output_bytes=1000, env_scrub=[]) as ex:
+        ex.reconfigure(env_scrub=DEFAULT_ENV_SCRUB)
+        report = await _exercise_helpers(ex, helper_planted.secrets, helper_planted.witness)
+    expected: list[str] = []
+    if helper_planted.kind.startswith("docker"):
+        expected = [line for line in report.splitlines() if "sleep 3600" in line]
+        assert [line for line in expected if line.startswith("pid 1:")], report
+    hits = [line for line in report.splitlines() if line.startswith("pid ") and line not in expected]
+    leaks = [line for line in hits if not line.split(": ", 1)[1].startswith(_BEFORE_EXEC)]
+    assert leaks == [], report
+
+
+async def test_the_helper_scan_sees_an_unscrubbed_login(helper_planted: Planted) -> None:
+    """Control for the case above: with the scrub emptied the commands themselves carry the
+    values, and the same scan reports them."""
+    async with helper_planted.make(max_output_bytes=1000, env_scrub=[]) as ex:
+        report = await _exercise_helpers(ex, helper_planted.secrets, helper_planted.witness)
+    assert [line for line in report.splitlines() if line.startswith("pid ")], report

@@ -323,7 +323,8 @@ def server_without_sftp() -> Iterator[SshServer]:
 async def test_without_sftp_background_tasks_stay_attached(
     server_without_sftp: SshServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async with server_without_sftp.executor() as ex:
+    # Not even its sftp-server program over an exec channel (see tests/test_faults_ssh.py for that).
+    async with server_without_sftp.executor(exec_sftp_server=False) as ex:
         tasks = [
             await ex.start(ex.resolve(BashExecRequest(command=f"sleep 0.2; echo {i}; exit {i}")))
             for i in range(3)

@@ -13,7 +13,7 @@ import contextlib
 import json
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -244,11 +244,22 @@ class ExecStream:
         await self._stream.aclose()
 
 
+# $0: names to unset (space-separated identifiers), then the process to become. No rc file is read:
+# every exec sets BASH_ENV and ENV (empty for the executor's own scripts).
+_UNSET_AND_EXEC = 'unset -v $0; exec "$@"'
+
+
 class EngineClient:
     """One short-lived connection per call; the engine's HTTP/1.1 keep-alive is not relied upon."""
 
     def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
+        #: Names of the container's environment that the env policy drops (as it is now:
+        #: ``reconfigure`` may change it) and that hold a value: the engine gives every exec the
+        #: container's environment, and an exec cannot take a name out of it, so each exec then
+        #: starts as a bash that unsets them and `exec`s the real process (see :meth:`exec_create`).
+        #: Set by the executor once it read the container's Env.
+        self.unset_names: Callable[[], Sequence[str]] = tuple
 
     async def request(self, method: str, path: str, body: Any | None = None) -> Any:
         status, data = await self.request_raw(method, path, body)
@@ -286,6 +297,14 @@ class EngineClient:
         user: str | None,
         workdir: str | None = None,
     ) -> str:
+        # /proc/PID/environ shows the environment a process was started with for its whole life:
+        # a process the exec starts (a spill writer's cat, a boot wrapper, a supervisor, a kill
+        # script) would show the container's secrets to every command of its user. The wrapper bash
+        # holds them only until its `exec` (the same process, a new environment). A name the exec
+        # sets itself (an explicit value of the command's) is the exec's, not the container's.
+        unset = [name for name in self.unset_names() if name not in env]
+        if unset:
+            cmd = ["bash", "--noprofile", "--norc", "-c", _UNSET_AND_EXEC, " ".join(unset), *cmd]
         body: dict[str, Any] = {
             "AttachStdin": stdin,
             "AttachStdout": True,

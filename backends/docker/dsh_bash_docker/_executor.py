@@ -28,6 +28,8 @@ from dsh_bash.backend import (
     SupervisedLeftovers,
     SupervisorInstall,
     choose_containment,
+    dropped_names,
+    is_scrubbed,
     kill_abandoned_start,
     spill_file_path,
 )
@@ -123,6 +125,14 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         config = self._docker_config
         await self._engine.request("GET", "/_ping")  # unreachable: an error that names the endpoint
         if config.image is not None:
+            withheld = self._withheld_environment()
+            if withheld:
+                log.warning(
+                    "environment entries %s match env_scrub: they are not given to the container "
+                    "(no command could see them, and PID 1's environment is readable to every "
+                    "command of its user); add them to env_allow to pass them through",
+                    ", ".join(sorted(withheld)),
+                )
             self._container_id = await self._start_container()
             try:
                 await self._learn_container()
@@ -155,6 +165,24 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             raise
         return container_id
 
+    def _withheld_environment(self) -> list[str]:
+        """Image mode: the ``environment`` names the env policy scrubs (never given to the container)."""
+        config = self._docker_config
+        return [name for name in config.environment if is_scrubbed(name, config.env_scrub, config.env_allow)]
+
+    def _container_environment(self, image_env: list[str]) -> dict[str, str]:
+        """Image mode: ``environment`` without what the scrub matches, plus every scrub-matched
+        ``ENV`` of the image set empty. PID 1 (and so every exec, which starts with the container's
+        environment) then holds no scrubbed value: no command could see one anyway."""
+        config = self._docker_config
+        withheld = set(self._withheld_environment())
+        environment = {name: value for name, value in config.environment.items() if name not in withheld}
+        for item in image_env:
+            name, _, value = item.partition("=")
+            if value and name not in environment and is_scrubbed(name, config.env_scrub, config.env_allow):
+                environment[name] = ""
+        return environment
+
     def _create_container(self) -> str:
         """Create (not start) a container from the image, pulling it as ``pull`` says."""
         import docker.errors  # noqa: PLC0415
@@ -164,17 +192,18 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         client = _docker_client(config)
         try:
             if config.pull == "always":
-                client.images.pull(config.image)
+                image = client.images.pull(config.image)
             else:
                 try:
-                    client.images.get(config.image)
+                    image = client.images.get(config.image)
                 except docker.errors.ImageNotFound:
                     if config.pull == "never":
                         raise BashInfrastructureError(
                             f"image {config.image!r} is not present locally (pull it, or set pull='missing')",
                             reason="image_missing",
                         ) from None
-                    client.images.pull(config.image)
+                    image = client.images.pull(config.image)
+            image_env = ((image.attrs or {}).get("Config") or {}).get("Env") or []
             # A read-only root filesystem refuses the supervisor's upload: it gets a tmpfs of its own.
             tmpfs = (
                 {"/tmp": "rw,nosuid,nodev,mode=1777", INSTALL_DIR: "rw,nosuid,nodev,exec,mode=755"}
@@ -192,7 +221,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
                 ],
                 entrypoint=[],
                 init=True,
-                environment=config.environment,
+                environment=self._container_environment(image_env),
                 network_mode=config.network,
                 mem_limit=config.mem_limit,
                 pids_limit=config.pids_limit,
@@ -245,6 +274,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         container_config = info.get("Config") or {}
         self._cwd = container_config.get("WorkingDir") or "/"
         self._ambient = dict(item.split("=", 1) for item in container_config.get("Env") or [] if "=" in item)
+        self._engine.unset_names = self._unset_names
         user = self._docker_config.user
         try:
             code, out, err = await run_script(self._engine, self._container_id, user, SPILL_DIR)
@@ -316,6 +346,13 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
 
     def _ambient_env(self) -> Mapping[str, str]:
         return self._ambient
+
+    def _unset_names(self) -> list[str]:
+        """Every exec starts with the container's Env: what the policy (as it is now) drops is
+        unset before any process of ours runs (RC file variables are set empty by every exec)."""
+        config = self._config
+        dropped = dropped_names(self._ambient, scrub=config.env_scrub, allow=config.env_allow)
+        return [name for name in dropped if self._ambient[name] and name not in RC_FILE_VARIABLES]
 
     async def _spawn(self, launch: Launch) -> CommandProcess:
         try:

@@ -46,6 +46,10 @@ class SshConfig(BudgetConfig):
     #: commands then skip opening a channel and the login shell's start. Holds one of the
     #: ``max_channels`` (given up to whoever needs it) and one idle shell process on the host.
     warm_channel: bool = True
+    #: When the server offers no SFTP subsystem, run the host's ``sftp-server`` program over an
+    #: exec channel instead (looked for at the usual paths and on PATH), so that background tasks
+    #: still detach and dsh-supervise can still be installed. ``False``: never.
+    exec_sftp_server: bool = True
     #: Use ``~/.ssh/config``, ``~/.ssh/known_hosts``, default keys and ``SSH_AUTH_SOCK``.
     use_user_ssh_config: bool = False
     #: ``auto``: commands (foreground ones and detached background tasks) under dsh-supervise (put

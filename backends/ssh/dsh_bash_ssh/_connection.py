@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
@@ -9,12 +11,14 @@ from typing import Any, TypeVar, cast
 import anyio
 import asyncssh
 from asyncssh.constants import OPEN_REQUEST_SESSION_FAILED
+from asyncssh.sftp import MIN_SFTP_VERSION
+from asyncssh.sftp import start_sftp_client as _start_sftp_client
 
 from dsh_bash import BashInfrastructureError
 from dsh_bash.backend import InfraReason
 
 from ._config import SshConfig
-from ._scripts import SCRIPT_BEGIN, cmdline
+from ._scripts import SCRIPT_BEGIN, SFTP_SERVER, cmdline
 
 __all__ = ["Channel", "ChannelPool", "RequestRefused", "ScriptResult", "SlotSession"]
 
@@ -101,6 +105,12 @@ class ChannelPool:
         self.on_reconnect: Callable[[], None] | None = None
         #: Called when a slot is wanted and none is free: closes an idle warm channel, if any.
         self.reclaim: Callable[[], None] | None = None
+        #: The server offers no SFTP subsystem: SFTP goes over an exec channel (see open_sftp).
+        self.sftp_over_exec = False
+        #: The login's variable names helper scripts keep (space-separated), under the executor's
+        #: policy as it is now (``reconfigure`` may change it); set once SETUP told the login's
+        #: environment: from then on every helper starts with the scrubbed environment.
+        self.helper_keep: Callable[[], str] | None = None
 
     # -- the connection ---------------------------------------------------------------------------
 
@@ -294,14 +304,67 @@ class ChannelPool:
         """The SFTP channel following detached tasks. It takes no slot: a slot held for as long
         as background tasks run would leave none to start another with ``max_channels=2``. So the
         connection has at most ``max_channels + 1`` sessions, within the server's ``MaxSessions``
-        when ``max_channels`` is below it, as advised."""
-        return await self._create(lambda conn: conn.start_sftp_client())
+        when ``max_channels`` is below it, as advised.
+
+        A server that offers no SFTP subsystem refuses it (:class:`RequestRefused`); then, with
+        ``exec_sftp_server``, the host's sftp-server program runs over an exec channel instead
+        (remembered for later opens). :class:`RequestRefused` when neither works.
+        """
+        if not self.sftp_over_exec:
+            try:
+                return await self._create(lambda conn: conn.start_sftp_client())
+            except RequestRefused as exc:
+                if not self._config.exec_sftp_server:
+                    raise
+                log.warning(
+                    "%s offers no SFTP subsystem (%s): running its sftp-server over an exec channel",
+                    self.where,
+                    exc,
+                )
+                self.sftp_over_exec = True
+        return await self._create(self._exec_sftp)
+
+    async def _exec_sftp(self, conn: asyncssh.SSHClientConnection) -> asyncssh.SFTPClient:
+        """An SFTP client over an exec channel running the host's sftp-server (see SFTP_SERVER)."""
+        writer, reader, errors = await conn.open_session(
+            self.helper_line(SFTP_SERVER, begin_marker=False), encoding=None
+        )
+        try:
+            with anyio.fail_after(self._config.connect_timeout_ms / 1000):
+                await reader.readuntil(SCRIPT_BEGIN)  # rc noise before it is not SFTP
+        except (asyncssh.Error, OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            detail = ""
+            with contextlib.suppress(Exception), anyio.move_on_after(1):
+                detail = (await errors.read(4096)).decode("utf-8", "replace").strip()
+            writer.close()
+            raise RequestRefused(
+                f"{self.where} offers no SFTP subsystem, and running its sftp-server failed: "
+                f"{detail or type(exc).__name__}",
+                reason="start_failed",
+            ) from None
+        # asyncssh starts its SFTP client on any pair of streams; its public entry point only
+        # opens the subsystem. Its own loop and decoding settings, as start_sftp_client passes them.
+        return await _start_sftp_client(
+            conn,
+            conn._loop,
+            conn._utf8_decode_errors,
+            reader,
+            writer,
+            "utf-8",
+            "strict",
+            MIN_SFTP_VERSION,
+        )
+
+    def helper_line(self, script: str, *args: str, begin_marker: bool = True) -> str:
+        """The command line of a helper script, with the scrubbed environment once it is known."""
+        keep = None if self.helper_keep is None else self.helper_keep()
+        return cmdline(script, *args, begin_marker=begin_marker, keep=keep)
 
     async def run_script(
         self, script: str, *args: str, stdin: bytes | None = None, kill: bool = False
     ) -> ScriptResult:
         """Run a helper script to its end: (exit status, its stdout after the begin marker, stderr)."""
-        channel = await self.open(cmdline(script, *args), kill=kill)
+        channel = await self.open(self.helper_line(script, *args), kill=kill)
         try:
             process = channel.process
             if stdin is not None:

@@ -30,6 +30,7 @@ from dsh_bash.backend import (
     SupervisedLeftovers,
     SupervisorInstall,
     choose_containment,
+    dropped_names,
     kill_abandoned_start,
     prepay_spills,
     spill_file_path,
@@ -102,6 +103,8 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         #: Whether background tasks run detached: None until the first one asks the server (SFTP).
         self._detach: bool | None = None
         self._detach_lock = anyio.Lock()
+        #: Background tasks attached to a channel (the server offers no SFTP), by marker.
+        self._attached: set[str] = set()
         #: Detached tasks by marker: their files' base path and their streams' spill files.
         self._detached: dict[str, tuple[str, dict[str, DetachedSpill]]] = {}
         self._supervisor: str | None = None  # dsh-supervise's path on the host
@@ -155,6 +158,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                     raise ValueError(f"exit status {code}")
                 reason = "unclassified"
                 self._ambient, self._home, self._spill_dir, machine = parse_setup(out)
+                self._pool.helper_keep = self._helper_keep
                 self._follower.directory = self._spill_dir
                 if not self._spill_dir.startswith("/"):
                     reason = "spill_unavailable"
@@ -199,6 +203,12 @@ class SshBashExecutor(BashExecutor[SshConfig]):
 
     def _ambient_env(self) -> Mapping[str, str]:
         return self._ambient
+
+    def _helper_keep(self) -> str:
+        """The login's names a helper script keeps under the policy now (space-separated)."""
+        config = self._config
+        dropped = set(dropped_names(self._ambient, scrub=config.env_scrub, allow=config.env_allow))
+        return " ".join(name for name in self._ambient if name not in dropped)
 
     def _plan(self, launch: Launch, nonce: str, mode: str) -> _Boot:
         """How BOOT gets its arguments and the command's environment, cold or warm.
@@ -287,6 +297,27 @@ class SshBashExecutor(BashExecutor[SshConfig]):
 
     async def _spawn(self, launch: Launch) -> CommandProcess:
         detached = launch.background and await self._detached_mode()
+        if launch.background and not detached:
+            # No SFTP at all: the task holds its channel for its whole life. A start that waited
+            # for a channel would wait for another task to end: refused instead, and one command
+            # slot stays for foreground commands and helpers (spill writers, rm).
+            budget = self._ssh_config.max_channels - 2
+            if len(self._attached) >= budget:
+                raise BashInfrastructureError(
+                    f"{self._pool.where} offers no SFTP (subsystem or sftp-server program), so each "
+                    f"background task holds an SSH channel while it runs; {len(self._attached)} run "
+                    f"already, as many as max_channels={self._ssh_config.max_channels} allows "
+                    "(one channel is kept for kills, one for other commands)",
+                    reason="task_limit",
+                )
+            self._attached.add(launch.marker)
+        try:
+            return await self._spawn_attempts(launch, detached)
+        except BaseException:
+            self._attached.discard(launch.marker)
+            raise
+
+    async def _spawn_attempts(self, launch: Launch, detached: bool) -> CommandProcess:
         try:
             return await self._spawn_once(launch, detached, warm=True)
         except _SpareDied as exc:
@@ -326,6 +357,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
             return await self._spawn_detached(launch, nonce, plan, warm=warm)
 
         async def on_release() -> None:
+            self._attached.discard(marker)  # an attached background task's channel is free again
             if script is not None:
                 self._start_helper(self._remove_quietly, script)
             await self._spills.wait_complete(marker)

@@ -14,12 +14,14 @@ from dsh_bash.backend import BOOT_FAIL, BOOT_OK, KILL, SPILL_DIR, SPILL_WRITER
 __all__ = [
     "BOOT_FAIL",
     "BOOT_OK",
+    "HELPER_SCRUB",
     "KILL",
     "READY",
     "SCRIPT_BEGIN",
     "SETUP",
     "SETUP_END",
     "SETUP_HOME",
+    "SFTP_SERVER",
     "SIGNAL_SUPERVISOR",
     "SPILL_WRITER",
     "STDERR_OK",
@@ -38,16 +40,50 @@ SETUP_HOME = b"\0dsh-bash-home\0"
 SETUP_END = b"\0dsh-bash-end\0"
 
 
-def cmdline(script: str, *args: str, begin_marker: bool = True) -> str:
+def cmdline(script: str, *args: str, begin_marker: bool = True, keep: str | None = None) -> str:
     """The command line sent to the login shell: a clean bash (no rc file, no $BASH_ENV) runs ``script``.
 
     Only the script and its arguments appear here (``ps`` on the host shows them): never values.
+    ``keep`` (the login's variable names the policy keeps, space-separated; None only for SETUP,
+    which must see the whole login environment to report it): the script's bash then starts with
+    the scrubbed environment (see HELPER_SCRUB), so no helper (spill writer, kill script) carries
+    a value from sshd ``SetEnv``, ``~/.ssh/environment`` or an rc file.
     """
     if begin_marker:
         script = "printf '\\0dsh-bash-begin\\0'\n" + script
-    words = ["bash", "--noprofile", "--norc", "-c", script, "dsh-bash", *args]
+    if keep is None:
+        words = ["bash", "--noprofile", "--norc", "-c", script, "dsh-bash", *args]
+    else:
+        words = ["bash", "--noprofile", "--norc", "-c", HELPER_SCRUB, script, keep, *args]
     return "BASH_ENV= ENV= exec " + " ".join(shlex.quote(word) for word in words)
 
+
+# A helper's first bash: $0 is the helper script, $1 the names it keeps, the rest its arguments.
+# It was started with the login's whole environment (sshd's SetEnv, ~/.ssh/environment, what rc
+# files exported), which /proc/PID/environ shows for as long as the process lives, whatever bash
+# un-exports: so it un-exports every variable and function, exports the kept names again, and
+# `exec`s the bash that runs the script, whose environment is then the policy's (the kept names
+# with the values the login gives them in this session, as for BOOT). Costs one bash exec.
+HELPER_SCRUB = (
+    "builtin declare +x -- ALL_VARIABLES 2>/dev/null\n"
+    "if builtin compgen -A function >/dev/null 2>&1; then builtin mapfile -t _dsh_f < <(builtin compgen -A function);"
+    ' builtin unset -f -- "${_dsh_f[@]}"; fi\n'
+    "builtin export -- $1 >/dev/null 2>&1\n"
+    'exec bash --noprofile --norc -c "$0" dsh-bash "${@:2}"\n'
+)
+
+
+# The host's sftp-server, for a server that offers no SFTP subsystem: run over an exec channel (with
+# the helper's scrubbed environment), after the begin marker (rc noise before it is skipped). The
+# usual places of OpenSSH's sftp-server (Debian, Red Hat, Arch and Alpine, BSDs), then PATH.
+SFTP_SERVER = r"""
+for p in /usr/lib/openssh/sftp-server /usr/libexec/openssh/sftp-server /usr/libexec/sftp-server \
+    /usr/lib/ssh/sftp-server /usr/libexec/ssh/sftp-server /usr/lib/sftp-server "$(command -v sftp-server)"; do
+  if [[ -n $p && -f $p && -x $p ]]; then printf '\0dsh-bash-begin\0'; exec "$p"; fi
+done
+echo "no sftp-server program found" >&2
+exit 127
+"""
 
 # At connect: the login's environment (NUL-separated NAME=VALUE), its home (the directory sshd
 # starts sessions in; $HOME may say otherwise), a new private spill directory, and the machine
@@ -280,9 +316,10 @@ echo alive
 """
 
 _DETACH = _DETACH.replace("SUPERVISOR_QUOTED", shlex.quote(SUPERVISOR))
-_UNEXPORT = _UNEXPORT.replace(
-    "ALL_VARIABLES", " ".join(f"${{!{c}@}}" for c in "_ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
-)
+# Every variable's name, by prefix: 53 scans, complete.
+_ALL_VARIABLES = " ".join(f"${{!{c}@}}" for c in "_ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+_UNEXPORT = _UNEXPORT.replace("ALL_VARIABLES", _ALL_VARIABLES)
+HELPER_SCRUB = HELPER_SCRUB.replace("ALL_VARIABLES", _ALL_VARIABLES)
 
 
 @functools.cache

@@ -7,7 +7,7 @@ import anyio
 from dsh_bash.backend import QueuedSpillFile, SpillWriter
 
 from ._connection import Channel, ChannelPool
-from ._scripts import SPILL_WRITER, cmdline
+from ._scripts import SPILL_WRITER
 
 __all__ = ["SshSpillFile"]
 
@@ -40,7 +40,8 @@ class SshSpillFile(QueuedSpillFile):
         self._pool = pool
 
     async def _open_writer(self) -> SpillWriter:
-        return _ChannelWriter(await self._pool.open(cmdline(SPILL_WRITER, self.path, begin_marker=False)))
+        line = self._pool.helper_line(SPILL_WRITER, self.path, begin_marker=False)
+        return _ChannelWriter(await self._pool.open(line))
 
     async def _remove(self) -> None:
         code, _, err = await self._pool.run_script('rm -f -- "$1"', self.path)
