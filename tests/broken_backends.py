@@ -1652,9 +1652,12 @@ class _TrailerTrustingProcess(HostProcess):
 
     nonce = ""
 
-    async def _read(self, fd: int, stream: OutputStream) -> None:
-        if fd != self._stdout_fd:
-            return await super()._read(fd, stream)
+    async def pump_output(self) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._read_trailer, self._stdout_fd, self._launch.stdout)
+            await self._read(self._stderr_fd, self._launch.stderr)
+
+    async def _read_trailer(self, fd: int, stream: OutputStream) -> None:
         self.trailer = ExitTrailerFilter(self.nonce, stream.feed)
         while True:
             try:
