@@ -57,6 +57,19 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
 
 
+async def _close_and_report(ex: Any, report: dict[str, Any]) -> None:
+    """``aclose``, recording how it ended (ok, a library error, any other error) and how long it took."""
+    began = time.monotonic()
+    try:
+        await ex.aclose()
+        report["aclose"] = "ok"
+    except DshBashError as exc:
+        report["aclose"] = f"library error: {_error(exc)}"
+    except Exception as exc:
+        report["aclose"] = f"other error: {_error(exc)}"
+    report["aclose_s"] = round(time.monotonic() - began, 3)
+
+
 async def fork_bomb(report: dict[str, Any]) -> None:
     ex = LocalBashExecutor(LocalConfig(grace_ms=GRACE_MS))
     try:
@@ -98,15 +111,7 @@ async def fork_bomb(report: dict[str, Any]) -> None:
             await anyio.sleep(1.0)
             report["pids_full"] = _pids_current() >= _pids_max()
             report["threads_before_aclose"] = threading.active_count()
-            began = time.monotonic()
-            try:
-                await ex.aclose()
-                report["aclose"] = "ok"
-            except DshBashError as exc:
-                report["aclose"] = f"library error: {_error(exc)}"
-            except Exception as exc:
-                report["aclose"] = f"other error: {_error(exc)}"
-            report["aclose_s"] = round(time.monotonic() - began, 3)
+            await _close_and_report(ex, report)
             report["survivors"] = _cgroup_members()
     except Exception as exc:
         report["outer"] = _error(exc)
@@ -136,15 +141,7 @@ async def descriptors(report: dict[str, Any]) -> None:
         # close path finds none free when it starts.
         hogged = _hog_descriptors()
         report["hogged"] = len(hogged)
-        began = time.monotonic()
-        try:
-            await ex.aclose()
-            report["aclose"] = "ok"
-        except DshBashError as exc:
-            report["aclose"] = f"library error: {_error(exc)}"
-        except Exception as exc:
-            report["aclose"] = f"other error: {_error(exc)}"
-        report["aclose_s"] = round(time.monotonic() - began, 3)
+        await _close_and_report(ex, report)
         for fd in reserve + hogged:
             os.close(fd)
         report["survivors"] = _sleepers()
