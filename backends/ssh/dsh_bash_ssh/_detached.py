@@ -45,9 +45,9 @@ from dsh_bash.backend import (
 
 from ._connection import ChannelPool, RequestRefused
 from ._process import RemoteMarked
-from ._scripts import SIGNAL_SUPERVISOR
+from ._scripts import SIGNAL_SUPERVISORS
 
-__all__ = ["DetachedProcess", "DetachedSpill", "Follower"]
+__all__ = ["DetachedProcess", "DetachedSpill", "DetachedSupervisors", "Follower"]
 
 log = logging.getLogger("dsh_bash.ssh")
 
@@ -76,8 +76,10 @@ _LIVENESS_S = 0.5
 _STATUS_CHUNK = 1 << 20
 #: How long a kill waits for the follower to read the supervisor's pid from a task just started.
 _SUPERVISOR_PID_BOUND_S = 2.0
-#: How long one signal to a task's supervisor (a script over the kill channel) may take.
+#: How long one signal to tasks' supervisors (a script over the kill channel) may take.
 _SIGNAL_BOUND_S = 10.0
+#: Supervisors one script signals at most (its arguments stay far below the host's ARG_MAX).
+_SIGNAL_BATCH = 500
 
 
 class DetachedSpill:
@@ -647,8 +649,8 @@ async def _close_quietly(handle: Any) -> None:
 class DetachedProcess(CommandProcess):
     """A background task detached on the host: its output and end come from the follower.
 
-    Under dsh-supervise (``followed.supervised``) it is in the executor's registry of supervised
-    commands (``registry``) until its supervisor said that no process is left or is gone, so that the
+    Under dsh-supervise (``followed.supervised``) it is in the executor's :class:`DetachedSupervisors`
+    (``registry``) until its supervisor said that no process is left or is gone, so that the
     leftovers' kill at ``aclose`` reaches it.
     """
 
@@ -661,7 +663,7 @@ class DetachedProcess(CommandProcess):
         marked: RemoteMarked,
         spills: dict[str, DetachedSpill],
         on_release: Callable[[], Awaitable[None]],
-        registry: set[Any] | None = None,
+        registry: DetachedSupervisors | None = None,
     ) -> None:
         self._pool = pool
         self._follower = follower
@@ -701,28 +703,19 @@ class DetachedProcess(CommandProcess):
         """Send ``request`` (USR1, USR2, or 0: look only) to the task's supervisor; False when it is
         gone (or its pid is not known: it never wrote its first record)."""
         followed = self._followed
-        records = followed.records
-        if records.supervisor_pid is None and not followed.supervisor_known.is_set():
+        if followed.records.supervisor_pid is None and not followed.supervisor_known.is_set():
             # Just started: the follower reads its first record at its next tick.
             with anyio.move_on_after(_SUPERVISOR_PID_BOUND_S):
                 await followed.supervisor_known.wait()
-        if records.supervisor_pid is None or followed.supervisor_gone:
+        if not self._reachable:
             return False
-        with anyio.CancelScope(shield=True), anyio.move_on_after(_SIGNAL_BOUND_S) as scope:
-            _, out, _ = await self._pool.run_script(
-                SIGNAL_SUPERVISOR,
-                str(records.supervisor_pid),
-                str(records.supervisor_start_time),
-                request,
-                kill=True,
-            )
-        await anyio.lowlevel.checkpoint()
-        if scope.cancelled_caught:
-            raise BashInfrastructureError(
-                f"signalling the supervisor of a background task on {self._pool.where} took too long",
-                reason="connection_lost",
-            )
-        return out.split() == [b"alive"]
+        return (await _ask_supervisors(self._pool, [self], request)) == [True]
+
+    @property
+    def _reachable(self) -> bool:
+        """Its supervisor's pid is known, and it was not seen gone."""
+        followed = self._followed
+        return followed.records.supervisor_pid is not None and not followed.supervisor_gone
 
     async def signal_all(self, sig: int) -> None:
         followed = self._followed
@@ -785,3 +778,84 @@ class DetachedProcess(CommandProcess):
         if self._registry is not None and self.ended:
             self._registry.discard(self)
         await self._on_release()
+
+
+async def _ask_supervisors(pool: ChannelPool, tasks: list[DetachedProcess], request: str) -> list[bool]:
+    """Send ``request`` (USR1, USR2, or 0: look only) to the supervisors of ``tasks`` (each
+    ``_reachable``), a script per :data:`_SIGNAL_BATCH` of them; True for each that is alive."""
+    alive: list[bool] = []
+    for first in range(0, len(tasks), _SIGNAL_BATCH):
+        batch = tasks[first : first + _SIGNAL_BATCH]
+        pairs: list[str] = []
+        for task in batch:
+            records = task._followed.records
+            pairs += [str(records.supervisor_pid), str(records.supervisor_start_time)]
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_SIGNAL_BOUND_S) as scope:
+            _, out, _ = await pool.run_script(SIGNAL_SUPERVISORS, request, *pairs, kill=True)
+        await anyio.lowlevel.checkpoint()
+        if scope.cancelled_caught:
+            raise BashInfrastructureError(
+                f"signalling the supervisors of background tasks on {pool.where} took too long",
+                reason="connection_lost",
+            )
+        words = out.split()
+        if len(words) != len(batch):
+            raise BashInfrastructureError(
+                f"signalling the supervisors of background tasks on {pool.where}: {len(words)} answers "
+                f"for {len(batch)} tasks",
+                reason="unclassified",
+            )
+        alive += [word == b"alive" for word in words]
+    return alive
+
+
+class DetachedSupervisors:
+    """The executor's detached tasks under dsh-supervise, as one :class:`~dsh_bash.backend.Killable`.
+
+    One script signals (or looks at) every supervisor: one per task, each a round trip over the kill
+    channel, made a hundred tasks outlast ``aclose``'s bound, and the SIGKILL it ends with then
+    reached tasks that never had their SIGTERM. A task leaves once it ``ended``. What a gone
+    supervisor left is the executor's marker fallback's.
+    """
+
+    def __init__(self, pool: ChannelPool) -> None:
+        self._pool = pool
+        self.tasks: set[DetachedProcess] = set()
+
+    @property
+    def ended(self) -> bool:
+        """No task is left (others may come: the executor's leftovers take this set anew each time)."""
+        return not self.tasks
+
+    def add(self, task: DetachedProcess) -> None:
+        self.tasks.add(task)
+
+    def discard(self, task: DetachedProcess) -> None:
+        self.tasks.discard(task)
+
+    async def _ask(self, request: str) -> tuple[list[DetachedProcess], list[DetachedProcess]]:
+        """(alive, not known yet): ``request`` sent to every supervisor whose pid is known."""
+        live = [task for task in self.tasks if not task.ended]
+        reachable = [task for task in live if task._reachable]
+        unknown = [task for task in live if not task._followed.supervisor_known.is_set()]
+        if not reachable:
+            return [], unknown
+        answers = await _ask_supervisors(self._pool, reachable, request)
+        return [task for task, alive in zip(reachable, answers, strict=True) if alive], unknown
+
+    async def signal_all(self, sig: int) -> None:
+        try:
+            _, unknown = await self._ask("USR2" if sig == signal.SIGKILL else "USR1")
+        except BashInfrastructureError as exc:
+            log.debug("signalling the supervisors of background tasks failed: %s", exc)
+            return  # the executor's marker fallback comes next
+        for task in unknown:  # just started: each waits (bounded) for its supervisor's pid
+            await task.signal_all(sig)
+
+    async def remaining(self) -> list[str]:
+        alive, unknown = await self._ask("0")
+        for task in list(self.tasks):
+            if task.ended and task not in alive:
+                self.tasks.discard(task)
+        found = [f"processes under dsh-supervise of background task {t._followed.name}" for t in alive]
+        return found + [f"the supervisor of {task._followed.name}" for task in unknown if task not in alive]

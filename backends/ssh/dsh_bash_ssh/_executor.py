@@ -38,7 +38,7 @@ from dsh_bash.backend import (
 
 from ._config import SshConfig
 from ._connection import ChannelPool
-from ._detached import DetachedProcess, DetachedSpill, Follower
+from ._detached import DetachedProcess, DetachedSpill, DetachedSupervisors, Follower
 from ._framed import FramedSshProcess
 from ._hints import INFRA_HINTS
 from ._kit import find_remote_processes, kit_notes, plant_in_bashrc
@@ -109,8 +109,9 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         self._detached: dict[str, tuple[str, dict[str, DetachedSpill]]] = {}
         self._supervisor: str | None = None  # dsh-supervise's path on the host
         self._machine = ""  # the host's `uname -m`
-        #: Commands and detached tasks whose supervisor still runs (leftovers included).
+        #: Commands whose supervisor still runs (leftovers included); detached tasks apart, as one.
         self._supervised: set[SupervisedCommand] = set()
+        self._detached_supervisors = DetachedSupervisors(self._pool)
 
     @property
     def containment(self) -> Containment:
@@ -500,7 +501,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
             marked=self._marked(marker),
             spills=spills,
             on_release=on_release,
-            registry=self._supervised,
+            registry=self._detached_supervisors,
         )
 
     async def _detached_started(self, launch: Launch, session: CommandSession) -> None:
@@ -575,7 +576,8 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         # The supervisors reach every process of their commands; the marker what no supervisor
         # holds (detached tasks, commands whose supervisor was killed).
         return SupervisedLeftovers(
-            self._supervised, RemoteMarked(self._pool, marker=self._token + "-", exact=False)
+            self._supervised | {self._detached_supervisors},
+            RemoteMarked(self._pool, marker=self._token + "-", exact=False),
         )
 
     # -- conformance kit hooks (dsh_bash.backend.ConformanceHooks) ------------------------------------

@@ -22,7 +22,7 @@ __all__ = [
     "SETUP_END",
     "SETUP_HOME",
     "SFTP_SERVER",
-    "SIGNAL_SUPERVISOR",
+    "SIGNAL_SUPERVISORS",
     "SPILL_WRITER",
     "STDERR_OK",
     "WAITER",
@@ -306,13 +306,23 @@ wait "$o" "$e" 2>/dev/null || while kill -0 "$o" 2>/dev/null || kill -0 "$e" 2>/
 # $2: its start time (field 22 of /proc/PID/stat, from its verified `supervisor` record), $3: USR1
 # (a TERM pass), USR2 (KILL passes) or 0 (look only). Prints "alive" when $1 is still that process,
 # and then signals it; else "gone": a pid reused by another process is never signalled.
-SIGNAL_SUPERVISOR = r"""
-stat=$(< "/proc/$1/stat") 2>/dev/null || { echo gone; exit 0; }
-read -r -a f <<< "${stat##*) }"
-# f[0] is field 3 (the state), so field 22 is f[19]; a zombie holds nothing any more.
-if [[ ${f[0]} == [ZX] || ${f[19]} != "$2" ]]; then echo gone; exit 0; fi
-[[ $3 == 0 ]] || kill -s "$3" "$1" 2>/dev/null || { echo gone; exit 0; }
-echo alive
+SIGNAL_SUPERVISORS = r"""
+# $1: the request (USR1, USR2, or 0: look only); then a supervisor's pid and start time, per task.
+# One word per task: alive (signalled), or gone (dead, a zombie, or its pid taken by another).
+request=$1
+shift
+while (($# >= 2)); do
+  word=gone
+  if stat=$(< "/proc/$1/stat") 2>/dev/null; then
+    read -r -a f <<< "${stat##*) }"
+    # f[0] is field 3 (the state), so field 22 is f[19]; a zombie holds nothing any more.
+    if [[ ${f[0]} != [ZX] && ${f[19]} == "$2" ]]; then
+      if [[ $request == 0 ]] || kill -s "$request" "$1" 2>/dev/null; then word=alive; fi
+    fi
+  fi
+  echo "$word"
+  shift 2
+done
 """
 
 _DETACH = _DETACH.replace("SUPERVISOR_QUOTED", shlex.quote(SUPERVISOR))
