@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -319,6 +320,25 @@ def cancel_me() -> Task:
 """
 
 
+# `inspect eval` run through this: SIGUSR1 prints every thread's stack and every asyncio task's (what a
+# hung eval waits for), to the same output.
+_DUMPING_INSPECT = """
+import asyncio, faulthandler, runpy, signal, sys
+
+def dump_tasks(signum, frame):
+    loop = asyncio._get_running_loop()
+    for task in asyncio.all_tasks(loop) if loop is not None else ():
+        print(f"--- {task!r}", file=sys.stderr)
+        task.print_stack(file=sys.stderr)
+    sys.stderr.flush()
+
+faulthandler.register(signal.SIGUSR2, all_threads=True)
+signal.signal(signal.SIGUSR1, dump_tasks)
+sys.argv = ["inspect", *sys.argv[1:]]
+runpy.run_module("inspect_ai", run_name="__main__")
+"""
+
+
 def _host_processes(needle: str) -> list[str]:
     found = []
     for entry in Path("/proc").iterdir():
@@ -376,7 +396,7 @@ def test_cancelled_eval_leaves_nothing(where: str, tmp_path: Path) -> None:
             return _host_processes(f"sleep {waiter}") + _host_processes(f"sleep {escapee}")
         return _container_processes(label, "sleep ") or []
 
-    command = [sys.executable, "-m", "inspect_ai", "eval", "cancel_task.py", "--model", "mockllm/model"]
+    command = [sys.executable, "-c", _DUMPING_INSPECT, "eval", "cancel_task.py", "--model", "mockllm/model"]
     command += ["--log-dir", str(tmp_path / "logs")]
     inspect_run = subprocess.Popen(
         command, cwd=tmp_path, env=_inspect_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -388,7 +408,18 @@ def test_cancelled_eval_leaves_nothing(where: str, tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "the sample's command did not start within 90 s"
             time.sleep(0.2)
         inspect_run.send_signal(signal.SIGINT)
-        output = inspect_run.communicate(timeout=45)[0].decode(errors="replace")
+        try:
+            output = inspect_run.communicate(timeout=45)[0].decode(errors="replace")
+        except subprocess.TimeoutExpired:
+            # Where it hangs, for the known defect below: shown in pytest's warnings summary.
+            inspect_run.send_signal(signal.SIGUSR2)
+            inspect_run.send_signal(signal.SIGUSR1)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                inspect_run.communicate(timeout=5)
+            inspect_run.kill()
+            dump = inspect_run.communicate()[0].decode(errors="replace")
+            warnings.warn(f"inspect eval hung after SIGINT; its stacks:\n{dump[-20000:]}", stacklevel=1)
+            raise
     finally:
         if inspect_run.poll() is None:
             inspect_run.kill()
