@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import signal as _signal
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Generic, Literal, Protocol, TypeVar
 
@@ -35,6 +36,7 @@ __all__ = [
     "choose_containment",
     "kill_abandoned_start",
     "kill_sequence",
+    "refuse_other_user",
     "signal_name",
 ]
 
@@ -200,6 +202,20 @@ class CommandProcess(ABC):
 
     async def release(self) -> None:  # noqa: B027 - optional hook: most backends hold something
         """Free what the command holds (file descriptors, channels). Called once, after it ended."""
+
+
+def refuse_other_user(user: str | None, runs_as: Collection[str], where: str) -> None:
+    """For a backend that cannot switch users: a spec whose ``user`` is set and is none of the
+    names or uids its commands run as (``runs_as``) raises :class:`BashInfrastructureError`
+    (reason ``user_unsupported``) before anything starts."""
+    if user is None or user in runs_as:
+        return
+    known = " or ".join(repr(name) for name in sorted(runs_as)) or "one user"
+    raise BashInfrastructureError(
+        f"cannot run the command as user {user!r}: commands {where} run as {known}, and this backend "
+        "cannot switch users (nothing was started)",
+        reason="user_unsupported",
+    )
 
 
 def signal_name(number: int) -> str:

@@ -31,7 +31,8 @@ InfraReason = Literal[
     "engine_unreachable",  # the Docker engine does not answer
     "image_missing",  # the image is not there and may not be pulled
     "container_missing",  # the named container does not exist or is not running (at open)
-    "user_unknown",  # the configured user does not exist where commands run
+    "user_unknown",  # the configured (or the spec's) user does not exist where commands run
+    "user_unsupported",  # the spec's user is not one this backend can run commands as
     "host_unreachable",  # the SSH host cannot be reached (DNS, refused, timed out)
     "auth_failed",  # the SSH server refused every credential
     "host_key_rejected",  # the SSH host key did not verify

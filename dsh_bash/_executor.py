@@ -380,6 +380,7 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             workdir=workdir,
             timeout_ms=float(min(timeout_ms, config.max_timeout_ms)),
             owner=request.owner,
+            user=request.user,
             signal=request.signal,
             stdin=request.stdin,
             env=request.env,

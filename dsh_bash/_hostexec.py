@@ -7,8 +7,10 @@ user namespace of its own) subclasses it too and puts its launcher in front of t
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import pwd
 import shutil
 import signal
 import sys
@@ -27,6 +29,7 @@ from ._backend import (
     Launch,
     SupervisedLeftovers,
     choose_containment,
+    refuse_other_user,
 )
 from ._config import BudgetConfig
 from ._errors import BashInfrastructureError
@@ -246,6 +249,7 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         return os.environ
 
     async def _spawn(self, launch: Launch) -> CommandProcess:
+        refuse_other_user(launch.spec.user, _this_user(), "on this host")
         if self._bash is None:
             raise BashInfrastructureError(
                 f"bash not found: {self._host_config().bash!r} is not on PATH", reason="shell_missing"
@@ -317,3 +321,13 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
                 "its commands may not inherit"
             ]
         return []
+
+
+@functools.cache
+def _this_user() -> frozenset[str]:
+    """The names this process's commands run as: its effective uid, and that uid's passwd name."""
+    uid = os.geteuid()
+    try:
+        return frozenset({str(uid), pwd.getpwuid(uid).pw_name})
+    except KeyError:  # a uid without a passwd entry (a container's arbitrary uid)
+        return frozenset({str(uid)})

@@ -77,6 +77,23 @@ def _check_stdin(value: object) -> object:
     return value
 
 
+#: A user where commands run: a name (``adduser``'s rules, loosely) or a numeric uid.
+_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,255}")
+
+
+def _check_user(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"user must be a string (a name or a numeric uid), got {type(value).__name__}")
+    if not _USER.fullmatch(value):
+        raise ValueError(
+            f"user {value!r} is not a user name or uid (letters, digits, '_', '.', '-'; "
+            "not starting with '.' or '-'; at most 256)"
+        )
+    return value
+
+
 def _check_timeout(value: object) -> float | None:
     if value is None:
         return None
@@ -144,6 +161,11 @@ class _CommandChecks(_Frozen):
     def _stdin(cls, value: str | bytes | None) -> str | bytes | None:
         return value if not isinstance(value, str) else _encodable(value, "stdin")
 
+    @field_validator("user", mode="before", check_fields=False)
+    @classmethod
+    def _user(cls, value: object) -> str | None:
+        return _check_user(value)
+
 
 class BashExecRequest(_CommandChecks):
     """What a caller asks for; optional fields are filled by :meth:`BashExecutor.resolve`."""
@@ -155,6 +177,9 @@ class BashExecRequest(_CommandChecks):
     stdin: StrictStr | StrictBytes | None = None
     env: dict[str, str] | None = None
     owner: Annotated[OwnerToken, Strict()] | None = None
+    #: Run the command as this user (a name or uid where commands run); None: the user every command
+    #: of the executor runs as. A backend that cannot switch users refuses another one.
+    user: str | None = None
 
     @field_validator("timeout_ms", mode="before")
     @classmethod
@@ -169,6 +194,7 @@ class BashExecSpec(_CommandChecks):
     workdir: StrictStr
     timeout_ms: float
     owner: Annotated[OwnerToken, Strict()] | None
+    user: str | None
     signal: AbortSignal | None = None
     stdin: StrictStr | StrictBytes | None = None
     env: dict[str, str] | None = None

@@ -11,6 +11,7 @@ process, kill and spill mechanics; this module holds the pieces it builds them f
   launcher in front of its argv): :class:`HostBashExecutor`, :class:`HostConfig`,
   :class:`HostProcess`, :func:`spawn_host_process`, :class:`HostSpillDir`, :data:`MAX_INLINE_COMMAND`;
 - killing: :func:`kill_sequence`, :func:`kill_abandoned_start`, :func:`signal_name`;
+- users: :func:`refuse_other_user` (for a backend that cannot switch users: ``spec.user`` refused);
 - markers and process scanning on a Linux host: :data:`MARKER_VAR`, :class:`ProcScanner`,
   :class:`ProcScanError` (a /proc read that says nothing about the process), :class:`FdReserve`,
   :func:`scan_processes`, :class:`ProcEntry`, :func:`read_proc_stat`, :class:`ProcStat`,
@@ -66,6 +67,7 @@ from ._backend import (
     choose_containment,
     kill_abandoned_start,
     kill_sequence,
+    refuse_other_user,
     signal_name,
 )
 from ._config import BUDGET_FIELDS, config_error_from
@@ -204,6 +206,7 @@ __all__ = [
     "plant_in_os_environ",
     "prepay_spills",
     "read_proc_stat",
+    "refuse_other_user",
     "run_in_fresh_loop",
     "scan_processes",
     "signal_marked",

@@ -421,6 +421,28 @@ class WorkdirReasonUnclassified(LocalBashExecutor):
             raise
 
 
+class IgnoresUser(LocalBashExecutor):
+    """Breaks: a spec's user that does not exist is refused, and nothing runs.
+
+    The spec's user is dropped: every command runs as the executor's own user.
+    """
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        return await super()._spawn(_with_spec(launch, user=None))
+
+
+class RefusesEveryUser(LocalBashExecutor):
+    """Breaks: a spec's user that names the user commands run as runs the command.
+
+    Any user at all is refused, the executor's own included.
+    """
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        if launch.spec.user is not None:
+            raise BashInfrastructureError("no user switching here", reason="user_unsupported")
+        return await super()._spawn(launch)
+
+
 class PreAbortedSignalIgnored(LocalBashExecutor):
     """Breaks: run and start refuse a spec whose signal is already aborted, and nothing runs.
 

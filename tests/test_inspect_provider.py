@@ -59,8 +59,8 @@ _ROOT_IGNORES_MODES = {
 }
 _NO_USER_SWITCH = {
     "test_exec_as_user": (
-        "commands run as one non-root login, which cannot switch users (the executor has no "
-        "per-command user; the provider switches with runuser only when commands run as root)"
+        "commands run as one non-root login, which cannot switch users (the backend refuses a "
+        "per-command user, user_unsupported; the provider switches with runuser only as root)"
     ),
 }
 
@@ -136,13 +136,13 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
         container = start_idle_container(image)
         try:
             # Commands run as a non-root user of the image here (image mode runs as root), so file
-            # modes hold and no user switch is possible.
+            # modes hold; another user (root, to add one) is the exec's (the per-command user).
             config = {
                 "backend": "docker",
                 "container": container.get_wrapped_container().id,
                 "user": "nobody",
             }
-            yield Backend(name, config, _NO_USER_SWITCH)
+            yield Backend(name, config)
         finally:
             container.stop()
     else:

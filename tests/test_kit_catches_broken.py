@@ -59,6 +59,8 @@ CAUGHT_BY: list[Row] = [
     Row("workdir-and-cwd-used", bb.WorkdirIgnored),
     Row("pre-aborted-signal-refused", bb.PreAbortedSignalIgnored),
     Row("unusable-workdir-refused", bb.MissingWorkdirFallsBack),
+    Row("command-user", bb.IgnoresUser),
+    Row("command-user", bb.RefusesEveryUser),
     Row("unusable-workdir-refused", bb.LeaksExceptionGroup),
     Row("infra-error-reasons", bb.WorkdirReasonUnclassified),
     Row("escapee-without-environment-killed", bb.MarkerContainment),

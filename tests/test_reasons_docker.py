@@ -162,6 +162,31 @@ async def test_user_unknown_in_image_and_container_mode(
         assert (await ex.exec("id -u")).stdout.text == "4242\n"
 
 
+@pytest.mark.parametrize("mode", ["image", "container"])
+async def test_a_spec_user_switches_the_exec_user(
+    docker_test_image: str, docker_session_container: str, mode: str
+) -> None:
+    executor = _image(docker_test_image) if mode == "image" else _container(docker_session_container)
+    async with executor as ex:
+        configured = (await ex.exec("id -u")).stdout.text
+        # A numeric id needs no passwd entry; the engine switches the exec to it.
+        as_other = await ex.exec("id -u; id -g", user="4242")
+        assert as_other.stdout.text.split() == ["4242", "0"], as_other
+        # Long commands (a script file of the user's own: the spill directory is not its to enter).
+        long = await ex.exec(f": {'x' * 200_000}\nid -u", user="4242")
+        assert long.stdout.text == "4242\n", long
+        # Background tasks too; the next command runs as the configured user again.
+        task = await ex.start(ex.resolve(BashExecRequest(command="id -u", user="4242")))
+        await task.wait()
+        assert (await ex.read_output(task.id)).delta == "4242\n"
+        assert (await ex.exec("id -u")).stdout.text == configured
+        for verb in ("run", "start"):
+            spec = ex.resolve(BashExecRequest(command="true", user="nonexistent"))
+            with pytest.raises(BashInfrastructureError) as refused:
+                await (ex.run(spec) if verb == "run" else ex.start(spec))
+            assert refused.value.reason == "user_unknown", (verb, refused.value)
+
+
 async def test_engine_unreachable(docker_test_image: str, tmp_path: Path) -> None:
     # A unix socket path with nothing listening (never another address: the tests stay on loopback).
     executor = _image(docker_test_image, docker_host=f"unix://{tmp_path}/nothing.sock")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from dsh_bash_local import LocalBashExecutor, LocalConfig
 
-from dsh_bash import AbortController, BashInfrastructureError, ExecutorClosedError
+from dsh_bash import AbortController, BashExecRequest, BashInfrastructureError, ExecutorClosedError
 from dsh_bash.backend import host_support_problem
 
 pytestmark = pytest.mark.anyio
@@ -38,6 +38,24 @@ async def test_workdir_reasons(tmp_path: Path) -> None:
         assert await _reason_of_run(ex, workdir=str(tmp_path / "nope")) == "workdir_missing"
         assert await _reason_of_run(ex, workdir=str(plain_file)) == "workdir_not_directory"
         assert await _reason_of_run(ex, workdir=str(plain_file / "below")) == "workdir_missing"
+
+
+async def test_user_unsupported(tmp_path: Path) -> None:
+    import pwd  # noqa: PLC0415
+
+    uid = os.geteuid()
+    other = "nobody" if uid != pwd.getpwnam("nobody").pw_uid else "root"
+    witness = tmp_path / "ran"
+    async with _executor() as ex:
+        # Its own user, by name or uid, runs as usual; any other is refused before anything starts.
+        for me in (pwd.getpwuid(uid).pw_name, str(uid)):
+            assert (await ex.exec("id -u", user=me)).stdout.text == f"{uid}\n"
+        for user in (other, "dsh-bash-no-such-user", "4242"):
+            assert await _reason_of_run(ex, user=user) == "user_unsupported"
+            with pytest.raises(BashInfrastructureError) as refused:
+                await ex.start(ex.resolve(BashExecRequest(command=f": > {witness}", user=user)))
+            assert refused.value.reason == "user_unsupported"
+        assert not witness.exists()
 
 
 async def test_workdir_not_accessible(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -67,6 +67,20 @@ async def test_workdir_reasons(ssh_server: SshServer, private_dir: str, warm: bo
         assert (await ex.exec("echo fine")).stdout.text == "fine\n"  # the executor is still usable
 
 
+async def test_user_unsupported(ssh_server: SshServer) -> None:
+    async with ssh_server.executor(grace_ms=GRACE_MS) as ex:
+        login = (await ex.exec("id -un")).stdout.text.strip()
+        assert (await ex.exec("id -un", user=login)).stdout.text == f"{login}\n"
+        for user in ("root", "dsh-bash-no-such-user"):
+            with pytest.raises(BashInfrastructureError) as raised:
+                await ex.exec(f"touch /tmp/{login}-ran-as-{user}", user=user)
+            assert raised.value.reason == "user_unsupported", raised.value
+            with pytest.raises(BashInfrastructureError) as raised:
+                await ex.start(ex.resolve(BashExecRequest(command="true", user=user)))
+            assert raised.value.reason == "user_unsupported", raised.value
+        assert (await ex.exec(f"ls /tmp/{login}-ran-as-* 2>/dev/null | wc -l")).stdout.text == "0\n"
+
+
 async def test_auth_failed(ssh_server: SshServer, tmp_path: Path) -> None:
     keygen(tmp_path / "stranger")  # a key the server does not accept
     assert await _reason_of_open(ssh_server, client_keys=[str(tmp_path / "stranger")]) == "auth_failed"

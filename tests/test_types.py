@@ -33,7 +33,13 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-SPEC_BASE: dict[str, Any] = {"command": "true", "workdir": "/tmp", "timeout_ms": 1000, "owner": None}
+SPEC_BASE: dict[str, Any] = {
+    "command": "true",
+    "workdir": "/tmp",
+    "timeout_ms": 1000,
+    "owner": None,
+    "user": None,
+}
 
 
 def make_request(**fields: Any) -> BashExecRequest:
@@ -187,12 +193,28 @@ def test_unknown_field_is_refused(make: Any) -> None:
         make(timeout=5)
 
 
-@pytest.mark.parametrize("field", ["workdir", "timeout_ms", "owner"])
+@pytest.mark.parametrize("field", ["workdir", "timeout_ms", "owner", "user"])
 def test_spec_requires_field(field: str) -> None:
     fields = {key: value for key, value in SPEC_BASE.items() if key != field}
     with pytest.raises(ValueError) as exc_info:
         BashExecSpec(**fields)
     assert_refused_naming(exc_info, field)
+
+
+@MODEL_FACTORIES
+@pytest.mark.parametrize("user", ["root", "nobody", "1000", "www-data", "a.b_c-d", "_x"])
+def test_user_names_and_uids_are_accepted(make: Any, user: str) -> None:
+    assert make(user=user).user == user
+
+
+@MODEL_FACTORIES
+@pytest.mark.parametrize(
+    "user", ["", "-rf", ".hidden", "a b", "root:root", "a/b", "x\x00", "é", "$(id)", "a" * 257, 0, b"root"]
+)
+def test_a_user_that_is_no_name_or_uid_is_refused_naming_user(make: Any, user: object) -> None:
+    with pytest.raises(ValueError) as exc_info:
+        make(user=user)
+    assert_refused_naming(exc_info, "user")
 
 
 @pytest.mark.parametrize("field", ["workdir", "timeout_ms"])
@@ -238,7 +260,7 @@ def test_any_command_without_nul_is_accepted_and_round_trips(command: str) -> No
     request = BashExecRequest(command=command)
     assert request.command == command
     assert BashExecRequest.model_validate(request.model_dump()) == request
-    spec = BashExecSpec(command=command, workdir="/", timeout_ms=1, owner=None)
+    spec = BashExecSpec(command=command, workdir="/", timeout_ms=1, owner=None, user=None)
     assert spec.command == command
     assert BashExecSpec.model_validate(spec.model_dump()) == spec
 
@@ -249,7 +271,7 @@ def test_any_command_with_nul_is_refused_naming_command(command: str) -> None:
     with pytest.raises(ValueError, match="command"):
         BashExecRequest(command=command)
     with pytest.raises(ValueError, match="command"):
-        BashExecSpec(command=command, workdir="/", timeout_ms=1, owner=None)
+        BashExecSpec(command=command, workdir="/", timeout_ms=1, owner=None, user=None)
 
 
 # -- BashTask ---------------------------------------------------------------------------------------

@@ -59,7 +59,9 @@ async def _all_refused(
 )
 async def closed_refuses(ctx: CheckContext) -> None:
     witness = f"/tmp/kit-closed-{secrets.token_hex(8)}"
-    spec = BashExecSpec(command=f"printf x >> {witness}", workdir="/", timeout_ms=5000.0, owner=None)
+    spec = BashExecSpec(
+        command=f"printf x >> {witness}", workdir="/", timeout_ms=5000.0, owner=None, user=None
+    )
     ex = ctx.executor()
     await _all_refused(ctx, ex, spec, BashTaskId("kit-no-such-task"), "before the block was entered")
     async with ex:

@@ -21,7 +21,7 @@ from dsh_bash import (
     OwnerToken,
 )
 
-from ._kit import CheckContext, check
+from ._kit import CheckContext, CheckFailed, check
 from ._support import (
     elapsed,
     expect_raises,
@@ -399,6 +399,44 @@ async def unusable_workdir(ctx: CheckContext) -> None:
             await expect_raises(BashInfrastructureError, partial(ex.start, spec), f"start with {what}")
         ok = await sh(ex, "printf ok")
         ctx.expect(ok == "ok", f"the executor no longer works after refused workdirs: {ok!r}")
+
+
+@check(
+    "command-user",
+    kind="contract",
+    clause="R-run-user",
+    rule="A spec's `user` that names the user commands run as runs the command as that user; one that "
+    "does not exist where commands run is refused by run and start (BashInfrastructureError, reason "
+    "`user_unknown` or `user_unsupported`), and nothing runs.",
+)
+async def command_user(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        tmp = await ctx.tempdir(ex)
+        # A uid with no passwd entry has no name: then the uid is the user.
+        who = 'if n=$(id -un 2>/dev/null); then echo "$n"; else id -u; fi'
+        me = (await sh(ex, who)).strip()
+        try:
+            got = (await sh(ex, who, user=me)).strip()
+        except BashInfrastructureError as exc:
+            raise CheckFailed(
+                f"a command with user={me!r}, the user commands run as, was refused: {exc!r}"
+            ) from None
+        ctx.expect(got == me, f"a command with user={me!r} (the user commands run as) ran as {got!r}")
+        missing = "dsh-bash-kit-no-such-user"
+        for verb, call in (("run", ex.run), ("start", ex.start)):
+            spec = ex.resolve(BashExecRequest(command=f": > '{tmp}/ran-{verb}'", user=missing))
+            error = await expect_raises(
+                BashInfrastructureError, partial(call, spec), f"{verb} with user={missing!r}"
+            )
+            reason = getattr(error, "reason", None)
+            ctx.expect(
+                reason in ("user_unknown", "user_unsupported"),
+                f"{verb} with user={missing!r}: reason {reason!r}, expected 'user_unknown' or "
+                f"'user_unsupported' ({error})",
+            )
+        await anyio.sleep(0.2)  # a start that went ahead anyway has had time to write its file
+        left = await sh(ex, f"ls -A '{tmp}'")
+        ctx.expect(left.strip() == "", f"a refused user's command ran anyway: {left.split()}")
 
 
 @check(

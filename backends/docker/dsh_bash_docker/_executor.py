@@ -48,6 +48,11 @@ __all__ = ["MANAGED_LABEL", "DockerBashExecutor", "sweep_orphaned_containers"]
 
 log = logging.getLogger("dsh_bash.docker")
 
+#: A long command of a spec's own user (who cannot enter the executor's private spill directory): a
+#: fresh file of that user's, readable by it alone; its path on stdout.
+_USER_SCRIPT_WRITER = 'umask 077; f=$(mktemp) && cat > "$f" && printf %s "$f"'
+
+
 #: Label on every container an executor creates; its value is the creating executor's token.
 MANAGED_LABEL = "dsh-bash.executor"
 #: Label naming the pid of the process that created the container (for sweeping crashed hosts).
@@ -442,21 +447,36 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         if supervisor is None:
             env["DSH_BASH_NONCE"] = nonce
         command = spec.command
+        # The command's user: the spec's, else the configured one (the engine switches per exec).
+        user = spec.user if spec.user is not None else self.config.user
         script_path = ""
         if len(command.encode("utf-8", "surrogateescape")) > MAX_INLINE_COMMAND:
-            script_path = spill_file_path(self._spill_dir, "sh")
-            code, _, err = await run_script(
-                self._engine,
-                container,
-                self.config.user,
-                SPILL_WRITER,  # refuses any existing path, planted links included
-                script_path,
-                stdin=command.encode("utf-8", "surrogateescape"),
-            )
+            if spec.user is None:
+                writer: tuple[str, ...] = (SPILL_WRITER, spill_file_path(self._spill_dir, "sh"))
+            else:
+                # Another user cannot enter the private spill directory: a file of its own.
+                writer = (_USER_SCRIPT_WRITER,)
+            try:
+                code, out, err = await run_script(
+                    self._engine,
+                    container,
+                    user,
+                    *writer,  # SPILL_WRITER refuses any existing path, planted links included
+                    stdin=command.encode("utf-8", "surrogateescape"),
+                )
+            except EngineError as exc:
+                if exc.status is not None or exc.reason != "start_failed":
+                    raise
+                # The engine could not start bash as the spec's user at all: tell why.
+                raise BashInfrastructureError(
+                    f"cannot start a command as {user!r}: {exc}",
+                    reason=await diagnose_refusal(self._engine, container, user),
+                ) from None
             if code != 0:
                 raise BashInfrastructureError(
                     f"cannot store the long command: {err.decode(errors='replace')}", reason="start_failed"
                 )
+            script_path = writer[1] if spec.user is None else out.decode("utf-8", "surrogateescape").strip()
             command = ""
         env["DSH_BASH_COMMAND"] = command
 
@@ -464,12 +484,12 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             await self._spills.wait_complete(marker)
             if script_path:
                 with contextlib.suppress(EngineError, OSError):
-                    await run_script(self._engine, container, self.config.user, 'rm -f -- "$1"', script_path)
+                    await run_script(self._engine, container, user, 'rm -f -- "$1"', script_path)
 
         marked = ContainerMarked(
             self._engine,
             lambda: container,
-            self.config.user,
+            user,  # one that may signal the command's processes
             marker=launch.marker,
             exact=True,
             kill_container=self._kill_own_container,
@@ -484,7 +504,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             [*argv, "dsh-bash", spec.workdir, script_path],
             env=env,
             stdin=supervisor is not None or spec.stdin is not None,
-            user=self.config.user,
+            user=user,
         )
         stream = await self._engine.exec_start(exec_id)
         # What both kinds of process need: the exec, its stream, and the marker kill as the last resort.
@@ -505,7 +525,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         else:
             process = DockerProcess(**parts, nonce=nonce)
         try:
-            await process.read_preamble(self.config.user)
+            await process.read_preamble(user)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()

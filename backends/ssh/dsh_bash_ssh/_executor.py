@@ -33,6 +33,7 @@ from dsh_bash.backend import (
     dropped_names,
     kill_abandoned_start,
     prepay_spills,
+    refuse_other_user,
     spill_file_path,
 )
 
@@ -297,6 +298,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         return self._detach
 
     async def _spawn(self, launch: Launch) -> CommandProcess:
+        refuse_other_user(launch.spec.user, self._login_names(), f"on {self._pool.where}")
         detached = launch.background and await self._detached_mode()
         if launch.background and not detached:
             # No SFTP at all: the task holds its channel for its whole life. A start that waited
@@ -571,6 +573,10 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                 await kill_abandoned_start(marked, self._config.grace_ms / 1000)
             except BashInfrastructureError as exc:  # unreachable again: noted again by signal_all
                 log.warning("killing the unaccounted processes of %s failed: %s", marked.marker, exc)
+
+    def _login_names(self) -> set[str]:
+        """The login every command runs as."""
+        return {self._ssh_config.username}
 
     def _leftovers(self) -> Killable:
         # The supervisors reach every process of their commands; the marker what no supervisor

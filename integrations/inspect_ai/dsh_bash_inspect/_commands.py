@@ -45,7 +45,7 @@ PROBE_SCRIPT = (
     # A uid without a passwd entry (Docker's user = "4242") has no name: the uid stands for it (GNU id
     # prints it and fails, others print nothing).
     "u=$(id -u) || exit 1\n"
-    'n=$(id -un 2>/dev/null) || n=$u\n'
+    "n=$(id -un 2>/dev/null) || n=$u\n"
     'd=$(mktemp -d "${TMPDIR:-/tmp}/dsh-bash-inspect.XXXXXXXXXX") || exit 1\n'
     'printf \'%s\\n\' "$u" "$n" "$d"\n'
     "for p in " + " ".join(RUNUSER_PATHS) + '; do if [ -x "$p" ]; then echo "$p"; exit 0; fi; done\n'

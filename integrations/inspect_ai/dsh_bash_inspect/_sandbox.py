@@ -169,6 +169,10 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
         #: The sample's private working directory: relative paths and cwds resolve against it.
         self.workdir = workdir
         self.runuser = runuser
+        #: Whether the backend runs a command as another user (the request's ``user``): assumed
+        #: until it refuses one (``user_unsupported``: local and SSH), then runuser as root.
+        self.switches_users = True
+        self._entered_by_others = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -279,29 +283,36 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
         # inspect's own subprocess limiter (the same name as its subprocess() uses), when asked.
         return inspect_concurrency("subprocesses", os.cpu_count() or 1) if wanted else nullcontext()
 
-    def _command_for(self, command: str, user: str | None) -> str:
+    def _command_for(self, command: str, user: str | None) -> tuple[str, str | None]:
+        """(the command, the request's ``user``) that run ``command`` as ``user``: the executor's
+        per-command user where the backend switches users (Docker), else runuser when commands run
+        as root (local, SSH as root), else :class:`SandboxUserUnsupportedError`."""
         if user is None or user in (self.user_name, str(self.uid)):
-            return command
+            return command, None
+        if self.switches_users:
+            return command, user
         if self.uid != 0:
             raise SandboxUserUnsupportedError(
                 f"dsh-bash: commands run as {self.user_name} (uid {self.uid}), who cannot switch to "
-                f"user {user!r}; the executor has no per-command user"
+                f"user {user!r}, and the backend cannot run a command as another user"
             )
         if self.runuser is None:
             raise SandboxUserUnsupportedError(
                 f"dsh-bash: cannot run as {user!r}: no runuser where commands run"
             )
-        return as_user(command, user, self.runuser)
+        return as_user(command, user, self.runuser), None
 
     async def _run(
         self,
         command: str,
         *,
+        user: str | None = None,
         stdin: str | bytes | None = None,
         cwd: str | None = None,
         env: dict[str, str] | None = None,
         timeout_ms: float | None = None,
     ) -> BashRunResult:
+        """Run ``command`` as ``user`` (None: as the executor's user), through :meth:`_command_for`."""
         workdir = self.workdir if cwd is None else self._path(cwd)
         fields: dict[str, Any] = {"workdir": workdir}
         if stdin is not None:
@@ -314,8 +325,24 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
                 # ever upwards, so concurrent calls cannot lower each other's).
                 self.executor.reconfigure(max_timeout_ms=timeout_ms)
             fields["timeout_ms"] = timeout_ms
+        line, fields["user"] = self._command_for(command, user)
         try:
-            return await self.executor.exec(command, **fields)
+            if fields["user"] is not None and not self._entered_by_others:
+                # The sample's directory (0700) is where the command starts: another user may enter
+                # it from now on (0711), not list or write it.
+                await self.executor.exec(
+                    f"chmod 0711 -- {argv_to_command([self.workdir])}", timeout_ms=_HOUSEKEEPING_MS
+                )
+                self._entered_by_others = True
+            return await self.executor.exec(line, **fields)
+        except BashInfrastructureError as exc:
+            if exc.reason != "user_unsupported" or fields["user"] is None:
+                raise _translate_infra(exc, workdir) from exc
+        # The backend cannot switch users (learnt once per sample): runuser, or unsupported.
+        self.switches_users = False
+        line, fields["user"] = self._command_for(command, user)
+        try:
+            return await self.executor.exec(line, **fields)
         except BashInfrastructureError as exc:
             raise _translate_infra(exc, workdir) from exc
 
@@ -330,18 +357,18 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
         timeout_retry: bool = True,
         concurrency: bool = True,
     ) -> ExecResult[str]:
-        command = self._command_for(argv_to_command(cmd), user)
+        command = argv_to_command(cmd)
         timeout_ms = None if timeout is None else float(timeout) * 1000.0
         async with self._throttle(concurrency):
-            result = await self._run(command, stdin=input, cwd=cwd, env=env, timeout_ms=timeout_ms)
+            result = await self._run(command, user=user, stdin=input, cwd=cwd, env=env, timeout_ms=timeout_ms)
             if result.timed_out:
                 # The executor killed the command (and every process it started) at the timeout.
                 raise TimeoutError(f"dsh-bash: {cmd[0]!r} timed out after {result.timeout_ms / 1000:g} s")
             returncode = returncode_of(result.exit_code, result.signal)
             if returncode == 126:
                 # bash's status for a file it found but could not execute: inspect wants PermissionError.
-                check = self._command_for(not_executable_script(cmd[0]), user)
-                probe = await self._run(check, cwd=cwd, env=env, timeout_ms=_HOUSEKEEPING_MS)
+                check = not_executable_script(cmd[0])
+                probe = await self._run(check, user=user, cwd=cwd, env=env, timeout_ms=_HOUSEKEEPING_MS)
                 if probe.exit_code == 0:
                     raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), cmd[0])
         return ExecResult(
