@@ -132,7 +132,7 @@ fi
 for d in /proc/[0-9]*; do
   p=${d#/proc/}
   [ "$p" = "$$" ] && continue
-  read -r stat < "$d/stat" 2>/dev/null || continue
+  read -r stat 2>/dev/null < "$d/stat" || continue
   rest=${stat##*) }
   # Numbers and one state letter: word splitting, without a here-string's temporary file.
   fld=($rest)
@@ -169,7 +169,7 @@ for i in "${!all_pid[@]}"; do
     env=("DSH_BASH_MARK=${markof[$p]}")
   else
     [ -n "${iscand[$p]+x}" ] || continue
-    mapfile -d '' -t env < "/proc/$p/environ" 2>/dev/null || continue
+    mapfile -d '' -t env 2>/dev/null < "/proc/$p/environ" || continue
   fi
   for e in "${env[@]}"; do
     case $e in
