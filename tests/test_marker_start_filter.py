@@ -111,3 +111,15 @@ def test_the_kill_script_for_one_command_skips_processes_started_before_it(
     assert kill_list(marker, exact=True) & {older, own, newer} == {older, own, newer}
     prefix = marker.rsplit("-", 1)[0] + "-"
     assert kill_list(prefix, exact=False, start=start) & {older, own, newer} == {older, own, newer}
+
+
+def test_a_boot_report_without_or_with_a_broken_start_leaves_kills_unfiltered() -> None:
+    ok = b"\0dsh-bash-boot-ok\0"
+    # An older boot script (no record), an unreadable /proc/uptime (empty), rc noise in front.
+    assert find_boot_ok(b"noise" + ok + b"out") == (5, 5 + len(ok), None)
+    assert find_boot_ok(b"\0dsh-bash-boot-at::0\0" + ok) == (21, 21 + len(ok), None)
+    # Only a record right before BOOT_OK counts; one in the noise before it is ignored.
+    assert find_boot_ok(b"\0dsh-bash-boot-at:5.00:0\0x" + ok) == (26, 26 + len(ok), None)
+    found = find_boot_ok(b"rc\0dsh-bash-boot-at:12345.6:42\0" + ok)
+    assert found is not None and found[0] == 2 and found[2] is not None
+    assert (found[2].uptime_cs, found[2].pid) == (1234560, 42)
