@@ -7,6 +7,8 @@ even after they leave the process group (``setsid``, double fork). A scan reads 
 
 Scans run on the kill path, which must need nothing it may not get (issue 15): no worker thread (a
 fork bomb under a pids limit leaves none to start), and no error of the OS read as "process gone".
+A scan for one command's processes may skip, before reading a process's environment, every process
+that started before the command did (:func:`started_before`): it cannot have inherited the marker.
 Only ENOENT and ESRCH mean gone, EACCES and EPERM mean unreadable (a non-dumpable process's environ);
 any other error (EMFILE, ENFILE, ENOMEM, EAGAIN, ...) raises :class:`ProcScanError`. A scanner keeps
 a small reserve of open descriptors (:class:`FdReserve`), given back to the OS for one retry when
@@ -34,9 +36,11 @@ __all__ = [
     "ProcScanError",
     "ProcScanner",
     "ProcStat",
+    "boot_ticks",
     "read_proc_stat",
     "scan",
     "signal_marked",
+    "started_before",
 ]
 
 _DEAD_STATES = frozenset("ZXx")
@@ -48,6 +52,9 @@ _UNREADABLE = frozenset({errno.EACCES, errno.EPERM})
 _NO_FDS = frozenset({errno.EMFILE, errno.ENFILE})
 #: How many processes an async scan looks at between two checkpoints.
 _SCAN_STEP = 32
+#: Clock ticks a start time must lie before a command's start to be skipped: both readings are
+#: rounded down, and this keeps every rounding on the side of reading the environment.
+_START_SLACK_TICKS = 2
 
 T = TypeVar("T")
 
@@ -186,6 +193,21 @@ def read_proc_stat(pid: int | str, proc: str = "/proc", reserve: FdReserve = _NO
         return None
 
 
+def boot_ticks() -> int:
+    """Now, in the unit of a process's start time in ``/proc/PID/stat`` (field 22): clock ticks
+    (``SC_CLK_TCK``) since boot, on CLOCK_BOOTTIME, the clock the kernel stamps a new process with."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+
+
+def started_before(starttime: int, since: int | None) -> bool:
+    """Whether a process that started at ``starttime`` (ticks since boot) certainly started before
+    ``since`` (:func:`boot_ticks` read before a command's first process was forked): then it did not
+    inherit that command's marker, and a scan for the command need not read its environment (which
+    can be megabytes: issue 15). Only a process that was already running and later exec'd with the
+    marker set is missed; a scan by the executor's prefix (``since`` None) still finds it."""
+    return since is not None and starttime + _START_SLACK_TICKS < since
+
+
 #: A scanner's memory of markers already read: (pid, start time) -> marker. The pair names one
 #: process for good, and a process's environment is read once: later scans cost a stat read each.
 MarkerCache = dict[tuple[int, int], "str | None"]
@@ -197,12 +219,14 @@ def _entry(
     reserve: FdReserve,
     cache: MarkerCache | None = None,
     seen: set[tuple[int, int]] | None = None,
+    *,
+    since: int | None = None,
 ) -> ProcEntry | None:
     stat = read_proc_stat(pid, reserve=reserve)
     if stat is None:
         return None
     alive = stat.alive
-    if not alive:
+    if not alive or started_before(stat.starttime, since):
         return ProcEntry(pid, stat.pgrp, alive, None)
     key = (pid, stat.starttime)
     if seen is not None:
@@ -224,12 +248,17 @@ def _pids(reserve: FdReserve) -> list[int]:
     return [int(name) for name in names if name.isdigit() and int(name) != own]
 
 
-def scan(prefix: bytes, reserve: FdReserve = _NO_RESERVE) -> list[ProcEntry]:
+def scan(prefix: bytes, reserve: FdReserve = _NO_RESERVE, since: int | None = None) -> list[ProcEntry]:
     """Every process whose stat is readable, with its marker if it belongs to ``prefix``.
+
+    ``since`` (:func:`boot_ticks` taken before a command started, for a scan by that command's own
+    marker): processes that started before it are listed without a marker, their environment unread.
 
     Raises :class:`ProcScanError` when /proc could not be read for a reason other than a process
     being gone or unreadable: a partial scan must not pass for a complete one."""
-    return [entry for pid in _pids(reserve) if (entry := _entry(pid, prefix, reserve)) is not None]
+    return [
+        entry for pid in _pids(reserve) if (entry := _entry(pid, prefix, reserve, since=since)) is not None
+    ]
 
 
 async def scan_async(

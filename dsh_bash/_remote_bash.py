@@ -14,6 +14,7 @@ import secrets
 import signal
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import anyio
@@ -21,6 +22,7 @@ import anyio
 from ._errors import INFRA_REASONS, BashInfrastructureError
 
 __all__ = [
+    "BOOT_AT",
     "BOOT_FAIL",
     "BOOT_OK",
     "EXIT_PREFIX",
@@ -29,10 +31,13 @@ __all__ = [
     "SPILL_HIGH_WATER_BYTES",
     "SPILL_WRITER",
     "CommandSpills",
+    "CommandStart",
     "ExitTrailerFilter",
     "QueuedSpillFile",
     "SpillWriter",
     "boot_failure",
+    "boot_ok_undecided",
+    "find_boot_ok",
     "kill_args",
     "spill_file_path",
 ]
@@ -47,48 +52,131 @@ BOOT_FAIL = b"\0dsh-bash-boot-fail:"
 #: The trailer a boot script writes once the command's shell exited: nonce and a 3-digit status.
 EXIT_PREFIX = b"\0dsh-bash-exit:"
 
-# $1: "signal" or "list", $2: signal name, $3: marker value or prefix, $4: 1 for an exact match.
+#: Written by a boot script right before BOOT_OK (one write with it), when the command's kills may
+#: skip older processes: when the command started on its host's clock, as ``/proc/uptime`` gave it
+#: (seconds since boot, two decimals) before the command's first process was forked, and the pid of
+#: the process that becomes the command's shell by ``exec`` (0 when that shell is a new child):
+#: ``\0dsh-bash-boot-at:12345.67:4242\0``. Its bash: ``read -r up _ < /proc/uptime`` (no fork).
+BOOT_AT = b"\0dsh-bash-boot-at:"
+#: The longest BOOT_AT record a reader waits for (uptime and pid are short numbers).
+_MAX_BOOT_AT = len(BOOT_AT) + 48
+
+
+@dataclass(frozen=True, slots=True)
+class CommandStart:
+    """When a command started, on the clock of the host it runs on (see :data:`BOOT_AT`)."""
+
+    #: Hundredths of a second since that host booted, read before the command's first process.
+    uptime_cs: int
+    #: The process that became the command by ``exec`` (it started earlier), or 0.
+    pid: int = 0
+
+
+def _parse_boot_at(body: bytes) -> CommandStart | None:
+    """``12345.67:4242`` -> CommandStart; None when it is not that (an empty uptime: unreadable)."""
+    uptime, _, pid = body.partition(b":")
+    whole, dot, cents = uptime.partition(b".")
+    if not (whole.isdigit() and pid.isdigit() and (not dot or cents.isdigit())):
+        return None
+    # /proc/uptime has two decimals; more or fewer are cut or padded (both round down).
+    return CommandStart(int(whole) * 100 + int((cents + b"00")[:2]), int(pid))
+
+
+def find_boot_ok(buf: bytes | bytearray) -> tuple[int, int, CommandStart | None] | None:
+    """Where BOOT's "started" report is in ``buf``: (its start, the index right after BOOT_OK, the
+    command's start from a BOOT_AT record right before BOOT_OK, if there is one); None while no
+    BOOT_OK is in ``buf``. The start is the record's when there is one, else BOOT_OK's."""
+    ok = buf.find(BOOT_OK)
+    if ok < 0:
+        return None
+    end = ok + len(BOOT_OK)
+    # The record ends with its NUL right where BOOT_OK begins (BOOT_OK starts with a NUL too).
+    at = buf.rfind(BOOT_AT, max(0, ok - _MAX_BOOT_AT), ok)
+    if at >= 0 and ok > at + len(BOOT_AT) and buf[ok - 1] == 0:
+        start = _parse_boot_at(bytes(buf[at + len(BOOT_AT) : ok - 1]))
+        if start is not None:
+            return at, end, start
+    return ok, end, None
+
+
+def boot_ok_undecided(head: bytes | bytearray) -> bool:
+    """Whether ``head``, the start of a boot script's output, may still become its "started"
+    report: too short to tell, or a BOOT_AT record whose BOOT_OK has not come yet."""
+    if len(head) < len(BOOT_OK):
+        return True
+    return head.startswith(BOOT_AT) and BOOT_OK not in head and len(head) < _MAX_BOOT_AT + len(BOOT_OK)
+
+
+# $1: "signal" or "list", $2: signal name, $3: marker value or prefix, $4: 1 for an exact match,
+# $5: the command's start (CommandStart.uptime_cs, 0 for none), $6: the pid that became the command
+# by exec (0 for none).
 # A process belongs when its initial environment carries the marker; a process group is signalled
 # only while a marked process is in it (so a recycled group id is never signalled), which also
 # reaches members that cleared their environment.
 KILL = r"""
-mode=$1 sig=$2 want=$3 exact=$4
-declare -A groups=() markof=()
-marked=() all_pid=() all_pgrp=()
-# Every process's marker in one pass of grep (-z: one NUL-terminated variable a line): bash splitting
-# each whole environment cost about 30 ms a process beside 1.4 MB environments (300 of them: a 10 s
-# scan, issue 15). The first marker of a process counts. A fixed string, not an anchored pattern
-# (busybox's -E took 60 times longer); a variable that only contains the text is passed over here.
-# Without a grep that does this (tried on a known text first), each environment is split in bash.
-everyone=1
-if printf 'x\0DSH_BASH_MARK=a\0' | grep -z -q -F -e 'DSH_BASH_MARK=a' 2>/dev/null; then
-  everyone=0
-  while IFS= read -r -d '' rec; do
-    f=${rec%%:*}; f=${f#/proc/}; f=${f%/environ}; line=${rec#*:}
-    [ "${line#DSH_BASH_MARK=}" != "$line" ] || continue
-    [ -n "${markof[$f]+x}" ] || markof[$f]=${line#DSH_BASH_MARK=}
-  done < <(grep -z -H -s -F -e 'DSH_BASH_MARK=' /proc/[0-9]*/environ 2>/dev/null)
+mode=$1 sig=$2 want=$3 exact=$4 since=${5:-0} own=${6:-0}
+declare -A groups=() markof=() iscand=()
+marked=() all_pid=() all_pgrp=() cand=()
+# For one command (an exact marker) whose start is known: a process that started before it cannot
+# have inherited its marker, so its environment (maybe megabytes: issue 15) is not read. Start
+# times (stat field 22) are in CLK_TCK ticks since boot; `since` is in hundredths of a second. Two
+# ticks of slack keep the roundings on the side of reading. The process that became the command
+# by exec started earlier: it is read whatever its start.
+limit=0 hz=100
+case $since in ''|*[!0-9]*) since=0 ;; esac
+if [ "$exact" = 1 ] && [ "$since" -gt 0 ]; then
+  limit=1
+  t=$(getconf CLK_TCK 2>/dev/null)
+  case $t in ''|*[!0-9]*|0) ;; *) hz=$t ;; esac
 fi
 for d in /proc/[0-9]*; do
   p=${d#/proc/}
   [ "$p" = "$$" ] && continue
-  read -r stat < "$d/stat" 2>/dev/null || continue
+  read -r stat 2>/dev/null < "$d/stat" || continue
   rest=${stat##*) }
-  read -r state _ppid pgrp _ <<< "$rest"
+  # Numbers and one state letter: word splitting, without a here-string's temporary file.
+  fld=($rest)
+  state=${fld[0]} pgrp=${fld[2]}
   [ "$state" = Z ] || [ "$state" = X ] && continue
   all_pid+=("$p"); all_pgrp+=("$pgrp")
+  if [ "$limit" = 1 ] && [ "$p" != "$own" ]; then
+    case ${fld[19]} in ''|*[!0-9]*) ;; *) (( (fld[19] + 2) * 100 < since * hz )) && continue ;; esac
+  fi
+  cand+=("$p"); iscand[$p]=1
+done
+# The markers of the candidates in one pass of grep (-z: one NUL-terminated variable a line): bash
+# splitting each whole environment cost about 30 ms a process beside 1.4 MB environments (300 of
+# them: a 10 s scan, issue 15). The first marker of a process counts. A fixed string, not an
+# anchored pattern (busybox's -E took 60 times longer); a variable that only contains the text is
+# passed over here. Without a grep that does this (tried on a known text first), each environment
+# is split in bash.
+everyone=1
+if printf 'x\0DSH_BASH_MARK=a\0' | grep -z -q -F -e 'DSH_BASH_MARK=a' 2>/dev/null; then
+  everyone=0
+  files=()
+  for p in "${cand[@]}"; do files+=("/proc/$p/environ"); done
+  # No file at all would make grep read its stdin.
+  [ "${#files[@]}" -gt 0 ] && while IFS= read -r -d '' rec; do
+    f=${rec%%:*}; f=${f#/proc/}; f=${f%/environ}; line=${rec#*:}
+    [ "${line#DSH_BASH_MARK=}" != "$line" ] || continue
+    [ -n "${markof[$f]+x}" ] || markof[$f]=${line#DSH_BASH_MARK=}
+  done < <(grep -z -H -s -F -e 'DSH_BASH_MARK=' "${files[@]}" 2>/dev/null)
+fi
+for i in "${!all_pid[@]}"; do
+  p=${all_pid[$i]}
   if [ "$everyone" = 0 ]; then
     [ -n "${markof[$p]+x}" ] || continue
     env=("DSH_BASH_MARK=${markof[$p]}")
   else
-    mapfile -d '' -t env < "$d/environ" 2>/dev/null || continue
+    [ -n "${iscand[$p]+x}" ] || continue
+    mapfile -d '' -t env 2>/dev/null < "/proc/$p/environ" || continue
   fi
   for e in "${env[@]}"; do
     case $e in
       DSH_BASH_MARK=*)
         v=${e#DSH_BASH_MARK=}
         if { [ "$exact" = 1 ] && [ "$v" = "$want" ]; } || { [ "$exact" != 1 ] && [ "${v#"$want"}" != "$v" ]; }; then
-          marked+=("$p"); groups[$pgrp]=1
+          marked+=("$p"); groups[${all_pgrp[$i]}]=1
         fi
         break ;;
     esac
@@ -107,11 +195,21 @@ exit 0
 """
 
 
-def kill_args(mode: Literal["signal", "list"], sig: int, marker: str, *, exact: bool) -> tuple[str, ...]:
+def kill_args(
+    mode: Literal["signal", "list"],
+    sig: int,
+    marker: str,
+    *,
+    exact: bool,
+    start: CommandStart | None = None,
+) -> tuple[str, ...]:
     """The arguments of :data:`KILL`: ``signal`` the marked processes (and their groups) with ``sig``,
-    or ``list`` their pids (``sig`` ignored). ``exact``: the marker is a whole value, not a prefix."""
+    or ``list`` their pids (``sig`` ignored). ``exact``: the marker is a whole value, not a prefix.
+    ``start`` (an exact marker's command, from its BOOT_AT record): processes that started before it
+    are skipped unread, but for the one that became the command by exec."""
     name = signal.Signals(sig).name if mode == "signal" else "0"
-    return (mode, name, marker, "1" if exact else "0")
+    since, own = (str(start.uptime_cs), str(start.pid)) if exact and start is not None else ("0", "0")
+    return (mode, name, marker, "1" if exact else "0", since, own)
 
 
 # $1: path. Any existing path is refused, links (dangling too), FIFOs and devices included: bash's

@@ -15,14 +15,17 @@ process, kill and spill mechanics; this module holds the pieces it builds them f
 - markers and process scanning on a Linux host: :data:`MARKER_VAR`, :class:`ProcScanner`,
   :class:`ProcScanError` (a /proc read that says nothing about the process), :class:`FdReserve`,
   :func:`scan_processes`, :class:`ProcEntry`, :func:`read_proc_stat`, :class:`ProcStat`,
-  :func:`signal_marked` (pid-fd signalling);
+  :func:`signal_marked` (pid-fd signalling), :func:`boot_ticks` and :func:`started_before` (a scan
+  for one command skips processes that started before it);
 - output accounting: :class:`OutputStream`, :class:`SpillFile`, :class:`SpillBudget`,
   :data:`StreamName`, :func:`merge_streams`, :func:`prepay_spills` (a budget granted up front to
   output files a capped writer on the far side fills);
 - the environment policy: :func:`build_command_env`, :func:`is_scrubbed`, :func:`dropped_names`,
   :data:`MODEL_FRIENDLY_ENV`, :data:`RC_FILE_VARIABLES`;
 - bash reached remotely (through an API or a channel): the boot markers :data:`BOOT_OK`,
-  :data:`BOOT_FAIL` (:func:`boot_failure` reads its report), :data:`EXIT_PREFIX`, the scripts
+  :data:`BOOT_FAIL` (:func:`boot_failure` reads its report), :data:`BOOT_AT` (the command's
+  :class:`CommandStart` on its host's clock; :func:`find_boot_ok`, :func:`boot_ok_undecided`),
+  :data:`EXIT_PREFIX`, the scripts
   :data:`KILL` (arguments from :func:`kill_args`), :data:`SPILL_DIR`, :data:`SPILL_WRITER`, and
   :class:`ExitTrailerFilter`, :class:`QueuedSpillFile`, :class:`SpillWriter`, :class:`CommandSpills`,
   :func:`spill_file_path`,
@@ -108,11 +111,14 @@ from ._procscan import (
     ProcScanError,
     ProcScanner,
     ProcStat,
+    boot_ticks,
     read_proc_stat,
     signal_marked,
+    started_before,
 )
 from ._procscan import scan as scan_processes
 from ._remote_bash import (
+    BOOT_AT,
     BOOT_FAIL,
     BOOT_OK,
     EXIT_PREFIX,
@@ -121,10 +127,13 @@ from ._remote_bash import (
     SPILL_HIGH_WATER_BYTES,
     SPILL_WRITER,
     CommandSpills,
+    CommandStart,
     ExitTrailerFilter,
     QueuedSpillFile,
     SpillWriter,
     boot_failure,
+    boot_ok_undecided,
+    find_boot_ok,
     kill_args,
     spill_file_path,
 )
@@ -132,6 +141,7 @@ from ._signed import KEY_SIZE as SUPERVISOR_KEY_SIZE
 from ._signed import SignedRecords
 
 __all__ = [
+    "BOOT_AT",
     "BOOT_FAIL",
     "BOOT_OK",
     "BUDGET_FIELDS",
@@ -153,6 +163,7 @@ __all__ = [
     "SUPERVISOR_PROTOCOL",
     "CommandProcess",
     "CommandSpills",
+    "CommandStart",
     "ConformanceHooks",
     "Containment",
     "ContainmentSetting",
@@ -189,11 +200,14 @@ __all__ = [
     "SupervisorRecords",
     "WrapCommand",
     "boot_failure",
+    "boot_ok_undecided",
+    "boot_ticks",
     "build_command_env",
     "choose_containment",
     "config_error_from",
     "dropped_names",
     "encode_frame",
+    "find_boot_ok",
     "find_host_processes",
     "host_support_problem",
     "is_scrubbed",
@@ -213,6 +227,7 @@ __all__ = [
     "signal_name",
     "spawn_host_process",
     "spill_file_path",
+    "started_before",
     "supervisor_binary",
     "supervisor_payload",
     "supervisor_problem",

@@ -20,6 +20,8 @@ from dsh_bash_ssh import _scripts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsh_bash.backend import find_boot_ok
+
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 SECRET = "DSHBOOT_SECRET_TOKEN"
@@ -188,9 +190,10 @@ def _run_warm(
     process = process or _start_warm(prefix)
     out, err = process.communicate(request + stdin, timeout=20)
     assert process.returncode == 0, (out, err)
-    marker = b"\0dsh-bash-boot-ok\0"
-    assert out.startswith(marker), (out, err)
-    return out[len(marker) :]
+    # BOOT's first words: its BOOT_AT record (the command's start, for kills) and BOOT_OK.
+    found = find_boot_ok(out)
+    assert found is not None and found[0] == 0 and found[2] is not None, (out, err)
+    return out[found[1] :]
 
 
 def test_a_warm_channel_waits_without_the_logins_environment(spill: Path) -> None:

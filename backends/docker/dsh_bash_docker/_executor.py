@@ -27,6 +27,7 @@ from dsh_bash.backend import (
     SpillFile,
     SupervisedLeftovers,
     SupervisorInstall,
+    boot_ticks,
     choose_containment,
     dropped_names,
     is_scrubbed,
@@ -494,6 +495,8 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             exact=True,
             kill_container=self._kill_own_container,
             host_sees_processes=self._host_sees_processes,
+            # Before the exec exists: every process of the command starts later.
+            host_since=boot_ticks(),
         )
         if supervisor is not None:
             argv = [supervisor, "--frame", "--", "bash", "--noprofile", "--norc", "-c", BOOT_SUPERVISED]

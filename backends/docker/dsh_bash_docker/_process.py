@@ -16,19 +16,22 @@ import anyio.to_thread
 from dsh_bash import BashInfrastructureError
 from dsh_bash.backend import (
     CommandProcess,
+    CommandStart,
     ExitStatus,
     ExitTrailerFilter,
     InfraReason,
     Launch,
     ProcEntry,
     boot_failure,
+    boot_ok_undecided,
+    find_boot_ok,
     kill_args,
     signal_marked,
 )
 from dsh_bash.backend import scan_processes as scan
 
 from ._engine import EngineClient, EngineError, ExecStream
-from ._scripts import BOOT_FAIL, BOOT_OK, KILL
+from ._scripts import BOOT_FAIL, KILL
 
 __all__ = ["ContainerMarked", "DockerProcess", "diagnose_refusal", "lost_in_container", "run_script"]
 
@@ -187,6 +190,11 @@ class ContainerMarked:
     Found and signalled by a script exec'd in the container. When no process can be started there
     (the pids limit is exhausted), the host's /proc is searched for the marker instead, which works
     when the engine runs on this host; in image mode the container itself is the last resort.
+
+    A kill for one command (``exact``) skips processes that started before the command, unread (an
+    environment can be megabytes; issue 15): in the container, by the start its boot script reported
+    (:attr:`start`, once known); on the host, by ``host_since`` (:func:`boot_ticks` read here before
+    the exec was created: the engine runs on this kernel when the host sees its processes).
     """
 
     def __init__(
@@ -199,6 +207,7 @@ class ContainerMarked:
         exact: bool,
         kill_container: Callable[[], Awaitable[bool]],
         host_sees_processes: Callable[[], bool],
+        host_since: int | None = None,
     ):
         self._engine = engine
         self._container = container
@@ -207,9 +216,12 @@ class ContainerMarked:
         self._exact = exact
         self._kill_container = kill_container
         self._host_sees_processes = host_sees_processes
+        self._host_since = host_since if exact else None
+        #: The command's start on the container's clock, from its boot script (None until then).
+        self.start: CommandStart | None = None
 
     def _args(self, mode: Literal["signal", "list"], sig: int) -> tuple[str, ...]:
-        return kill_args(mode, sig, self._marker, exact=self._exact)
+        return kill_args(mode, sig, self._marker, exact=self._exact, start=self.start)
 
     async def signal_all(self, sig: int) -> None:
         # A saturated engine (a hundred commands ending at once) can take seconds to run one exec:
@@ -256,7 +268,8 @@ class ContainerMarked:
 
     async def _host_entries(self) -> list[ProcEntry]:
         try:
-            entries = await anyio.to_thread.run_sync(scan, self._marker.encode())
+            marker, since = self._marker.encode(), self._host_since
+            entries = await anyio.to_thread.run_sync(lambda: scan(marker, since=since))
         except OSError:
             return []
         return [
@@ -310,11 +323,13 @@ class DockerProcess(CommandProcess):
         head = bytearray()
         early_err: list[bytes] = []
         started = await self._stream.pump_until(
-            head.extend, lambda data: early_err.append(bytes(data)), lambda: len(head) >= len(BOOT_OK)
+            head.extend, lambda data: early_err.append(bytes(data)), lambda: not boot_ok_undecided(head)
         )
-        if started and head.startswith(BOOT_OK):
+        found = find_boot_ok(head) if started else None
+        if found is not None and found[0] == 0:
+            _, end, self._marked.start = found
             # Output the command wrote in the same frame belongs to it.
-            self._pending_out = [bytes(head[len(BOOT_OK) :])] if len(head) > len(BOOT_OK) else []
+            self._pending_out = [bytes(head[end:])] if len(head) > end else []
             self._pending_err = early_err
             return
         # The whole report: a failure's kind, or the engine's own words when bash never ran (the

@@ -46,7 +46,10 @@ BOOT = (
     BOOT_CHECKS
     + r"""
 if ! command -v setsid >/dev/null; then printf '\0dsh-bash-boot-fail:start_failed:cannot start a session: no setsid\0'; exit 125; fi
-printf '\0dsh-bash-boot-ok\0'
+# When the command starts on the container's clock (BOOT_AT: /proc/uptime, read by a builtin), before
+# its shell is forked: kills by its marker skip older processes unread. Empty when unreadable.
+read -r up _ 2>/dev/null </proc/uptime || up=
+printf '\0dsh-bash-boot-at:%s:0\0\0dsh-bash-boot-ok\0' "$up"
 exec 5> >(exec cat); out=$!
 exec 6> >(exec cat >&2); err=$!
 # From here this shell's own notices ("Terminated" when the command dies of a signal) must not

@@ -454,6 +454,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                 chan.write(key)
                 chan.write_eof()
             await process.read_preamble()
+            marked.start = session.command_start
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 if framed is not None:
@@ -496,11 +497,13 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         async def on_release() -> None:
             self._detached.pop(marker, None)
 
+        marked = self._marked(marker)
+        marked.start = session.command_start
         return DetachedProcess(
             pool=self._pool,
             follower=self._follower,
             followed=followed,
-            marked=self._marked(marker),
+            marked=marked,
             spills=spills,
             on_release=on_release,
             registry=self._detached_supervisors,

@@ -14,15 +14,17 @@ import asyncssh
 from dsh_bash import BashInfrastructureError
 from dsh_bash.backend import (
     CommandProcess,
+    CommandStart,
     ExitStatus,
     InfraReason,
     Launch,
     boot_failure,
+    find_boot_ok,
     kill_args,
 )
 
 from ._connection import ChannelPool, SlotSession
-from ._scripts import BOOT_FAIL, BOOT_OK, KILL, READY, STDERR_OK
+from ._scripts import BOOT_FAIL, KILL, READY, STDERR_OK
 
 __all__ = ["CommandSession", "RemoteMarked", "SshProcess", "boot_verdict", "signal_number"]
 
@@ -39,6 +41,9 @@ class RemoteMarked:
 
     Found and signalled by the shared KILL script, run over the pool's reserved kill channel (the
     connection is re-established first when it dropped: a command outlives its connection).
+
+    For one command (``exact``) whose BOOT reported its start (:attr:`start`), the script skips
+    processes that started before it without reading their environments (issue 15).
     """
 
     def __init__(
@@ -53,13 +58,15 @@ class RemoteMarked:
         self._marker = marker
         self._exact = exact
         self._unreached = unreached
+        #: The command's start on the host's clock, from BOOT's BOOT_AT record (None until then).
+        self.start: CommandStart | None = None
 
     @property
     def marker(self) -> str:
         return self._marker
 
     def _args(self, mode: Literal["signal", "list"], sig: int) -> tuple[str, ...]:
-        return kill_args(mode, sig, self._marker, exact=self._exact)
+        return kill_args(mode, sig, self._marker, exact=self._exact, start=self.start)
 
     async def signal_all(self, sig: int) -> None:
         # Shielded: a kill sequence's bound may expire while the script runs (a slow login's rc
@@ -140,6 +147,8 @@ class CommandSession(SlotSession):
         self._err_held = b""
         self._feeding = True
         self.boot_failure: str | None = None
+        #: The command's start on the host's clock, when BOOT reported it with its verdict.
+        self.command_start: CommandStart | None = None
         self.preamble_done = anyio.Event()
         self.exit: ExitStatus | None = None
         self.exit_signal_name: str | None = None
@@ -243,10 +252,11 @@ class CommandSession(SlotSession):
             self._ready = True
             self.ready_or_closed.set()
         self._heard = self._heard or bool(buf)
-        ok = buf.find(BOOT_OK)
-        if ok >= 0:
+        found = find_boot_ok(buf)
+        if found is not None:
+            _, end, self.command_start = found
             self._out_started = True
-            rest = bytes(buf[ok + len(BOOT_OK) :])
+            rest = bytes(buf[end:])
             self._out_held = bytearray()
             self.preamble_done.set()
             if self._framed is not None:

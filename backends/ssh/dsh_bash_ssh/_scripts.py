@@ -198,10 +198,12 @@ if ! (builtin umask 077; builtin set -C
       if [[ $_dsh_input == 1 ]]; then exec cat > "$_dsh_base.in"; fi) 2>/dev/null; then
   builtin printf '\0dsh-bash-boot-fail:start_failed:cannot create the task files\0'; builtin exit 125
 fi
+_dsh_up=
+builtin read -r _dsh_up _ 2>/dev/null </proc/uptime
 if ! setsid -f bash --noprofile --norc -c SUPERVISOR_QUOTED dsh-bash-task "$_dsh_base" "$_dsh_mark" "$_dsh_input" "$_dsh_islong" </dev/null >/dev/null 2>&1; then
   builtin printf '\0dsh-bash-boot-fail:start_failed:cannot start the task supervisor (setsid -f)\0'; builtin exit 125
 fi
-builtin printf '\0dsh-bash-boot-ok\0'
+builtin printf '\0dsh-bash-boot-at:%s:0\0\0dsh-bash-boot-ok\0' "$_dsh_up"
 builtin printf '\0dsh-bash-stderr-ok\0' >&2
 builtin exit 0
 """
@@ -248,8 +250,16 @@ exec SUPERVISOR --detach --status-file "$_dsh_base.status" "${_dsh_in[@]}" --std
 """
 # Plain `exec` from here: no function is defined (see above), and `builtin exec <file` would undo
 # its redirection once the builtin returned.
+#
+# BOOT_AT before BOOT_OK: when the command starts on the host's clock (/proc/uptime, by a builtin:
+# no fork) and this process's pid, which becomes the command's shell by exec (so it started before;
+# every other process of the command starts after): kills by the command's marker skip older
+# processes unread (issue 15). Under the supervisor the pid is the supervisor's, which carries no
+# marker: reading it costs one environment.
 _STARTED = r"""
-builtin printf '\0dsh-bash-boot-ok\0'
+_dsh_up=
+builtin read -r _dsh_up _ 2>/dev/null </proc/uptime
+builtin printf '\0dsh-bash-boot-at:%s:%s\0\0dsh-bash-boot-ok\0' "$_dsh_up" "$$"
 builtin printf '\0dsh-bash-stderr-ok\0' >&2
 builtin export DSH_BASH_MARK=$_dsh_mark
 """
