@@ -37,7 +37,8 @@ async def _alternate(
     settle: Callable[[], Awaitable[Any]] | None = None,
 ) -> dict[str, float]:
     """Medians (ms) of ``runs`` calls of each, alternating; ``settle`` is awaited (untimed) after
-    each call of the subject, so that no work it left in the background overlaps the next call."""
+    every call, so that no work a call left in the background (an executor logging in its next
+    channel) overlaps the next call, whichever is timed next."""
     samples: dict[str, list[float]] = {"subject": [], **{name: [] for name in baselines}}
     for _ in range(3):  # warm-up
         await subject()
@@ -48,7 +49,7 @@ async def _alternate(
             started = time.perf_counter()
             await call()
             samples[name].append(time.perf_counter() - started)
-            if settle is not None and name == "subject":
+            if settle is not None:
                 await settle()
     return {name: statistics.median(values) * 1000 for name, values in samples.items()}
 

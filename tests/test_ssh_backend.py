@@ -500,15 +500,17 @@ async def test_a_warm_channel_waits_while_open_and_is_gone_after_aclose(ssh_serv
     with ssh_server.plant({"DSHTEST_WARM_TOKEN": "warm-secret-value"}):
         async with ssh_server.executor() as ex:
             assert await ex.warm_up()
-            (waiter,) = _waiters(TEST_USER)
-            # The waiting process holds no value of the login's environment (env -i).
-            assert b"warm-secret-value" not in Path(f"/proc/{waiter}/environ").read_bytes()
-            assert b"warm-secret-value" not in Path(f"/proc/{waiter}/cmdline").read_bytes()
-            result = await ex.exec("echo on a warm channel; env")  # takes it; the next one starts
+            waiters = _waiters(TEST_USER)
+            assert len(waiters) == 2  # two spares (see dsh_bash_ssh._warm)
+            for waiter in waiters:
+                # The waiting process holds no value of the login's environment (env -i).
+                assert b"warm-secret-value" not in Path(f"/proc/{waiter}/environ").read_bytes()
+                assert b"warm-secret-value" not in Path(f"/proc/{waiter}/cmdline").read_bytes()
+            result = await ex.exec("echo on a warm channel; env")  # takes one; then it is replaced
             assert result.stdout.text.startswith("on a warm channel\n")
             assert "DSHTEST_WARM_TOKEN" not in result.stdout.text
             assert await ex.warm_up()
-            assert len(_waiters(TEST_USER)) == 1
+            assert len(_waiters(TEST_USER)) == 2
     assert await _until(lambda: _waiters(TEST_USER) == []), _waiters(TEST_USER)
 
 

@@ -360,6 +360,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
             return await self._spawn_detached(launch, nonce, plan, warm=warm)
 
         async def on_release() -> None:
+            self._warm.warm()  # the spare this command took, replaced (see _boot)
             self._attached.discard(marker)  # an attached background task's channel is free again
             if script is not None:
                 self._start_helper(self._remove_quietly, script)
@@ -409,7 +410,10 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         try:
             if warm:
                 session = await self._warm.take()
-                self._warm.warm()  # the next command's
+                if launch.background or not self._warm.spares:
+                    self._warm.warm()  # the next command's
+                # Else once this foreground command ended (on_release): a login shell starting
+                # beside a short command slows it down, and a spare is still waiting.
             if session is not None:
                 session.adopt(launch, backlogged, feed)
                 assert session.chan is not None

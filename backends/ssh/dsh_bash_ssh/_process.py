@@ -191,6 +191,17 @@ class CommandSession(SlotSession):
         self._backlogged = backlogged
         self._framed = framed
 
+    async def follow(self, done: anyio.Event, wait_writable: Callable[[], Awaitable[None]]) -> None:
+        """Until ``done`` is set: whenever reading paused for full spills, resume once they drained."""
+        while True:
+            await self.wake.wait()
+            if done.is_set():
+                return
+            self.wake = anyio.Event()
+            if self.paused:
+                await wait_writable()
+                self.resume()
+
     def stop_feeding(self) -> None:
         self._feeding = False
         self.resume()  # what still comes is discarded: never hold the command back for it
@@ -409,14 +420,7 @@ class SshProcess(CommandProcess):
     async def pump_output(self) -> None:
         session = self._session
         try:
-            while True:
-                await session.wake.wait()
-                if session.eof.is_set():
-                    return
-                session.wake = anyio.Event()
-                if session.paused:
-                    await self._wait_writable()
-                    session.resume()
+            await session.follow(session.eof, self._wait_writable)
         finally:
             session.stop_feeding()
 

@@ -1,4 +1,4 @@
-"""A warm channel: the next command's channel, opened and logged in ahead of it.
+"""Warm channels: the next commands' channels, opened and logged in ahead of them.
 
 Most of a command's latency over SSH is not the command: it is opening the channel, sshd forking
 the session and the login shell starting (its rc files). One spare channel's login shell becomes
@@ -16,6 +16,7 @@ finds it so; the command then opens its own channel, as it would without spares.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -46,7 +47,11 @@ class _Spare:
 
 
 class WarmChannel:
-    """At most one spare channel whose login shell waits for the next command."""
+    """Up to ``depth`` spare channels whose login shells wait for the next commands.
+
+    Two by default: a login takes longer than a short command on a busy host, so with one spare a
+    command run right after another waited for the spare its predecessor had just started.
+    """
 
     def __init__(
         self,
@@ -54,53 +59,63 @@ class WarmChannel:
         start_helper: Callable[[Callable[..., Awaitable[Any]], Any], None],
         *,
         enabled: bool = True,
+        depth: int = 2,
     ) -> None:
         self._pool = pool
         self._start_helper = start_helper
-        self._spare: _Spare | None = None
+        #: Oldest first: the one most likely logged in already.
+        self._spares: deque[_Spare] = deque()
+        self._depth = depth
         self._closed = not enabled
 
+    @property
+    def spares(self) -> int:
+        """How many spares there are (logged in or logging in)."""
+        return len(self._spares)
+
     def warm(self) -> None:
-        """Start a spare unless there is one, no slot is free right now, or the connection is down
+        """Start spares up to the depth, while a slot is free right now and the connection is up
         (reconnecting is for a command to do, not for a spare)."""
-        if self._closed or self._spare is not None or not self._pool.connected():
-            return
-        if not self._pool.try_reserve():
-            return
-        spare = self._spare = _Spare()
-        self._start_helper(self._open, spare)
+        while not self._closed and len(self._spares) < self._depth and self._pool.connected():
+            if not self._pool.try_reserve():
+                return
+            spare = _Spare()
+            self._spares.append(spare)
+            self._start_helper(self._open, spare)
 
     async def _open(self, spare: _Spare) -> None:
         try:
             spare.session = await self._pool.open_session(warm_line(), CommandSession, reserved=True)
         except BashInfrastructureError as exc:
             log.debug("a warm channel did not open: %s", exc)
-            if self._spare is spare:
-                self._spare = None
+            if spare in self._spares:
+                self._spares.remove(spare)
         finally:
             spare.opened.set()
         if spare.discarded and spare.session is not None:
             spare.session.close()
 
     async def ready(self) -> bool:
-        """Start a spare if there is none and wait until its login shell waits (or it failed).
-        False when there is no spare: disabled, closed, or no slot free."""
+        """Start spares up to the depth and wait until every one's login shell waits (or failed).
+        False when there is no spare then: disabled, closed, or no slot free."""
         self.warm()
-        spare = self._spare
-        return spare is not None and await _settled(spare) is not None
+        for spare in list(self._spares):
+            await _settled(spare)
+        return any(_is_ready(spare) for spare in self._spares)
 
     async def take(self) -> CommandSession | None:
-        """The spare, once its login shell waits for a request; None when there is none (or it died)."""
-        spare = self._spare
-        if spare is None:
+        """A spare, once its login shell waits for a request (one that waits already, if any, else
+        the oldest); None when there is none (or it died)."""
+        if not self._spares:
             return None
-        self._spare = None
+        spare = next((each for each in self._spares if _is_ready(each)), self._spares[0])
+        self._spares.remove(spare)
         try:
             session = await _settled(spare)
         except BaseException:
             # Cancelled while the spare warmed up: it is left for the next command.
-            if self._spare is None and not self._closed and not spare.discarded:
-                self._spare = spare
+            if len(self._spares) < self._depth and not self._closed and not spare.discarded:
+                self._spares.appendleft(spare)
             else:
                 spare.discard()
             raise
@@ -109,14 +124,19 @@ class WarmChannel:
         return session
 
     def reclaim(self) -> None:
-        """Close the idle spare, if any, so that its slot serves whoever waits for one."""
-        spare, self._spare = self._spare, None
-        if spare is not None:
-            spare.discard()
+        """Close an idle spare (the newest), if any, so that its slot serves whoever waits for one."""
+        if self._spares:
+            self._spares.pop().discard()
 
     def close(self) -> None:
         self._closed = True
-        self.reclaim()
+        while self._spares:
+            self._spares.pop().discard()
+
+
+def _is_ready(spare: _Spare) -> bool:
+    session = spare.session
+    return session is not None and session.ready
 
 
 async def _settled(spare: _Spare) -> CommandSession | None:
