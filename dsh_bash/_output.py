@@ -333,11 +333,13 @@ class OutputStream:
         """The foreground view: the whole kept tail, decoded."""
         tail = self._tail
         start = _skip_continuation(tail, 0) if self.truncated else 0
+        data = bytes(tail)
         return CollectedOutput(
-            text=bytes(tail[start:]).decode("utf-8", errors="replace"),
+            text=(data[start:] if start else data).decode("utf-8", errors="replace"),
             truncated=self.truncated,
             spill_path=self.spill_path,
             total_bytes=self.total_bytes,
+            data=data,
         )
 
     def read(self) -> tuple[str, int]:

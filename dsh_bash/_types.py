@@ -209,12 +209,26 @@ class BashExecSpec(_CommandChecks):
 
 
 class CollectedOutput(_Frozen):
-    """One stream of a foreground run: the kept tail as text, and where the whole stream is."""
+    """One stream of a foreground run: the kept tail as text and as bytes, and where the whole stream is.
+
+    In JSON (``model_dump_json``), ``data`` is base64: the bytes need not be UTF-8.
+    """
+
+    model_config = ConfigDict(
+        frozen=True,
+        arbitrary_types_allowed=True,
+        extra="forbid",
+        ser_json_bytes="base64",
+        val_json_bytes="base64",
+    )
 
     text: str
     truncated: bool
     spill_path: str | None
     total_bytes: int = Field(ge=0)
+    #: The kept tail exactly as the command wrote it: the stream's last ``len(data)`` bytes (all of
+    #: them unless ``truncated``). ``text`` is these bytes decoded, minus a character cut at the start.
+    data: StrictBytes
 
 
 class BashRunResult(_Frozen):

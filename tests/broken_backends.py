@@ -1267,6 +1267,23 @@ class _IgnoringDecodeStream(OutputStream):
         return super().collected().model_copy(update={"text": text})
 
 
+class _ReencodedStream(OutputStream):
+    __slots__ = ()
+
+    def collected(self) -> CollectedOutput:
+        collected = super().collected()
+        return collected.model_copy(update={"data": collected.text.encode()})
+
+
+class BytesFromText(_StreamBreaker):
+    """Breaks: `data` is the kept tail exactly as the command wrote it.
+
+    It encodes the text again: invalid bytes come back as U+FFFD's three bytes.
+    """
+
+    stream_class = _ReencodedStream
+
+
 class DropsInvalidUtf8(_StreamBreaker):
     """Breaks: text is UTF-8 with invalid bytes replaced (U+FFFD).
 

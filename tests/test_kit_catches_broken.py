@@ -130,6 +130,7 @@ CAUGHT_BY: list[Row] = [
     Row("spill-file-private", bb.WorldReadableSpills),
     Row("spill-names-unpredictable", bb.SequentialSpillNames),
     Row("invalid-utf8-replaced", bb.DropsInvalidUtf8),
+    Row("output-bytes-exact", bb.BytesFromText),
     Row("utf8-split-never-mangled", bb.DecodesChunkByChunk),
     Row("aclose-removes-spill-files", bb.KeepsSpillDir),
     # -- environment ----------------------------------------------------------------------------------

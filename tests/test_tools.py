@@ -94,7 +94,8 @@ async def _until_finished(tools: BashToolset, task_id: str, limit_s: float = 10)
 
 
 def _out(text: str = "", truncated: bool = False, spill: str | None = None) -> CollectedOutput:
-    return CollectedOutput(text=text, truncated=truncated, spill_path=spill, total_bytes=len(text.encode()))
+    data = text.encode()
+    return CollectedOutput(text=text, truncated=truncated, spill_path=spill, total_bytes=len(data), data=data)
 
 
 def _result(

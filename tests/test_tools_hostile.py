@@ -192,9 +192,15 @@ def test_escaping_reads_back_exactly(raw: str) -> None:
 
 def test_rendered_text_escapes_stdout_stderr_and_deltas() -> None:
     out = CollectedOutput(
-        text="\x1b[2J\x1b]0;title\x07out\n", total_bytes=0, truncated=False, spill_path=None
+        text="\x1b[2J\x1b]0;title\x07out\n",
+        total_bytes=0,
+        truncated=False,
+        spill_path=None,
+        data=b"\x1b[2J\x1b]0;title\x07out\n",
     )
-    err = CollectedOutput(text="\x9b1;1Herr\r", total_bytes=0, truncated=False, spill_path=None)
+    err = CollectedOutput(
+        text="\x9b1;1Herr\r", total_bytes=0, truncated=False, spill_path=None, data="\x9b1;1Herr\r".encode()
+    )
     result = BashRunResult(
         exit_code=1,
         signal=None,

@@ -20,6 +20,7 @@ from dsh_bash import (
     BashTask,
     BashTaskId,
     BashTaskRead,
+    CollectedOutput,
     ConfigError,
     DshBashError,
     ExecutorClosedError,
@@ -413,3 +414,13 @@ def test_error_hierarchy_matches_contract() -> None:
     assert issubclass(DshBashError, Exception)
     assert not issubclass(UnknownTaskError, BashInfrastructureError)
     assert not issubclass(ConfigError, BashInfrastructureError)
+
+
+def test_collected_output_round_trips_raw_bytes_through_json() -> None:
+    # Output need not be UTF-8: its bytes go as base64 in JSON, and come back exactly.
+    collected = CollectedOutput(
+        text="a\ufffdb", truncated=False, spill_path=None, total_bytes=3, data=b"a\xffb"
+    )
+    dumped = collected.model_dump_json()
+    assert '"data":"Yf9i"' in dumped
+    assert CollectedOutput.model_validate_json(dumped) == collected

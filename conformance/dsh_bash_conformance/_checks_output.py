@@ -322,6 +322,34 @@ async def invalid_utf8(ctx: CheckContext) -> None:
 
 
 @check(
+    "output-bytes-exact",
+    kind="contract",
+    clause="R-output-bytes",
+    rule="`data` is the kept tail exactly as the command wrote it: invalid UTF-8, NUL, all 256 byte "
+    "values, and a character cut at the truncation boundary.",
+)
+async def output_bytes(ctx: CheckContext) -> None:
+    async with ctx.executor(max_output_bytes=1000) as ex:
+        every_byte = bytes(range(256))
+        escaped = "".join(f"\\x{b:02x}" for b in every_byte)
+        result = await ex.exec(f"printf '{escaped}'; printf 'a\\xffb\\x00c' >&2")
+        ctx.expect(result.stdout.data == every_byte, f"all 256 byte values: data={result.stdout.data!r}")
+        ctx.expect(result.stderr.data == b"a\xffb\x00c", f"stderr data={result.stderr.data!r}")
+        # 1001 bytes, the last 1000 kept: the first kept bytes are the end of a cut 3-byte character.
+        result = await ex.exec("printf '\\xe2\\x82\\xac%.0s' {1..333}; printf 'xy'")
+        full = "\u20ac".encode() * 333 + b"xy"
+        ctx.expect(
+            result.stdout.data == full[-1000:] and result.stdout.truncated,
+            f"the kept tail of a truncated stream: {len(result.stdout.data)} bytes, "
+            f"starting {result.stdout.data[:6]!r} (expected {full[-1000:][:6]!r})",
+        )
+        ctx.expect(
+            result.stdout.text == result.stdout.data[2:].decode(),
+            f"text is not data decoded past the cut character: {result.stdout.text[:8]!r}",
+        )
+
+
+@check(
     "utf8-split-never-mangled",
     kind="contract",
     clause="R-output-utf8-split",
