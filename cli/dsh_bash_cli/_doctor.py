@@ -99,7 +99,10 @@ GENERIC_HINTS: Mapping[InfraReason, str] = {
     "engine_unreachable": "start the container engine, or point the config at one that answers",
     "image_missing": "pull the image, or let the backend pull it",
     "container_missing": "name an existing, running container in the config",
-    "user_unknown": "set the user in the config to one that exists where the commands run",
+    "user_unknown": "set the user in the config (or the request's user) to one that exists where the "
+    "commands run",
+    "user_unsupported": "drop the request's user: this backend runs every command as its one user (the "
+    "Docker backend switches users per command)",
     "host_unreachable": "check the host, the port and that the network reaches it; raise the connect timeout",
     "auth_failed": "check the user name and credentials in the config: the server must accept one",
     "host_key_rejected": "add the host's key to the known hosts file the config names",
