@@ -326,10 +326,22 @@ _DUMPING_INSPECT = """
 import asyncio, faulthandler, runpy, signal, sys
 
 def dump_tasks(signum, frame):
+    # Who handles SIGINT now (asyncio's runner, uvicorn's, ignored?), and the kernel's view of it.
+    print(f"--- SIGINT handler: {signal.getsignal(signal.SIGINT)!r}", file=sys.stderr)
+    with open("/proc/self/status") as status:
+        print("".join(l for l in status if l.startswith(("SigBlk", "SigIgn", "SigCgt"))), file=sys.stderr)
     loop = asyncio._get_running_loop()
     for task in asyncio.all_tasks(loop) if loop is not None else ():
-        print(f"--- {task!r}", file=sys.stderr)
-        task.print_stack(file=sys.stderr)
+        # Each task's whole await chain (print_stack shows only its outermost coroutine).
+        chain, coro = [], task.get_coro()
+        while coro is not None:
+            code = getattr(coro, "cr_code", None) or getattr(coro, "gi_code", None)
+            frame_ = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+            if code is not None:
+                line = frame_.f_lineno if frame_ is not None else "?"
+                chain.append(f"{code.co_filename.rsplit('site-packages/', 1)[-1]}:{line} {code.co_name}")
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        print(f"--- {task.get_name()}: " + " > ".join(chain), file=sys.stderr)
     sys.stderr.flush()
 
 faulthandler.register(signal.SIGUSR2, all_threads=True)
@@ -418,7 +430,7 @@ def test_cancelled_eval_leaves_nothing(where: str, tmp_path: Path) -> None:
                 inspect_run.communicate(timeout=5)
             inspect_run.kill()
             dump = inspect_run.communicate()[0].decode(errors="replace")
-            warnings.warn(f"inspect eval hung after SIGINT; its stacks:\n{dump[-20000:]}", stacklevel=1)
+            warnings.warn(f"inspect eval hung after SIGINT; its stacks:\n{dump[-30000:]}", stacklevel=1)
             raise
     finally:
         if inspect_run.poll() is None:
