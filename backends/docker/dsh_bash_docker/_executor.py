@@ -257,6 +257,13 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         finally:
             client.close()
 
+    async def _still_running(self) -> bool:
+        try:
+            info = await self._engine.container_inspect(self._container_id)
+        except EngineError:
+            return False
+        return bool(info.get("State", {}).get("Running"))
+
     async def _learn_container(self) -> None:
         try:
             info = await self._engine.container_inspect(self._container_id)
@@ -290,6 +297,10 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             refused = exc.reason == "start_failed" or (
                 self._docker_config.image is not None and exc.status in (404, 409)
             )
+            if not refused and self._docker_config.image is not None and exc.status is not None:
+                # Its container ending under the exec may also come back as a 500 (the runtime
+                # found no process to join): a container no longer running is the same case.
+                refused = not await self._still_running()
             if not refused:
                 raise
             reason = await diagnose_refusal(self._engine, self._container_id, user)
