@@ -258,6 +258,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             client.close()
 
     async def _still_running(self) -> bool:
+        """Whether the executor's container runs (False when the engine cannot say)."""
         try:
             info = await self._engine.container_inspect(self._container_id)
         except EngineError:
@@ -424,12 +425,8 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
 
     async def _recreate(self) -> None:
         async with self._recreate_lock:
-            try:
-                info = await self._engine.container_inspect(self._container_id)
-                if info.get("State", {}).get("Running"):
-                    return  # another command recreated it already
-            except EngineError:
-                pass
+            if await self._still_running():
+                return  # another command recreated it already
             old = self._container_id
             log.warning(
                 "container %s is gone or stopped; creating a fresh one from %s", old[:12], self.config.image
