@@ -4,7 +4,7 @@ Everything here is pure (no inspect_ai, no executor) so it can be tested alone. 
 bash command string per call; inspect speaks argv lists, bytes and errno-style exceptions, so each
 translation is a small script whose exit status the provider maps to inspect's error types. The
 scripts use their own exit codes (:data:`NOT_FOUND` ...) and never print what the provider parses,
-except the sizes and the file bytes it asked for.
+except the sizes and the base64 data it asked for.
 """
 
 from __future__ import annotations
@@ -105,17 +105,20 @@ def _checks(path: str) -> str:
 
 
 def _chunk(offset_blocks: int, blocks: int, block: int) -> str:
-    # dd reads whole blocks from a regular file; its bytes arrive as they are (the result's data).
-    return f'dd if="$f" bs={block} skip={offset_blocks} count={blocks} 2>/dev/null || exit {BROKEN}\n'
+    # dd reads whole blocks from a regular file; base64 wraps lines, which the decoder skips.
+    return (
+        f'dd if="$f" bs={block} skip={offset_blocks} count={blocks} 2>/dev/null | base64\n'
+        f'if [ "${{PIPESTATUS[*]}}" != "0 0" ]; then exit {BROKEN}; fi\n'
+    )
 
 
 def read_start_script(path: str, blocks: int, block: int) -> str:
-    """Check ``path``, print its size on a line, then the first chunk's bytes."""
+    """Check ``path``, print its size on a line, then the first chunk in base64."""
     return _checks(path) + 'wc -c <"$f" || exit ' + str(BROKEN) + "\n" + _chunk(0, blocks, block)
 
 
 def read_chunk_script(path: str, offset_blocks: int, blocks: int, block: int) -> str:
-    """The bytes of the chunk of ``path`` at ``offset_blocks`` blocks."""
+    """The chunk of ``path`` at ``offset_blocks`` blocks, in base64."""
     return _checks(path) + _chunk(offset_blocks, blocks, block)
 
 

@@ -13,6 +13,7 @@ did not get to close.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import errno
 import os
@@ -57,9 +58,9 @@ __all__ = ["SANDBOX_TYPE", "DshBashSandboxEnvironment"]
 
 SANDBOX_TYPE = "dsh-bash"
 
-#: read_file moves files in chunks of whole blocks, each inside the output limit.
-_BLOCK = 12_288  # a multiple of 4096
-_MAX_CHUNK = 4 * 1024 * 1024 // _BLOCK * _BLOCK
+#: read_file moves files in chunks of whole blocks, base64-encoded, each well inside the output limit.
+_BLOCK = 12_288  # a multiple of 3 (no base64 padding inside a file) and of 4096
+_MAX_CHUNK = 3 * 1024 * 1024 // _BLOCK * _BLOCK
 
 #: How long the provider's own short commands (probe, file checks, cleanup) may take.
 _HOUSEKEEPING_MS = 120_000.0
@@ -411,21 +412,21 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
 
     async def read_file(self, file: str, text: bool = True) -> str | bytes:
         path = self._path(file)
-        # The file's bytes come as the results' raw output (``data``), in chunks that stay inside
-        # the executor's output limit (the first one after a line with the size).
+        # Output is text (invalid UTF-8 replaced), so bytes travel in base64, in chunks that stay
+        # inside the executor's output limit.
         limit = self.executor.config.max_output_bytes
-        blocks = max(1, min(_MAX_CHUNK, limit - 64) // _BLOCK)
+        blocks = max(1, min(_MAX_CHUNK, int(limit * 0.7) // 4 * 3) // _BLOCK)
         first = await self._run(read_start_script(path, blocks, _BLOCK), timeout_ms=_HOUSEKEEPING_MS)
         error = self._file_error(first, file)
         if error is not None:
             raise error
-        size_line, _, head = self._chunk_bytes(first, file).partition(b"\n")
+        size_line, _, encoded = first.stdout.text.partition("\n")
         size = int(size_line.strip())
         if size > SandboxEnvironmentLimits.MAX_READ_FILE_SIZE:
             raise OutputLimitExceededError(
                 limit_str=SandboxEnvironmentLimits.MAX_READ_FILE_SIZE_STR, truncated_output=None
             )
-        parts = [head]
+        parts = [base64.b64decode(encoded)]
         offset = blocks
         # Read until a short chunk: the file may have changed since its size was taken.
         while len(parts[-1]) == blocks * _BLOCK:
@@ -435,7 +436,7 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
             error = self._file_error(chunk, file)
             if error is not None:
                 raise error
-            parts.append(self._chunk_bytes(chunk, file))
+            parts.append(base64.b64decode(chunk.stdout.text))
             offset += blocks
             if offset * _BLOCK > SandboxEnvironmentLimits.MAX_READ_FILE_SIZE + _BLOCK:
                 raise OutputLimitExceededError(
@@ -443,12 +444,6 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
                 )
         data = b"".join(parts)
         return data.decode("utf-8") if text else data
-
-    @staticmethod
-    def _chunk_bytes(result: BashRunResult, file: str) -> bytes:
-        if result.stdout.truncated:  # only with a max_output_bytes below one block
-            raise OSError(errno.EIO, "dsh-bash: max_output_bytes is below one chunk of a file", file)
-        return result.stdout.data
 
     # -- connection --------------------------------------------------------------------------------
 
