@@ -4,6 +4,7 @@
  *   dsh-supervise [--status-fd N] [--control-fd N] [--die-with-parent] [--allow-no-subreaper]
  *                 [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]
  *   dsh-supervise --frame [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]
+ *   dsh-supervise --frame --spec [--allow-no-subreaper]
  *   dsh-supervise --detach --status-file PATH [--stdin-file PATH] [--stdout-file PATH]
  *                 [--stderr-file PATH] [--cap-bytes N [--cap-file PATH]] [--allow-no-subreaper]
  *                 [--setenv NAME=VALUE]...
@@ -39,11 +40,26 @@
  *                           means that stream reached EOF (sent once per stream)
  *                's'        one status record as above, without its newline
  *   in (fd 0):   'i' bytes for the command's stdin (queued); 'c' close its stdin once the queue is
- *                written; 'T' / 'K' as the control bytes; other types are skipped; a length over
- *                1 MiB, EOF or an error mean the harness is gone (as control-fd EOF)
+ *                written; 'T' / 'K' as the control bytes; 'P' / 'G' for the side pipe (below); other
+ *                types are skipped; a length over 1 MiB, EOF or an error mean the harness is gone (as
+ *                control-fd EOF)
+ * The side pipe, for a harness that can open this process's fds through /proc (root on the engine's
+ * host, or the owner of a rootless engine's user namespace) and wants the output without the relay in
+ * between: 'P' makes a pipe and answers `pipe FD INODE` (its read end as this process holds it);
+ * the harness opens /proc/PID/fd/FD, checks the inode, and sends 'G' with a nonce of up to 64 bytes.
+ * The frames queued until then and an `s` frame `switch` go to fd 1; every later frame goes to the
+ * pipe, the first one `nonce HEX` (the nonce in lowercase hex), which proves the pipe is this
+ * supervisor's. Requests still come on fd 0; a failed write to the pipe means the harness is gone.
  * Output read before the PROGRAM process was reaped precedes its exit record; `empty` is the last
  * frame. fd 1 is written non-blocking from a bounded buffer: while it holds OUT_LIMIT bytes the
  * command's pipes are not read (the command blocks), but fd 0, signals and kill passes are served.
+ *
+ * --spec (with --frame, within version 4), for a harness that starts supervisors ahead of their
+ * commands (a container engine takes tens of milliseconds to start an exec): no PROGRAM on the command
+ * line; the supervisor waits on fd 0 for an 'x' frame whose payload is NUL-terminated strings, as a
+ * --fork-server request's: ".", "-1", the argument count, PROGRAM and its arguments, then NAME=VALUE
+ * entries applied as --setenv (so a value waits in no process). Other frames before it are skipped;
+ * EOF before it: exit 0 at once (the spare was not needed). Then it goes on as --frame.
  *
  * --detach (version 3), for background tasks that must outlive the harness's channel (an SSH
  * connection that drops): no channel can carry the records, so they go to a file the command could
@@ -149,7 +165,8 @@
 #define READ_SIZE 65536          /* one read of a command pipe, or of fd 0; the largest payload sent */
 #define OUT_LIMIT (256 * 1024)   /* buffered output at which the command's pipes are no longer read */
 #define RECORD_ROOM 16384        /* beyond it, for records a command can provoke (signalled, warning) */
-#define FINAL_ROOM 512           /* kept for the once-only ones: started, exit, EOF frames, empty */
+#define FINAL_ROOM 1024          /* kept for the once-only ones: started, exit, EOF frames, empty,
+                                    pipe, switch, nonce */
 #define RING_CAP (OUT_LIMIT + FRAME_HEADER + READ_SIZE + RECORD_ROOM + FINAL_ROOM)
 #define REQUEST_MAX (1 << 20)    /* a longer frame from the harness cannot be a sound one */
 
@@ -356,6 +373,7 @@ static int relay_drop[2];            /* read and dropped from now on */
 
 /* --frame: what goes out on fd 1, framed, in a ring (never more than RING_CAP bytes in memory). */
 static int frame_mode;
+static int spec_mode; /* --spec: the PROGRAM comes in an 'x' frame on fd 0 */
 static unsigned char ring[RING_CAP];
 static size_t ring_head, ring_len;
 static int out_dead;       /* writing fd 1 failed: nobody reads, output is dropped from now on */
@@ -376,6 +394,12 @@ static unsigned char request_header[FRAME_HEADER];
 static size_t request_header_len;
 static unsigned char request_type;
 static size_t request_left; /* payload bytes of the current request frame still to come */
+/* The side pipe ('P', 'G'): frames move from fd 1 to a pipe the harness opened itself. */
+static int side_pipe[2] = {-1, -1};
+static int side_switched;     /* frames after the `switch` record go to side_pipe[1] */
+static size_t side_fd1_left;  /* ring bytes still owed to fd 1 (up to and with `switch`) */
+static unsigned char side_nonce[64];
+static size_t side_nonce_len;
 
 /* --status-fd: records wait here until the supervisor is about to block (or exit), so that those of
  * one moment (`exit` and `empty`, most often) reach the harness in one write and wake it once. */
@@ -444,18 +468,27 @@ static void frame_out(char type, const void *data, size_t n, size_t limit)
 
 /* Writes fd 1 until it would block. An error there means nobody reads: the harness is gone. */
 static void harness_gone(void);
+/* Where the next ring byte goes: fd 1, or the side pipe once everything owed to fd 1 went out. */
+static int out_fd(void)
+{
+    return side_switched && side_fd1_left == 0 ? side_pipe[1] : 1;
+}
+
 static void flush_out(void)
 {
     while (ring_len > 0 && !out_dead) {
         struct iovec iov[2];
+        size_t len = ring_len;
+        if (side_fd1_left > 0 && len > side_fd1_left)
+            len = side_fd1_left;
         size_t first = RING_CAP - ring_head;
-        if (first > ring_len)
-            first = ring_len;
+        if (first > len)
+            first = len;
         iov[0].iov_base = ring + ring_head;
         iov[0].iov_len = first;
         iov[1].iov_base = ring;
-        iov[1].iov_len = ring_len - first;
-        ssize_t n = writev(1, iov, ring_len > first ? 2 : 1);
+        iov[1].iov_len = len - first;
+        ssize_t n = writev(out_fd(), iov, len > first ? 2 : 1);
         if (n < 0) {
             if (errno == EINTR)
                 continue;
@@ -467,6 +500,8 @@ static void flush_out(void)
         }
         ring_head = (ring_head + (size_t)n) % RING_CAP;
         ring_len -= (size_t)n;
+        if (side_fd1_left > 0)
+            side_fd1_left -= (size_t)n;
     }
     if (out_dead)
         ring_len = 0;
@@ -727,6 +762,49 @@ static void write_stdin(void)
         close_stdin();
 }
 
+/* 'P': make the side pipe and say where its read end is (`pipe FD INODE`), so that a harness that
+ * may open this process's fds (through /proc/PID/fd/FD: root, or the owner of a user namespace; a
+ * same-user command may not, this process being non-dumpable) can read the frames from it instead
+ * of fd 1, past whatever relays fd 1 (a container engine copies every byte twice more). Once only;
+ * nothing changes until 'G'. */
+static void side_offer(void)
+{
+    if (side_pipe[0] >= 0 || side_switched || out_dead)
+        return;
+    if (pipe2(side_pipe, O_CLOEXEC | O_NONBLOCK) < 0) {
+        record("warning pipe %d", errno);
+        side_pipe[0] = side_pipe[1] = -1;
+        return;
+    }
+    (void)fcntl(side_pipe[1], F_SETPIPE_SZ, 1 << 20); /* fewer wake-ups; the default 64 KiB also works */
+    struct stat st;
+    if (fstat(side_pipe[0], &st) < 0)
+        st.st_ino = 0;
+    record("pipe %d %llu", side_pipe[0], (unsigned long long)st.st_ino);
+}
+
+/* 'G' NONCE: the harness holds the read end now. Every frame queued so far, then `switch`, still go
+ * to fd 1; the next frame, on the side pipe, is `nonce NONCE`, which tells the harness that it opened
+ * this process's pipe. The harness reading fd 1 learns from `switch` that nothing more comes there. */
+static void side_switch(void)
+{
+    if (side_pipe[0] < 0 || side_switched || out_dead)
+        return;
+    close(side_pipe[0]); /* from now on the harness's end alone: its EPIPE means it is gone */
+    side_pipe[0] = -1;
+    frame_out('s', "switch", 6, RING_CAP);
+    side_fd1_left = ring_len;
+    side_switched = 1;
+    char text[8 + 2 * sizeof side_nonce] = "nonce ";
+    size_t n = 6;
+    static const char hex[] = "0123456789abcdef";
+    for (size_t k = 0; k < side_nonce_len; k++) {
+        text[n++] = hex[side_nonce[k] >> 4];
+        text[n++] = hex[side_nonce[k] & 15];
+    }
+    frame_out('s', text, n, RING_CAP);
+}
+
 /* Reads what fd 0 has and acts on each request frame as its header completes. */
 static void read_requests(void)
 {
@@ -742,8 +820,13 @@ static void read_requests(void)
             size_t take = (size_t)n - at < request_left ? (size_t)n - at : request_left;
             if (request_type == 'i')
                 queue_stdin(request + at, take);
+            else if (request_type == 'G')
+                for (size_t k = 0; k < take && side_nonce_len < sizeof side_nonce; k++)
+                    side_nonce[side_nonce_len++] = request[at + k];
             at += take;
             request_left -= take;
+            if (request_left == 0 && request_type == 'G')
+                side_switch();
             continue;
         }
         request_header[request_header_len++] = request[at++];
@@ -763,6 +846,13 @@ static void read_requests(void)
             want_term = 1;
         else if (request_type == 'K')
             want_kill = 1;
+        else if (request_type == 'P')
+            side_offer();
+        else if (request_type == 'G') {
+            side_nonce_len = 0;
+            if (request_left == 0)
+                side_switch();
+        }
     }
 }
 
@@ -1791,12 +1881,82 @@ static char **command_environment(char **base, char **names, char **values, int 
     return env;
 }
 
+/* Reads exactly N bytes of fd 0 (blocking or not); 0 at EOF or an error (the harness is gone). */
+static int read_fd0(unsigned char *buf, size_t n)
+{
+    for (size_t got = 0; got < n;) {
+        ssize_t r = read(0, buf + got, n - got);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            struct pollfd p = {0, POLLIN, 0};
+            (void)poll(&p, 1, -1);
+            continue;
+        }
+        if (r <= 0)
+            return 0;
+        got += (size_t)r;
+    }
+    return 1;
+}
+
+/* --spec: waits on fd 0 for the 'x' frame that names the command: NUL-terminated strings as a
+ * --fork-server request's payload (a directory, which must be ".", the status fd "-1", the argument
+ * count, the arguments, then NAME=VALUE entries applied as --setenv). Frames of other types before
+ * it are skipped. EOF first: the spare was not needed; exit 0 without a word. */
+static char **read_spec(char ***names_out, char ***values_out, int *count_out)
+{
+    for (;;) {
+        unsigned char head[FRAME_HEADER];
+        if (!read_fd0(head, sizeof head))
+            exit(0);
+        size_t len = (size_t)head[1] << 24 | (size_t)head[2] << 16 | (size_t)head[3] << 8 | (size_t)head[4];
+        if (len > REQUEST_MAX)
+            die("--spec: a frame of %zu bytes", len);
+        char *data = malloc(len + 1);
+        if (data == NULL)
+            die("out of memory");
+        if (len > 0 && !read_fd0((unsigned char *)data, len))
+            exit(0);
+        if (head[0] != 'x') {
+            free(data);
+            continue;
+        }
+        char **program = NULL;
+        if (server_parse(data, len, &program) != 0 || program_status_fd != -1 || program_cwd == NULL ||
+            strcmp(program_cwd, ".") != 0)
+            die("--spec: not a sound command frame");
+        int count = 0;
+        while (program_env[count] != NULL)
+            count++;
+        char **names = calloc((size_t)count + 1, sizeof *names);
+        char **values = calloc((size_t)count + 1, sizeof *values);
+        if (names == NULL || values == NULL)
+            die("out of memory");
+        for (int k = 0; k < count; k++) {
+            char *eq = strchr(program_env[k], '=');
+            if (eq == NULL || eq == program_env[k])
+                die("--spec: an environment entry without NAME=");
+            *eq = '\0';
+            names[k] = program_env[k];
+            values[k] = eq + 1;
+        }
+        program_env = NULL; /* the entries are --setenv ones: the supervisor's environment is the base */
+        program_cwd = NULL;
+        *names_out = names;
+        *values_out = values;
+        *count_out = count;
+        return program;
+    }
+}
+
 static void usage(void) __attribute__((noreturn));
 static void usage(void)
 {
     die("usage: dsh-supervise [--status-fd N] [--control-fd N] [--die-with-parent] [--allow-no-subreaper] "
         "[--setenv NAME=VALUE]... -- PROGRAM [ARGS...]\n"
         "       dsh-supervise --frame [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]\n"
+        "       dsh-supervise --frame --spec [--allow-no-subreaper]\n"
         "       dsh-supervise --detach --status-file PATH [--stdin-file PATH] [--stdout-file PATH] "
         "[--stderr-file PATH] [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]\n"
         "       dsh-supervise --fork-server [--die-with-parent] [--allow-no-subreaper]");
@@ -1830,6 +1990,8 @@ int main(int argc, char **argv)
             die_with_parent = 1;
         } else if (strcmp(a, "--frame") == 0) {
             frame_mode = 1;
+        } else if (strcmp(a, "--spec") == 0) {
+            spec_mode = 1;
         } else if (strcmp(a, "--detach") == 0) {
             detach_mode = 1;
         } else if (strcmp(a, "--fork-server") == 0) {
@@ -1875,7 +2037,9 @@ int main(int argc, char **argv)
     if (server_mode && (frame_mode || detach_mode || status_fd >= 0 || control_fd >= 0 || i < argc))
         die("--fork-server takes its requests from fd 0 and runs the programs they name: it goes with none "
             "of --frame, --detach, --status-fd, --control-fd, nor a PROGRAM");
-    if (i >= argc && !server_mode)
+    if (spec_mode && (!frame_mode || i < argc || setenv_count > 0))
+        die("--spec goes with --frame, and takes the PROGRAM and its --setenv entries from fd 0");
+    if (i >= argc && !server_mode && !spec_mode)
         usage();
     if (frame_mode && (status_fd >= 0 || control_fd >= 0 || die_with_parent))
         die("--frame takes its requests from fd 0 and writes its records to fd 1: it goes with none of "
@@ -1934,6 +2098,13 @@ int main(int argc, char **argv)
             die("out of memory");
     }
     free(setenv_args);
+    if (spec_mode) {
+        /* A spare started ahead of its command: the command comes now, on fd 0. */
+        free(program);
+        free(setenv_names);
+        free(setenv_values);
+        program = read_spec(&setenv_names, &setenv_values, &setenv_count);
+    }
     char *area_end = argv[argc - 1] + strlen(argv[argc - 1]);
     if (argc > 1 && !server_mode)
         memset(argv[1], 0, (size_t)(area_end - argv[1]));
@@ -2205,7 +2376,7 @@ int main(int argc, char **argv)
             }
             if (ring_len > 0) {
                 at_out = nfds;
-                pfds[nfds].fd = 1;
+                pfds[nfds].fd = out_fd();
                 pfds[nfds++].events = POLLOUT;
             }
         }

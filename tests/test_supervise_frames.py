@@ -625,6 +625,155 @@ def test_forgery_probe_works_where_nothing_protects(runs: list[Framed]) -> None:
     assert run.records.count("empty") == 2, run.events  # one forged, one real
 
 
+# ---- the side pipe ('P', 'G') ---------------------------------------------------------------------
+
+needs_ptrace = pytest.mark.skipif(
+    not _has_cap_sys_ptrace(),
+    reason="opening a non-dumpable supervisor's fd through /proc needs CAP_SYS_PTRACE (root on a host)",
+)
+
+
+def _open_side(run: Framed) -> tuple[int, int]:
+    """Asks for the side pipe and opens its read end through /proc, checking the inode: (fd, inode)."""
+    run.send(b"P")
+    words = run.expect("pipe ").split()
+    fd = os.open(f"/proc/{run.process.pid}/fd/{words[1]}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    assert os.fstat(fd).st_ino == int(words[2])
+    return fd, int(words[2])
+
+
+def _read_side(run: Framed, fd: int, done: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Feeds the side pipe into RUN's decoder until DONE() holds or it reaches EOF (then True)."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"timeout on the side pipe: {run.events[-5:]}"
+        if select.select([fd], [], [], 0.1)[0]:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return True
+            run.raw += chunk
+            run._decoder.feed(chunk)
+    return False
+
+
+@needs_ptrace
+def test_side_pipe_takes_every_frame_after_switch(runs: list[Framed]) -> None:
+    run = Framed([*SH, f"read -r go; exec {PYTHON} -c '{WRITER}'"])
+    runs.append(run)
+    run.started_pid()
+    side, _ = _open_side(run)
+    try:
+        run.send(b"G", bytes(range(16)))
+        run.expect("switch")
+        before = len(run.events)
+        run.send(b"i", b"go\n")
+        assert _read_side(run, side, lambda: False)  # to EOF: the supervisor exited
+        run.read_until(lambda: run.at_eof)  # fd 1 ends too, with nothing after `switch`
+        assert run.process.wait(5) == 0
+    finally:
+        os.close(side)
+    assert run.events[before] == ("s", "nonce " + bytes(range(16)).hex())
+    assert bytes(run.stdout) == bytes(range(256)) * 12288
+    assert bytes(run.stderr) == bytes(range(255, -1, -1)) * 4096
+    assert run.records[-2:] == ["exit 3", "empty"]
+    assert not run._decoder.mid_frame
+
+
+@needs_ptrace
+def test_side_pipe_offered_but_not_taken_changes_nothing(runs: list[Framed]) -> None:
+    run = Framed([*SH, f"read -r go; exec {PYTHON} -c '{WRITER}'"])
+    runs.append(run)
+    run.started_pid()
+    side, _ = _open_side(run)
+    try:
+        run.send(b"P")  # a second offer is ignored
+        run.send(b"i", b"go\n")
+        run.finish(10)
+        assert select.select([side], [], [], 0)[0] == [side] and os.read(side, 100) == b""  # EOF, unused
+    finally:
+        os.close(side)
+    assert bytes(run.stdout) == bytes(range(256)) * 12288
+    assert [r.split()[0] for r in run.records] == ["started", "pipe", "exit", "empty"]
+
+
+@needs_ptrace
+def test_side_pipe_closed_means_the_harness_is_gone(runs: list[Framed], marker: str) -> None:
+    run = Framed([*SH, '( exec -a "$M-leftover" sleep 600 & ); exec -a "$M" yes'], marker=marker)
+    runs.append(run)
+    run.started_pid()
+    side, _ = _open_side(run)
+    run.send(b"G", b"x")
+    run.expect("switch")
+    _read_side(run, side, lambda: len(run.stdout) > 1 << 20)
+    os.close(side)  # the harness stops reading: the next write fails, and everything is killed
+    assert run.process.wait(5) == 0
+    assert _marked(marker) == []
+
+
+# ---- --spec: a spare that waits for its command ----------------------------------------------------
+
+
+def _spec(argv: Sequence[str], env: dict[str, str]) -> bytes:
+    strings = [".", "-1", str(len(argv)), *argv, *(f"{name}={value}" for name, value in env.items())]
+    return b"\0".join(text.encode() for text in strings) + b"\0"
+
+
+def test_spec_runs_the_command_it_is_sent(runs: list[Framed]) -> None:
+    run = Framed([], options=["--spec"])
+    runs.append(run)
+    run.read_for(0.2)
+    assert run.events == [] and run.process.poll() is None  # it waits, saying nothing
+    run.send(b"T")  # frames before the command are skipped
+    run.send(b"x", _spec([*SH, 'echo "$A $B"; cat; exit 5'], {"A": "a=1", "B": ""}))
+    run.send(b"i", b"in\n")
+    run.send(b"c")
+    run.finish()
+    assert bytes(run.stdout) == b"a=1 \nin\n"
+    assert run.records[1:] == ["exit 5", "empty"]
+
+
+def test_spec_values_reach_the_command_alone(runs: list[Framed]) -> None:
+    run = Framed([], options=["--spec"])
+    runs.append(run)
+    secret = f"dshspecvalue{uuid.uuid4().hex}"
+    run.send(b"x", _spec([*SH, "sleep 0.3; echo done"], {"DSH_SPEC_VALUE": secret}))
+    pid = run.started_pid()
+    proc = Path(f"/proc/{run.process.pid}")
+    own = ((proc / "environ").read_bytes(), (proc / "cmdline").read_bytes())
+    child = Path(f"/proc/{pid}/environ").read_bytes()
+    run.finish()
+    assert secret.encode() in child
+    assert all(secret.encode() not in part for part in own)
+
+
+def test_spec_spare_ends_quietly_at_eof(runs: list[Framed]) -> None:
+    run = Framed([], options=["--spec"])
+    runs.append(run)
+    run.close_input()
+    assert run.process.wait(5) == 0
+    assert run.process.stderr is not None and run.process.stderr.read() == b""
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"no-nul", b"/\0-1\01\0true\0", b".\03\01\0true\0", b".\0-1\01\0true\0NOEQUALS\0"],
+    ids=["unterminated", "directory", "status-fd", "env-entry"],
+)
+def test_spec_refuses_an_unsound_command_frame(runs: list[Framed], payload: bytes) -> None:
+    run = Framed([], options=["--spec"])
+    runs.append(run)
+    run.send(b"x", payload)
+    assert run.process.wait(5) == 125
+    assert run.process.stderr is not None and b"--spec" in run.process.stderr.read()
+
+
+@pytest.mark.parametrize("extra", [["--", "true"], ["--setenv", "A=1"]], ids=["program", "setenv"])
+def test_spec_takes_no_program_nor_setenv_on_the_command_line(extra: list[str]) -> None:
+    argv = [SUPERVISE, "--frame", "--spec", *extra]
+    done = subprocess.run(argv, capture_output=True, timeout=5, check=False)
+    assert done.returncode == 125 and b"--spec" in done.stderr
+
+
 # ---- usage, version, architectures ---------------------------------------------------------------
 
 
