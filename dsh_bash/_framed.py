@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import secrets
 import signal
+import stat
 from abc import abstractmethod
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
 
 import anyio
+import anyio.lowlevel
 
 from ._backend import CommandProcess, ExitStatus, Killable, Launch
 from ._errors import BashInfrastructureError, InfraReason
@@ -64,6 +69,9 @@ class FramedCommand(CommandProcess):
         self._exit_or_end = anyio.Event()
         #: Set once both output streams reached their end (or the stream did).
         self._output_done = anyio.Event()
+        self._side: Literal["none", "asked", "declined", "taken"] = "none"
+        self._side_fd = -1
+        self._side_expected = b""  # the side pipe's first frame: `nonce HEX`
 
     # -- what the transport calls -------------------------------------------------------------------
 
@@ -74,9 +82,7 @@ class FramedCommand(CommandProcess):
         try:
             self._decoder.feed(data)
         except FrameError as exc:
-            self._broken = f"the supervisor's stream broke its framing: {exc}"
-            log.warning("command %s: %s", self._launch.marker, self._broken)
-            self._stream_broken()
+            self._break(f"the supervisor's stream broke its framing: {exc}")
 
     def stream_ended(self) -> None:
         """The supervisor's stream ended (it exited, was killed, or the transport dropped)."""
@@ -112,6 +118,112 @@ class FramedCommand(CommandProcess):
 
     def _output_finished(self) -> None:
         """Hook: both output streams (or the whole stream) ended; a pump that waits on it wakes up."""
+
+    # -- the side pipe -------------------------------------------------------------------------------
+    #
+    # A transport that relays the supervisor's fd 1 (a container engine copies each byte twice more)
+    # can read the frames from a pipe of the supervisor's instead, where this process may open the
+    # supervisor's fds (``/proc/PID/fd/FD``: root on the same host, or the owner of a rootless
+    # engine's user namespace; a command of the supervisor's user may not, it being non-dumpable).
+    # The backend asks (:meth:`request_side_pipe`), opens the offered fd in its own way, and hands it
+    # over (:meth:`take_side_pipe`); once :attr:`switched`, it reads the rest with
+    # :meth:`read_side_pipe`. Requests and kills still go the usual way.
+
+    async def request_side_pipe(self) -> None:
+        """Ask the supervisor for a side pipe, once; its answer is :attr:`side_pipe_offer`."""
+        if self._side == "none" and not self._stream_done:
+            self._side = "asked"
+            await self._send_frame(encode_frame(b"P"), urgent=False)
+
+    @property
+    def side_pipe_offer(self) -> tuple[int, int] | None:
+        """(fd number in the supervisor, inode) of the pipe it offered, until taken or declined."""
+        return self._records.side_pipe if self._side == "asked" else None
+
+    def decline_side_pipe(self) -> None:
+        """The backend cannot open the offered pipe: everything goes on as before."""
+        if self._side == "asked":
+            self._side = "declined"
+
+    async def take_side_pipe(self, fd: int) -> bool:
+        """``fd``: a read end the backend opened of the offered pipe; this object owns it from now on.
+
+        Checks that it is that pipe (a FIFO of the offered inode), then asks the supervisor to move
+        its frames there with a fresh nonce, which the pipe's first frame must repeat. False (and
+        ``fd`` closed) when it is another file: nothing changes then.
+        """
+        offer = self.side_pipe_offer
+        info = os.fstat(fd)
+        if offer is None or not stat.S_ISFIFO(info.st_mode) or info.st_ino != offer[1]:
+            os.close(fd)
+            self.decline_side_pipe()
+            return False
+        os.set_blocking(fd, False)
+        nonce = secrets.token_bytes(16)
+        self._side_fd = fd
+        self._side = "taken"
+        self._side_expected = encode_frame(b"s", b"nonce " + nonce.hex().encode("ascii"))
+        if not await self._send_frame(encode_frame(b"G", nonce), urgent=False):
+            self._close_side()
+        return True
+
+    @property
+    def switched(self) -> bool:
+        """True once the supervisor said that every later frame goes to the side pipe."""
+        return self._records.switched
+
+    async def read_side_pipe(self, wait_room: Callable[[], Awaitable[None]]) -> None:
+        """Once :attr:`switched`: read the side pipe to its end (the supervisor exited).
+
+        ``wait_room`` is awaited after each read whose output is kept (the spill files' room). A
+        pipe whose first frame is not the nonce is not the supervisor's: the stream counts as broken.
+        """
+        fd = self._side_fd
+        if fd < 0 or not self._records.switched:
+            return
+        log.debug(
+            "command %s: the rest of its output through the supervisor's side pipe",
+            self._launch.marker,
+        )
+        head = b""
+        try:
+            while self._broken is None:
+                try:
+                    data = os.read(fd, 1 << 20)
+                except BlockingIOError:
+                    await anyio.wait_readable(fd)
+                    continue
+                if not data:
+                    if len(head) < len(self._side_expected):
+                        self._break("the side pipe ended before the supervisor's nonce")
+                    return
+                if len(head) < len(self._side_expected):
+                    take = len(self._side_expected) - len(head)
+                    head += data[:take]
+                    if not self._side_expected.startswith(head):
+                        self._break("the side pipe did not start with the supervisor's nonce")
+                        return
+                    data = data[take:]
+                if data:
+                    self.feed(data)
+                    if not self._discard:
+                        await wait_room()
+                await anyio.lowlevel.checkpoint()
+        except OSError as exc:
+            log.warning("command %s: reading the side pipe failed: %s", self._launch.marker, exc)
+        finally:
+            self._close_side()
+
+    def _close_side(self) -> None:
+        if self._side_fd >= 0:
+            anyio.notify_closing(self._side_fd)
+            os.close(self._side_fd)
+            self._side_fd = -1
+
+    def _break(self, why: str) -> None:
+        self._broken = why
+        log.warning("command %s: %s", self._launch.marker, why)
+        self._stream_broken()
 
     # -- the supervisor's frames ---------------------------------------------------------------------
 

@@ -13,8 +13,9 @@ A frame is a type byte, a 4-byte big-endian payload length, and the payload. Fro
 - ``s``: one status record, ASCII, without a newline (the records of ``native/README.md``).
 
 To the supervisor: ``i`` (bytes for the command's stdin), ``c`` (close the command's stdin), ``T``
-(SIGTERM to every process of the command), ``K`` (SIGKILL until none is left). End of file on the
-supervisor's input means the harness is gone: it kills everything. ``empty`` is the last frame.
+(SIGTERM to every process of the command), ``K`` (SIGKILL until none is left), ``P`` and ``G`` (the
+side pipe: :meth:`~dsh_bash.backend.FramedCommand.take_side_pipe`). End of file on the supervisor's
+input means the harness is gone: it kills everything. ``empty`` is the last frame.
 """
 
 from __future__ import annotations
@@ -148,8 +149,10 @@ class SupervisorRecords:
         "command_exit",
         "empty",
         "exec_failed",
+        "side_pipe",
         "supervisor_pid",
         "supervisor_start_time",
+        "switched",
         "workdir_failed",
     )
 
@@ -170,6 +173,11 @@ class SupervisorRecords:
         #: pidfd of itself, the only handle to signal it by.
         self.supervisor_pid: int | None = None
         self.supervisor_start_time: int | None = None
+        #: The side pipe the supervisor made on request (``pipe FD INODE``): its read end's fd number
+        #: in the supervisor and the pipe's inode, for a harness that may open the supervisor's fds.
+        self.side_pipe: tuple[int, int] | None = None
+        #: True once ``switch`` came: every later frame is on the side pipe.
+        self.switched = False
 
     def apply(self, record: str) -> None:
         words = record.split()
@@ -193,6 +201,10 @@ class SupervisorRecords:
                 self.supervisor_pid, self.supervisor_start_time = pid, start_time
             elif kind == "pidfd":
                 self.supervisor_pid = int(args[0])
+            elif kind == "pipe" and self.side_pipe is None:
+                self.side_pipe = (int(args[0]), int(args[1]))
+            elif kind == "switch":
+                self.switched = True
             elif kind == "cwdfail":
                 self.workdir_failed = int(args[0])
             elif kind == "warning":

@@ -19,8 +19,10 @@ class HostSpillFile:
 
     __slots__ = ("_dir", "_fd", "_name", "path")
 
-    #: Written synchronously: a failure raises OSError at once, the file is never lost later.
+    #: Written synchronously: a failure raises OSError at once, the file is never lost later; it
+    #: exists from its opening on.
     lost = False
+    pending = False
 
     def __init__(self, directory: HostSpillDir, name: str) -> None:
         self._dir = directory

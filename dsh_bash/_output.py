@@ -41,7 +41,9 @@ class SpillFile(Protocol):
     ``lost`` is for files written behind the scenes (a remote writer fed from a queue), which learn
     of a failure only later: it turns true then, and the stream reports no spill path from that
     moment on (the file is incomplete, or was never created: a refused path). A file whose errors
-    surface as ``OSError`` from its methods keeps it false.
+    surface as ``OSError`` from its methods keeps it false. ``pending`` is true while such a file is
+    not created yet: the stream names no path a command could not open. A file created when it is
+    opened keeps it false.
     """
 
     @property
@@ -49,6 +51,9 @@ class SpillFile(Protocol):
 
     @property
     def lost(self) -> bool: ...
+
+    @property
+    def pending(self) -> bool: ...
 
     def write(self, data: bytes | bytearray | memoryview) -> None: ...
 
@@ -320,9 +325,10 @@ class OutputStream:
 
     @property
     def spill_path(self) -> str | None:
-        """The whole stream's file, once the tail no longer holds it all and while the file exists."""
+        """The whole stream's file, once the tail no longer holds it all and while the file exists
+        (from its writer's making it, for one written behind the scenes)."""
         spill = self._spill
-        if self._spill_state == "active" and spill is not None and not self._spill_failed():
+        if self._spill_state == "active" and spill is not None and not spill.lost and not spill.pending:
             return spill.path
         return None
 

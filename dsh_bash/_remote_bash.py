@@ -217,9 +217,13 @@ def kill_args(
 # FIFO or a device. Creation itself is O_EXCL (noclobber on a missing path), so nothing planted
 # between the test and the open is followed either (but for a non-regular file planted exactly then,
 # which only the directory's owner can do).
+#: $1: the new file. It prints one "." once the file exists (so that no spill path is named before
+#: a command could open it), then copies stdin into it.
 SPILL_WRITER = r"""umask 077; set -C
 if [ -e "$1" ] || [ -L "$1" ]; then echo "dsh-bash: refusing existing spill path $1" >&2; exit 1; fi
-exec cat > "$1" """
+exec 3> "$1" || exit 1
+printf .
+exec cat >&3 3>&-"""
 
 SPILL_DIR = r"""umask 077; mktemp -d "${TMPDIR:-/tmp}/dsh-bash-XXXXXX" """
 
@@ -364,6 +368,8 @@ class QueuedSpillFile(ABC):
         self._deleted = False
         #: True once the writer failed or was refused: the file is incomplete or was never made.
         self.lost = False
+        #: True until the writer made the file: until then the stream names no spill path.
+        self.pending = True
         self.done = anyio.Event()
         #: From :meth:`delete`: called once the removal was confirmed (the stream's budget is free).
         self._gone: Callable[[], None] | None = None
@@ -372,7 +378,8 @@ class QueuedSpillFile(ABC):
 
     @abstractmethod
     async def _open_writer(self) -> SpillWriter:
-        """Start the writer (the SPILL_WRITER script) for :attr:`path`."""
+        """Start the writer (the SPILL_WRITER script) for :attr:`path`; return once the file exists
+        (the script's "." on its stdout), raise ``OSError`` when it was not made."""
 
     @abstractmethod
     async def _remove(self) -> None:
@@ -409,6 +416,12 @@ class QueuedSpillFile(ABC):
 
     async def _remove_confirmed(self) -> None:
         """Remove the file (bounded); call ``gone`` only when that was confirmed."""
+        if self.pending:
+            # The writer never made it: what is at the path (a link planted there) is not ours
+            # to remove, and none of the stream's bytes are on the disk.
+            if self._gone is not None:
+                self._gone()
+            return
         with anyio.CancelScope(shield=True), anyio.move_on_after(5):
             try:
                 await self._remove()
@@ -440,6 +453,7 @@ class QueuedSpillFile(ABC):
         complete = False
         try:
             writer = await self._open_writer()
+            self.pending = False
             try:
                 while True:
                     await self._wake.wait()

@@ -40,7 +40,8 @@ process, kill and spill mechanics; this module holds the pieces it builds them f
   :data:`MAX_FRAME_PAYLOAD`; its status records read by :class:`SupervisorRecords`; the signed
   status file of a detached one, verified by :class:`SignedRecords` (with
   :data:`SUPERVISOR_KEY_SIZE`); and :class:`FramedCommand`, the transport-independent half of a
-  command under it (output, outcome, kills), with :data:`STDIN_FRAME_BYTES`;
+  command under it (output, outcome, kills, and the side pipe that moves its output past a costly
+  relay: :meth:`FramedCommand.request_side_pipe`), with :data:`STDIN_FRAME_BYTES`;
 - configuration: :class:`dsh_bash.BudgetConfig` to subclass, :func:`config_error_from` to turn a
   pydantic ``ValidationError`` into a :class:`dsh_bash.ConfigError` that names the field;
 - errors with a machine-readable reason: :data:`InfraReason`, :data:`INFRA_REASONS`;

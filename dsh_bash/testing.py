@@ -268,6 +268,7 @@ class _MemorySpill:
     __slots__ = ("_files", "closed", "path")
 
     lost = False
+    pending = False
 
     def __init__(self, files: dict[str, bytearray], path: str) -> None:
         self._files = files

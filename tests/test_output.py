@@ -51,6 +51,7 @@ class FakeSpill:
         gone()
 
     lost = False
+    pending = False
 
 
 @dataclass
@@ -735,6 +736,7 @@ class _LaterGoneSpill:
 
     path = "/spill/remote.stdout"
     lost = False
+    pending = False
 
     def __init__(self) -> None:
         self.gone: Callable[[], None] | None = None

@@ -364,6 +364,7 @@ def test_a_spill_lost_behind_the_scenes_frees_its_budget_and_is_no_longer_fed() 
 
         def __init__(self) -> None:
             self.lost = False
+            self.pending = False
             self.queued = 0
             self.deleted = False
 

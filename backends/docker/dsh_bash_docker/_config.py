@@ -29,6 +29,15 @@ class DockerConfig(BudgetConfig):
     #: runs there, else the environment marker (said in a warning at open); ``subreaper``: refuse to
     #: open without it; ``marker``: never use it.
     containment: ContainmentSetting = "auto"
+    #: A command with much output (over 1 MiB) reads the rest straight from its supervisor's pipe,
+    #: past the engine's relay, where this process may open it through this host's /proc (the engine
+    #: on this host; this process root, or the owner of a rootless engine's user namespace). False:
+    #: always the engine's stream.
+    direct_output: bool = True
+    #: Execs of the supervisor started ahead of the next commands of ``user`` (0: none); a command
+    #: that finds one skips the engine's exec create and start. Each is one waiting process in the
+    #: container (counted by ``pids_limit``) and one open connection to the engine.
+    warm_execs: int = Field(default=2, ge=0, le=16)
     # Only for a container the executor creates (image mode):
     environment: dict[str, str] = Field(default_factory=dict)
     network: str = "none"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -196,6 +197,20 @@ class ExecStream:
     def at_eof(self) -> bool:
         return self._reader.eof
 
+    def closed_by_engine(self) -> bool:
+        """For a stream nothing was read from yet: True when the engine closed it (its process
+        ended) or sent anything at all, without waiting and without taking the bytes."""
+        if self._reader.eof or self._reader.buffer:
+            return True
+        raw = self._stream.extra(anyio.abc.SocketAttribute.raw_socket)
+        try:
+            raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        return True
+
     def _parse(
         self, on_stdout: Callable[[memoryview], None], on_stderr: Callable[[memoryview], None]
     ) -> None:
@@ -296,15 +311,17 @@ class EngineClient:
         stdin: bool,
         user: str | None,
         workdir: str | None = None,
+        unset: Sequence[str] | None = None,
     ) -> str:
         # /proc/PID/environ shows the environment a process was started with for its whole life:
         # a process the exec starts (a spill writer's cat, a boot wrapper, a supervisor, a kill
         # script) would show the container's secrets to every command of its user. The wrapper bash
         # holds them only until its `exec` (the same process, a new environment). A name the exec
         # sets itself (an explicit value of the command's) is the exec's, not the container's.
-        unset = [name for name in self.unset_names() if name not in env]
-        if unset:
-            cmd = ["bash", "--noprofile", "--norc", "-c", _UNSET_AND_EXEC, " ".join(unset), *cmd]
+        # ``unset``: other names than the policy's (a warm exec holds none of the container's values).
+        names = [name for name in (self.unset_names() if unset is None else unset) if name not in env]
+        if names:
+            cmd = ["bash", "--noprofile", "--norc", "-c", _UNSET_AND_EXEC, " ".join(names), *cmd]
         body: dict[str, Any] = {
             "AttachStdin": stdin,
             "AttachStdout": True,

@@ -30,20 +30,22 @@ from dsh_bash.backend import (
     boot_ticks,
     choose_containment,
     dropped_names,
+    encode_frame,
     is_scrubbed,
     kill_abandoned_start,
     spill_file_path,
 )
 
 from ._config import DockerConfig
-from ._engine import Endpoint, EngineClient, EngineError
-from ._framed import FramedDockerProcess, SupervisorMissing
+from ._engine import Endpoint, EngineClient, EngineError, ExecStream
+from ._framed import FramedDockerProcess, SidePipes, SupervisorMissing
 from ._hints import INFRA_HINTS
 from ._kit import find_container_processes, kit_notes, plant_in_environment
 from ._process import ContainerMarked, DockerProcess, diagnose_refusal, run_script
 from ._scripts import BOOT, BOOT_SUPERVISED, SPILL_DIR, SPILL_WRITER
 from ._spill import DockerSpillFile
 from ._supervisor import INSTALL_DIR, install_supervisor
+from ._warm import WarmExecs, spec_payload
 
 __all__ = ["MANAGED_LABEL", "DockerBashExecutor", "sweep_orphaned_containers"]
 
@@ -112,6 +114,10 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         self._spills = CommandSpills(self._start_helper, _SPILL_FLUSH_BOUND_S)
         self._recreate_lock = anyio.Lock()
         self._host_visible = False
+        self._side_pipes = SidePipes(False)
+        self._warm = WarmExecs(
+            self._create_spare, self._spare_key, self._start_helper, depth=config.warm_execs
+        )
         self._supervisor: str | None = None  # dsh-supervise's path in the container
         self._supervised: set[FramedDockerProcess] = set()
 
@@ -124,6 +130,13 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
     def container_id(self) -> str:
         """The container commands run in (a new one after image mode recreated it)."""
         return self._container_id
+
+    async def warm_up(self) -> bool:
+        """Wait until the warm execs (``warm_execs``) are started and wait for the next commands. They
+        start at open and whenever a command takes one. False when there is none (``warm_execs=0``,
+        no supervisor in the container, or the engine refused them)."""
+        self._ensure_open()
+        return await self._warm.ready()
 
     # -- opening and closing ------------------------------------------------------------------------
 
@@ -285,6 +298,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         # path can then find them through /proc when nothing can be exec'd in the container.
         init_pid = info.get("State", {}).get("Pid")
         self._host_visible = bool(init_pid) and os.access(f"/proc/{init_pid}/environ", os.R_OK)
+        self._side_pipes = SidePipes(self._host_visible and self._docker_config.direct_output)
         container_config = info.get("Config") or {}
         self._cwd = container_config.get("WorkingDir") or "/"
         self._ambient = dict(item.split("=", 1) for item in container_config.get("Env") or [] if "=" in item)
@@ -322,9 +336,32 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             install = await install_supervisor(self._engine, self._container_id, config.user)
         where = f"container {self._container_id[:12]}"
         self._supervisor = choose_containment(config.containment, install.path, install.problem, where)
+        if self._supervisor is not None:
+            self._warm.warm()
+
+    def _spare_key(self) -> tuple[str, str | None]:
+        """What a spare exec was made for: the container and the supervisor there."""
+        return (self._container_id, self._supervisor)
+
+    async def _create_spare(self) -> tuple[str, ExecStream]:
+        if self._supervisor is None:
+            raise BashInfrastructureError("no supervisor in the container", reason="start_failed")
+        exec_id = await self._engine.exec_create(
+            self._container_id,
+            [self._supervisor, "--frame", "--spec"],
+            # The boot script reads no rc file (its bash gets these again with the command).
+            env={name: "" for name in RC_FILE_VARIABLES},
+            stdin=True,
+            user=self._docker_config.user,
+            # None of the container's values waits in a spare, whatever the policy is or becomes:
+            # the command's environment comes whole with its `x` frame.
+            unset=[name for name, value in self._ambient.items() if value],
+        )
+        return exec_id, await self._engine.exec_start(exec_id)
 
     async def _release(self) -> None:
         config = self._docker_config
+        await self._warm.close()
         if config.image is not None:
             await anyio.to_thread.run_sync(self._remove_container, self._container_id)
         elif self._spill_dir:
@@ -506,18 +543,17 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             # Before the exec exists: every process of the command starts later.
             host_since=boot_ticks(),
         )
-        if supervisor is not None:
-            argv = [supervisor, "--frame", "--", "bash", "--noprofile", "--norc", "-c", BOOT_SUPERVISED]
+        boot = ["bash", "--noprofile", "--norc", "-c", BOOT_SUPERVISED if supervisor else BOOT]
+        boot += ["dsh-bash", spec.workdir, script_path]
+        taken = await self._take_spare(container, user, boot, env) if supervisor is not None else None
+        if taken is not None:
+            exec_id, stream = taken
         else:
-            argv = ["bash", "--noprofile", "--norc", "-c", BOOT]
-        exec_id = await self._engine.exec_create(
-            container,
-            [*argv, "dsh-bash", spec.workdir, script_path],
-            env=env,
-            stdin=supervisor is not None or spec.stdin is not None,
-            user=user,
-        )
-        stream = await self._engine.exec_start(exec_id)
+            argv = [supervisor, "--frame", "--", *boot] if supervisor is not None else boot
+            exec_id = await self._engine.exec_create(
+                container, argv, env=env, stdin=supervisor is not None or spec.stdin is not None, user=user
+            )
+            stream = await self._engine.exec_start(exec_id)
         # What both kinds of process need: the exec, its stream, and the marker kill as the last resort.
         parts: dict[str, Any] = {
             "engine": self._engine,
@@ -532,7 +568,9 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         }
         process: DockerProcess | FramedDockerProcess
         if supervisor is not None:
-            process = FramedDockerProcess(**parts, registry=self._supervised, supervisor=supervisor)
+            process = FramedDockerProcess(
+                **parts, registry=self._supervised, supervisor=supervisor, side_pipes=self._side_pipes
+            )
         else:
             process = DockerProcess(**parts, nonce=nonce)
         try:
@@ -548,6 +586,30 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         if isinstance(process, FramedDockerProcess):
             process.start_reading()
         return process
+
+    async def _take_spare(
+        self, container: str, user: str | None, boot: list[str], env: dict[str, str]
+    ) -> tuple[str, ExecStream] | None:
+        """A warm exec of the configured user in ``container``, told to run ``boot`` with ``env``;
+        None when there is none (or the command cannot go by one): then a fresh exec."""
+        if user != self._docker_config.user or container != self._container_id:
+            return None
+        payload = spec_payload(boot, env)
+        if payload is None:
+            return None
+        spare = await self._warm.take()
+        if spare is None or spare.stream is None:
+            return None
+        try:
+            await spare.stream.send_stdin(encode_frame(b"x", payload))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            await spare.discard()  # it never had the whole command: nothing of it runs
+            return None
+        except BaseException:
+            await spare.discard()  # cancelled mid-frame: it ends at EOF, unless it started it all
+            raise
+        log.debug("command %s: in warm exec %s", env.get("DSH_BASH_MARK_FOR", "?"), spare.exec_id[:12])
+        return spare.exec_id, spare.stream
 
     def _open_spill(self, command_marker: str, stream: str) -> SpillFile:
         if not self._spill_dir:

@@ -18,7 +18,9 @@ the last hint, finds what is left.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from urllib.parse import quote
 
@@ -37,12 +39,35 @@ from dsh_bash.backend import (
 from ._engine import EngineClient, EngineError, ExecStream
 from ._process import ContainerMarked, StartHelper, diagnose_refusal, lost_in_container
 
-__all__ = ["FramedDockerProcess", "SupervisorMissing"]
+__all__ = ["FramedDockerProcess", "SidePipes", "SupervisorMissing"]
 
 log = logging.getLogger("dsh_bash.docker")
 
 #: How long a failed start waits for the rest of the boot script's report.
 _REPORT_BOUND_S = 5.0
+
+#: Output relayed by the engine before the supervisor's side pipe is asked for: below it, the exec
+#: inspect that finds the supervisor's pid costs more than the engine's relay.
+SIDE_PIPE_AFTER = 1 << 20
+
+
+class SidePipes:
+    """Whether this executor's commands may move their output off the engine's stream.
+
+    The engine copies every byte of an exec's stream twice (its shim, then the daemon), which bounds
+    a command's output rate by the engine's CPU. Where this process may open the supervisor's fds
+    through this host's ``/proc`` (the engine on this host, and this process root or the owner of a
+    rootless engine's user namespace), a command with much output asks its supervisor for a side
+    pipe and reads the rest of the frames from it. The first refusal turns it off for the executor.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def refused(self, why: object) -> None:
+        if self.enabled:
+            self.enabled = False
+            log.info("reading output through /proc is not possible here (%s): the engine's stream it is", why)
 
 
 class SupervisorMissing(BashInfrastructureError):
@@ -64,6 +89,7 @@ class FramedDockerProcess(FramedCommand):
         wait_writable: Callable[[], Awaitable[None]],
         registry: set[FramedDockerProcess],
         supervisor: str,
+        side_pipes: SidePipes,
     ) -> None:
         super().__init__(launch, fallback=marked, registry=registry, where=f"in container {container[:12]}")
         self._engine = engine
@@ -79,11 +105,15 @@ class FramedDockerProcess(FramedCommand):
         self._supervisor_said = bytearray()
         self._fed = False
         self._send_lock = anyio.Lock()
+        self._side_pipes = side_pipes
+        self._relayed = 0  # output bytes that came through the engine's stream
+        self._side_done = False
 
     # -- the stream -----------------------------------------------------------------------------------
 
     def _on_stdout(self, data: memoryview) -> None:
         self._fed = True
+        self._relayed += len(data)
         # The boot script runs under the supervisor: its verdict is the first thing on stdout.
         if self._booted:
             super()._on_stdout(data)
@@ -98,6 +128,7 @@ class FramedDockerProcess(FramedCommand):
 
     def _on_stderr(self, data: memoryview) -> None:
         self._fed = True
+        self._relayed += len(data)
         super()._on_stderr(data)
 
     def _engine_stderr(self, data: memoryview) -> None:
@@ -107,6 +138,11 @@ class FramedDockerProcess(FramedCommand):
 
     def _fed_since_wait(self) -> bool:
         return self._fed or self._broken is not None
+
+    def _reader_wakes(self) -> bool:
+        if self._side_done:
+            return self._fed_since_wait()
+        return self._fed_since_wait() or self.switched or self.side_pipe_offer is not None
 
     async def _send_frame(self, frame: bytes, *, urgent: bool) -> bool:
         try:
@@ -178,17 +214,46 @@ class FramedDockerProcess(FramedCommand):
         try:
             # pump_until returns after each read that fed output (True) or at end of stream.
             while self._broken is None and await self._stream.pump_until(
-                self.feed, self._engine_stderr, self._fed_since_wait
+                self.feed, self._engine_stderr, self._reader_wakes
             ):
                 self._fed = False
-                if not self._discard:
-                    await self._wait_writable()
+                if self.switched and not self._side_done:
+                    self._side_done = True
+                    await self.read_side_pipe(self._wait_room)
+                    continue  # then the engine's stream to its end (nothing more comes there)
+                if self.side_pipe_offer is not None:
+                    await self._take_side_pipe()
+                elif self._relayed >= SIDE_PIPE_AFTER and self._side_pipes.enabled and not self._discard:
+                    await self.request_side_pipe()
+                await self._wait_room()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, EngineError) as exc:
             log.warning("command %s: reading the supervisor's stream failed: %s", self._launch.marker, exc)
         finally:
             with anyio.CancelScope(shield=True):
                 self.stream_ended()
                 await self._stream.aclose()
+
+    async def _wait_room(self) -> None:
+        if not self._discard:
+            await self._wait_writable()
+
+    async def _take_side_pipe(self) -> None:
+        offer = self.side_pipe_offer
+        assert offer is not None
+        try:
+            # The exec's process is the supervisor (a wrapper bash `exec`s into it): its host pid.
+            pid = int((await self._engine.exec_inspect(self._exec_id)).get("Pid") or 0)
+            if pid <= 0:
+                raise OSError("the engine gave no pid for the exec")
+            fd = os.open(f"/proc/{pid}/fd/{offer[0]}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except (OSError, EngineError, ValueError) as exc:
+            self.decline_side_pipe()
+            # No such process or fd: the supervisor just exited; anything else holds for every command.
+            if not (isinstance(exc, OSError) and exc.errno in (errno.ENOENT, errno.ESRCH)):
+                self._side_pipes.refused(exc)
+            return
+        if not await self.take_side_pipe(fd):
+            self._side_pipes.refused("the pid's fd is another pipe: the engine runs elsewhere")
 
     # -- the process protocol -------------------------------------------------------------------------
 

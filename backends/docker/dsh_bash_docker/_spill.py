@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import anyio
+
 from dsh_bash.backend import QueuedSpillFile, SpillWriter
 
 from ._engine import EngineClient, ExecStream
@@ -19,6 +21,14 @@ class _ExecWriter:
         self._exec_id = exec_id
         self._stream = stream
         self._errors = bytearray()
+
+    async def wait_created(self) -> None:
+        """Until SPILL_WRITER said that the file exists (its "."); OSError when it ended first."""
+        said = bytearray()
+        await self._stream.pump_until(said.extend, self._errors.extend, lambda: bool(said))
+        if not said:
+            detail = bytes(self._errors[-500:]).decode("utf-8", "replace").strip()
+            raise OSError(f"the spill writer did not create the file: {detail or 'no message'}")
 
     async def send(self, data: bytes) -> None:
         await self._stream.send_stdin(data)
@@ -50,7 +60,14 @@ class DockerSpillFile(QueuedSpillFile):
             stdin=True,
             user=self._user,
         )
-        return _ExecWriter(self._engine, exec_id, await self._engine.exec_start(exec_id))
+        writer = _ExecWriter(self._engine, exec_id, await self._engine.exec_start(exec_id))
+        try:
+            await writer.wait_created()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await writer.aclose()
+            raise
+        return writer
 
     async def _remove(self) -> None:
         code, _, err = await run_script(self._engine, self._container, self._user, 'rm -f -- "$1"', self.path)

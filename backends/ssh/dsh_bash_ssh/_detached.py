@@ -88,7 +88,9 @@ class DetachedSpill:
     once the task is done (the follower still reads it until then)."""
 
     #: The task writes the file itself: nothing is sent to it, so nothing can fail behind the scenes.
+    #: Its supervisor made it before the task's first byte.
     lost = False
+    pending = False
 
     def __init__(self, path: str) -> None:
         self._path = path

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import anyio
 
 from dsh_bash.backend import QueuedSpillFile, SpillWriter
 
 from ._connection import Channel, ChannelPool
-from ._scripts import SPILL_WRITER
+from ._scripts import SCRIPT_BEGIN, SPILL_WRITER
 
 __all__ = ["SshSpillFile"]
 
@@ -40,8 +42,20 @@ class SshSpillFile(QueuedSpillFile):
         self._pool = pool
 
     async def _open_writer(self) -> SpillWriter:
-        line = self._pool.helper_line(SPILL_WRITER, self.path, begin_marker=False)
-        return _ChannelWriter(await self._pool.open(line))
+        line = self._pool.helper_line(SPILL_WRITER, self.path)
+        channel = await self._pool.open(line)
+        try:
+            # SPILL_WRITER prints "." once the file exists (no spill path is named before), after
+            # the begin marker (rc noise before it is not the writer's).
+            try:
+                await channel.process.stdout.readuntil(SCRIPT_BEGIN + b".")
+            except asyncio.IncompleteReadError as exc:
+                raise OSError("the spill writer did not create the file") from exc
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await channel.close()
+            raise
+        return _ChannelWriter(channel)
 
     async def _remove(self) -> None:
         code, _, err = await self._pool.run_script('rm -f -- "$1"', self.path)
