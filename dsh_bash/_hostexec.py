@@ -204,14 +204,9 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
                 server.start()
             except OSError as exc:
                 server, path, why = None, None, server_problem(exc)
-        try:
-            choose_containment(config.containment, path, why, type(self).__name__)
-        except BashInfrastructureError:
-            self._spill_dir.remove()
-            self._spill_dir = None
-            self._scanner.close()
-            raise
+        # Held before anything can fail: a failed open's _release (run by the base class) stops it.
         self._server = server
+        choose_containment(config.containment, path, why, type(self).__name__)
         self._supervisor_path = path if server is not None else None
 
     async def _release(self) -> None:

@@ -139,13 +139,10 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
                     "command of its user); add them to env_allow to pass them through",
                     ", ".join(sorted(withheld)),
                 )
+            # Once it is started, a container of its own that cannot serve is removed by _release,
+            # which the base class runs when _open fails.
             self._container_id = await self._start_container()
-            try:
-                await self._learn_container()
-            except BaseException:  # a container of its own that cannot serve is not left behind
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(self._remove_container, self._container_id)
-                raise
+            await self._learn_container()
             return
         assert config.container is not None
         self._container_id = config.container
@@ -326,7 +323,8 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
     async def _release(self) -> None:
         config = self._docker_config
         if config.image is not None:
-            await anyio.to_thread.run_sync(self._remove_container, self._container_id)
+            if self._container_id:  # empty when opening failed before the container was started
+                await anyio.to_thread.run_sync(self._remove_container, self._container_id)
         elif self._spill_dir:
             # Bounded: an engine stalled by a burst of ending execs would hold aclose for seconds.
             # The exec, once started, completes in the container whether or not it is waited for.

@@ -151,32 +151,29 @@ class SshBashExecutor(BashExecutor[SshConfig]):
             raise BashInfrastructureError(
                 "the SSH backend needs asyncio (asyncssh is asyncio-only); run it under asyncio, not trio"
             ) from None
+        # When anything below fails, the base class runs _release: it removes the spill directory
+        # SETUP made (once its path is known) and closes the connection.
+        code, out, err = await self._pool.run_script(SETUP)
+        # SETUP fails (exit 1) only when it cannot make or write the spill directory.
+        reason: InfraReason = "spill_unavailable"
         try:
-            code, out, err = await self._pool.run_script(SETUP)
-            # SETUP fails (exit 1) only when it cannot make or write the spill directory.
-            reason: InfraReason = "spill_unavailable"
-            try:
-                if code != 0:
-                    raise ValueError(f"exit status {code}")
-                reason = "unclassified"
-                self._ambient, self._home, self._spill_dir, machine = parse_setup(out)
-                self._pool.helper_keep = self._helper_keep
-                self._follower.directory = self._spill_dir
-                if not self._spill_dir.startswith("/"):
-                    reason = "spill_unavailable"
-                    raise ValueError("no spill directory")
-            except ValueError as exc:
-                detail = err.decode("utf-8", "replace").strip()
-                raise BashInfrastructureError(
-                    f"setting up on {self._pool.where} failed ({exc}): {detail or 'no error output'}",
-                    reason=reason,
-                ) from None
-            self._machine = machine
-            await self._install_supervisor(machine)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._pool.aclose()
-            raise
+            if code != 0:
+                raise ValueError(f"exit status {code}")
+            reason = "unclassified"
+            self._ambient, self._home, self._spill_dir, machine = parse_setup(out)
+            self._pool.helper_keep = self._helper_keep
+            self._follower.directory = self._spill_dir
+            if not self._spill_dir.startswith("/"):
+                reason = "spill_unavailable"
+                raise ValueError("no spill directory")
+        except ValueError as exc:
+            detail = err.decode("utf-8", "replace").strip()
+            raise BashInfrastructureError(
+                f"setting up on {self._pool.where} failed ({exc}): {detail or 'no error output'}",
+                reason=reason,
+            ) from None
+        self._machine = machine
+        await self._install_supervisor(machine)
 
     async def _install_supervisor(self, machine: str) -> None:
         config = self._ssh_config
@@ -190,7 +187,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
     async def _release(self) -> None:
         self._warm.close()
         self._follower.close()
-        if self._spill_dir:
+        if self._spill_dir.startswith("/"):  # a failed open may have parsed no path, or a bad one
             try:
                 with anyio.move_on_after(5):
                     await self._pool.run_script('rm -rf -- "$1"', self._spill_dir)
