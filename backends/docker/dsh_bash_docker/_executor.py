@@ -39,7 +39,7 @@ from ._config import DockerConfig
 from ._engine import Endpoint, EngineClient, EngineError
 from ._framed import FramedDockerProcess, SupervisorMissing
 from ._hints import INFRA_HINTS
-from ._kit import find_container_processes, kit_notes, plant_in_environment
+from ._kit import find_container_processes, find_open_leftovers, kit_notes, plant_in_environment
 from ._process import ContainerMarked, DockerProcess, diagnose_refusal, run_script
 from ._scripts import BOOT, BOOT_SUPERVISED, SPILL_DIR, SPILL_WRITER
 from ._spill import DockerSpillFile
@@ -604,3 +604,16 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
 
     def kit_notes(self) -> list[str]:
         return kit_notes(self._docker_config)
+
+    def kit_failing_open(self) -> Mapping[str, Any] | None:
+        """A user the container does not know: image mode creates its container, whose start then
+        fails; container mode fails at its first exec (before it made anything)."""
+        return {"user": "dsh-bash-kit-no-such-user"}
+
+    def kit_open_leftovers(self, executor: Any) -> list[str]:
+        """Image mode: containers labelled with the executor's token; container mode: its spill directory."""
+        if not isinstance(executor, DockerBashExecutor):
+            return [f"not a {DockerBashExecutor.__name__}: {type(executor).__name__}"]
+        return find_open_leftovers(
+            executor._docker_config, (MANAGED_LABEL, executor._token), executor._spill_dir
+        )

@@ -42,7 +42,7 @@ from ._connection import ChannelPool
 from ._detached import DetachedProcess, DetachedSpill, DetachedSupervisors, Follower
 from ._framed import FramedSshProcess
 from ._hints import INFRA_HINTS
-from ._kit import find_remote_processes, kit_notes, plant_in_bashrc
+from ._kit import find_open_leftovers, find_remote_processes, kit_notes, plant_in_bashrc
 from ._process import CommandSession, RemoteMarked, SshProcess, SupervisorMissing
 from ._scripts import SETUP, SETUP_END, SETUP_HOME, boot_line, boot_request
 from ._spill import SshSpillFile
@@ -602,6 +602,17 @@ class SshBashExecutor(BashExecutor[SshConfig]):
 
     def kit_notes(self) -> list[str]:
         return kit_notes(self._ssh_config)
+
+    def kit_failing_open(self) -> Mapping[str, Any] | None:
+        """A login name the host does not accept: the open fails at authentication (no configuration
+        change makes a later step fail: the setup and the supervisor install need the host's files)."""
+        return {"username": "dsh-bash-kit-no-such-user"}
+
+    def kit_open_leftovers(self, executor: Any) -> list[str]:
+        """Its connection if still open, and its spill directory on the host if the setup made one."""
+        if not isinstance(executor, SshBashExecutor):
+            return [f"not a {SshBashExecutor.__name__}: {type(executor).__name__}"]
+        return find_open_leftovers(self._ssh_config, executor._pool.connected(), executor._spill_dir)
 
 
 async def _nothing() -> None:
