@@ -13,7 +13,7 @@ import pytest
 from dsh_bash_conformance import find_host_processes
 from fault_support import GRACE_MS, Backend, backend_params, eventually_gone, wait_for_processes
 
-from dsh_bash import BashExecRequest
+from dsh_bash import BashExecRequest, BashInfrastructureError
 
 pytestmark = [pytest.mark.faults, pytest.mark.anyio]
 
@@ -240,4 +240,32 @@ async def test_the_issues_fork_bomb_returns_a_result_in_time(backend: Backend, m
         print(f"issue 16 fork bomb: {elapsed:.2f}s, timed_out={result.timed_out}, exit={result.exit_code}")
         assert result.timed_out or result.exit_code == 0, result
         assert elapsed <= 8.0, elapsed
+    assert await eventually_gone(marker, 10) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", backend_params("docker-image"), indirect=True)
+async def test_a_command_started_under_a_full_pids_limit_fails_at_once_with_the_marker(
+    backend: Backend, marker: str
+) -> None:
+    # Issue 16, reproduced with containment = 'marker': the bomb's shell ended (exit 0), its bomb
+    # keeps the limit full. The next command's boot wrapper could not fork its relays: bash retried
+    # each fork for about 15 s, no kill or timeout reached it (the command was not running yet),
+    # and after 18.7 s the run raised "the command's supervisor in the container died; its exit
+    # status is lost". Now it is refused at once (start_failed), or the engine refuses the exec, or
+    # it runs when a slot was free: never lost, and within 8 s.
+    bomb = f"bash -c ':(){{ :|:& }};:; sleep 1' {marker}"
+    async with backend.make(pids_limit=64, containment="marker") as ex:
+        result = await ex.exec(bomb, timeout_ms=2000)
+        assert result.timed_out or result.exit_code == 0, result
+        for _ in range(3):
+            began = time.monotonic()
+            try:
+                outcome = (await ex.exec("echo ok", timeout_ms=2000)).stdout.text
+            except BashInfrastructureError as exc:
+                outcome = f"{exc.reason}: {exc}"
+            elapsed = time.monotonic() - began
+            print(f"next command under the full limit: {elapsed:.2f}s, {outcome!r}")
+            assert outcome == "ok\n" or outcome.startswith("start_failed: "), outcome
+            assert elapsed <= 8.0, (elapsed, outcome)
     assert await eventually_gone(marker, 10) == []
