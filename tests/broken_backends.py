@@ -1246,13 +1246,17 @@ class LeaksOnFailedOpen(LocalBashExecutor):
 
     Its open refuses a bash it cannot find, after the host part made the spill directory; its
     release does nothing unless the open completed ("nothing was opened"), so the directory stays.
+    (``left_behind`` lists them so the tests can remove them.)
     """
 
+    left_behind: ClassVar[list[str]] = []
     _opened = False
 
     async def _open(self) -> None:
         await super()._open()
         if self._bash is None:
+            if self._spill_dir is not None:
+                self.left_behind.append(self._spill_dir.path)
             raise BashInfrastructureError(f"bash not found: {self.config.bash!r}", reason="shell_missing")
         self._opened = True
 

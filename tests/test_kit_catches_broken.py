@@ -261,7 +261,7 @@ def _kill_at_module_end() -> Iterator[None]:
     """
     yield
     survivors = _kill_marked(_MADE)
-    kept = list(bb.KeepsSpillDir.left_behind)
+    kept = [*bb.KeepsSpillDir.left_behind, *bb.LeaksOnFailedOpen.left_behind]
     kept += [executor._spill_dir.path for executor in _MADE if executor._spill_dir is not None]
     for path in kept:
         shutil.rmtree(path, ignore_errors=True)
