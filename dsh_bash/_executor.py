@@ -55,6 +55,9 @@ TaskListener = Callable[[BashTask], None]
 ConfigT_co = TypeVar("ConfigT_co", bound=BudgetConfig, covariant=True, default=BudgetConfig)
 _KillCause = Literal["timeout", "aborted", "killed", "closed", "cancelled", "lost"]
 _State = Literal["new", "open", "closing", "closed"]
+#: How long releasing what a failed ``_open`` acquired may take (removing a container, a spill
+#: directory over SSH) before ``__aenter__`` raises the open's error anyway.
+_OPEN_RELEASE_BOUND_S = 10.0
 
 
 class _Command:
@@ -187,11 +190,16 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
 
     @abstractmethod
     async def _open(self) -> None:
-        """Acquire what the backend needs (connection, container, spill directory)."""
+        """Acquire what the backend needs (connection, container, spill directory).
+
+        When it raises, :meth:`_release` runs (shielded, bounded) before ``__aenter__`` re-raises: keep
+        in the executor's fields what is acquired as soon as it is, so that nothing is left behind.
+        """
 
     @abstractmethod
     async def _release(self) -> None:
-        """Release everything ``_open`` acquired. Called once, after every command was killed."""
+        """Release everything ``_open`` acquired. Called once: after every command was killed, or
+        after ``_open`` raised, when it must release whatever part was acquired (and only that)."""
 
     @abstractmethod
     def _default_cwd(self) -> str:
@@ -238,6 +246,21 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             await self._open()
         except BaseException as exc:
             self._state = "closed"
+            # What _open acquired before it failed (a container, a connection, a spill directory, a
+            # fork server) is released here, once for every backend: _release must accept a partial
+            # open. Shielded (a cancelled open still cleans up) and bounded (a stalled engine or host
+            # must not hold the caller).
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_OPEN_RELEASE_BOUND_S) as bound:
+                try:
+                    await self._release()
+                except Exception:
+                    log.exception("%s: releasing after a failed open failed", type(self).__name__)
+            if bound.cancelled_caught:
+                log.warning(
+                    "%s: releasing after a failed open did not finish within %.0f s",
+                    type(self).__name__,
+                    _OPEN_RELEASE_BOUND_S,
+                )
             self._closed_event.set()
             tg.cancel_scope.cancel()
             await tg.__aexit__(None, None, None)

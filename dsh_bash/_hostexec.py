@@ -204,14 +204,9 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
                 server.start()
             except OSError as exc:
                 server, path, why = None, None, server_problem(exc)
-        try:
-            choose_containment(config.containment, path, why, type(self).__name__)
-        except BashInfrastructureError:
-            self._spill_dir.remove()
-            self._spill_dir = None
-            self._scanner.close()
-            raise
+        # Held before anything can fail: a failed open's _release (run by the base class) stops it.
         self._server = server
+        choose_containment(config.containment, path, why, type(self).__name__)
         self._supervisor_path = path if server is not None else None
 
     async def _release(self) -> None:
@@ -310,6 +305,24 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
     def kit_find_processes(self, marker: str) -> list[int]:
         """Commands run on this host: the kit scans its ``/proc``."""
         return find_host_processes(marker)
+
+    def kit_failing_open(self) -> Mapping[str, Any] | None:
+        """A spill directory under a parent that does not exist: the open's first step fails (this
+        host's open has no later step that a configuration can make fail)."""
+        return {"spill_dir": "/nonexistent/dsh-bash-kit-failing-open"}
+
+    def kit_open_leftovers(self, executor: Any) -> list[str]:
+        """The spill directory and the fork server that ``executor`` still holds and that still exist."""
+        if not isinstance(executor, HostBashExecutor):
+            return [f"not a {HostBashExecutor.__name__}: {type(executor).__name__}"]
+        left = []
+        spill = executor._spill_dir
+        if spill is not None and os.path.exists(spill.path):
+            left.append(f"the spill directory {spill.path}")
+        server = executor._server
+        if server is not None and server.running:
+            left.append("the fork server (dsh-supervise) still runs")
+        return left
 
     def kit_notes(self) -> list[str]:
         cls = type(self)

@@ -64,6 +64,22 @@ class ConformanceHooks(Protocol):
         """What the kit's checks cannot see or prove with this configuration, printed before the run."""
         ...
 
+    def kit_failing_open(self) -> Mapping[str, Any] | None:
+        """Config overrides under which opening an executor of this configuration fails.
+
+        As late in the open as the backend can make it fail (after it acquired what a failed open
+        might leave: a container, a connection, a spill directory), so that the kit's
+        ``nothing-left-by-failed-open`` check proves something. None: no change makes it fail (the
+        check is then not applicable). Without this hook (or :meth:`kit_open_leftovers`) the check
+        is reported not applicable.
+        """
+        ...
+
+    def kit_open_leftovers(self, executor: Any) -> list[str]:
+        """What ``executor`` (made with :meth:`kit_failing_open`'s overrides, whose open just failed)
+        left behind where the commands run: one description per thing, ``[]`` when nothing."""
+        ...
+
 
 # Reads the marker from its stdin's first line (never an argument: a scan for a value must not find
 # itself on its own command line) and prints the pid of every live process but itself whose command

@@ -1241,6 +1241,33 @@ class SequentialSpillNames(LocalBashExecutor):
         return HostSpillFile(self._spill_dir, f"{next(self._spill_numbers):06d}.{stream}")
 
 
+class LeaksOnFailedOpen(LocalBashExecutor):
+    """Breaks: when entering the executor raises, nothing it acquired is left behind.
+
+    Its open refuses a bash it cannot find, after the host part made the spill directory; its
+    release does nothing unless the open completed ("nothing was opened"), so the directory stays.
+    (``left_behind`` lists them so the tests can remove them.)
+    """
+
+    left_behind: ClassVar[list[str]] = []
+    _opened = False
+
+    async def _open(self) -> None:
+        await super()._open()
+        if self._bash is None:
+            if self._spill_dir is not None:
+                self.left_behind.append(self._spill_dir.path)
+            raise BashInfrastructureError(f"bash not found: {self.config.bash!r}", reason="shell_missing")
+        self._opened = True
+
+    async def _release(self) -> None:
+        if self._opened:
+            await super()._release()
+
+    def kit_failing_open(self) -> Mapping[str, Any] | None:
+        return {"bash": "dsh-bash-kit-no-such-bash"}
+
+
 class KeepsSpillDir(LocalBashExecutor):
     """Breaks: aclose releases the spill directories the executor owns.
 

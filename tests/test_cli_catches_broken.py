@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 from collections import defaultdict
 from pathlib import Path
@@ -51,6 +52,9 @@ def _sweep() -> None:
             if entry.alive and entry.marker is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(entry.pid, signal.SIGKILL)
+    # Spill directories the failed-open breakage left behind by design.
+    while bb.LeaksOnFailedOpen.left_behind:
+        shutil.rmtree(bb.LeaksOnFailedOpen.left_behind.pop(), ignore_errors=True)
 
 
 @pytest.mark.parametrize("backend", sorted(CHECKS_BY_BACKEND))

@@ -152,6 +152,13 @@ CAUGHT_BY: list[Row] = [
     Row("aclose-idempotent-from-any-task", bb.ConcurrentAcloseRaises),
     Row("aclose-bounded", bb.SerialClose),
     Row("aclose-spares-other-executors", bb.SweepsAllExecutors),
+    Row(
+        "nothing-left-by-failed-open",
+        bb.LeaksOnFailedOpen,
+        "failed",
+        30.0,
+        ("left behind: the spill directory",),
+    ),
     # -- beyond the contract ----------------------------------------------------------------------------
     Row("escapee-killed-on-kill", bb.GroupOnlyTracking),
     Row("escapee-killed-on-timeout", bb.GroupOnlyTracking),
@@ -254,7 +261,7 @@ def _kill_at_module_end() -> Iterator[None]:
     """
     yield
     survivors = _kill_marked(_MADE)
-    kept = list(bb.KeepsSpillDir.left_behind)
+    kept = [*bb.KeepsSpillDir.left_behind, *bb.LeaksOnFailedOpen.left_behind]
     kept += [executor._spill_dir.path for executor in _MADE if executor._spill_dir is not None]
     for path in kept:
         shutil.rmtree(path, ignore_errors=True)
@@ -314,3 +321,21 @@ def test_broken_only_where_intended(backend: type[LocalBashExecutor]) -> None:
     result = _run(BASIC_CHECK, backend)
     expected = "failed" if breaks_it else "passed"
     assert result.outcome == expected, f"{backend.__name__}: {_describe(result)}"
+
+
+class _WithoutFailedOpenHooks(LocalBashExecutor):
+    """A sound backend that does not say how to make its open fail (as a third-party one may not)."""
+
+    kit_failing_open = None  # type: ignore[assignment]
+    kit_open_leftovers = None  # type: ignore[assignment]
+
+
+def test_failed_open_check_is_not_applicable_without_its_hooks() -> None:
+    """Without the hooks, nothing-left-by-failed-open reports not_applicable, never passed; the
+    report's verdict counts it apart and it does not make the contract fail."""
+    report = run_kit(_target(_WithoutFailedOpenHooks), only=["nothing-left-by-failed-open"])
+    [result] = report.results
+    assert result.outcome == "not_applicable", _describe(result)
+    assert "kit_failing_open" in result.message and result.line().startswith("N/A "), _describe(result)
+    assert report.contract_ok and report.failed == []
+    assert "1 n/a" in report.verdict()

@@ -144,3 +144,51 @@ async def test_foreground_true_has_no_process_scan_cost() -> None:
             assert (await ex.exec("true")).exit_code == 0
         assert ex._scanner._taken_at < 0  # never scanned
         assert time.monotonic() - started < 10
+
+
+class _FailsOnceOpen(LocalBashExecutor):
+    """A subclass whose own part of the open fails after the local part succeeded (as a sandboxing
+    backend's probe does): it records what the local part had made."""
+
+    made: list[str | None]
+
+    async def _open(self) -> None:
+        await super()._open()
+        self.made = [self.spill_directory, None if self._server is None else "fork server"]
+        raise BashInfrastructureError("the subclass's own setup failed", reason="start_failed")
+
+
+def _fork_servers() -> list[int]:
+    """This process's children that run dsh-supervise (its fork server, while an executor is open)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                ppid = int(handle.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                cmdline = handle.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"dsh-supervise" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.timeout(30)
+async def test_a_failed_open_leaves_no_spill_directory_and_no_fork_server() -> None:
+    # Issue 16: an open that fails after the backend acquired something releases it (the base
+    # class runs _release), so that nothing is left behind by a failed open.
+    before = _fork_servers()
+    executor = _FailsOnceOpen(LocalConfig(grace_ms=300))
+    with pytest.raises(BashInfrastructureError, match="own setup failed"):
+        async with executor:
+            pass
+    spill, server = executor.made
+    assert spill is not None and server == "fork server"  # the local part had made both
+    assert not os.path.exists(spill)
+    deadline = time.monotonic() + 5
+    while (left := sorted(set(_fork_servers()) - set(before))) and time.monotonic() < deadline:  # noqa: ASYNC110 - a process's end is polled
+        await anyio.sleep(0.02)
+    assert left == []

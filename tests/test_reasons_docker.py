@@ -19,7 +19,7 @@ import docker
 import docker.errors
 import pytest
 from docker_support import BUSYBOX_STATIC, SESSION_ID, SESSION_LABEL, start_idle_container
-from dsh_bash_docker import DockerBashExecutor, DockerConfig
+from dsh_bash_docker import MANAGED_LABEL, DockerBashExecutor, DockerConfig
 from fault_support import wait_for_processes
 
 from dsh_bash import BashExecRequest, BashInfrastructureError, ExecutorClosedError
@@ -152,11 +152,24 @@ async def test_container_missing_after_open(docker_test_image: str) -> None:
         container.stop()
 
 
+async def _error_of_open(executor: DockerBashExecutor) -> BashInfrastructureError:
+    with pytest.raises(BashInfrastructureError) as raised:
+        async with executor:
+            pass
+    return raised.value
+
+
 async def test_user_unknown_in_image_and_container_mode(
     docker_test_image: str, docker_session_container: str
 ) -> None:
-    assert await _reason_of_open(_image(docker_test_image, user="nonexistent")) == "user_unknown"
-    assert await _reason_of_open(_container(docker_session_container, user="nonexistent")) == "user_unknown"
+    for executor in (
+        _image(docker_test_image, user="nonexistent"),
+        _container(docker_session_container, user="nonexistent"),
+    ):
+        error = await _error_of_open(executor)
+        assert error.reason == "user_unknown", error
+        # Issue 16: the engine's own words (it says them on the exec's stdout) reach the message.
+        assert "unable to find user nonexistent" in str(error), error
     # A numeric id needs no passwd entry: it is no unknown user, and it works.
     async with _container(docker_session_container, user="4242:4242") as ex:
         assert (await ex.exec("id -u")).stdout.text == "4242\n"
@@ -185,6 +198,58 @@ async def test_a_spec_user_switches_the_exec_user(
             with pytest.raises(BashInfrastructureError) as refused:
                 await (ex.run(spec) if verb == "run" else ex.start(spec))
             assert refused.value.reason == "user_unknown", (verb, refused.value)
+
+
+def _left_by(client: docker.DockerClient, executor: DockerBashExecutor) -> list[str]:
+    """Every container (any state) that ``executor`` created: its token is their managed label."""
+    found = client.containers.list(all=True, filters={"label": f"{MANAGED_LABEL}={executor._token}"})
+    return [f"{container.short_id} ({container.status})" for container in found]
+
+
+@pytest.mark.timeout(60)
+async def test_a_failed_open_in_image_mode_leaves_no_container(
+    docker_test_image: str, no_bash_image: str, docker_client: docker.DockerClient
+) -> None:
+    # Issue 16: a container created (or started) by an open that then fails is removed, whatever
+    # failed: the start (an unknown user) or the first exec (an image without bash, whose init ends).
+    for executor, reason in (
+        (_image(docker_test_image, user="nonexistent"), "user_unknown"),
+        (_image(no_bash_image), "shell_missing"),
+    ):
+        assert (await _error_of_open(executor)).reason == reason
+        assert _left_by(docker_client, executor) == []
+
+
+@pytest.mark.timeout(60)
+async def test_a_failed_open_in_container_mode_leaves_no_spill_directory(docker_test_image: str) -> None:
+    # Issue 16: the spill directory is made before the supervisor is installed; when the install
+    # then fails (a read-only root: no upload, no write as root) and containment = 'subreaper'
+    # refuses to open without it, the spill directory is removed again.
+    client = docker.from_env()
+    container = client.containers.run(
+        docker_test_image,
+        command=[
+            "bash",
+            "--noprofile",
+            "--norc",
+            "-c",
+            "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done",
+        ],
+        detach=True,
+        init=True,
+        network_mode="none",
+        read_only=True,
+        tmpfs={"/tmp": "rw,mode=1777"},
+        labels={SESSION_LABEL: SESSION_ID},
+    )
+    try:
+        error = await _error_of_open(_container(str(container.id), containment="subreaper"))
+        assert error.reason == "start_failed" and "subreaper" in str(error), error
+        listing = container.exec_run(["bash", "-c", "ls -A /tmp"])
+        assert (listing.exit_code, listing.output) == (0, b"")
+    finally:
+        container.remove(force=True)
+        client.close()
 
 
 async def test_engine_unreachable(docker_test_image: str, tmp_path: Path) -> None:

@@ -128,6 +128,26 @@ async def test_containment_subreaper_refuses_to_open_without_it(ssh_server: SshS
     assert raised.value.reason == "start_failed"
 
 
+@pytest.mark.timeout(60)
+async def test_a_failed_open_removes_its_spill_directory_and_closes_the_connection(
+    ssh_server: SshServer, cache: Path
+) -> None:
+    # Issue 16: the open fails after the connection was made and the setup made the spill directory
+    # on the host (the supervisor cannot be installed and containment = 'subreaper' refuses to go
+    # on without it): the base class's release removes the directory and closes the connection.
+    cache.mkdir(exist_ok=True)
+    os.chown(cache, 0, 0)
+    os.chmod(cache, 0o755)
+    executor = ssh_server.executor(warm_channel=False, containment="subreaper")
+    with pytest.raises(BashInfrastructureError):
+        async with executor:
+            pass
+    spill_dir = executor._spill_dir
+    assert spill_dir.startswith("/")  # the setup had made it
+    assert not os.path.exists(spill_dir)  # the loopback host is this machine
+    assert not executor._pool.connected()
+
+
 async def test_containment_marker_never_installs(ssh_server: SshServer, cache: Path) -> None:
     async with ssh_server.executor(warm_channel=False, containment="marker") as ex:
         assert ex.containment == "marker"

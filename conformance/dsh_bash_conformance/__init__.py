@@ -27,6 +27,7 @@ from ._kit import (
     CheckResult,
     KitReport,
     KitTarget,
+    NotApplicable,
     check,
     run_kit,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "ConfigTarget",
     "KitReport",
     "KitTarget",
+    "NotApplicable",
     "call_watched",
     "check",
     "config_target",

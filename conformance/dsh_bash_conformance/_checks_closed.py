@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable, Mapping
 from functools import partial
+from typing import Any
 
 import anyio
 
@@ -183,3 +185,41 @@ async def aclose_spares_others(ctx: CheckContext) -> None:
         await alive(ctx, leftover, "after another executor's aclose, this executor's leftover")
         ok = await sh(keeper, "printf ok")
         ctx.expect(ok == "ok", f"after another executor's aclose, this one printed {ok!r}")
+
+
+@check(
+    "nothing-left-by-failed-open",
+    kind="contract",
+    clause="R-life-open-failure-clean",
+    rule="When entering the executor raises, nothing it acquired is left behind (a container, a "
+    "connection, a spill directory, a helper process).",
+)
+async def nothing_left_by_failed_open(ctx: CheckContext) -> None:
+    # The backend says how to make its open fail and how to find what a failed open left: both are
+    # optional hooks (dsh_bash.backend.ConformanceHooks); without them the check cannot run.
+    probe = ctx.executor()
+    make_fail: Callable[[], Mapping[str, Any] | None] | None = getattr(probe, "kit_failing_open", None)
+    find_left: Callable[[BashExecutor], list[str]] | None = getattr(probe, "kit_open_leftovers", None)
+    if make_fail is None or find_left is None:
+        ctx.not_applicable(
+            f"{type(probe).__name__} defines no kit_failing_open and kit_open_leftovers hooks: the kit "
+            "can neither make its open fail nor see what a failed open left behind"
+        )
+    overrides = make_fail()
+    if overrides is None:
+        ctx.not_applicable(f"{type(probe).__name__}: no configuration change makes this target's open fail")
+    ex = ctx.executor(**overrides)
+    try:
+        await ex.__aenter__()
+    except BashInfrastructureError:
+        pass
+    except Exception as exc:
+        ctx.fail(
+            f"entering an executor whose open fails ({dict(overrides)}) raised {type(exc).__name__}: "
+            f"{exc}, not a BashInfrastructureError"
+        )
+    else:
+        await ex.__aexit__(None, None, None)
+        ctx.fail(f"an executor with {dict(overrides)} opened; kit_failing_open promised that it would not")
+    left = await anyio.to_thread.run_sync(find_left, ex)
+    ctx.expect(not left, f"a failed open ({dict(overrides)}) left behind: {'; '.join(left)}")

@@ -32,12 +32,13 @@ __all__ = [
     "CheckResult",
     "KitReport",
     "KitTarget",
+    "NotApplicable",
     "check",
     "run_kit",
 ]
 
 CheckKind = Literal["contract", "beyond"]
-CheckOutcome = Literal["passed", "failed", "error", "hung"]
+CheckOutcome = Literal["passed", "failed", "error", "hung", "not_applicable"]
 CheckFn = Callable[["CheckContext"], Awaitable[None]]
 
 #: The budgets every executor a check creates starts from; a check's overrides win.
@@ -88,6 +89,13 @@ class CheckFailed(Exception):
     """A check observed behaviour the contract forbids."""
 
 
+class NotApplicable(Exception):
+    """A check cannot be run against this target (the backend lacks an optional hook it needs).
+
+    Reported as ``not_applicable``: neither a pass nor a failure (see :attr:`KitReport.contract_ok`).
+    """
+
+
 #: The form of a rule id in ``docs/contract.md``: ``R-<section>-<short-name>``.
 CLAUSE_PATTERN = re.compile(r"R-[a-z]+(?:-[a-z0-9]+)+")
 
@@ -105,7 +113,13 @@ class Check:
 
 
 #: How a report line shows each outcome.
-_LABELS: Mapping[CheckOutcome, str] = {"passed": "PASS", "failed": "FAIL", "error": "ERROR", "hung": "HUNG"}
+_LABELS: Mapping[CheckOutcome, str] = {
+    "passed": "PASS",
+    "failed": "FAIL",
+    "error": "ERROR",
+    "hung": "HUNG",
+    "not_applicable": "N/A",
+}
 
 
 @dataclass(frozen=True)
@@ -254,6 +268,10 @@ class CheckContext:
     def fail(self, message: str) -> NoReturn:
         raise CheckFailed(message)
 
+    def not_applicable(self, message: str) -> NoReturn:
+        """End the check as ``not_applicable`` (it cannot run against this target), saying why."""
+        raise NotApplicable(message)
+
     # -- processes ----------------------------------------------------------------------------
 
     async def processes(self, marker: str) -> list[int]:
@@ -306,16 +324,16 @@ class KitReport:
 
     @property
     def contract_ok(self) -> bool:
-        """True when every contract check that ran passed."""
-        return all(r.outcome == "passed" for r in self.results if r.kind == "contract")
+        """True when every contract check that ran passed or was not applicable."""
+        return all(r.outcome in ("passed", "not_applicable") for r in self.results if r.kind == "contract")
 
     @property
     def failed(self) -> list[CheckResult]:
-        """Every result that did not pass (failed, error or hung)."""
-        return [r for r in self.results if r.outcome != "passed"]
+        """Every result that did not pass (failed, error or hung; not_applicable is none of them)."""
+        return [r for r in self.results if r.outcome not in ("passed", "not_applicable")]
 
     def _counts(self, kind: CheckKind) -> dict[str, int]:
-        counts = {"total": 0, "passed": 0, "failed": 0, "error": 0, "hung": 0}
+        counts = {"total": 0, "passed": 0, "failed": 0, "error": 0, "hung": 0, "not_applicable": 0}
         for result in self.results:
             if result.kind == kind:
                 counts["total"] += 1
@@ -332,9 +350,11 @@ class KitReport:
         parts = []
         for kind in ("contract", "beyond"):
             c = self._counts(kind)
+            # Shown only when some check could not run, so that the usual line stays as it was.
+            not_applicable = f", {c['not_applicable']} n/a" if c["not_applicable"] else ""
             parts.append(
                 f"{kind} {c['passed']}/{c['total']} passed"
-                f" ({c['failed']} failed, {c['error']} error, {c['hung']} hung)"
+                f" ({c['failed']} failed, {c['error']} error, {c['hung']} hung{not_applicable})"
             )
         verdict = "contract OK" if self.contract_ok else "contract FAILED"
         return f"{self.target}: {'; '.join(parts)}: {verdict}"
@@ -429,6 +449,8 @@ def _run_one(target: KitTarget, current: Check, latency: _LatencyCache | None = 
             anyio.run(body, backend=target.anyio_backend)
         except CheckFailed as exc:
             return _failed(exc)
+        except NotApplicable as exc:
+            return "not_applicable", str(exc)
         except BaseException as exc:
             # A check's own task group wraps its CheckFailed in a group: that is a failed check,
             # not an ExceptionGroup escaping the backend.
@@ -458,7 +480,7 @@ def _run_one(target: KitTarget, current: Check, latency: _LatencyCache | None = 
         note = call_watched(cleaner, name=f"kit-cleanup-{current.name}", timeout_s=_CLEANUP_TIMEOUT_S)
     except Abandoned:
         note = "kit cleanup did not finish"
-    if outcome != "passed" and ctx.latency_s:
+    if outcome not in ("passed", "not_applicable") and ctx.latency_s:
         note = f"{ctx.describe_allowance()}; {note}" if note else ctx.describe_allowance()
     if note:
         message = f"{message} ({note})" if message else f"({note})"
@@ -499,7 +521,7 @@ def run_kit(
     latency = _LatencyCache()
     for name in names:
         result = _run_one(target, CHECKS[name], latency)
-        if result.outcome != "passed":
+        if result.outcome not in ("passed", "not_applicable"):
             latency.value = None  # the next check measures afresh
         report.results.append(result)
         if on_result is not None:

@@ -40,7 +40,7 @@ from ._config import DockerConfig
 from ._engine import Endpoint, EngineClient, EngineError, ExecStream
 from ._framed import FramedDockerProcess, SidePipes, SupervisorMissing
 from ._hints import INFRA_HINTS
-from ._kit import find_container_processes, kit_notes, plant_in_environment
+from ._kit import find_container_processes, find_open_leftovers, kit_notes, plant_in_environment
 from ._process import ContainerMarked, DockerProcess, diagnose_refusal, run_script
 from ._scripts import BOOT, BOOT_SUPERVISED, SPILL_DIR, SPILL_WRITER
 from ._spill import DockerSpillFile
@@ -152,13 +152,10 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
                     "command of its user); add them to env_allow to pass them through",
                     ", ".join(sorted(withheld)),
                 )
+            # Once it is started, a container of its own that cannot serve is removed by _release,
+            # which the base class runs when _open fails.
             self._container_id = await self._start_container()
-            try:
-                await self._learn_container()
-            except BaseException:  # a container of its own that cannot serve is not left behind
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(self._remove_container, self._container_id)
-                raise
+            await self._learn_container()
             return
         assert config.container is not None
         self._container_id = config.container
@@ -363,7 +360,8 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         config = self._docker_config
         await self._warm.close()
         if config.image is not None:
-            await anyio.to_thread.run_sync(self._remove_container, self._container_id)
+            if self._container_id:  # empty when opening failed before the container was started
+                await anyio.to_thread.run_sync(self._remove_container, self._container_id)
         elif self._spill_dir:
             # Bounded: an engine stalled by a burst of ending execs would hold aclose for seconds.
             # The exec, once started, completes in the container whether or not it is waited for.
@@ -668,3 +666,16 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
 
     def kit_notes(self) -> list[str]:
         return kit_notes(self._docker_config)
+
+    def kit_failing_open(self) -> Mapping[str, Any] | None:
+        """A user the container does not know: image mode creates its container, whose start then
+        fails; container mode fails at its first exec (before it made anything)."""
+        return {"user": "dsh-bash-kit-no-such-user"}
+
+    def kit_open_leftovers(self, executor: Any) -> list[str]:
+        """Image mode: containers labelled with the executor's token; container mode: its spill directory."""
+        if not isinstance(executor, DockerBashExecutor):
+            return [f"not a {DockerBashExecutor.__name__}: {type(executor).__name__}"]
+        return find_open_leftovers(
+            executor._docker_config, (MANAGED_LABEL, executor._token), executor._spill_dir
+        )

@@ -24,7 +24,7 @@ from ._config import DockerConfig
 from ._engine import Endpoint, EngineClient, EngineError
 from ._process import run_script
 
-__all__ = ["find_container_processes", "kit_notes", "plant_in_environment"]
+__all__ = ["find_container_processes", "find_open_leftovers", "kit_notes", "plant_in_environment"]
 
 
 async def _containers(
@@ -72,6 +72,28 @@ def find_container_processes(
         return sorted(found)
 
     return run_in_fresh_loop(scan)
+
+
+def find_open_leftovers(config: DockerConfig, label: tuple[str, str], spill_dir: str) -> list[str]:
+    """What a failed open left: in image mode every container (any state) labelled ``label`` (the
+    executor's own token), in container mode its spill directory ``spill_dir`` if it still exists."""
+
+    async def look() -> list[str]:
+        engine = EngineClient(Endpoint.parse(config.docker_host))
+        if config.image is not None:
+            filters = json.dumps({"label": [f"{label[0]}={label[1]}"]})
+            listed = await engine.request("GET", f"/containers/json?all=1&filters={quote(filters)}")
+            return [f"container {entry['Id'][:12]} ({entry.get('State')})" for entry in listed or []]
+        if not spill_dir:
+            return []
+        assert config.container is not None
+        # As the container's default user: the configured one may be what made the open fail.
+        code, _, err = await run_script(engine, config.container, None, 'test -e "$1"', spill_dir)
+        if code not in (0, 1):
+            raise BashInfrastructureError(f"cannot look for {spill_dir}: {err.decode(errors='replace')}")
+        return [f"the spill directory {spill_dir} in container {config.container}"] if code == 0 else []
+
+    return run_in_fresh_loop(look)
 
 
 def plant_in_environment(

@@ -46,6 +46,16 @@ BOOT = (
     BOOT_CHECKS
     + r"""
 if ! command -v setsid >/dev/null; then printf '\0dsh-bash-boot-fail:start_failed:cannot start a session: no setsid\0'; exit 125; fi
+# Under a full pids limit, bash retries each fork below for about 15 s (1, 2, 4, 8 s apart) while
+# nothing can kill the command (it has not started) and then gives up without a report. So the
+# container's limit is read first (builtins: no fork): fewer than 4 free slots (two relays,
+# setsid, the command's bash) refuse the start at once. A slot taken right after this look still
+# stalls the start (docs/faults.md).
+pids=/sys/fs/cgroup/pids; [ -r $pids/pids.max ] || pids=/sys/fs/cgroup
+if read -r pmax <$pids/pids.max 2>/dev/null && [ "$pmax" != max ] && read -r pnow <$pids/pids.current 2>/dev/null &&
+  [ $((pmax - pnow)) -lt 4 ]; then
+  printf '\0dsh-bash-boot-fail:start_failed:the pids limit of the container is full (%s of %s)\0' "$pnow" "$pmax"; exit 125
+fi
 # When the command starts on the container's clock (BOOT_AT: /proc/uptime, read by a builtin), before
 # its shell is forked: kills by its marker skip older processes unread. Empty when unreadable.
 read -r up _ 2>/dev/null </proc/uptime || up=

@@ -42,7 +42,7 @@ from ._connection import ChannelPool
 from ._detached import DetachedProcess, DetachedSpill, DetachedSupervisors, Follower
 from ._framed import FramedSshProcess
 from ._hints import INFRA_HINTS
-from ._kit import find_remote_processes, kit_notes, plant_in_bashrc
+from ._kit import find_open_leftovers, find_remote_processes, kit_notes, plant_in_bashrc
 from ._process import CommandSession, RemoteMarked, SshProcess, SupervisorMissing
 from ._scripts import SETUP, SETUP_END, SETUP_HOME, boot_line, boot_request
 from ._spill import SshSpillFile
@@ -151,32 +151,29 @@ class SshBashExecutor(BashExecutor[SshConfig]):
             raise BashInfrastructureError(
                 "the SSH backend needs asyncio (asyncssh is asyncio-only); run it under asyncio, not trio"
             ) from None
+        # When anything below fails, the base class runs _release: it removes the spill directory
+        # SETUP made (once its path is known) and closes the connection.
+        code, out, err = await self._pool.run_script(SETUP)
+        # SETUP fails (exit 1) only when it cannot make or write the spill directory.
+        reason: InfraReason = "spill_unavailable"
         try:
-            code, out, err = await self._pool.run_script(SETUP)
-            # SETUP fails (exit 1) only when it cannot make or write the spill directory.
-            reason: InfraReason = "spill_unavailable"
-            try:
-                if code != 0:
-                    raise ValueError(f"exit status {code}")
-                reason = "unclassified"
-                self._ambient, self._home, self._spill_dir, machine = parse_setup(out)
-                self._pool.helper_keep = self._helper_keep
-                self._follower.directory = self._spill_dir
-                if not self._spill_dir.startswith("/"):
-                    reason = "spill_unavailable"
-                    raise ValueError("no spill directory")
-            except ValueError as exc:
-                detail = err.decode("utf-8", "replace").strip()
-                raise BashInfrastructureError(
-                    f"setting up on {self._pool.where} failed ({exc}): {detail or 'no error output'}",
-                    reason=reason,
-                ) from None
-            self._machine = machine
-            await self._install_supervisor(machine)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._pool.aclose()
-            raise
+            if code != 0:
+                raise ValueError(f"exit status {code}")
+            reason = "unclassified"
+            self._ambient, self._home, self._spill_dir, machine = parse_setup(out)
+            self._pool.helper_keep = self._helper_keep
+            self._follower.directory = self._spill_dir
+            if not self._spill_dir.startswith("/"):
+                reason = "spill_unavailable"
+                raise ValueError("no spill directory")
+        except ValueError as exc:
+            detail = err.decode("utf-8", "replace").strip()
+            raise BashInfrastructureError(
+                f"setting up on {self._pool.where} failed ({exc}): {detail or 'no error output'}",
+                reason=reason,
+            ) from None
+        self._machine = machine
+        await self._install_supervisor(machine)
 
     async def _install_supervisor(self, machine: str) -> None:
         config = self._ssh_config
@@ -190,7 +187,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
     async def _release(self) -> None:
         self._warm.close()
         self._follower.close()
-        if self._spill_dir:
+        if self._spill_dir.startswith("/"):  # a failed open may have parsed no path, or a bad one
             try:
                 with anyio.move_on_after(5):
                     await self._pool.run_script('rm -rf -- "$1"', self._spill_dir)
@@ -605,6 +602,17 @@ class SshBashExecutor(BashExecutor[SshConfig]):
 
     def kit_notes(self) -> list[str]:
         return kit_notes(self._ssh_config)
+
+    def kit_failing_open(self) -> Mapping[str, Any] | None:
+        """A login name the host does not accept: the open fails at authentication (no configuration
+        change makes a later step fail: the setup and the supervisor install need the host's files)."""
+        return {"username": "dsh-bash-kit-no-such-user"}
+
+    def kit_open_leftovers(self, executor: Any) -> list[str]:
+        """Its connection if still open, and its spill directory on the host if the setup made one."""
+        if not isinstance(executor, SshBashExecutor):
+            return [f"not a {SshBashExecutor.__name__}: {type(executor).__name__}"]
+        return find_open_leftovers(self._ssh_config, executor._pool.connected(), executor._spill_dir)
 
 
 async def _nothing() -> None:

@@ -33,7 +33,15 @@ from dsh_bash.backend import FIND_PROCESSES, parse_pids, run_in_fresh_loop
 from ._config import SshConfig
 from ._connection import ChannelPool, ScriptResult
 
-__all__ = ["BEGIN", "END", "find_remote_processes", "kit_notes", "plant_in_bashrc", "with_block"]
+__all__ = [
+    "BEGIN",
+    "END",
+    "find_open_leftovers",
+    "find_remote_processes",
+    "kit_notes",
+    "plant_in_bashrc",
+    "with_block",
+]
 
 BEGIN = "# >>> dsh-bash conformance kit: planted ambient variables (removed when its check ends) >>>\n"
 END = "# <<< dsh-bash conformance kit <<<\n"
@@ -84,6 +92,20 @@ def find_remote_processes(config: SshConfig, marker: str) -> list[int]:
         raise ValueError("a marker is one non-empty line")
     out = _script(config, FIND_PROCESSES, stdin=marker.encode() + b"\n", what="scanning /proc")
     return parse_pids(out)
+
+
+def find_open_leftovers(config: SshConfig, connected: bool, spill_dir: str) -> list[str]:
+    """What a failed open left: its connection (``connected``: still open), and the spill directory
+    ``spill_dir`` on the SSH host if the setup made one and it still exists (looked for over a
+    connection of its own, with ``config``: a configuration that logs in)."""
+    left = ["its SSH connection is still open"] if connected else []
+    if spill_dir.startswith("/"):
+        out = _script(
+            config, 'if test -e "$1"; then echo yes; fi', spill_dir, what="looking for the spill directory"
+        )
+        if out.strip() == b"yes":
+            left.append(f"the spill directory {spill_dir} on {config.host}")
+    return left
 
 
 def _block(variables: Mapping[str, str]) -> str:

@@ -192,26 +192,22 @@ class BwrapBashExecutor(HostBashExecutor[BwrapConfig]):
 
     async def _open(self) -> None:
         await super()._open()
-        try:
-            names = (self.config.bwrap, "env", "setsid")
-            tools = [shutil.which(name) for name in names]
-            missing = [name for name, path in zip(names, tools, strict=True) if path is None]
-            if missing:
-                raise BashInfrastructureError(
-                    f"not found on PATH: {', '.join(missing)} (bubblewrap: apt-get install bubblewrap)"
-                )
-            bwrap, env, setsid = (str(path) for path in tools)
-            self._prefix = [env, "--ignore-signal=TERM", bwrap]
-            self._inner = [env, "--default-signal=TERM", setsid]
-            # SANDBOX/tmp is the private /tmp, SANDBOX/cmd holds the command scripts (read-only inside).
-            self._sandbox_dir = tempfile.mkdtemp(prefix="dsh-bash-bwrap-")
-            os.mkdir(f"{self._sandbox_dir}/tmp", 0o700)
-            os.mkdir(f"{self._sandbox_dir}/cmd", 0o700)
-            await self._probe()
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._release()
-            raise
+        # A failure below gets _release from the base class (the sandbox directory included).
+        names = (self.config.bwrap, "env", "setsid")
+        tools = [shutil.which(name) for name in names]
+        missing = [name for name, path in zip(names, tools, strict=True) if path is None]
+        if missing:
+            raise BashInfrastructureError(
+                f"not found on PATH: {', '.join(missing)} (bubblewrap: apt-get install bubblewrap)"
+            )
+        bwrap, env, setsid = (str(path) for path in tools)
+        self._prefix = [env, "--ignore-signal=TERM", bwrap]
+        self._inner = [env, "--default-signal=TERM", setsid]
+        # SANDBOX/tmp is the private /tmp, SANDBOX/cmd holds the command scripts (read-only inside).
+        self._sandbox_dir = tempfile.mkdtemp(prefix="dsh-bash-bwrap-")
+        os.mkdir(f"{self._sandbox_dir}/tmp", 0o700)
+        os.mkdir(f"{self._sandbox_dir}/cmd", 0o700)
+        await self._probe()
 
     async def _probe(self) -> None:
         """Fail at open, in bwrap's own words, where no sandbox can be made."""
