@@ -338,23 +338,33 @@ def docker_target(
 
 
 @pytest.fixture(scope="session")
-def docker_test_image() -> Iterator[str]:
+def _docker_session_cleanup() -> Iterator[None]:
+    """At session end, removes every container still labelled with this session's id.
+
+    One fixture under both image fixtures, so that it is torn down after everything that uses either
+    image: were the sweep in each image fixture's own teardown, the one torn down first would remove
+    the other image's session container before that fixture stops it (a 404 at teardown).
+    """
+    try:
+        yield
+    finally:
+        remove_session_containers()
+
+
+@pytest.fixture(scope="session")
+def docker_test_image(_docker_session_cleanup: None) -> str:
     """The tag of the test image, built once per session (reused across runs while its content holds).
 
     Skips with ``backend unavailable: ...`` when no engine answers or the static binaries are missing.
-    At session end, removes every container still labelled with this session's id.
+    At session end, every container still labelled with this session's id is removed.
     """
     reason = docker_available() or _missing_binaries()
     if reason is not None:
         pytest.skip(_unavailable(reason))
     try:
-        tag = build_test_image()
+        return build_test_image()
     except Exception as exc:
         pytest.fail(f"building the Docker test image failed: {type(exc).__name__}: {exc}")
-    try:
-        yield tag
-    finally:
-        remove_session_containers()
 
 
 @pytest.fixture
@@ -378,24 +388,20 @@ def docker_session_container(docker_test_image: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def docker_debian_image() -> Iterator[str]:
+def docker_debian_image(_docker_session_cleanup: None) -> str:
     """The tag of the Debian test image (``tests/debian_image.py``), built when missing (about a minute
     and a half: the tests that may be first to use it carry a longer ``timeout`` mark).
 
     Skips with ``backend unavailable: ...`` when no engine answers, or the image is missing and cannot
-    be built here (no ``mmdebstrap``, not root). At session end, removes this session's containers.
+    be built here (no ``mmdebstrap``, not root). At session end, this session's containers are removed.
     """
     reason = docker_available() or debian_image.unavailable()
     if reason is not None:
         pytest.skip(_unavailable(reason))
     try:
-        tag = debian_image.build_image()
+        return debian_image.build_image()
     except Exception as exc:
         pytest.fail(f"building the Debian test image failed: {type(exc).__name__}: {exc}")
-    try:
-        yield tag
-    finally:
-        remove_session_containers()
 
 
 @pytest.fixture(scope="session")
