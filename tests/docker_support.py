@@ -9,8 +9,8 @@ binaries (packages ``bash-static`` and ``busybox-static``), tagged by a hash of 
 rerun reuses it: 4 MB, built in a few seconds (``docker_test_image``). A real userland is the Debian
 test image of ``tests/debian_image.py`` (``docker_debian_image``, ``docker_debian_container``): a
 minbase bookworm made by ``mmdebstrap`` and ``docker import`` (coreutils, GNU grep, procps, python3,
-a non-root user ``dshuser`` in ``/etc/passwd``), tagged by a hash of its recipe, built once (about
-a minute and a half; ``.ci/run`` builds it before the tests) and reused while the recipe holds. Both
+a non-root user ``dshuser`` in ``/etc/passwd``), tagged by a hash of its recipe, built once (28-43 s
+here; ``.ci/run`` builds it before the tests) and reused while the recipe holds. Both
 images have no init of their own: image-mode executors and :func:`start_idle_container` give
 ``--init`` and an idle bash loop as PID 1's command.
 
@@ -389,8 +389,8 @@ def docker_session_container(docker_test_image: str) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def docker_debian_image(_docker_session_cleanup: None) -> str:
-    """The tag of the Debian test image (``tests/debian_image.py``), built when missing (about a minute
-    and a half: the tests that may be first to use it carry a longer ``timeout`` mark).
+    """The tag of the Debian test image (``tests/debian_image.py``), built when missing (28-43 s here,
+    mirror permitting: the tests that may be first to use it carry a longer ``timeout`` mark).
 
     Skips with ``backend unavailable: ...`` when no engine answers, or the image is missing and cannot
     be built here (no ``mmdebstrap``, not root). At session end, this session's containers are removed.

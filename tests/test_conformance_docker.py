@@ -50,7 +50,7 @@ ImageKind = Literal["busybox", "debian"]
 #: Which image's fixture each row uses (the container mode's session container is of that image).
 _IMAGE_FIXTURE = {"busybox": "docker_test_image", "debian": "docker_debian_image"}
 _CONTAINER_FIXTURE = {"busybox": "docker_session_container", "debian": "docker_debian_container"}
-#: The Debian image builds once (about a minute and a half) in the first test that needs it when
+#: The Debian image builds once (28-43 s here) in the first test that needs it when
 #: ``.ci/run`` has not built it beforehand: the Debian rows allow for that on top of the suite's 120 s.
 _DEBIAN_TIMEOUT_S = 120 + 300
 CASES: list[tuple[str, DockerMode, str, ImageKind]] = [

@@ -7,7 +7,7 @@ The image is the Debian test image of ``tests/debian_image.py`` (minbase bookwor
 (``tests/test_conformance_docker.py``, the ``debian-`` rows). Skips with ``backend unavailable:``
 (a failure when ``CI=true``) when no engine answers or the image is missing and cannot be built.
 
-Timeouts: the first test to use the image may build it (about a minute and a half here when
+Timeouts: the first test to use the image may build it (28-43 s here when
 ``.ci/run`` has not), so each test's limit allows for that; the tests themselves take seconds.
 """
 
