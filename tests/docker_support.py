@@ -6,12 +6,22 @@ available to every test module; test modules import the plain helpers (``docker_
 
 No image can be pulled here, so the test image is built ``FROM scratch`` out of Debian's static
 binaries (packages ``bash-static`` and ``busybox-static``), tagged by a hash of its content so a
-rerun reuses it. Containers this module starts carry the label :data:`SESSION_LABEL` (value: this
-process's session id) and are removed at the end of the session, also when a hung check abandoned
-one; image-mode executors get the same label on the containers they create.
+rerun reuses it: 4 MB, built in a few seconds (``docker_test_image``). A real userland is the Debian
+test image of ``tests/debian_image.py`` (``docker_debian_image``, ``docker_debian_container``): a
+minbase bookworm made by ``mmdebstrap`` and ``docker import`` (coreutils, GNU grep, procps, python3,
+a non-root user ``dshuser`` in ``/etc/passwd``), tagged by a hash of its recipe, built once (28-43 s
+here; ``.ci/run`` builds it before the tests) and reused while the recipe holds. Both
+images have no init of their own: image-mode executors and :func:`start_idle_container` give
+``--init`` and an idle bash loop as PID 1's command.
+
+Containers this module starts carry the label :data:`SESSION_LABEL` (value: this process's session
+id) and are removed at the end of the session, also when a hung check abandoned one; image-mode
+executors get the same label on the containers they create.
 
 When no engine answers, or the static binaries are missing, the fixtures skip with a reason
-starting ``backend unavailable:`` (which CI turns into a failure, see ``tests/conftest.py``).
+starting ``backend unavailable:`` (which CI turns into a failure, see ``tests/conftest.py``); the
+Debian fixtures skip so too when the Debian image is missing and cannot be built here (no
+``mmdebstrap``, not root).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal
 # removes what it starts itself. Must be set before testcontainers reads its configuration.
 os.environ["TESTCONTAINERS_RYUK_DISABLED"] = "true"
 
+import debian_image
 import pytest
 from dsh_bash_conformance import KitTarget, find_host_processes
 
@@ -48,6 +59,8 @@ __all__ = [
     "DockerMode",
     "build_test_image",
     "docker_available",
+    "docker_debian_container",
+    "docker_debian_image",
     "docker_session_container",
     "docker_target",
     "docker_test_image",
@@ -325,23 +338,33 @@ def docker_target(
 
 
 @pytest.fixture(scope="session")
-def docker_test_image() -> Iterator[str]:
+def _docker_session_cleanup() -> Iterator[None]:
+    """At session end, removes every container still labelled with this session's id.
+
+    One fixture under both image fixtures, so that it is torn down after everything that uses either
+    image: were the sweep in each image fixture's own teardown, the one torn down first would remove
+    the other image's session container before that fixture stops it (a 404 at teardown).
+    """
+    try:
+        yield
+    finally:
+        remove_session_containers()
+
+
+@pytest.fixture(scope="session")
+def docker_test_image(_docker_session_cleanup: None) -> str:
     """The tag of the test image, built once per session (reused across runs while its content holds).
 
     Skips with ``backend unavailable: ...`` when no engine answers or the static binaries are missing.
-    At session end, removes every container still labelled with this session's id.
+    At session end, every container still labelled with this session's id is removed.
     """
     reason = docker_available() or _missing_binaries()
     if reason is not None:
         pytest.skip(_unavailable(reason))
     try:
-        tag = build_test_image()
+        return build_test_image()
     except Exception as exc:
         pytest.fail(f"building the Docker test image failed: {type(exc).__name__}: {exc}")
-    try:
-        yield tag
-    finally:
-        remove_session_containers()
 
 
 @pytest.fixture
@@ -358,6 +381,33 @@ def docker_client() -> Iterator[DockerClient]:
 def docker_session_container(docker_test_image: str) -> Iterator[str]:
     """The id of a long-lived container of the test image (for ``container`` mode), removed at session end."""
     container = start_idle_container(docker_test_image)
+    try:
+        yield container.get_container_id()
+    finally:
+        container.stop()
+
+
+@pytest.fixture(scope="session")
+def docker_debian_image(_docker_session_cleanup: None) -> str:
+    """The tag of the Debian test image (``tests/debian_image.py``), built when missing (28-43 s here,
+    mirror permitting: the tests that may be first to use it carry a longer ``timeout`` mark).
+
+    Skips with ``backend unavailable: ...`` when no engine answers, or the image is missing and cannot
+    be built here (no ``mmdebstrap``, not root). At session end, this session's containers are removed.
+    """
+    reason = docker_available() or debian_image.unavailable()
+    if reason is not None:
+        pytest.skip(_unavailable(reason))
+    try:
+        return debian_image.build_image()
+    except Exception as exc:
+        pytest.fail(f"building the Debian test image failed: {type(exc).__name__}: {exc}")
+
+
+@pytest.fixture(scope="session")
+def docker_debian_container(docker_debian_image: str) -> Iterator[str]:
+    """The id of a long-lived container of the Debian test image (for ``container`` mode)."""
+    container = start_idle_container(docker_debian_image)
     try:
         yield container.get_container_id()
     finally:

@@ -1,8 +1,9 @@
 """An SSH server that is really elsewhere: sshd in a Debian container with its own PID namespace and users.
 
-The image is :mod:`sshd_image`'s: a Debian userland made by ``mmdebstrap`` and ``docker import``,
-tagged by a hash of its recipe. ``.ci/run`` builds it before the tests (``python3 tests/sshd_image.py``)
-so that no test waits for it there; elsewhere the fixture builds it when it is missing.
+The image is :mod:`debian_image`'s (the Debian test image, which the Docker tests use too): a Debian
+userland made by ``mmdebstrap`` and ``docker import``, tagged by a hash of its recipe. ``.ci/run``
+builds it before the tests (``python3 tests/debian_image.py``) so that no test waits for it there;
+elsewhere the fixture builds it when it is missing.
 
 The server container (:func:`start_container`) runs with ``network_mode="host"`` and sshd listening
 on ``127.0.0.1:<free port>`` only, so the client never talks to anything but loopback (a bridge
@@ -15,7 +16,8 @@ one, which returns early when not interactive. The host key is generated here to
 known_hosts file.
 
 Skips with a reason starting ``backend unavailable:`` (a failure when ``CI=true``) when no Docker
-engine answers, ``mmdebstrap`` is missing, or the caller is not root.
+engine answers, or the image is missing and cannot be built (no ``mmdebstrap``, not root), or
+``ssh-keygen`` is missing.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import debian_image
 import pytest
-from sshd_image import build_image
 
 __all__ = [
     "USER",
@@ -82,17 +84,11 @@ def unavailable() -> str | None:
     """Why the container server cannot run here, or None."""
     from docker_support import docker_available  # noqa: PLC0415
 
-    reason = docker_available()
+    reason = docker_available() or debian_image.unavailable()
     if reason is not None:
         return reason
-    if os.geteuid() != 0:
-        return "building the sshd image with mmdebstrap needs root"
-    if shutil.which("mmdebstrap") is None:
-        return "mmdebstrap not found (apt-get install mmdebstrap)"
     if shutil.which("ssh-keygen") is None:
         return "ssh-keygen not found (apt-get install openssh-client)"
-    if shutil.which("docker") is None:
-        return "the docker CLI is not found (it imports the image: apt-get install docker.io)"
     return None
 
 
@@ -220,9 +216,9 @@ def sshd_container() -> Iterator[SshdContainer]:
     except ImportError as exc:
         pytest.skip(f"{BACKEND_UNAVAILABLE} dsh_bash_ssh cannot be imported: {exc}")
     try:
-        tag = build_image()
+        tag = debian_image.build_image()
     except Exception as exc:
-        pytest.fail(f"building the sshd image failed: {type(exc).__name__}: {exc}")
+        pytest.fail(f"building the Debian test image failed: {type(exc).__name__}: {exc}")
     server = start_container(tag)
     try:
         yield server

@@ -1,11 +1,17 @@
 """The conformance kit against the Docker backend: one test per check and target.
 
 Targets: image mode (each executor creates its own container) on asyncio and trio, and container
-mode (executors attach to an existing container) on asyncio. Without a Docker engine every test
-skips with ``backend unavailable: ...`` (a failure in CI).
+mode (executors attach to an existing container) on asyncio, with the busybox test image
+(``docker_test_image``); and image and container mode on asyncio again with the Debian test image
+(``docker_debian_image``: coreutils, GNU grep, procps, python3; ``tests/debian_image.py``), whose
+test ids start with ``debian-``. Without a Docker engine every test skips with ``backend
+unavailable: ...`` (a failure in CI); so do the Debian rows when the Debian image is missing and
+cannot be built here (no ``mmdebstrap``, not root).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import pytest
 from docker_support import DockerMode, docker_target
@@ -40,11 +46,26 @@ TRIO_CHECKS = [
     "aclose-bounded",
     "escapee-killed-on-kill",
 ]
-CASES = [
-    *((name, "image", "asyncio") for name in CHECKS),
-    *((name, "container", "asyncio") for name in CHECKS),
-    *((name, "image", "trio") for name in TRIO_CHECKS),
+ImageKind = Literal["busybox", "debian"]
+#: Which image's fixture each row uses (the container mode's session container is of that image).
+_IMAGE_FIXTURE = {"busybox": "docker_test_image", "debian": "docker_debian_image"}
+_CONTAINER_FIXTURE = {"busybox": "docker_session_container", "debian": "docker_debian_container"}
+#: The Debian image builds once (28-43 s here) in the first test that needs it when
+#: ``.ci/run`` has not built it beforehand: the Debian rows allow for that on top of the suite's 120 s.
+_DEBIAN_TIMEOUT_S = 120 + 300
+CASES: list[tuple[str, DockerMode, str, ImageKind]] = [
+    *((name, "image", "asyncio", "busybox") for name in CHECKS),
+    *((name, "container", "asyncio", "busybox") for name in CHECKS),
+    *((name, "image", "trio", "busybox") for name in TRIO_CHECKS),
+    # The whole kit on a real Debian userland (asyncio only: trio changes nothing the image reaches).
+    *((name, "image", "asyncio", "debian") for name in CHECKS),
+    *((name, "container", "asyncio", "debian") for name in CHECKS),
 ]
+
+
+def _case_id(name: str, mode: str, backend: str, image: ImageKind) -> str:
+    # The busybox rows keep the ids they had before the Debian rows came.
+    return f"{mode}-{backend}-{name}" if image == "busybox" else f"{image}-{mode}-{backend}-{name}"
 
 
 def test_trio_subset_names_real_checks() -> None:
@@ -52,15 +73,19 @@ def test_trio_subset_names_real_checks() -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "mode", "anyio_backend"),
-    CASES,
-    ids=[f"{mode}-{backend}-{name}" for name, mode, backend in CASES],
+    ("name", "mode", "anyio_backend", "image"),
+    [
+        pytest.param(*case, marks=[pytest.mark.timeout(_DEBIAN_TIMEOUT_S)] if case[3] == "debian" else [])
+        for case in CASES
+    ],
+    ids=[_case_id(*case) for case in CASES],
 )
 def test_check(
-    name: str, mode: DockerMode, anyio_backend: str, docker_test_image: str, request: pytest.FixtureRequest
+    name: str, mode: DockerMode, anyio_backend: str, image: ImageKind, request: pytest.FixtureRequest
 ) -> None:
-    container = request.getfixturevalue("docker_session_container") if mode == "container" else None
-    target = docker_target(mode, anyio_backend, docker_test_image, container)
+    tag: str = request.getfixturevalue(_IMAGE_FIXTURE[image])
+    container = request.getfixturevalue(_CONTAINER_FIXTURE[image]) if mode == "container" else None
+    target = docker_target(mode, anyio_backend, tag, container)
     report = run_kit(target, only=[name])
     [result] = report.results
     print(f"{target.name} {result.name} ({result.kind}) {result.outcome} in {result.duration_s:.2f}s")

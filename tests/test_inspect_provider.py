@@ -91,11 +91,11 @@ def _toml(fields: dict[str, Any]) -> str:
 
 
 def _debian_image() -> str:
-    """The Debian test image (tests/sshd_image.py): a real userland with adduser, runuser, ps."""
+    """The Debian test image (tests/debian_image.py): a real userland with adduser, runuser, ps."""
     reason = docker_available()
     if reason is not None:
         pytest.skip(reason)
-    from sshd_image import build_image  # noqa: PLC0415
+    from debian_image import build_image  # noqa: PLC0415
 
     try:
         return build_image()
