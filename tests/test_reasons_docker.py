@@ -18,7 +18,7 @@ import anyio
 import docker
 import docker.errors
 import pytest
-from docker_support import BUSYBOX_STATIC, SESSION_ID, SESSION_LABEL, start_idle_container
+from docker_support import BUSYBOX_STATIC, IDLE_COMMAND, SESSION_ID, SESSION_LABEL, start_idle_container
 from dsh_bash_docker import MANAGED_LABEL, DockerBashExecutor, DockerConfig
 from fault_support import wait_for_processes
 
@@ -228,13 +228,7 @@ async def test_a_failed_open_in_container_mode_leaves_no_spill_directory(docker_
     client = docker.from_env()
     container = client.containers.run(
         docker_test_image,
-        command=[
-            "bash",
-            "--noprofile",
-            "--norc",
-            "-c",
-            "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done",
-        ],
+        command=IDLE_COMMAND,
         detach=True,
         init=True,
         network_mode="none",
