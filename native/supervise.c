@@ -776,7 +776,13 @@ static void side_offer(void)
         side_pipe[0] = side_pipe[1] = -1;
         return;
     }
-    (void)fcntl(side_pipe[1], F_SETPIPE_SZ, 1 << 20); /* fewer wake-ups; the default 64 KiB also works */
+    /* Fewer wake-ups on either side of this process; the default 64 KiB also works. Only for a command
+     * with much output (the harness asks for the side pipe then): larger pipes for every command
+     * would spend the user's pipe-user-pages-soft, past which the kernel gives new pipes one page. */
+    (void)fcntl(side_pipe[1], F_SETPIPE_SZ, 1 << 20);
+    for (int k = 0; k < 2; k++)
+        if (streams[k].fd >= 0)
+            (void)fcntl(streams[k].fd, F_SETPIPE_SZ, 1 << 20);
     struct stat st;
     if (fstat(side_pipe[0], &st) < 0)
         st.st_ino = 0;
