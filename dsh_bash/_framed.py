@@ -37,6 +37,8 @@ log = logging.getLogger("dsh_bash")
 #: batch, not once per write of the command (which on two CPUs took more of them than the command).
 _SIDE_BATCH = 256 * 1024
 _SIDE_PAUSE_S = 0.002
+#: What one read of the side pipe feeds before it awaits the spill files' room.
+_SIDE_FEED = 256 * 1024
 
 #: The command's stdin goes to the supervisor in frames of at most this size, so that a kill request
 #: waits behind one chunk at most.
@@ -137,14 +139,23 @@ class FramedCommand(CommandProcess):
 
     async def request_side_pipe(self) -> None:
         """Ask the supervisor for a side pipe, once; its answer is :attr:`side_pipe_offer`."""
-        if self._side == "none" and not self._stream_done:
+        if self._side == "none" and not self._stream_done and self._records.command_exit is None:
             self._side = "asked"
             await self._send_frame(encode_frame(b"P"), urgent=False)
 
     @property
     def side_pipe_offer(self) -> tuple[int, int] | None:
-        """(fd number in the supervisor, inode) of the pipe it offered, until taken or declined."""
-        return self._records.side_pipe if self._side == "asked" else None
+        """(fd number in the supervisor, inode) of the pipe it offered, until taken or declined.
+
+        None once the command's exit is known: what is left is drained under the executor's bound,
+        which the round trips of a switch would only spend.
+        """
+        if self._side != "asked" or self._records.side_pipe is None:
+            return None
+        if self._records.command_exit is not None:
+            self._side = "declined"
+            return None
+        return self._records.side_pipe
 
     def decline_side_pipe(self) -> None:
         """The backend cannot open the offered pipe: everything goes on as before."""
@@ -210,8 +221,11 @@ class FramedCommand(CommandProcess):
                         self._break("the side pipe did not start with the supervisor's nonce")
                         return
                     data = data[take:]
-                if data:
-                    self.feed(data)
+                view = memoryview(data)
+                for at in range(0, len(view), _SIDE_FEED):
+                    # In slices, with the room awaited after each: one 1 MiB read must not queue
+                    # a whole MiB more for a spill file that is already at its high-water mark.
+                    self.feed(view[at : at + _SIDE_FEED])
                     if not self._discard:
                         await wait_room()
                 if len(data) < _SIDE_BATCH:

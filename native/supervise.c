@@ -776,13 +776,7 @@ static void side_offer(void)
         side_pipe[0] = side_pipe[1] = -1;
         return;
     }
-    /* Fewer wake-ups on either side of this process; the default 64 KiB also works. Only for a command
-     * with much output (the harness asks for the side pipe then): larger pipes for every command
-     * would spend the user's pipe-user-pages-soft, past which the kernel gives new pipes one page. */
-    (void)fcntl(side_pipe[1], F_SETPIPE_SZ, 1 << 20);
-    for (int k = 0; k < 2; k++)
-        if (streams[k].fd >= 0)
-            (void)fcntl(streams[k].fd, F_SETPIPE_SZ, 1 << 20);
+    (void)fcntl(side_pipe[1], F_SETPIPE_SZ, 1 << 20); /* fewer wake-ups; the default 64 KiB also works */
     struct stat st;
     if (fstat(side_pipe[0], &st) < 0)
         st.st_ino = 0;
@@ -798,6 +792,14 @@ static void side_switch(void)
         return;
     close(side_pipe[0]); /* from now on the harness's end alone: its EPIPE means it is gone */
     side_pipe[0] = -1;
+    /* The command's pipes grow too (fewer wake-ups on both sides), only now that the harness reads
+     * fast: before, a command could end with much output still in them, which the harness must then
+     * drain under its bound after the exit record. Only for a command with much output: larger pipes
+     * for every command would spend the user's pipe-user-pages-soft, past which the kernel gives new
+     * pipes one page. */
+    for (int k = 0; k < 2; k++)
+        if (streams[k].fd >= 0)
+            (void)fcntl(streams[k].fd, F_SETPIPE_SZ, 1 << 20);
     frame_out('s', "switch", 6, RING_CAP);
     side_fd1_left = ring_len;
     side_switched = 1;
@@ -2310,6 +2312,11 @@ int main(int argc, char **argv)
             flush_out();
             if (finished && ring_len == 0)
                 return 0;
+            /* finish_streams stopped at a full buffer, and that flush made room: read on now. The
+             * streams are not polled any more, so waiting here could wait for ever once the flush
+             * took all (a reader with a large pipe takes the whole buffer at once). */
+            if (!finished && ring_len < OUT_LIMIT)
+                continue;
             /* `empty` is the last frame: no request is served once it is due. */
             want_term = want_kill = killing = 0;
         }

@@ -680,6 +680,28 @@ def test_side_pipe_takes_every_frame_after_switch(runs: list[Framed]) -> None:
 
 
 @needs_ptrace
+def test_side_pipe_output_left_at_exit_arrives_whole(runs: list[Framed]) -> None:
+    # After the switch the command's pipes hold 1 MiB: it can end with much output still in them,
+    # which the supervisor reads after the exit record. Once a flush left its buffer empty, it used
+    # to wait in poll with nothing to wait for (the 2026-12-02 stall: the output's end never came).
+    size = 2_500_000
+    for _ in range(15):
+        run = Framed([*SH, f"read -r go; head -c {size} /dev/zero"])
+        runs.append(run)
+        run.started_pid()
+        side, _ = _open_side(run)
+        try:
+            run.send(b"G", b"n")
+            run.expect("switch")
+            run.send(b"i", b"go\n")
+            assert _read_side(run, side, lambda: False, timeout=5)
+        finally:
+            os.close(side)
+        assert len(run.stdout) == size and run.records[-1] == "empty", run.records
+        assert run.process.wait(5) == 0
+
+
+@needs_ptrace
 def test_side_pipe_offered_but_not_taken_changes_nothing(runs: list[Framed]) -> None:
     run = Framed([*SH, f"read -r go; exec {PYTHON} -c '{WRITER}'"])
     runs.append(run)
