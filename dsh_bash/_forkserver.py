@@ -123,14 +123,7 @@ class SupervisorServer:
         ``status_in_program`` (3 or more): the program gets the status socket as that fd too (a
         launcher whose sandbox runs a supervisor of its own, which reports the command).
         """
-        fields = [
-            cwd,
-            str(status_in_program),
-            str(len(argv)),
-            *argv,
-            *(f"{key}={value}" for key, value in env.items()),
-        ]
-        payload = ("\0".join(fields) + "\0").encode("utf-8", "surrogateescape")
+        payload = command_payload(argv, env, cwd, status_in_program)
         message = len(payload).to_bytes(4, "big") + payload
         fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _fd_array(status, stdin, stdout, stderr))]
         # One sendmsg carries the descriptors with the first bytes; the rest (a large environment)
@@ -249,6 +242,22 @@ class SupervisorServer:
         os.close(self._pidfd)
         self._pidfd = None
         self._popen = None
+
+
+def command_payload(
+    argv: Sequence[str], env: Mapping[str, str], cwd: str, status_in_program: int = -1
+) -> bytes:
+    """A command for dsh-supervise as NUL-terminated strings: the directory, the fd the program gets
+    the status socket as (-1: none), the argument count, the arguments, then NAME=VALUE entries.
+    The payload of a ``--fork-server`` request, and of the ``x`` frame of ``--frame --spec``."""
+    fields = [
+        cwd,
+        str(status_in_program),
+        str(len(argv)),
+        *argv,
+        *(f"{key}={value}" for key, value in env.items()),
+    ]
+    return ("\0".join(fields) + "\0").encode("utf-8", "surrogateescape")
 
 
 def _fd_array(*fds: int) -> bytes:

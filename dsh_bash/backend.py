@@ -41,7 +41,8 @@ process, kill and spill mechanics; this module holds the pieces it builds them f
   status file of a detached one, verified by :class:`SignedRecords` (with
   :data:`SUPERVISOR_KEY_SIZE`); and :class:`FramedCommand`, the transport-independent half of a
   command under it (output, outcome, kills, and the side pipe that moves its output past a costly
-  relay: :meth:`FramedCommand.request_side_pipe`), with :data:`STDIN_FRAME_BYTES`;
+  relay: :meth:`FramedCommand.request_side_pipe`), with :data:`STDIN_FRAME_BYTES`; a command for a
+  supervisor that takes it from its input (``--fork-server``, ``--frame --spec``): :func:`command_payload`;
 - configuration: :class:`dsh_bash.BudgetConfig` to subclass, :func:`config_error_from` to turn a
   pydantic ``ValidationError`` into a :class:`dsh_bash.ConfigError` that names the field;
 - errors with a machine-readable reason: :data:`InfraReason`, :data:`INFRA_REASONS`;
@@ -77,6 +78,7 @@ from ._backend import (
 from ._config import BUDGET_FIELDS, config_error_from
 from ._env import MODEL_FRIENDLY_ENV, RC_FILE_VARIABLES, build_command_env, dropped_names, is_scrubbed
 from ._errors import INFRA_REASONS, InfraReason
+from ._forkserver import command_payload
 from ._framed import STDIN_FRAME_BYTES, FramedCommand
 from ._frames import (
     FRAME_HEADER,
@@ -205,6 +207,7 @@ __all__ = [
     "boot_ticks",
     "build_command_env",
     "choose_containment",
+    "command_payload",
     "config_error_from",
     "dropped_names",
     "encode_frame",

@@ -26,6 +26,7 @@ from typing import Any
 import anyio
 
 from dsh_bash import BashInfrastructureError
+from dsh_bash.backend import command_payload
 
 from ._engine import ExecStream
 
@@ -40,11 +41,9 @@ _MAX_SPEC = 1 << 20
 def spec_payload(argv: list[str], env: dict[str, str]) -> bytes | None:
     """The ``x`` frame's payload for ``dsh-supervise --spec``; None when it cannot carry them (a NUL
     in a string, or over the supervisor's frame limit): the command then takes a fresh exec."""
-    strings = [".", "-1", str(len(argv)), *argv, *(f"{name}={value}" for name, value in env.items())]
-    encoded = [text.encode("utf-8", "surrogateescape") for text in strings]
-    if any(b"\0" in item for item in encoded):
+    if any("\0" in text for text in argv) or any("\0" in name + value for name, value in env.items()):
         return None
-    payload = b"\0".join(encoded) + b"\0"
+    payload = command_payload(argv, env, ".")
     return payload if len(payload) <= _MAX_SPEC else None
 
 
