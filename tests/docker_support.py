@@ -33,7 +33,7 @@ import secrets
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -251,8 +251,15 @@ def docker_target(
     *,
     check_timeout_s: float = 30.0,
     containment: str = "auto",
+    connection: Mapping[str, Any] | None = None,
+    start_container: Callable[[str, Mapping[str, str]], tuple[str, Callable[[], None]]] | None = None,
+    name: str = "docker",
 ) -> KitTarget:
     """A kit target for the Docker backend (``containment``: the config's, ``auto`` by default).
+
+    ``connection``: config fields of every executor that say where the engine is (``docker_host``,
+    ``tls_*``, ``ssh_*``); ``start_container(image, environment)`` starts an idle container on that
+    engine and returns its id and how to remove it (default: the local engine, by testcontainers).
 
     ``mode="image"``: every executor creates (and removes) its own container from ``image``; the
     variables planted by ``plant_ambient`` become that container's environment (``environment``).
@@ -274,6 +281,7 @@ def docker_target(
                 "image": image,
                 "environment": planted.snapshot(),
                 "containment": containment,
+                **(connection or {}),
                 **overrides,
             }
             fields["labels"] = {**labels, **fields.get("labels", {})}
@@ -285,7 +293,7 @@ def docker_target(
                 yield
 
         return KitTarget(
-            name=f"docker-image[{anyio_backend}]",
+            name=f"{name}-image[{anyio_backend}]",
             make_executor=make_image_executor,
             plant_ambient=plant_in_config,
             find_processes=find_container_processes,
@@ -306,23 +314,32 @@ def docker_target(
         with current_lock:
             target_container = current[-1]
         return DockerBashExecutor(
-            DockerConfig(container=target_container, **{"containment": containment, **overrides})
+            DockerConfig(
+                container=target_container,
+                **{"containment": containment, **(connection or {}), **overrides},
+            )
         )
+
+    def start_locally(image: str, environment: Mapping[str, str]) -> tuple[str, Callable[[], None]]:
+        fresh = start_idle_container(image, environment)
+        return fresh.get_container_id(), fresh.stop
+
+    start = start_container or start_locally
 
     @contextlib.contextmanager
     def plant_in_new_container(variables: Mapping[str, str]) -> Iterator[None]:
         with planted.layer(variables) as environment:
-            fresh = start_idle_container(image, environment)
+            fresh_id, remove = start(image, environment)
             try:
                 with current_lock:
-                    current.append(fresh.get_container_id())
+                    current.append(fresh_id)
                 try:
                     yield
                 finally:
                     with current_lock:
-                        current.remove(fresh.get_container_id())
+                        current.remove(fresh_id)
             finally:
-                fresh.stop()
+                remove()
 
     return KitTarget(
         name=f"docker-container[{anyio_backend}]",

@@ -126,12 +126,12 @@ async def test_env_values_never_reach_inspect_output(
     async with DockerBashExecutor(_config(docker_test_image)) as ex:
         task = await ex.start(ex.resolve(BashExecRequest(command="sleep 2", env={"MY_SECRET": secret})))
         await anyio.sleep(0.3)
-        engine = EngineClient(Endpoint.parse(None))
-        info = await engine.container_inspect(ex.container_id)
-        assert secret not in json.dumps(info)
-        assert info["ExecIDs"]
-        for exec_id in info["ExecIDs"]:
-            assert secret not in json.dumps(await engine.exec_inspect(exec_id))
+        async with EngineClient(Endpoint.parse(None)) as engine:
+            info = await engine.container_inspect(ex.container_id)
+            assert secret not in json.dumps(info)
+            assert info["ExecIDs"]
+            for exec_id in info["ExecIDs"]:
+                assert secret not in json.dumps(await engine.exec_inspect(exec_id))
         await ex.kill(task.id)
 
 
@@ -163,7 +163,7 @@ async def test_kill_works_when_the_pids_limit_is_exhausted(docker_test_image: st
         assert _marked(token) == 0
 
 
-def test_sweep_removes_containers_whose_creator_is_gone(
+async def test_sweep_removes_containers_whose_creator_is_gone(
     docker_test_image: str, docker_client: docker.DockerClient
 ) -> None:
     dead_pid = 999_999_999  # above any pid_max: no process can have it
@@ -180,7 +180,7 @@ def test_sweep_removes_containers_whose_creator_is_gone(
         labels={MANAGED_LABEL: "alive", "dsh-bash.owner-pid": "1", SESSION_LABEL: SESSION_ID},
     )
     try:
-        removed = sweep_orphaned_containers()
+        removed = await sweep_orphaned_containers()
         assert orphan.id in removed
         assert alive.id not in removed
         with pytest.raises(docker.errors.NotFound):

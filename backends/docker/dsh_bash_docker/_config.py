@@ -9,7 +9,25 @@ from pydantic import Field, field_validator, model_validator
 from dsh_bash import BudgetConfig
 from dsh_bash.backend import ContainmentSetting
 
-__all__ = ["DockerConfig"]
+__all__ = ["DockerConfig", "memory_bytes"]
+
+_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+
+
+def memory_bytes(value: str | int) -> int:
+    """``mem_limit`` in bytes, as the docker CLI reads it: a number, then b, k, m or g (or kb, mb, gb)."""
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"must be positive, not {value}")
+        return value
+    text = value.strip().lower()
+    if text[-2:] in ("kb", "mb", "gb"):
+        text = text[:-1]
+    digits, unit = (text[:-1], text[-1]) if text and text[-1] in "bkmg" else (text, "")
+    if not digits.isdigit() or int(digits) == 0:
+        raise ValueError(f"{value!r} is not a memory size (a positive number with b, k, m or g: '512m')")
+    return int(digits) * _UNITS[unit]
+
 
 _IMAGE_ONLY = ("environment", "network", "mem_limit", "cpus", "read_only", "labels", "mounts", "cap_add")
 
@@ -22,7 +40,21 @@ class DockerConfig(BudgetConfig):
 
     image: str | None = None
     container: str | None = None
+    #: The engine: ``unix:///path``, ``tcp://host:port`` (TLS when ``tls_*`` below, or
+    #: DOCKER_TLS_VERIFY, say so) or ``ssh://user@host[:port]`` (``docker system dial-stdio`` run
+    #: on that host over one SSH connection; asyncio only). None: ``DOCKER_HOST`` as the docker CLI
+    #: reads it, with ``DOCKER_TLS_VERIFY`` and ``DOCKER_CERT_PATH``, else the local socket.
     docker_host: str | None = None
+    #: TLS to a ``tcp://`` engine: the CA that signed the engine's certificate (None: the system's
+    #: trust store) and this client's certificate and key (both or neither). Any of them set means
+    #: TLS, with the engine's certificate verified; a ``tcp://`` engine without them is plain TCP.
+    tls_ca_cert: str | None = None
+    tls_client_cert: str | None = None
+    tls_client_key: str | None = None
+    #: Login to an ``ssh://`` engine: private keys (None: asyncssh's defaults, ~/.ssh/id_* and an
+    #: agent) and a known_hosts file (None: ~/.ssh/known_hosts). The host key is always checked.
+    ssh_client_keys: list[str] | None = None
+    ssh_known_hosts: str | None = None
     pull: Literal["never", "missing", "always"] = "never"
     user: str | None = None
     #: ``auto``: each command under dsh-supervise (installed into the container at open) when it
@@ -56,6 +88,13 @@ class DockerConfig(BudgetConfig):
             raise ValueError("must be at least 16 (each command needs a few processes, and kills need one)")
         return value
 
+    @field_validator("mem_limit")
+    @classmethod
+    def _memory(cls, value: str | int | None) -> str | int | None:
+        if value is not None:
+            memory_bytes(value)  # a ValueError names what is wrong
+        return value
+
     @field_validator("cpus")
     @classmethod
     def _cpus(cls, value: float | None) -> float | None:
@@ -65,6 +104,8 @@ class DockerConfig(BudgetConfig):
 
     @model_validator(mode="after")
     def _one_mode(self) -> Self:
+        if (self.tls_client_cert is None) != (self.tls_client_key is None):
+            raise ValueError("give both 'tls_client_cert' and 'tls_client_key', or neither")
         if (self.image is None) == (self.container is None):
             raise ValueError(
                 "give exactly one of 'image' (a container is created) or 'container' (an existing one)"

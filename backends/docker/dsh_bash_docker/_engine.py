@@ -1,35 +1,36 @@
-"""A minimal async client for the few Docker Engine API calls on every command's path.
+"""An async client for the Docker Engine API calls this backend makes.
 
-docker-py is synchronous; calling it from worker threads for every command would cost a thread hop
-per call and a thread per streaming command. Exec create, start (a hijacked connection carrying the
-multiplexed stream) and inspect are plain HTTP/1.1 over the daemon's socket, spoken here over anyio
-streams, so they run on asyncio and trio alike. Container lifecycle (create, pull, remove) stays
-with docker-py, off the hot path.
+HTTP is httpcore2's (a pooled, kept-alive connection per call; the ``101`` of an exec's start hands
+over the connection, which then carries the exec's multiplexed output and its stdin); it runs on
+asyncio and trio. Where the engine is and how to reach it (a unix socket, TCP, TLS, SSH) is
+``_transport``'s. docker-py is not used: it is synchronous (a thread per call and per stream) and
+reaches ``ssh://`` engines only through paramiko or an ``ssh`` process per connection.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import socket
+import ssl
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
-from urllib.parse import quote, urlsplit
+from types import TracebackType
+from typing import Any, Self
+from urllib.parse import quote
 
 import anyio
-import anyio.abc
 import anyio.lowlevel
+import httpcore2
 
-from dsh_bash import BashInfrastructureError, ConfigError
+from dsh_bash import BashInfrastructureError
 from dsh_bash.backend import InfraReason
+
+from ._transport import Endpoint, EngineNetwork, EngineStream
 
 __all__ = ["Endpoint", "EngineClient", "EngineError", "ExecStream"]
 
 API_VERSION = "v1.41"
-_MAX_HEADER = 64 * 1024
+_READ_SIZE = 256 * 1024
 _FRAME = struct.Struct(">BxxxI")
 
 
@@ -43,132 +44,33 @@ class EngineError(BashInfrastructureError):
         self.status = status
 
 
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """Where the engine listens: a unix socket path, or a plain TCP host and port."""
-
-    unix_path: str | None = None
-    host: str | None = None
-    port: int | None = None
-
-    @classmethod
-    def parse(cls, docker_host: str | None) -> Endpoint:
-        """From a ``DOCKER_HOST``-style URL; ``None`` reads the environment as ``docker.from_env()`` does."""
-        url = docker_host if docker_host is not None else os.environ.get("DOCKER_HOST", "")
-        if not url:
-            return cls(unix_path="/var/run/docker.sock")
-        if os.environ.get("DOCKER_TLS_VERIFY") and docker_host is None:
-            raise ConfigError("docker_host: TLS-protected engines (DOCKER_TLS_VERIFY) are not supported yet")
-        parts = urlsplit(url)
-        if parts.scheme == "unix":
-            return cls(unix_path=parts.path or "/var/run/docker.sock")
-        if parts.scheme in ("tcp", "http"):
-            if not parts.hostname:
-                raise ConfigError(f"docker_host: no host in {url!r}")
-            return cls(host=parts.hostname, port=parts.port or 2375)
-        raise ConfigError(f"docker_host: unsupported {url!r} (use unix:///path or tcp://host:port)")
-
-    def describe(self) -> str:
-        return f"unix://{self.unix_path}" if self.unix_path else f"tcp://{self.host}:{self.port}"
-
-    async def connect(self) -> anyio.abc.SocketStream:
-        try:
-            if self.unix_path is not None:
-                return await anyio.connect_unix(self.unix_path)
-            assert self.host is not None and self.port is not None
-            return await anyio.connect_tcp(self.host, self.port)
-        except OSError as exc:
-            raise EngineError(
-                f"Docker engine at {self.describe()} is unreachable: {exc}", reason="engine_unreachable"
-            ) from exc
+_CONNECTION_ERRORS = (
+    httpcore2.NetworkError,
+    httpcore2.ProtocolError,
+    httpcore2.TimeoutException,
+    ssl.SSLError,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+    OSError,
+)
 
 
-def _cut_short() -> EngineError:
-    return EngineError("the Docker engine closed the connection mid-response", reason="connection_lost")
-
-
-class _Reader:
-    """Buffered reads over a byte stream: HTTP heads, exact sizes, chunked bodies."""
-
-    def __init__(self, stream: anyio.abc.ByteStream) -> None:
-        self.stream = stream
-        self.buffer = bytearray()
-        self.eof = False
-
-    async def fill(self) -> bool:
-        try:
-            data = await self.stream.receive(256 * 1024)
-        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-            self.eof = True
-            return False
-        self.buffer += data
-        return True
-
-    async def read_until(self, separator: bytes, limit: int = _MAX_HEADER) -> bytes:
-        while (index := self.buffer.find(separator)) < 0:
-            if len(self.buffer) > limit or not await self.fill():
-                raise _cut_short()
-        data = bytes(self.buffer[: index + len(separator)])
-        del self.buffer[: index + len(separator)]
-        return data
-
-    async def read_exact(self, size: int) -> bytes:
-        while len(self.buffer) < size:
-            if not await self.fill():
-                raise _cut_short()
-        data = bytes(self.buffer[:size])
-        del self.buffer[:size]
-        return data
-
-    async def read_all(self) -> bytes:
-        while await self.fill():
-            pass
-        data = bytes(self.buffer)
-        self.buffer.clear()
-        return data
-
-
-async def _read_head(reader: _Reader) -> tuple[int, dict[str, str]]:
-    head = (await reader.read_until(b"\r\n\r\n")).decode("latin-1")
-    status_line, *header_lines = head.split("\r\n")
-    try:
-        status = int(status_line.split(" ", 2)[1])
-    except (IndexError, ValueError):
-        raise EngineError(f"malformed response from the Docker engine: {status_line!r}") from None
-    headers: dict[str, str] = {}
-    for line in header_lines:
-        name, sep, value = line.partition(":")
-        if sep:
-            headers[name.strip().lower()] = value.strip()
-    return status, headers
-
-
-async def _read_body(reader: _Reader, headers: dict[str, str]) -> bytes:
-    if headers.get("transfer-encoding", "").lower() == "chunked":
-        body = bytearray()
-        while True:
-            size = int((await reader.read_until(b"\r\n")).strip().split(b";")[0], 16)
-            if size == 0:
-                await reader.read_until(b"\r\n")
-                return bytes(body)
-            body += await reader.read_exact(size)
-            await reader.read_exact(2)
-    if "content-length" in headers:
-        return await reader.read_exact(int(headers["content-length"]))
-    return await reader.read_all()
-
-
-def _request_bytes(method: str, path: str, body: Any | None, extra: str = "") -> bytes:
-    """One request: a ``bytes`` body goes as it is (a tar archive), anything else as JSON."""
-    if isinstance(body, bytes):
-        payload, kind = body, "application/x-tar"
-    else:
-        payload, kind = (b"" if body is None else json.dumps(body).encode()), "application/json"
-    head = (
-        f"{method} /{API_VERSION}{path} HTTP/1.1\r\nHost: docker\r\n"
-        f"Content-Type: {kind}\r\nContent-Length: {len(payload)}\r\n{extra}\r\n"
+def _lost(endpoint: Endpoint, exc: BaseException) -> EngineError:
+    if isinstance(exc, httpcore2.ConnectError):
+        return EngineError(
+            f"Docker engine at {endpoint.describe()} is unreachable: {exc}", reason="engine_unreachable"
+        )
+    return EngineError(
+        f"lost the connection to the Docker engine at {endpoint.describe()}: {type(exc).__name__}: {exc}",
+        reason="connection_lost",
     )
-    return head.encode("latin-1") + payload
+
+
+def _body(body: Any | None) -> tuple[bytes, bytes]:
+    """(payload, content type): a ``bytes`` body goes as it is (a tar archive), anything else as JSON."""
+    if isinstance(body, bytes):
+        return body, b"application/x-tar"
+    return (b"" if body is None else json.dumps(body).encode()), b"application/json"
 
 
 def _error_text(status: int, body: bytes) -> str:
@@ -180,42 +82,56 @@ def _error_text(status: int, body: bytes) -> str:
 
 
 class ExecStream:
-    """The hijacked connection of a started exec: a multiplexed stdout/stderr stream, and stdin."""
+    """The upgraded connection of a started exec: a multiplexed stdout/stderr stream, and stdin."""
 
-    def __init__(self, stream: anyio.abc.SocketStream, reader: _Reader) -> None:
+    def __init__(self, stream: httpcore2.AsyncNetworkStream, response: httpcore2.Response) -> None:
+        # Reads go through httpcore2's wrapper (it holds any bytes that came with the response's
+        # head); the half-close and the readiness test need the connection itself.
         self._stream = stream
-        self._reader = reader
+        engine_stream = stream.get_extra_info("dsh_bash.engine_stream")
+        assert isinstance(engine_stream, EngineStream)
+        self._connection = engine_stream
+        self._response = response
+        self.buffer = bytearray()
+        self.eof = False
 
     async def send_stdin(self, data: bytes) -> None:
-        await self._stream.send(data)
+        try:
+            await self._stream.write(data)
+        except httpcore2.WriteError as exc:
+            raise anyio.BrokenResourceError(str(exc)) from exc
 
     async def close_stdin(self) -> None:
-        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            await self._stream.send_eof()
+        await self._connection.write_eof()
 
     @property
     def at_eof(self) -> bool:
-        return self._reader.eof
+        return self.eof
 
     def closed_by_engine(self) -> bool:
         """For a stream nothing was read from yet: True when the engine closed it (its process
         ended) or sent anything at all, without waiting and without taking the bytes."""
-        if self._reader.eof or self._reader.buffer:
-            return True
-        raw = self._stream.extra(anyio.abc.SocketAttribute.raw_socket)
-        try:
-            raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:
+        return self.eof or bool(self.buffer) or bool(self._connection.get_extra_info("is_readable"))
+
+    async def fill(self) -> bool:
+        """Read what the engine sent next into ``buffer``; False at the end of the stream."""
+        if self.eof:
             return False
-        except OSError:
-            return True
+        try:
+            data = await self._stream.read(_READ_SIZE)
+        except (httpcore2.ReadError, httpcore2.TimeoutException):
+            data = b""
+        if not data:
+            self.eof = True
+            return False
+        self.buffer += data
         return True
 
     def _parse(
         self, on_stdout: Callable[[memoryview], None], on_stderr: Callable[[memoryview], None]
     ) -> None:
         """Hand every complete frame in the buffer to its stream's callback, without copying payloads."""
-        buffer = self._reader.buffer
+        buffer = self.buffer
         offset = 0
         view = memoryview(buffer)
         try:
@@ -251,12 +167,16 @@ class ExecStream:
             self._parse(on_stdout, on_stderr)
             if done():
                 return True
-            if not await self._reader.fill():
+            if not await self.fill():
                 return False
             await anyio.lowlevel.checkpoint()
 
     async def aclose(self) -> None:
-        await self._stream.aclose()
+        try:
+            await self._stream.aclose()
+        finally:
+            # The pool forgets the connection (an upgraded one is never reused).
+            await self._response.aclose()
 
 
 # $0: names to unset (space-separated identifiers), then the process to become. No rc file is read:
@@ -265,16 +185,56 @@ _UNSET_AND_EXEC = 'unset -v $0; exec "$@"'
 
 
 class EngineClient:
-    """One short-lived connection per call; the engine's HTTP/1.1 keep-alive is not relied upon."""
+    """The engine's API over a pool of kept-alive connections; an async context manager (closing
+    it closes every connection, an exec's too, and an ``ssh://`` engine's SSH connection)."""
 
     def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
+        self._network = EngineNetwork(endpoint)
+        self._pool = httpcore2.AsyncConnectionPool(
+            ssl_context=endpoint.ssl_context(),
+            max_connections=None,  # every running command holds one (its exec's stream)
+            max_keepalive_connections=8,
+            keepalive_expiry=30.0,
+            network_backend=self._network,
+        )
         #: Names of the container's environment that the env policy drops (as it is now:
         #: ``reconfigure`` may change it) and that hold a value: the engine gives every exec the
         #: container's environment, and an exec cannot take a name out of it, so each exec then
         #: starts as a bash that unsets them and `exec`s the real process (see :meth:`exec_create`).
         #: Set by the executor once it read the container's Env.
         self.unset_names: Callable[[], Sequence[str]] = tuple
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            try:
+                await self._pool.aclose()
+            finally:
+                await self._network.aclose()
+
+    def _request(
+        self, method: str, path: str, body: Any | None, extra: list[tuple[bytes, bytes]]
+    ) -> httpcore2.Request:
+        payload, kind = _body(body)
+        headers = [
+            (b"Host", b"docker"),
+            (b"Content-Type", kind),
+            (b"Content-Length", str(len(payload)).encode()),
+        ]
+        return httpcore2.Request(
+            method.encode(),
+            self.endpoint.url(f"/{API_VERSION}{path}"),
+            headers=headers + extra,
+            content=payload,
+        )
 
     async def request(self, method: str, path: str, body: Any | None = None) -> Any:
         status, data = await self.request_raw(method, path, body)
@@ -289,18 +249,15 @@ class EngineClient:
 
     async def request_raw(self, method: str, path: str, body: Any | None = None) -> tuple[int, bytes]:
         """(status, body) of one call, whatever the status; a HEAD request's body is empty."""
-        stream = await self.endpoint.connect()
-        async with stream:
-            reader = _Reader(stream)
+        try:
+            response = await self._pool.handle_async_request(self._request(method, path, body, []))
             try:
-                await stream.send(_request_bytes(method, path, body, "Connection: close\r\n"))
-                status, headers = await _read_head(reader)
-                data = b"" if method == "HEAD" else await _read_body(reader, headers)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-                raise EngineError(
-                    f"lost the connection to the Docker engine: {exc}", reason="connection_lost"
-                ) from exc
-        return status, data
+                data = await response.aread()
+            finally:
+                await response.aclose()
+        except _CONNECTION_ERRORS as exc:
+            raise _lost(self.endpoint, exc) from exc
+        return response.status, data
 
     async def exec_create(
         self,
@@ -338,24 +295,27 @@ class EngineClient:
         return str(result["Id"])
 
     async def exec_start(self, exec_id: str) -> ExecStream:
-        stream = await self.endpoint.connect()
+        request = self._request(
+            "POST",
+            f"/exec/{exec_id}/start",
+            {"Detach": False, "Tty": False},
+            [(b"Connection", b"Upgrade"), (b"Upgrade", b"tcp")],
+        )
         try:
-            await stream.send(
-                _request_bytes(
-                    "POST",
-                    f"/exec/{exec_id}/start",
-                    {"Detach": False, "Tty": False},
-                    "Connection: Upgrade\r\nUpgrade: tcp\r\n",
-                )
-            )
-            reader = _Reader(stream)
-            status, headers = await _read_head(reader)
-            if status >= 400:
-                raise EngineError(_error_text(status, await _read_body(reader, headers)), status)
-        except BaseException:
-            await anyio.aclose_forcefully(stream)
-            raise
-        return ExecStream(stream, reader)
+            response = await self._pool.handle_async_request(request)
+        except _CONNECTION_ERRORS as exc:
+            raise _lost(self.endpoint, exc) from exc
+        if response.status == 101:
+            return ExecStream(response.extensions["network_stream"], response)
+        try:
+            data = await response.aread()
+        except _CONNECTION_ERRORS as exc:
+            raise _lost(self.endpoint, exc) from exc
+        finally:
+            await response.aclose()
+        if response.status >= 400:
+            raise EngineError(_error_text(response.status, data), response.status)
+        raise EngineError(f"the Docker engine did not hand over the exec's stream (status {response.status})")
 
     async def exec_inspect(self, exec_id: str) -> dict[str, Any]:
         result: dict[str, Any] = await self.request("GET", f"/exec/{exec_id}/json")
@@ -363,4 +323,52 @@ class EngineClient:
 
     async def container_inspect(self, container: str) -> dict[str, Any]:
         result: dict[str, Any] = await self.request("GET", f"/containers/{quote(container, safe='')}/json")
+        return result
+
+    async def image_inspect(self, image: str) -> dict[str, Any] | None:
+        """The image's description, None when the engine has no such image."""
+        try:
+            result: dict[str, Any] = await self.request("GET", f"/images/{quote(image, safe='')}/json")
+        except EngineError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return result
+
+    async def image_pull(self, image: str) -> None:
+        """Pull ``image`` (``name[:tag]`` or ``name@digest``); the engine's error as an EngineError."""
+        name, tag = image, ""
+        if "@" not in image:
+            last = image.rsplit("/", 1)[-1]
+            if ":" in last:
+                name, tag = image.rsplit(":", 1)
+        query = f"fromImage={quote(name, safe='')}" + (
+            f"&tag={quote(tag, safe='')}" if tag else "&tag=latest"
+        )
+        status, data = await self.request_raw("POST", f"/images/create?{query}")
+        if status >= 400:
+            raise EngineError(_error_text(status, data), status)
+        # Progress is a stream of JSON lines; a failure is a line with "error" (the status is 200).
+        for line in data.splitlines():
+            with contextlib.suppress(ValueError, AttributeError):
+                error = json.loads(line).get("error")
+                if error:
+                    raise EngineError(f"pulling {image!r}: {error}", 404 if "not found" in error else None)
+
+    async def container_create(self, body: dict[str, Any]) -> str:
+        result = await self.request("POST", "/containers/create", body)
+        return str(result["Id"])
+
+    async def container_remove(self, container: str) -> None:
+        """Remove the container, running or not; one already gone is not an error."""
+        try:
+            await self.request("DELETE", f"/containers/{quote(container, safe='')}?force=1&v=1")
+        except EngineError as exc:
+            if exc.status != 404:
+                raise
+
+    async def containers_labelled(self, label: str) -> list[dict[str, Any]]:
+        """Every container (running or not) that has ``label``."""
+        filters = quote(json.dumps({"label": [label]}), safe="")
+        result: list[dict[str, Any]] = await self.request("GET", f"/containers/json?all=1&filters={filters}")
         return result

@@ -11,7 +11,6 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import anyio
-import anyio.to_thread
 
 from dsh_bash import BashExecutor, BashInfrastructureError
 from dsh_bash.backend import (
@@ -36,7 +35,7 @@ from dsh_bash.backend import (
     spill_file_path,
 )
 
-from ._config import DockerConfig
+from ._config import DockerConfig, memory_bytes
 from ._engine import Endpoint, EngineClient, EngineError, ExecStream
 from ._framed import FramedDockerProcess, SidePipes, SupervisorMissing
 from ._hints import INFRA_HINTS
@@ -66,30 +65,23 @@ _SPILL_FLUSH_BOUND_S = 30.0
 _RELEASE_WAIT_S = 2.0
 
 
-def _docker_client(config: DockerConfig) -> Any:
-    try:
-        import docker  # noqa: PLC0415 - the docker extra is optional until this backend is used
-    except ImportError:
-        raise BashInfrastructureError(
-            "the Docker backend needs docker-py: pip install 'dsh-bash[docker]'"
-        ) from None
-    if config.docker_host is not None:
-        return docker.DockerClient(base_url=config.docker_host)
-    return docker.from_env()
+def _creator_gone(pid: str) -> bool:
+    return pid.isdigit() and not os.path.exists(f"/proc/{pid}")
 
 
-def sweep_orphaned_containers(docker_host: str | None = None) -> list[str]:
+async def sweep_orphaned_containers(config: DockerConfig | None = None) -> list[str]:
     """Remove containers made by executors whose creating process is gone; return their ids.
 
-    Only containers labelled by this backend and created on this host (by pid) are considered.
+    Only containers labelled by this backend and created on this host (by pid) are considered. The
+    engine is ``config``'s (its ``docker_host``, TLS and SSH settings; None: the environment's).
     """
-    client = _docker_client(DockerConfig(container="-", docker_host=docker_host))
+    endpoint = Endpoint.parse(None) if config is None else Endpoint.from_config(config)
     removed = []
-    for container in client.containers.list(all=True, filters={"label": MANAGED_LABEL}):
-        pid = container.labels.get(OWNER_PID_LABEL, "")
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            container.remove(force=True)
-            removed.append(container.id)
+    async with EngineClient(endpoint) as engine:
+        for container in await engine.containers_labelled(MANAGED_LABEL):
+            if _creator_gone((container.get("Labels") or {}).get(OWNER_PID_LABEL, "")):
+                await engine.container_remove(container["Id"])
+                removed.append(str(container["Id"]))
     return removed
 
 
@@ -106,7 +98,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
     def __init__(self, config: DockerConfig) -> None:
         super().__init__(config)
         self._docker_config = config
-        self._engine = EngineClient(Endpoint.parse(config.docker_host))
+        self._engine = EngineClient(Endpoint.from_config(config))
         self._container_id = ""
         self._cwd = "/"
         self._ambient: dict[str, str] = {}
@@ -163,7 +155,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
 
     async def _start_container(self) -> str:
         """Image mode: create a container and start it; a container that cannot start is removed."""
-        container_id = await anyio.to_thread.run_sync(self._create_container)
+        container_id = await self._create_container()
         try:
             await self._engine.request("POST", f"/containers/{container_id}/start")
         except EngineError as exc:
@@ -171,13 +163,13 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
                 reason = exc.reason
                 if exc.status is not None:  # the engine refused: tell why from the container's files
                     reason = await diagnose_refusal(self._engine, container_id, self._docker_config.user)
-                await anyio.to_thread.run_sync(self._remove_container, container_id)
+                await self._remove_container(container_id)
             raise BashInfrastructureError(
                 f"cannot start a container from {self._docker_config.image!r}: {exc}", reason=reason
             ) from exc
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._remove_container, container_id)
+                await self._remove_container(container_id)
             raise
         return container_id
 
@@ -199,73 +191,70 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
                 environment[name] = ""
         return environment
 
-    def _create_container(self) -> str:
+    async def _create_container(self) -> str:
         """Create (not start) a container from the image, pulling it as ``pull`` says."""
-        import docker.errors  # noqa: PLC0415
-
         config = self._docker_config
         assert config.image is not None
-        client = _docker_client(config)
         try:
             if config.pull == "always":
-                image = client.images.pull(config.image)
-            else:
-                try:
-                    image = client.images.get(config.image)
-                except docker.errors.ImageNotFound:
-                    if config.pull == "never":
-                        raise BashInfrastructureError(
-                            f"image {config.image!r} is not present locally (pull it, or set pull='missing')",
-                            reason="image_missing",
-                        ) from None
-                    image = client.images.pull(config.image)
-            image_env = ((image.attrs or {}).get("Config") or {}).get("Env") or []
+                await self._engine.image_pull(config.image)
+            image = await self._engine.image_inspect(config.image)
+            if image is None:
+                if config.pull == "never":
+                    raise BashInfrastructureError(
+                        f"image {config.image!r} is not present locally (pull it, or set pull='missing')",
+                        reason="image_missing",
+                    )
+                await self._engine.image_pull(config.image)
+                image = await self._engine.image_inspect(config.image)
+                if image is None:
+                    raise EngineError(f"the engine pulled {config.image!r} but does not have it", 404)
+            image_env = (image.get("Config") or {}).get("Env") or []
             # A read-only root filesystem refuses the supervisor's upload: it gets a tmpfs of its own.
             tmpfs = (
                 {"/tmp": "rw,nosuid,nodev,mode=1777", INSTALL_DIR: "rw,nosuid,nodev,exec,mode=755"}
                 if config.read_only
                 else None
             )
-            container = client.containers.create(
-                config.image,
-                command=[
+            host_config: dict[str, Any] = {
+                "Init": True,
+                "NetworkMode": config.network,
+                "PidsLimit": config.pids_limit,
+                "ReadonlyRootfs": config.read_only,
+                "SecurityOpt": ["no-new-privileges"],
+                "CapDrop": ["ALL"],
+                "CapAdd": list(config.cap_add) or None,
+                "Binds": list(config.mounts) or None,
+                "Tmpfs": tmpfs,
+            }
+            if config.mem_limit is not None:
+                host_config["Memory"] = memory_bytes(config.mem_limit)
+            if config.cpus:
+                host_config["NanoCpus"] = int(config.cpus * 1e9)
+            environment = self._container_environment(image_env)
+            body: dict[str, Any] = {
+                "Image": config.image,
+                "Cmd": [
                     "bash",
                     "--noprofile",
                     "--norc",
                     "-c",
                     "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done",
                 ],
-                entrypoint=[],
-                init=True,
-                environment=self._container_environment(image_env),
-                network_mode=config.network,
-                mem_limit=config.mem_limit,
-                pids_limit=config.pids_limit,
-                nano_cpus=int(config.cpus * 1e9) if config.cpus else None,
-                read_only=config.read_only,
-                tmpfs=tmpfs,
-                volumes=list(config.mounts) or None,
-                labels={**config.labels, MANAGED_LABEL: self._token, OWNER_PID_LABEL: str(os.getpid())},
-                security_opt=["no-new-privileges"],
-                cap_drop=["ALL"],
-                cap_add=list(config.cap_add) or None,
-                user=config.user or None,
-            )
-            return str(container.id)
-        except docker.errors.DockerException as exc:
-            # NotFound from a pull or a create: no such image (ImageNotFound is one).
-            reason: InfraReason = "unclassified"
-            if isinstance(exc, docker.errors.NotFound):
-                reason = "image_missing"
+                "Entrypoint": [],
+                "Env": [f"{name}={value}" for name, value in environment.items()],
+                "Labels": {**config.labels, MANAGED_LABEL: self._token, OWNER_PID_LABEL: str(os.getpid())},
+                "HostConfig": {name: value for name, value in host_config.items() if value is not None},
+            }
+            if config.user:
+                body["User"] = config.user
+            return await self._engine.container_create(body)
+        except EngineError as exc:
+            # 404 from a pull or a create: no such image.
+            reason: InfraReason = "image_missing" if exc.status == 404 else exc.reason
             raise BashInfrastructureError(
                 f"cannot create a container from {config.image!r}: {exc}", reason=reason
             ) from exc
-        except OSError as exc:  # requests' connection errors: the engine does not answer
-            raise BashInfrastructureError(
-                f"cannot create a container from {config.image!r}: {exc}", reason="engine_unreachable"
-            ) from exc
-        finally:
-            client.close()
 
     async def _still_running(self) -> bool:
         """Whether the executor's container runs (False when the engine cannot say)."""
@@ -294,7 +283,11 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         # With a local engine, the container's processes are this host's processes too: the kill
         # path can then find them through /proc when nothing can be exec'd in the container.
         init_pid = info.get("State", {}).get("Pid")
-        self._host_visible = bool(init_pid) and os.access(f"/proc/{init_pid}/environ", os.R_OK)
+        self._host_visible = (
+            self._engine.endpoint.on_this_host
+            and bool(init_pid)
+            and os.access(f"/proc/{init_pid}/environ", os.R_OK)
+        )
         self._side_pipes = SidePipes(self._host_visible and self._docker_config.direct_output)
         container_config = info.get("Config") or {}
         self._cwd = container_config.get("WorkingDir") or "/"
@@ -357,11 +350,17 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         return exec_id, await self._engine.exec_start(exec_id)
 
     async def _release(self) -> None:
+        try:
+            await self._release_container()
+        finally:
+            await self._engine.aclose()
+
+    async def _release_container(self) -> None:
         config = self._docker_config
         await self._warm.close()
         if config.image is not None:
             if self._container_id:  # empty when opening failed before the container was started
-                await anyio.to_thread.run_sync(self._remove_container, self._container_id)
+                await self._remove_container(self._container_id)
         elif self._spill_dir:
             # Bounded: an engine stalled by a burst of ending execs would hold aclose for seconds.
             # The exec, once started, completes in the container whether or not it is waited for.
@@ -379,18 +378,11 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             except (EngineError, OSError) as exc:
                 log.warning("removing the spill directory %s failed: %s", self._spill_dir, exc)
 
-    def _remove_container(self, container_id: str) -> None:
-        import docker.errors  # noqa: PLC0415
-
-        client = _docker_client(self._docker_config)
+    async def _remove_container(self, container_id: str) -> None:
         try:
-            client.containers.get(container_id).remove(force=True)
-        except docker.errors.NotFound:
-            pass
-        except docker.errors.DockerException as exc:
+            await self._engine.container_remove(container_id)
+        except EngineError as exc:
             log.warning("removing container %s failed: %s", container_id[:12], exc)
-        finally:
-            client.close()
 
     # -- hooks ---------------------------------------------------------------------------------------
 
@@ -466,7 +458,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             log.warning(
                 "container %s is gone or stopped; creating a fresh one from %s", old[:12], self.config.image
             )
-            await anyio.to_thread.run_sync(self._remove_container, old)
+            await self._remove_container(old)
             self._container_id = await self._start_container()
             await self._learn_container()
 

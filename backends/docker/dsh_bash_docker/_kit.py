@@ -52,7 +52,10 @@ def find_container_processes(
         raise ValueError("a marker is one non-empty line")
 
     async def scan() -> list[int]:
-        engine = EngineClient(Endpoint.parse(config.docker_host))
+        async with EngineClient(Endpoint.from_config(config)) as engine:
+            return await scan_with(engine)
+
+    async def scan_with(engine: EngineClient) -> list[int]:
         found: list[int] = []
         for container in await _containers(engine, config, labels):
             try:
@@ -79,7 +82,10 @@ def find_open_leftovers(config: DockerConfig, label: tuple[str, str], spill_dir:
     executor's own token), in container mode its spill directory ``spill_dir`` if it still exists."""
 
     async def look() -> list[str]:
-        engine = EngineClient(Endpoint.parse(config.docker_host))
+        async with EngineClient(Endpoint.from_config(config)) as engine:
+            return await look_with(engine)
+
+    async def look_with(engine: EngineClient) -> list[str]:
         if config.image is not None:
             filters = json.dumps({"label": [f"{label[0]}={label[1]}"]})
             listed = await engine.request("GET", f"/containers/json?all=1&filters={quote(filters)}")

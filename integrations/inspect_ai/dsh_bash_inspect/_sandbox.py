@@ -272,7 +272,7 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
             from dsh_bash_docker import sweep_orphaned_containers  # noqa: PLC0415 - optional extra
         except ImportError:
             return
-        sweep_orphaned_containers()
+        await sweep_orphaned_containers()
 
     # -- exec --------------------------------------------------------------------------------------
 

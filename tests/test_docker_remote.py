@@ -1,0 +1,181 @@
+"""The Docker backend against engines "on other machines": ``tcp://`` with TLS, and ``ssh://``.
+
+Both are real and on loopback (``tests/remote_engines.py``): a second dockerd that listens only on
+TLS with certificates the fixture made (client certificate required), and ``ssh://root@127.0.0.1``
+through the test sshd, whose ``docker system dial-stdio`` reaches this machine's engine. The whole
+kit passes over each, in image and container mode. Neither is taken for a local engine: nothing is
+read from this host's ``/proc`` for them, although here it could be.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import anyio
+import pytest
+from docker_support import DockerMode, docker_target
+from dsh_bash_conformance import CHECKS, run_kit
+from dsh_bash_docker import DockerBashExecutor, DockerConfig
+from remote_engines import SshEngine, TlsEngine
+
+from dsh_bash import BashExecRequest, BashInfrastructureError, ConfigError
+
+pytestmark = [pytest.mark.docker]
+
+RemoteKind = str  # "tls" or "ssh"
+CASES: list[tuple[str, DockerMode, RemoteKind]] = [
+    (name, mode, kind) for kind in ("tls", "ssh") for mode in ("image", "container") for name in CHECKS
+]
+
+
+def tls_connection(engine: TlsEngine) -> dict[str, Any]:
+    return {
+        "docker_host": engine.url,
+        "tls_ca_cert": engine.ca_cert,
+        "tls_client_cert": engine.client_cert,
+        "tls_client_key": engine.client_key,
+    }
+
+
+def ssh_connection(engine: SshEngine) -> dict[str, Any]:
+    return {
+        "docker_host": engine.url,
+        "ssh_client_keys": [engine.client_key],
+        "ssh_known_hosts": engine.known_hosts,
+    }
+
+
+def _remote(
+    kind: RemoteKind, request: pytest.FixtureRequest
+) -> tuple[
+    TlsEngine | SshEngine,
+    dict[str, Any],
+    Callable[[str, Mapping[str, str]], tuple[str, Callable[[], None]]] | None,
+]:
+    if kind == "tls":
+        tls: TlsEngine = request.getfixturevalue("tls_engine")
+        return tls, tls_connection(tls), tls.start_container
+    ssh: SshEngine = request.getfixturevalue("ssh_engine")
+    return ssh, ssh_connection(ssh), None  # its containers are this machine's engine's
+
+
+@pytest.mark.kit
+@pytest.mark.parametrize(("name", "mode", "kind"), CASES, ids=[f"{k}-{m}-{n}" for n, m, k in CASES])
+def test_check(name: str, mode: DockerMode, kind: RemoteKind, request: pytest.FixtureRequest) -> None:
+    engine, connection, start_container = _remote(kind, request)
+    target = docker_target(
+        mode,
+        "asyncio",
+        engine.image,
+        engine.container if mode == "container" else None,
+        connection=connection,
+        start_container=start_container,
+        name=f"docker-{kind}",
+    )
+    [result] = run_kit(target, only=[name]).results
+    print(f"{target.name} {result.name} ({result.kind}) {result.outcome} in {result.duration_s:.2f}s")
+    if result.message:
+        print(result.message)
+    assert result.outcome == "passed", f"{result.name} ({result.kind}) {result.outcome}: {result.message}"
+
+
+@pytest.mark.parametrize("kind", ["tls", "ssh"])
+async def test_a_remote_engine_is_never_read_through_this_hosts_proc(
+    kind: RemoteKind, request: pytest.FixtureRequest
+) -> None:
+    """Here the engines are local, so the host's /proc would show their processes: it is not used."""
+    engine, connection, _ = _remote(kind, request)
+    async with DockerBashExecutor(DockerConfig(container=engine.container, **connection)) as ex:
+        assert not ex._host_sees_processes()  # the decision itself is what is tested
+        # A command with more than the side pipe's first MiB: all of it, by the engine's stream.
+        result = await ex.exec("head -c 3000000 /dev/zero | tr '\\0' x; echo; echo done >&2")
+        assert result.exit_code == 0
+        assert result.stdout.total_bytes == 3_000_001
+        assert result.stdout.data.endswith(b"x" * 1000 + b"\n")
+        assert result.stderr.text == "done\n"
+
+
+async def test_stdin_ends_over_tls(tls_engine: TlsEngine) -> None:
+    """TLS half-close: the exec's stdin ends (``close_notify``) while its output is still read."""
+    async with DockerBashExecutor(
+        DockerConfig(container=tls_engine.container, **tls_connection(tls_engine))
+    ) as ex:
+        result = await ex.exec("wc -c; echo after", stdin="x" * 100_000)
+        assert result.stdout.text.split() == ["100000", "after"]
+
+
+async def test_tls_without_a_client_certificate_is_refused(tls_engine: TlsEngine) -> None:
+    config = DockerConfig(
+        container=tls_engine.container, docker_host=tls_engine.url, tls_ca_cert=tls_engine.ca_cert
+    )
+    with pytest.raises(BashInfrastructureError) as caught:
+        async with DockerBashExecutor(config):
+            pass
+    assert caught.value.reason in ("engine_unreachable", "connection_lost")
+    assert tls_engine.url.removeprefix("tcp://") in str(caught.value)
+
+
+async def test_tls_with_another_ca_is_refused(tls_engine: TlsEngine) -> None:
+    """The engine's certificate is verified: the system's trust store does not know the test CA."""
+    config = DockerConfig(
+        container=tls_engine.container,
+        docker_host=tls_engine.url,
+        tls_client_cert=tls_engine.client_cert,
+        tls_client_key=tls_engine.client_key,
+    )
+    with pytest.raises(BashInfrastructureError, match=r"CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
+        async with DockerBashExecutor(config):
+            pass
+
+
+async def test_dial_stdio_failing_says_why(ssh_engine: SshEngine, request: pytest.FixtureRequest) -> None:
+    """The non-root test user may log in but not reach the engine: its stderr is in the error."""
+    server = request.getfixturevalue("ssh_server")
+    config = DockerConfig(
+        container=ssh_engine.container,
+        docker_host=f"ssh://{server.user}@127.0.0.1:{server.port}",
+        ssh_client_keys=[server.user_key],
+        ssh_known_hosts=server.known_hosts,
+    )
+    with pytest.raises(BashInfrastructureError, match="dial-stdio") as caught:
+        async with DockerBashExecutor(config):
+            pass
+    assert "permission denied" in str(caught.value).lower()
+
+
+async def test_an_unknown_host_key_is_refused(ssh_engine: SshEngine, tmp_path: Any) -> None:
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    config = DockerConfig(
+        container=ssh_engine.container, **{**ssh_connection(ssh_engine), "ssh_known_hosts": str(empty)}
+    )
+    with pytest.raises(BashInfrastructureError) as caught:
+        async with DockerBashExecutor(config):
+            pass
+    assert caught.value.reason == "engine_unreachable"
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_ssh_engines_need_asyncio(ssh_engine: SshEngine) -> None:
+    with pytest.raises(ConfigError, match="asyncio"):
+        async with DockerBashExecutor(
+            DockerConfig(container=ssh_engine.container, **ssh_connection(ssh_engine))
+        ):
+            pass
+
+
+@pytest.mark.parametrize("kind", ["tls", "ssh"])
+async def test_many_commands_at_once(kind: RemoteKind, request: pytest.FixtureRequest) -> None:
+    """Fifty at once: each holds a connection (TLS) or a channel of the one SSH connection."""
+    engine, connection, _ = _remote(kind, request)
+    async with DockerBashExecutor(DockerConfig(container=engine.container, **connection)) as ex:
+        outputs: dict[int, str] = {}
+
+        async def one(index: int) -> None:
+            outputs[index] = (await ex.run(ex.resolve(BashExecRequest(command=f"echo {index}")))).stdout.text
+
+        async with anyio.create_task_group() as tg:
+            for index in range(50):
+                tg.start_soon(one, index)
+        assert outputs == {index: f"{index}\n" for index in range(50)}
