@@ -421,20 +421,56 @@ def _start_idle_container(daemon: _Daemon, image: str) -> str:
     return result.stdout.strip()
 
 
-def _pids_of_tree(root: Path) -> list[int]:
-    """Processes whose command line names a path under ``root``: the engine's containerd and shims."""
+def _engine_processes(root: Path) -> list[int]:
+    """The engine's leftover processes: those whose command line names a path under ``root`` (its
+    containerd and shims), and all their descendants (the containers' processes, which outlive a
+    killed shim: its children are reparented, not killed)."""
     marker = str(root).encode()
-    found = []
+    parents: dict[int, int] = {}
+    roots = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes()
+            stat = (entry / "stat").read_text()
         except OSError:
-            continue
+            continue  # gone since the listing
+        # The command name in field 2 may hold spaces and parentheses: the ppid follows the last ')'.
+        parents[int(entry.name)] = int(stat.rpartition(")")[2].split()[1])
         if marker in cmdline:
-            found.append(int(entry.name))
-    return found
+            roots.append(int(entry.name))
+    found = set(roots)
+    grew = True
+    while grew:
+        children = {pid for pid, parent in parents.items() if parent in found} - found
+        found |= children
+        grew = bool(children)
+    return sorted(found)
+
+
+def _remove_container_cgroups(containers: Path, timeout_s: float = 5.0) -> None:
+    """Remove the cgroups of the engine's containers (cgroupfs driver, v1 or v2): a shim that was
+    killed leaves them behind, empty, once their processes are reaped."""
+    try:
+        ids = [entry.name for entry in containers.iterdir()]
+    except OSError:
+        return
+    cgroups = [path for cid in ids for path in Path("/sys/fs/cgroup").glob(f"*/docker/{cid}")]
+    cgroups += [path for cid in ids if (path := Path("/sys/fs/cgroup/docker", cid)).is_dir()]
+    deadline = time.monotonic() + timeout_s
+    for path in cgroups:
+        while True:
+            try:
+                path.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                # Busy until the killed processes are reaped.
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
 
 
 def _unmount_under(root: Path) -> None:
@@ -463,10 +499,13 @@ def _stop_daemon(daemon: _Daemon) -> None:
         except subprocess.TimeoutExpired:
             daemon.process.kill()
             daemon.process.wait(10)
-    # A killed dockerd leaves its containerd (and any shim) running: they are ours, found by our paths.
-    for pid in _pids_of_tree(daemon.root):
+    # A killed dockerd can leave shims and their containers running: ours, found by our paths.
+    leftovers = _engine_processes(daemon.root)
+    for pid in leftovers:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    if leftovers:
+        _remove_container_cgroups(daemon.root / "data" / "containers")
     _unmount_under(daemon.root)
     shutil.rmtree(daemon.root, ignore_errors=True)
 
