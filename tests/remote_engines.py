@@ -19,6 +19,9 @@ measured here, both answer in about 0.2 s and the whole fixture is up in 1.0-1.5
 1 s faster at session end, but it ties this engine to the main one's containerd, whose socket path
 depends on how that engine was started and which goes away whenever the main dockerd restarts.
 
+``fault_support.SecondEngine`` is a private dockerd too, one a test may restart; it keeps the host's
+network namespace and so needs a bridge interface of its own instead of ``--bridge=none``.
+
 ``ssh_engine`` is the main engine reached through the session's test sshd (``ssh_support``): root
 logs in with its key and runs ``docker system dial-stdio``, which talks to this machine's default
 engine. Debian's sshd gives root's sessions ``/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:
@@ -353,6 +356,9 @@ def _start_daemon(root: Path, server_certs: Path) -> _Daemon:
                     stderr=subprocess.STDOUT,
                     pass_fds=(high,),
                     env=_cli_environment(),
+                    # Out of the terminal's process group: a Ctrl-C stops the tests, whose teardown
+                    # then removes the containers before it stops the engine.
+                    start_new_session=True,
                 )
         finally:
             os.close(high)
