@@ -89,6 +89,10 @@ class TlsEngine:
     ``image`` is the test image, loaded into this engine; ``container`` the id of an idle container
     of it on this engine (container mode). ``local_url`` is the engine's private unix socket, without
     TLS: for a test's own look at the engine, not for the backend under test.
+
+    docker-py (through requests) verifies against ``REQUESTS_CA_BUNDLE`` or ``CURL_CA_BUNDLE`` when
+    either is set, as it is on these machines, instead of the ``ca_cert`` it is given, and so fails
+    with "unable to get local issuer certificate": unset both for a docker-py client of this engine.
     """
 
     url: str
