@@ -19,8 +19,9 @@ import pluggy
 import pytest
 from anyio._backends._asyncio import TestRunner
 
-#: Docker, SSH (host sshd and containerized sshd) and fault-suite fixtures for every test module.
-pytest_plugins = ["docker_support", "ssh_support", "sshd_container", "fault_support"]
+#: Docker, SSH (host sshd and containerized sshd), fault-suite and remote-engine (TLS, SSH) fixtures
+#: for every test module.
+pytest_plugins = ["docker_support", "ssh_support", "sshd_container", "fault_support", "remote_engines"]
 
 #: Reason prefix of skips that CI turns into failures.
 BACKEND_UNAVAILABLE = "backend unavailable:"
