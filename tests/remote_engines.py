@@ -49,7 +49,7 @@ import ssl
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,6 +121,24 @@ class TlsEngine:
     def environment(self) -> dict[str, str]:
         """The variables that point a docker CLI or docker-py at this engine."""
         return {"DOCKER_HOST": self.url, "DOCKER_TLS_VERIFY": "1", "DOCKER_CERT_PATH": self.cert_dir}
+
+    def start_container(self, image: str, environment: Mapping[str, str]) -> tuple[str, Callable[[], None]]:
+        """An idle container of ``image`` on this engine with ``environment`` (the kit's planted
+        variables, container mode); returns its id and how to remove it."""
+        options = [part for name, value in environment.items() for part in ("--env", f"{name}={value}")]
+        result = _docker_at(
+            self.local_url,
+            "run", "--detach", "--init", "--network", "none", "--label", f"{SESSION_LABEL}={SESSION_ID}",
+            *options, image, *shlex.split(IDLE_COMMAND),
+        )  # fmt: skip
+        if result.returncode != 0:
+            raise RuntimeError(f"starting a container on {self.url} failed: {result.stderr.strip()}")
+        container = result.stdout.strip()
+
+        def remove() -> None:
+            _docker_at(self.local_url, "rm", "--force", container)
+
+        return container, remove
 
 
 @dataclass(frozen=True)
@@ -309,6 +327,17 @@ class _Daemon:
             timeout=timeout_s,
             env=_cli_environment(),
         )
+
+
+def _docker_at(url: str, *args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["docker", "-H", url, *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=_cli_environment(),
+    )
 
 
 def _cli_environment() -> dict[str, str]:

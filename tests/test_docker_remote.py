@@ -18,10 +18,16 @@ from docker_support import DockerMode, docker_target
 from dsh_bash_conformance import CHECKS, run_kit
 from dsh_bash_docker import DockerBashExecutor, DockerConfig
 from remote_engines import SshEngine, TlsEngine
+from ssh_support import TEST_USER
 
 from dsh_bash import BashExecRequest, BashInfrastructureError, ConfigError
 
-pytestmark = [pytest.mark.docker]
+pytestmark = [pytest.mark.anyio, pytest.mark.docker]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
 
 RemoteKind = str  # "tls" or "ssh"
 CASES: list[tuple[str, DockerMode, RemoteKind]] = [
@@ -134,7 +140,7 @@ async def test_dial_stdio_failing_says_why(ssh_engine: SshEngine, request: pytes
     server = request.getfixturevalue("ssh_server")
     config = DockerConfig(
         container=ssh_engine.container,
-        docker_host=f"ssh://{server.user}@127.0.0.1:{server.port}",
+        docker_host=f"ssh://{TEST_USER}@127.0.0.1:{server.port}",
         ssh_client_keys=[server.user_key],
         ssh_known_hosts=server.known_hosts,
     )
@@ -157,7 +163,7 @@ async def test_an_unknown_host_key_is_refused(ssh_engine: SshEngine, tmp_path: A
 
 
 @pytest.mark.parametrize("anyio_backend", ["trio"])
-async def test_ssh_engines_need_asyncio(ssh_engine: SshEngine) -> None:
+async def test_ssh_engines_need_asyncio(ssh_engine: SshEngine, anyio_backend: str) -> None:
     with pytest.raises(ConfigError, match="asyncio"):
         async with DockerBashExecutor(
             DockerConfig(container=ssh_engine.container, **ssh_connection(ssh_engine))

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
+import select
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import unquote, urlsplit
@@ -38,6 +41,8 @@ _READ_SIZE = 256 * 1024
 #: An SSH channel's unread bytes above which the channel stops reading (SSH window backpressure).
 _SSH_HIGH_WATER = 1024 * 1024
 _DIAL_STDIO = "docker system dial-stdio"
+#: How long the end of a channel's output waits for its exit status.
+_SSH_CLOSE_WAIT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,17 +199,17 @@ def _write_error(exc: BaseException) -> httpcore2.WriteError:
     return error
 
 
-def _readable(sock: socket.socket | None) -> bool:
-    """Whether a read would not wait: bytes, the peer's close, or an error (``MSG_PEEK``, no wait)."""
-    if sock is None:
+def _readable(sock: Any) -> bool:
+    """Whether a read would not wait: bytes, the peer's close, or an error (a poll that does not wait).
+
+    ``sock`` is a socket or asyncio's ``TransportSocket`` (anyio's TCP streams on asyncio): its fd.
+    """
+    fd = sock.fileno() if sock is not None else -1
+    if fd < 0:
         return True
-    try:
-        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-    return True
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLPRI)
+    return bool(poller.poll(0))
 
 
 class _SocketStream(EngineStream):
@@ -357,14 +362,34 @@ class _TlsStream(EngineStream):
         return super().get_extra_info(info)
 
 
+def _same(session: _DialStdioSession) -> _DialStdioSession:
+    return session
+
+
+@dataclass(slots=True)
+class _SshLink:
+    """One SSH connection to the engine's host and how many dial-stdio channels it carries."""
+
+    connection: asyncssh.SSHClientConnection
+    channels: int = 0
+    #: OpenSSH's MaxSessions is 10 by default; lowered when the server refuses a channel.
+    limit: int = 8
+
+    def release(self) -> None:
+        self.channels -= 1
+
+
 class _DialStdioSession:
     """The client side of one ``docker system dial-stdio`` channel (an asyncssh session)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_closed: Callable[[], None]) -> None:
+        self._on_closed: Callable[[], None] | None = on_closed
         self.channel: asyncssh.SSHClientChannel[bytes] | None = None
         self.buffer = bytearray()
         self.stderr = bytearray()
         self.ended = False
+        self.exit_status: int | None = None
+        self.closed = asyncio.Event()
         self.readable = asyncio.Event()
         self.writable = asyncio.Event()
         self.writable.set()
@@ -375,7 +400,11 @@ class _DialStdioSession:
         self.channel = channel
 
     def connection_lost(self, exc: Exception | None) -> None:
+        on_closed, self._on_closed = self._on_closed, None
+        if on_closed is not None:
+            on_closed()
         self.ended = True
+        self.closed.set()
         self.readable.set()
         self.writable.set()
 
@@ -398,7 +427,7 @@ class _DialStdioSession:
         return False
 
     def exit_status_received(self, status: int) -> None:
-        pass
+        self.exit_status = status
 
     def exit_signal_received(self, signal: str, core_dumped: bool, msg: str, lang: str) -> None:
         pass
@@ -417,13 +446,14 @@ class _SshStream(EngineStream):
     def __init__(self, session: _DialStdioSession, where: str) -> None:
         self._session = session
         self._where = where
-        self._sent_anything = False
-        self._received_anything = False
 
     def _ended_error(self) -> httpcore2.ReadError:
         said = self._session.stderr.decode("utf-8", "replace").strip()
+        status = self._session.exit_status
         return httpcore2.ReadError(
-            f"`{_DIAL_STDIO}` on {self._where} ended" + (f": {said}" if said else " without a word")
+            f"`{_DIAL_STDIO}` on {self._where} ended"
+            + ("" if status is None else f" (exit {status})")
+            + (f": {said}" if said else " without a word")
         )
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
@@ -433,12 +463,15 @@ class _SshStream(EngineStream):
                 session.readable.clear()
                 await session.readable.wait()
         if not session.buffer:
-            if not self._received_anything and session.stderr:
+            # The end: a failed dial-stdio (no engine there, no access to it) says why on stderr,
+            # and its exit status follows the end of its output.
+            with anyio.move_on_after(_SSH_CLOSE_WAIT_S):
+                await session.closed.wait()
+            if session.exit_status not in (None, 0):
                 raise self._ended_error()
             return b""
         data = bytes(session.buffer[:max_bytes])
         del session.buffer[:max_bytes]
-        self._received_anything = True
         if len(session.buffer) <= _SSH_HIGH_WATER // 2 and session.channel is not None:
             session.channel.resume_reading()
         return data
@@ -482,7 +515,7 @@ class EngineNetwork(httpcore2.AsyncNetworkBackend):
 
     def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
-        self._ssh: asyncssh.SSHClientConnection | None = None
+        self._ssh_links: list[_SshLink] = []
         self._ssh_lock: asyncio.Lock | None = None
 
     async def connect_tcp(
@@ -531,21 +564,29 @@ class EngineNetwork(httpcore2.AsyncNetworkBackend):
             raise ConfigError(
                 "docker_host: an ssh:// engine needs asyncio (asyncssh is asyncio-only), not trio"
             )
-        connection = await self._ssh_connection()
-        session = _DialStdioSession()
-        try:
-            await connection.create_session(lambda: session, _DIAL_STDIO, encoding=None)  # type: ignore[arg-type,return-value]
-        except Exception:
-            # A connection that broke since: once more on a new one.
-            self._ssh = None
-            with contextlib.suppress(Exception):
-                connection.close()
-            connection = await self._ssh_connection()
-            session = _DialStdioSession()
-            await connection.create_session(lambda: session, _DIAL_STDIO, encoding=None)  # type: ignore[arg-type,return-value]
-        return _SshStream(session, self.endpoint.describe())
+        import asyncssh  # noqa: PLC0415 - present: _ssh_link imported it
 
-    async def _ssh_connection(self) -> asyncssh.SSHClientConnection:
+        while True:
+            link = await self._ssh_link()
+            session = _DialStdioSession(link.release)
+            try:
+                # A duck-typed session: asyncssh is imported only for ssh:// engines.
+                factory: Any = functools.partial(_same, session)
+                await link.connection.create_session(factory, _DIAL_STDIO, encoding=None)
+            except asyncssh.ChannelOpenError:
+                link.channels -= 1
+                if link.channels == 0:
+                    raise  # not one channel on a connection of its own: not a session limit
+                # The server allows fewer sessions per connection (MaxSessions) than we assumed.
+                link.limit = link.channels
+                continue
+            except BaseException:
+                link.channels -= 1
+                raise
+            return _SshStream(session, self.endpoint.describe())
+
+    async def _ssh_link(self) -> _SshLink:
+        """A connection with room for one more channel (reserved), a new one when none has."""
         try:
             import asyncssh  # noqa: PLC0415 - only ssh:// engines need it
         except ImportError:
@@ -555,20 +596,26 @@ class EngineNetwork(httpcore2.AsyncNetworkBackend):
         if self._ssh_lock is None:
             self._ssh_lock = asyncio.Lock()
         async with self._ssh_lock:
-            if self._ssh is not None and not self._ssh.is_closed():
-                return self._ssh
+            self._ssh_links = [link for link in self._ssh_links if not link.connection.is_closed()]
+            for link in self._ssh_links:
+                if link.channels < link.limit:
+                    link.channels += 1
+                    return link
             endpoint = self.endpoint
             options: dict[str, Any] = {"port": endpoint.port, "username": endpoint.user}
             if endpoint.ssh_client_keys is not None:
                 options["client_keys"] = list(endpoint.ssh_client_keys)
             if endpoint.ssh_known_hosts is not None:
                 options["known_hosts"] = endpoint.ssh_known_hosts
-            self._ssh = await asyncssh.connect(endpoint.host, **options)
-            return self._ssh
+            link = _SshLink(await asyncssh.connect(endpoint.host, **options))
+            self._ssh_links.append(link)
+            link.channels += 1
+            return link
 
     async def aclose(self) -> None:
-        connection, self._ssh = self._ssh, None
-        if connection is not None:
-            connection.close()
+        links, self._ssh_links = self._ssh_links, []
+        for link in links:
+            link.connection.close()
+        for link in links:
             with anyio.move_on_after(2), contextlib.suppress(Exception):
-                await connection.wait_closed()
+                await link.connection.wait_closed()
