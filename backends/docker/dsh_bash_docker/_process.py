@@ -246,8 +246,20 @@ class ContainerMarked:
             if self._host_sees_processes():
                 log.warning("%s; signalling %s from the host instead", exc, self._marker)
                 await self._host_signal(sig)
+            elif await self._user_unknown(exc):
+                return
             elif not await self._kill_container():
                 raise
+
+    async def _user_unknown(self, exc: EngineError) -> bool:
+        """Whether the kill could not start because its user is not the container's: then no
+        process of that user runs there (a command as that user was refused the same way), and
+        killing the whole container for it would be wrong."""
+        return (
+            exc.reason == "start_failed"
+            and bool(self._user)
+            and await diagnose_refusal(self._engine, self._container(), self._user) == "user_unknown"
+        )
 
     async def remaining(self) -> list[str]:
         try:
@@ -261,7 +273,7 @@ class ContainerMarked:
                 raise
             if self._host_sees_processes():
                 return [str(entry.pid) for entry in await self._host_entries()]
-            if await self._kill_container():
+            if await self._user_unknown(exc) or await self._kill_container():
                 return []
             raise
         return sorted(set(out.decode().split()))
