@@ -479,7 +479,7 @@ class _SshStream(EngineStream):
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:
         session = self._session
         if session.channel is None or session.ended:
-            raise self._ended_error()
+            raise httpcore2.WriteError(str(self._ended_error()))
         with anyio.fail_after(timeout):
             await session.writable.wait()
         try:
