@@ -8,7 +8,10 @@ INFRA_HINTS: Mapping[InfraReason, str] = {
     "engine_unreachable": (
         "start the Docker engine (dockerd, or Docker Desktop), or set docker_host (or DOCKER_HOST) to the "
         "socket it listens on, e.g. unix:///var/run/docker.sock; if it runs, give this user access to that "
-        "socket (the docker group) and check that it is healthy (docker info); --timeout raises the bound"
+        "socket (the docker group) and check that it is healthy (docker info); for tcp:// with TLS, check "
+        "tls_ca_cert, tls_client_cert and tls_client_key (or DOCKER_CERT_PATH); for ssh://, that "
+        "`ssh USER@HOST docker system dial-stdio` works with the same keys and known_hosts; --timeout "
+        "raises the bound"
     ),
     "image_missing": 'pull the image (docker pull IMAGE) or set pull = "missing" in the config',
     "container_missing": (
