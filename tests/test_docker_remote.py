@@ -30,6 +30,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.docker]
 def anyio_backend() -> str:
     return "asyncio"
 
+
 RemoteKind = str  # "tls" or "ssh"
 #: The whole kit over each transport, in one mode each: TLS in image mode (the container's create and
 #: removal go over it too), ssh:// in container mode. The mode and the transport are independent, and

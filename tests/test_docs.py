@@ -248,8 +248,11 @@ def contract_problems(text: str, clauses: Mapping[str, str], references: Iterabl
 
 
 def test_contract_and_kit_name_each_other() -> None:
+    # docs/design/ holds proposals: they name rules the contract does not have yet.
     others = [
-        (REPO / path).read_text(encoding="utf-8") for path in _markdown_files() if (REPO / path) != CONTRACT
+        (REPO / path).read_text(encoding="utf-8")
+        for path in _markdown_files()
+        if (REPO / path) != CONTRACT and not path.startswith("docs/design/")
     ]
     clauses = {name: check.clause for name, check in CHECKS.items()}
     assert contract_problems(CONTRACT.read_text(encoding="utf-8"), clauses, others) == []
