@@ -122,6 +122,16 @@ async def test_stdin_ends_over_tls(tls_engine: TlsEngine) -> None:
         assert result.stdout.text.split() == ["100000", "after"]
 
 
+async def test_the_docker_cli_environment_reaches_a_tls_engine(
+    tls_engine: TlsEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No docker_host in the config: DOCKER_HOST, DOCKER_TLS_VERIFY and DOCKER_CERT_PATH, as the CLI."""
+    for name, value in tls_engine.environment().items():
+        monkeypatch.setenv(name, value)
+    async with DockerBashExecutor(DockerConfig(container=tls_engine.container)) as ex:
+        assert (await ex.exec("echo over-tls")).stdout.text == "over-tls\n"
+
+
 async def test_tls_without_a_client_certificate_is_refused(tls_engine: TlsEngine) -> None:
     config = DockerConfig(
         container=tls_engine.container, docker_host=tls_engine.url, tls_ca_cert=tls_engine.ca_cert
