@@ -87,9 +87,8 @@ def find_open_leftovers(config: DockerConfig, label: tuple[str, str], spill_dir:
 
     async def look_with(engine: EngineClient) -> list[str]:
         if config.image is not None:
-            filters = json.dumps({"label": [f"{label[0]}={label[1]}"]})
-            listed = await engine.request("GET", f"/containers/json?all=1&filters={quote(filters)}")
-            return [f"container {entry['Id'][:12]} ({entry.get('State')})" for entry in listed or []]
+            listed = await engine.containers_labelled(f"{label[0]}={label[1]}")
+            return [f"container {entry['Id'][:12]} ({entry.get('State')})" for entry in listed]
         if not spill_dir:
             return []
         assert config.container is not None
