@@ -182,7 +182,11 @@ def remove_session_containers() -> list[str]:
     import docker  # noqa: PLC0415
     import docker.errors  # noqa: PLC0415
 
-    client = docker.from_env()
+    try:
+        client = docker.from_env()
+    except docker.errors.DockerException:
+        # No engine answers (the Docker tests skipped, on a machine without one): it holds no container.
+        return []
     removed = []
     try:
         for container in client.containers.list(all=True, filters={"label": f"{SESSION_LABEL}={SESSION_ID}"}):

@@ -211,7 +211,8 @@ async def test_stdio_tools_foreground_background_and_no_orphans(config: Path, ma
             assert all(notice.logger == "dsh-bash" and notice.level == "info" for notice in notices)
 
             await _start(client, f"exec -a {marker}-left sleep 30")  # still running when the client leaves
-            assert len(_alive(f"{marker}-left")) == 1
+            # Started is not yet exec'd: the name appears once bash has run `exec -a`.
+            await _eventually(lambda: len(_alive(f"{marker}-left")) == 1, 5)
             assert len(_alive(f"{marker}-server")) == 1
         # The client closed the server's stdin and waited for it: nothing it started is left.
         await _until_gone(marker, 5)
@@ -409,7 +410,7 @@ async def test_http_sessions_are_isolated_owners(config: Path, marker: str) -> N
                 ]
             # a ended its session: its task is killed, b's runs on.
             await _until_gone(f"{marker}-a", 10)
-            assert len(_alive(f"{marker}-b")) == 1
+            await _eventually(lambda: len(_alive(f"{marker}-b")) == 1, 5)
             assert notices_b == []
             still = await b.call_tool("bash_output", {"task_id": task_b})
             assert _text(still) == "(no new output)\n[status: running]"

@@ -135,16 +135,22 @@ async def escapee_rewriting_environment(ctx: CheckContext) -> None:
     "setsid-chain-killed",
     kind="contract",
     clause="R-contain-hiding",
-    rule=_rule("forks a chain of processes that each call `setsid` and let their parent exit"),
+    rule=_rule(
+        "forks a chain of processes that each ignore SIGTERM, call `setsid` and let their parent exit"
+    ),
 )
 async def setsid_chain(ctx: CheckContext) -> None:
     mark = ctx.marker()
     # Each generation starts the next in a session of its own at once, then exits after 0.1 s: about
-    # 0.1 s / (fork + exec) generations live at any moment, none in the command's session or group,
-    # and a kill that signals only the ones one scan saw leaves the newest one going. The chain stops
-    # by itself 10 s after it began (bash's $EPOCHSECONDS), so a backend that fails to kill it cannot
-    # leave it running for good (a scan-and-kill cleanup can miss every generation of it).
+    # 0.1 s / (fork + exec) generations live at any moment, none in the command's session or group.
+    # Every generation ignores SIGTERM (the ignored disposition is inherited through fork and exec),
+    # so the chain goes on through the kill's grace period: a kill that signals only the processes
+    # one scan saw, however early, leaves a generation born after that scan going. (Without the trap
+    # such a kill could end the chain by luck: its TERM reaching the newest generation before that
+    # one forked.) The chain stops by itself 10 s after it began (bash's $EPOCHSECONDS), so a backend
+    # that fails to kill it cannot leave it running for good.
     hop = (
+        "trap '' TERM; "
         '[ "$EPOCHSECONDS" -lt "$2" ] && setsid bash -c "$1" "$0" "$1" "$2" >/dev/null 2>&1 & '
         ': > "$READY"; sleep 0.1'
     )
