@@ -316,7 +316,9 @@ async def test_an_abandoned_sessions_tasks_are_killed_when_it_idles_out(config: 
                     assert not result.is_error, _text(result)
             left_at = time.monotonic()  # no DELETE: the session lives on until it idles out
             with anyio.fail_after(idle_s / 2):  # all five exec'd well before the session can idle out
-                while len(find_host_processes(f"{marker}-t")) != 5:
+                while True:
+                    if len(find_host_processes(f"{marker}-t")) == 5:
+                        break
                     await anyio.sleep(0.02)
             while True:
                 if not find_host_processes(f"{marker}-t"):
