@@ -10,14 +10,17 @@ from ._abort import AbortController, AbortSignal
 from ._config import DEFAULT_ENV_SCRUB, BudgetConfig, default_task_cap
 from ._errors import (
     INFRA_REASONS,
+    INPUT_REFUSALS,
     BashInfrastructureError,
     ConfigError,
     DshBashError,
     ExecutorClosedError,
     InfraReason,
+    InputRefusal,
+    TaskInputError,
     UnknownTaskError,
 )
-from ._executor import BashExecutor, TaskListener
+from ._executor import MAX_INPUT_BYTES, MAX_PENDING_INPUT, BashExecutor, TaskListener
 from ._registry import ENTRY_POINT_GROUP, ExecutorFactory, backend_factory, load_executor, registered_backends
 from ._types import (
     BashExecRequest,
@@ -36,6 +39,9 @@ __all__ = [
     "DEFAULT_ENV_SCRUB",
     "ENTRY_POINT_GROUP",
     "INFRA_REASONS",
+    "INPUT_REFUSALS",
+    "MAX_INPUT_BYTES",
+    "MAX_PENDING_INPUT",
     "AbortController",
     "AbortSignal",
     "BashExecRequest",
@@ -55,7 +61,9 @@ __all__ = [
     "ExecutorClosedError",
     "ExecutorFactory",
     "InfraReason",
+    "InputRefusal",
     "OwnerToken",
+    "TaskInputError",
     "TaskListener",
     "UnknownTaskError",
     "backend_factory",

@@ -203,6 +203,25 @@ class CommandProcess(ABC):
     async def release(self) -> None:  # noqa: B027 - optional hook: most backends hold something
         """Free what the command holds (file descriptors, channels). Called once, after it ended."""
 
+    # Input hooks: called only for a spec with ``open_stdin``, which the executor lets through only
+    # when the backend's ``_supports_open_stdin`` says so. The executor queues, orders, bounds and
+    # refuses; these do the I/O, one call at a time, never after ``release``.
+
+    async def send_input(self, data: bytes) -> None:
+        """Hand ``data`` to the command's stdin: return once it is written to the command's pipe (or
+        sent to a supervisor that writes it), waiting while the pipe is full. Raise
+        :class:`BrokenPipeError` once the command closed its stdin; nothing more will be sent."""
+        raise NotImplementedError(f"{type(self).__name__} cannot keep a command's stdin open")
+
+    async def end_input(self) -> None:
+        """Close the command's stdin, after everything sent: it reads end of file."""
+        raise NotImplementedError(f"{type(self).__name__} cannot keep a command's stdin open")
+
+    def input_pending(self) -> int:
+        """Bytes handed over by :meth:`send_input` and not yet written to the command's stdin (held by
+        a supervisor, say). The executor bounds its own queue plus this."""
+        return 0
+
 
 def refuse_other_user(user: str | None, runs_as: Collection[str], where: str) -> None:
     """For a backend that cannot switch users: a spec whose ``user`` is set and is none of the

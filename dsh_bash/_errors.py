@@ -6,11 +6,14 @@ from typing import Literal, get_args
 
 __all__ = [
     "INFRA_REASONS",
+    "INPUT_REFUSALS",
     "BashInfrastructureError",
     "ConfigError",
     "DshBashError",
     "ExecutorClosedError",
     "InfraReason",
+    "InputRefusal",
+    "TaskInputError",
     "UnknownTaskError",
 ]
 
@@ -27,6 +30,7 @@ InfraReason = Literal[
     "start_failed",  # the process could not be created (fork, exec, descriptors, a refused start)
     "spill_unavailable",  # the private spill directory could not be created or used (at open)
     "task_limit",  # max_running_tasks background tasks run already
+    "interactive_unsupported",  # open_stdin was asked of a backend (or mode) that cannot keep stdin open
     # Where commands run could not be reached or set up.
     "engine_unreachable",  # the Docker engine does not answer
     "image_missing",  # the image is not there and may not be pulled
@@ -86,6 +90,42 @@ class ExecutorClosedError(BashInfrastructureError):
 
 class UnknownTaskError(DshBashError, LookupError):
     """No background task with that id was ever started on this executor."""
+
+
+#: Why ``write_input`` or ``close_input`` refused (:attr:`TaskInputError.reason`); the set only grows.
+InputRefusal = Literal[
+    "task_ended",  # the task ended, or its kill began
+    "input_closed",  # close_input was called
+    "input_not_open",  # the task was started without open_stdin
+    "input_broken",  # the command closed its stdin (or it could not be written any more)
+    "input_full",  # the write would leave more than MAX_PENDING_INPUT bytes unread by the command
+    "other_owner",  # the task belongs to another owner
+]
+
+#: Every input refusal, in the order above.
+INPUT_REFUSALS: tuple[InputRefusal, ...] = get_args(InputRefusal)
+
+
+class TaskInputError(DshBashError):
+    """Input or a close of input the task cannot take; nothing of it was sent.
+
+    ``reason`` says why, as one of :data:`INPUT_REFUSALS`; the message is for people.
+    """
+
+    def __init__(self, message: str, *, reason: InputRefusal) -> None:
+        super().__init__(message)
+        if reason not in INPUT_REFUSALS:
+            raise ValueError(f"unknown input refusal reason {reason!r}")
+        self.reason: InputRefusal = reason
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_input_error, (type(self), str(self), self.reason))
+
+
+def _rebuild_input_error(cls: type[TaskInputError], message: str, reason: InputRefusal) -> TaskInputError:
+    error = cls.__new__(cls)
+    TaskInputError.__init__(error, message, reason=reason)
+    return error
 
 
 class ConfigError(DshBashError, ValueError):

@@ -32,7 +32,15 @@ from ._backend import (
 )
 from ._config import BUDGET_FIELDS, BudgetConfig, config_error_from, default_task_cap
 from ._env import build_command_env
-from ._errors import BashInfrastructureError, ConfigError, ExecutorClosedError, InfraReason, UnknownTaskError
+from ._errors import (
+    BashInfrastructureError,
+    ConfigError,
+    ExecutorClosedError,
+    InfraReason,
+    InputRefusal,
+    TaskInputError,
+    UnknownTaskError,
+)
 from ._output import OutputStream, SpillBudget, SpillFile, StreamName, merge_streams
 from ._types import (
     BashExecRequest,
@@ -46,7 +54,7 @@ from ._types import (
     OwnerToken,
 )
 
-__all__ = ["BashExecutor", "ConfigT_co", "TaskListener"]
+__all__ = ["MAX_INPUT_BYTES", "MAX_PENDING_INPUT", "BashExecutor", "ConfigT_co", "TaskListener"]
 
 log = logging.getLogger("dsh_bash")
 
@@ -58,6 +66,34 @@ _State = Literal["new", "open", "closing", "closed"]
 #: How long releasing what a failed ``_open`` acquired may take (removing a container, a spill
 #: directory over SSH) before ``__aenter__`` raises the open's error anyway.
 _OPEN_RELEASE_BOUND_S = 10.0
+#: The most one ``write_input`` takes (bytes, after encoding).
+MAX_INPUT_BYTES = 1_048_576
+#: The most input that may wait for a task's command to read it: what the executor queued plus what
+#: the backend holds (``CommandProcess.input_pending``). A write beyond it is refused (``input_full``):
+#: a command that never reads its stdin must not make the harness, or a supervisor, hold without bound.
+MAX_PENDING_INPUT = 1_048_576
+#: Input goes to the backend in pieces of at most this, so that a close or a kill never waits behind
+#: one large write.
+_INPUT_CHUNK = 65_536
+_InputState = Literal["open", "closing", "closed", "broken"]
+
+
+class _TaskInput:
+    """The open stdin of one background task: queued bytes, their order, and whether more may come."""
+
+    __slots__ = ("in_flight", "queue", "scope", "state", "wake")
+
+    def __init__(self, first: bytes) -> None:
+        self.queue = bytearray(first)
+        self.in_flight = 0
+        self.state: _InputState = "open"
+        self.wake = anyio.Event()
+        #: The pump's scope: finalize cancels it before the backend releases the command.
+        self.scope = anyio.CancelScope()
+
+    def broken(self) -> None:
+        self.state = "broken"
+        self.queue.clear()
 
 
 class _Command:
@@ -69,6 +105,7 @@ class _Command:
         "finalized",
         "finished",
         "finishing",
+        "input",
         "kill_cause",
         "kill_done",
         "launch",
@@ -105,6 +142,7 @@ class _Command:
         self.output_done = anyio.Event()
         self.watch_scope = anyio.CancelScope()
         self.tg: anyio.abc.TaskGroup | None = None
+        self.input: _TaskInput | None = None
 
     @property
     def spec(self) -> BashExecSpec:
@@ -220,6 +258,12 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
     @abstractmethod
     def _leftovers(self) -> Killable:
         """Every process any command of this executor left behind, for the sweep at ``aclose``."""
+
+    def _supports_open_stdin(self) -> bool:
+        """True when this executor's commands can keep stdin open (their processes implement the input
+        hooks of :class:`~dsh_bash.backend.CommandProcess`). False refuses ``open_stdin`` at start
+        (reason ``interactive_unsupported``), before anything runs."""
+        return False
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -407,12 +451,18 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             signal=request.signal,
             stdin=request.stdin,
             env=request.env,
+            open_stdin=request.open_stdin,
         )
 
     async def exec(self, command: str, **request_fields: Any) -> BashRunResult:
         return await self.run(self.resolve(BashExecRequest(command=command, **request_fields)))
 
     async def run(self, spec: BashExecSpec) -> BashRunResult:
+        if isinstance(spec, BashExecSpec) and spec.open_stdin:
+            raise ValueError(
+                "open_stdin is for start(): nobody can write to a foreground run's stdin (nothing was "
+                "started)"
+            )
         command = await self._launch(spec, background=False)
         try:
             await self._supervise(command, spec.timeout_ms / 1000)
@@ -429,7 +479,95 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         assert command.task is not None and self._tg is not None
         self._tasks[command.task.id] = command
         self._tg.start_soon(self._run_background, command)
+        if spec.open_stdin:
+            stdin = spec.stdin
+            command.input = _TaskInput(stdin.encode() if isinstance(stdin, str) else stdin or b"")
+            self._start_helper(self._pump_input, command)
         return command.task
+
+    async def write_input(self, task_id: BashTaskId, data: str | bytes, *, owner: OwnerToken | None) -> None:
+        """Queue ``data`` for the stdin of a task started with ``open_stdin``; return without waiting
+        for the command to read it. Writes to one task reach it in the order they were made.
+
+        Raises :class:`TaskInputError` (nothing sent) when the task cannot take it, ``ValueError``
+        for more than :data:`MAX_INPUT_BYTES` or text without a UTF-8 form.
+        """
+        payload = _input_bytes(data)
+        command, feed = self._input_of(task_id, owner, "write to")
+        if feed.state in {"closing", "closed"}:
+            raise TaskInputError(f"the input of task {task_id} was closed", reason="input_closed")
+        if feed.state == "broken":
+            raise TaskInputError(f"task {task_id} closed its input", reason="input_broken")
+        pending = len(feed.queue) + feed.in_flight + command.process.input_pending()
+        if pending + len(payload) > MAX_PENDING_INPUT:
+            raise TaskInputError(
+                f"task {task_id} has {pending} bytes of input it has not read yet; {len(payload)} more "
+                f"would pass the {MAX_PENDING_INPUT} bytes that may wait (nothing was sent)",
+                reason="input_full",
+            )
+        feed.queue += payload
+        feed.wake.set()
+
+    async def close_input(self, task_id: BashTaskId, *, owner: OwnerToken | None) -> bool:
+        """Close the stdin of a task started with ``open_stdin``: it reads end of file once it read
+        what was queued. True if this call closed it, False if it was closed already (or broken)."""
+        _, feed = self._input_of(task_id, owner, "close the input of")
+        if feed.state != "open":
+            return False
+        feed.state = "closing"
+        feed.wake.set()
+        return True
+
+    def _input_of(
+        self, task_id: BashTaskId, owner: OwnerToken | None, what: str
+    ) -> tuple[_Command, _TaskInput]:
+        self._ensure_open()
+        command = self._command_for(task_id)
+        task = command.task
+        assert task is not None
+        refusal: InputRefusal | None = None
+        if task.owner is not None and owner != task.owner:
+            refusal, message = "other_owner", f"task {task_id} belongs to another owner"
+        elif command.finalized or command.finishing or command.kill_cause is not None:
+            refusal, message = "task_ended", f"task {task_id} has ended (or its kill began): cannot {what} it"
+        elif command.input is None:
+            refusal, message = (
+                "input_not_open",
+                f"task {task_id} was not started with open_stdin: its stdin is closed",
+            )
+        if refusal is not None:
+            raise TaskInputError(message, reason=refusal)
+        assert command.input is not None
+        return command, command.input
+
+    async def _pump_input(self, command: _Command) -> None:
+        """Hand a task's queued input to its process, in order, then the close; ends with the task."""
+        feed = command.input
+        assert feed is not None
+        process = command.process
+        with feed.scope:
+            try:
+                while True:
+                    if feed.queue:
+                        chunk = bytes(feed.queue[:_INPUT_CHUNK])
+                        del feed.queue[:_INPUT_CHUNK]
+                        feed.in_flight = len(chunk)
+                        try:
+                            await process.send_input(chunk)
+                        finally:
+                            feed.in_flight = 0
+                    elif feed.state == "closing":
+                        await process.end_input()
+                        feed.state = "closed"
+                        return
+                    else:
+                        feed.wake = anyio.Event()
+                        await feed.wake.wait()
+            except BrokenPipeError:
+                feed.broken()
+            except Exception:
+                log.exception("writing the input of command %s failed", command.launch.marker)
+                feed.broken()
 
     def owner_of(self, task_id: BashTaskId) -> OwnerToken | None:
         self._ensure_open()
@@ -513,6 +651,12 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             raise BashInfrastructureError(
                 "the abort signal was already aborted; nothing was started", reason="already_aborted"
             )
+        if spec.open_stdin and not self._supports_open_stdin():
+            raise BashInfrastructureError(
+                f"{type(self).__name__} cannot keep a command's stdin open here (open_stdin); nothing was "
+                "started",
+                reason="interactive_unsupported",
+            )
         config = self._config
         if background:
             cap = config.max_running_tasks or self._default_task_cap
@@ -559,6 +703,18 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             raise BashInfrastructureError(
                 f"could not start the command: {exc}", reason="start_failed"
             ) from exc
+        if spec.open_stdin and type(process).send_input is CommandProcess.send_input:
+            # The executor said yes, but its process (a wrapper around another, say) implements no
+            # input hooks: every write would fail. Nothing may stay running of it.
+            with anyio.CancelScope(shield=True):
+                orphan = _Command(launch, process, None, started_at)
+                await self._kill_now(orphan, "closed")
+                await self._finalize(orphan)
+            raise BashInfrastructureError(
+                f"{type(self).__name__} takes open_stdin, but its process {type(process).__name__} does "
+                "not implement the input hooks (send_input, end_input); nothing was started",
+                reason="interactive_unsupported",
+            )
         task = None
         if background:
             task = BashTask(BashTaskId(f"bash-{next(self._task_numbers)}"), spec.command, spec.owner)
@@ -689,6 +845,12 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             return
         command.finalized = True
         command.finishing = True
+        if command.input is not None:
+            # No input hook runs once the backend releases the command.
+            command.input.scope.cancel()
+            if command.input.state != "broken":
+                command.input.state = "closed"
+            command.input.queue.clear()
         # Streams first: closing them ends their spill files, which a backend's release may wait on.
         command.launch.stdout.close()
         command.launch.stderr.close()
@@ -749,3 +911,23 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             stdout=launch.stdout.collected(),
             stderr=launch.stderr.collected(),
         )
+
+
+def _input_bytes(data: object) -> bytes:
+    if isinstance(data, str):
+        try:
+            payload = data.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"input is not valid text: lone surrogate {data[exc.start]!r} at index {exc.start} has no "
+                "UTF-8 encoding (send raw bytes as bytes)"
+            ) from None
+    elif isinstance(data, bytes | bytearray | memoryview):
+        payload = bytes(data)
+    else:
+        raise TypeError(f"input must be str or bytes, got {type(data).__name__}")
+    if len(payload) > MAX_INPUT_BYTES:
+        raise ValueError(
+            f"input of {len(payload)} bytes is more than one write takes ({MAX_INPUT_BYTES}); split it"
+        )
+    return payload

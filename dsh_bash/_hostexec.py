@@ -296,6 +296,10 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         fallback: Killable = _MarkedLeftovers(self._scanner) if self._unheld else _NoLeftovers()
         return SupervisedLeftovers(self._supervised, fallback)
 
+    def _supports_open_stdin(self) -> bool:
+        # The command's stdin is a pipe from this process, with or without a supervisor.
+        return True
+
     # -- the conformance kit's hooks (dsh_bash.backend.ConformanceHooks) ------------------------------
 
     def kit_plant_ambient(self, variables: Mapping[str, str]) -> AbstractContextManager[Mapping[str, Any]]:

@@ -115,7 +115,8 @@ class HostProcess(CommandProcess):
     # -- output ----------------------------------------------------------------------------------
 
     async def pump_output(self) -> None:
-        if self._stdin_fd is None:
+        if self._stdin_fd is None or self._launch.spec.open_stdin:
+            # An open stdin is written by send_input, for as long as the task runs.
             await self._read_both()
             return
         async with anyio.create_task_group() as tg:
@@ -186,6 +187,28 @@ class HostProcess(CommandProcess):
                 raise
         finally:
             self._stdin_fd = None
+            os.close(fd)
+
+    async def send_input(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            fd = self._stdin_fd
+            if fd is None:
+                raise BrokenPipeError("the command's stdin is closed")
+            try:
+                written = os.write(fd, view)
+            except BlockingIOError:
+                await anyio.wait_writable(fd)
+                continue
+            except OSError as exc:
+                if exc.errno in (errno.EPIPE, errno.EBADF):
+                    raise BrokenPipeError(exc.errno, "the command closed its stdin") from exc
+                raise
+            view = view[written:]
+
+    async def end_input(self) -> None:
+        fd, self._stdin_fd = self._stdin_fd, None
+        if fd is not None:
             os.close(fd)
 
     # -- kill ------------------------------------------------------------------------------------
@@ -776,7 +799,7 @@ async def spawn_host_process(
         opened += [err_r, err_w]
         stdin: Any = subprocess.DEVNULL
         in_w: int | None = None
-        if spec.stdin is not None:
+        if spec.stdin is not None or spec.open_stdin:
             in_r, in_w = os.pipe2(os.O_CLOEXEC)
             opened += [in_r, in_w]
             stdin = in_r
@@ -848,7 +871,7 @@ async def _spawn_supervised(
     status = plumbing.status
     try:
         in_w: int | None = None
-        if spec.stdin is not None:
+        if spec.stdin is not None or spec.open_stdin:
             in_r, in_w = os.pipe2(os.O_CLOEXEC)
             _set_nonblocking(in_w)
             ours.append(in_w)

@@ -180,6 +180,9 @@ class BashExecRequest(_CommandChecks):
     #: Run the command as this user (a name or uid where commands run); None: the user every command
     #: of the executor runs as. A backend that cannot switch users refuses another one.
     user: str | None = None
+    #: Keep the command's stdin open after ``stdin`` was written, for ``write_input`` and
+    #: ``close_input`` (background tasks only: ``run`` refuses it). False: ``stdin``, then end of file.
+    open_stdin: Annotated[bool, Strict()] = False
 
     @field_validator("timeout_ms", mode="before")
     @classmethod
@@ -198,6 +201,9 @@ class BashExecSpec(_CommandChecks):
     signal: AbortSignal | None = None
     stdin: StrictStr | StrictBytes | None = None
     env: dict[str, str] | None = None
+    #: As on the request. A backend that gets it writes nothing to the command's stdin itself: the
+    #: executor sends ``stdin`` and then every ``write_input`` through the process's input hooks.
+    open_stdin: Annotated[bool, Strict()] = False
 
     @field_validator("timeout_ms", mode="before")
     @classmethod

@@ -54,7 +54,7 @@ from dsh_bash import (
     OwnerToken,
     TaskListener,
 )
-from dsh_bash._executor import _Command, _KillCause
+from dsh_bash._executor import _Command, _KillCause, _TaskInput
 from dsh_bash._output import _skip_continuation
 from dsh_bash._procscan import ProcScanner, signal_marked
 from dsh_bash.backend import (
@@ -1764,3 +1764,68 @@ class TrustsForgedTrailer(_ProcessBreaker):
         assert isinstance(process, _TrailerTrustingProcess)
         process.nonce = nonce
         return process
+
+
+# -- input to a running task ------------------------------------------------------------------------
+
+
+class ResolveDropsOpenStdin(LocalBashExecutor):
+    """Breaks: resolve carries the request's `open_stdin`.
+
+    The spec never asks for open input, so every task's stdin ends after the spec's ``stdin``.
+    """
+
+    def resolve(self, request: BashExecRequest) -> BashExecSpec:
+        return super().resolve(request).model_copy(update={"open_stdin": False})
+
+
+class _InputTwiceProcess(HostProcess):
+    """Hands every piece of input to the command twice."""
+
+    async def send_input(self, data: bytes) -> None:
+        await super().send_input(data)
+        await super().send_input(data)
+
+
+class InputWrittenTwice(_ProcessBreaker):
+    """Breaks: a task with open input reads each write once, in order.
+
+    Every piece of input (the spec's ``stdin`` and each ``write_input``) is written twice.
+    """
+
+    process_class = _InputTwiceProcess
+
+
+class InputAlwaysOpen(LocalBashExecutor):
+    """Breaks: a task started without `open_stdin` reads end of file after the spec's `stdin`.
+
+    Every command is spawned as if it asked for open input, and nobody ever writes or closes it.
+    """
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        return await super()._spawn(_with_spec(launch, open_stdin=True))
+
+
+class CloseDropsQueue(LocalBashExecutor):
+    """Breaks: after `close_input` the command reads every queued byte before end of file.
+
+    The close ends the command's stdin at once, and what was still queued is lost.
+    """
+
+    async def close_input(self, task_id: BashTaskId, *, owner: OwnerToken | None) -> bool:
+        closed = await super().close_input(task_id, owner=owner)
+        await self._tasks[task_id].process.end_input()
+        return closed
+
+
+class InputIgnoresOwner(LocalBashExecutor):
+    """Breaks: `write_input` and `close_input` refuse another owner's task.
+
+    The caller's owner is never compared: any caller may write to any task.
+    """
+
+    def _input_of(
+        self, task_id: BashTaskId, owner: OwnerToken | None, what: str
+    ) -> tuple[_Command, _TaskInput]:
+        task = self._command_for(task_id).task
+        return super()._input_of(task_id, None if task is None else task.owner, what)

@@ -55,6 +55,7 @@ CAUGHT_BY: list[Row] = [
     Row("duration-plausible", bb.DurationInSeconds),
     # -- resolve, exec, refusing to start -----------------------------------------------------------
     Row("resolve-fills-and-carries", bb.ResolveForgetsOwner),
+    Row("resolve-fills-and-carries", bb.ResolveDropsOpenStdin),
     Row("resolve-fills-and-carries", bb.NoTimeoutClamp),
     Row("workdir-and-cwd-used", bb.WorkdirIgnored),
     Row("pre-aborted-signal-refused", bb.PreAbortedSignalIgnored),
@@ -114,6 +115,13 @@ CAUGHT_BY: list[Row] = [
     # -- background reads ----------------------------------------------------------------------------
     Row("read-merge-format", bb.MergesStderrWithoutMarker),
     Row("read-consuming", bb.NonConsumingReads),
+    # -- input to a running task --------------------------------------------------------------------
+    Row("input-reaches-task", bb.InputWrittenTwice),
+    # The task was started without open input: the kit's first write is refused, and that escapes.
+    Row("input-reaches-task", bb.ResolveDropsOpenStdin, "error", 30.0, ("not started with open_stdin",)),
+    Row("input-off-by-default", bb.InputAlwaysOpen),
+    Row("input-eof-after-close", bb.CloseDropsQueue),
+    Row("input-refusals", bb.InputIgnoresOwner),
     Row("read-returns-at-once", bb.LongPollingReads),
     Row("read-lossy-exact", bb.NeverLossy),
     Row("finished-tasks-stay-readable", bb.EvictsFinishedOutput),

@@ -39,6 +39,7 @@ for _module in (
     "_checks_processes",
     "_checks_tasks",
     "_checks_reads",
+    "_checks_input",
     "_checks_output",
     "_checks_env",
     "_checks_listeners",

@@ -51,6 +51,12 @@ async def _all_refused(
     await expect_raises(ExecutorClosedError, partial(ex.start, spec), f"start {when}")
     await expect_raises(ExecutorClosedError, partial(ex.read_output, task_id), f"read_output {when}")
     await expect_raises(ExecutorClosedError, partial(ex.kill, task_id), f"kill {when}")
+    await expect_raises(
+        ExecutorClosedError, partial(ex.write_input, task_id, "x", owner=None), f"write_input {when}"
+    )
+    await expect_raises(
+        ExecutorClosedError, partial(ex.close_input, task_id, owner=None), f"close_input {when}"
+    )
 
 
 @check(

@@ -273,7 +273,8 @@ async def trapped_term_exit_zero(ctx: CheckContext) -> None:
     kind="contract",
     clause="R-run-resolve",
     rule="resolve is synchronous; it fills `workdir` from config (joining a relative one to the cwd), "
-    "fills `timeout_ms` and clamps it to `max_timeout_ms`, and carries owner, signal, stdin and env.",
+    "fills `timeout_ms` and clamps it to `max_timeout_ms`, and carries owner, signal, stdin, env and "
+    "open_stdin.",
 )
 async def resolve_fills(ctx: CheckContext) -> None:
     base = "/kit-base/cwd"
@@ -319,6 +320,9 @@ async def resolve_fills(ctx: CheckContext) -> None:
         ctx.expect(dict(full.env or {}) == env, f"env not carried: {full.env!r}")
         text = ex.resolve(BashExecRequest(command="true", stdin="text in"))
         ctx.expect(text.stdin == "text in", f"stdin text not carried: {text.stdin!r}")
+        ctx.expect(spec.open_stdin is False, f"a bare request should resolve to open_stdin=False: {spec!r}")
+        held = ex.resolve(BashExecRequest(command="cat", open_stdin=True))
+        ctx.expect(held.open_stdin is True, f"open_stdin not carried: {held!r}")
 
 
 @check(

@@ -285,6 +285,11 @@ class BwrapBashExecutor(HostBashExecutor[BwrapConfig]):
             os.close(fd)
         return path
 
+    def _supports_open_stdin(self) -> bool:
+        # bwrap's own process keeps the stdin pipe it passes to the shell: a command that closed its
+        # stdin would never be seen to (writes would pile up, not fail as the contract says).
+        return False
+
     async def _spawn(self, launch: Launch) -> CommandProcess:
         if self._sandbox_dir is None:
             raise BashInfrastructureError("the bwrap sandbox is gone (executor closing)")
