@@ -149,6 +149,8 @@ class SupervisorRecords:
         "command_exit",
         "empty",
         "exec_failed",
+        "input_broken",
+        "input_drained",
         "side_pipe",
         "supervisor_pid",
         "supervisor_start_time",
@@ -178,6 +180,13 @@ class SupervisorRecords:
         self.side_pipe: tuple[int, int] | None = None
         #: True once ``switch`` came: every later frame is on the side pipe.
         self.switched = False
+        #: Bytes of ``i`` frames the supervisor has written into the command's stdin so far, as of its
+        #: last ``input drained N`` (sent when its queue emptied): the bytes sent minus this are still
+        #: on their way to the supervisor or in its queue (what the pipe holds counts as written).
+        self.input_drained = 0
+        #: The errno that ended writing the command's stdin (``input broken``: 32, EPIPE, once the
+        #: command closed it; 12, ENOMEM, for a queue that could not grow); the rest was dropped.
+        self.input_broken: int | None = None
 
     def apply(self, record: str) -> None:
         words = record.split()
@@ -207,7 +216,20 @@ class SupervisorRecords:
                 self.switched = True
             elif kind == "cwdfail":
                 self.workdir_failed = int(args[0])
+            elif kind == "input" and args[:1] == ["drained"]:
+                self.input_drained = _count(args[1])
+            elif kind == "input" and args[:1] == ["broken"]:
+                number = _count(args[1])
+                if self.input_broken is None:
+                    self.input_broken = number
             elif kind == "warning":
                 log.info("dsh-supervise: %s", record)
         except (IndexError, ValueError):
             log.warning("dsh-supervise wrote an unreadable record: %r", record)
+
+
+def _count(word: str) -> int:
+    """A record's decimal count or errno: digits alone (``int`` would take ``-3``, ``+3``, ``1_000``)."""
+    if not (word.isascii() and word.isdigit()):
+        raise ValueError(word)
+    return int(word)

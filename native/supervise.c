@@ -10,7 +10,7 @@
  *                 [--setenv NAME=VALUE]...
  *                 -- PROGRAM [ARGS...]
  *   dsh-supervise --fork-server [--die-with-parent] [--allow-no-subreaper]
- *   dsh-supervise --version      (prints "dsh-supervise 4": the protocol's version)
+ *   dsh-supervise --version      (prints "dsh-supervise 5": the protocol's version)
  *   dsh-supervise --sha256 | --hmac-sha256 KEYHEX   (digest of stdin in hex: for the tests)
  *
  * It makes itself a child subreaper and non-dumpable, forks PROGRAM into a session and process group
@@ -26,6 +26,13 @@
  *   signalled N         answer to a kill request: N processes signalled by its first pass
  *   supervisor PID T    --detach only, always the first: the detached supervisor's pid and start time
  *   warning TEXT        something degraded (e.g. `warning proc-scan ERRNO`); consumers may ignore it
+ *   input drained N     --frame only (version 5): the 'i' queue is empty, N bytes of 'i' payload in all
+ *                       were written into the command's stdin (decimal, 64-bit); sent at most once a
+ *                       poll round and only after progress, so the harness's bytes sent - N is what
+ *                       still waits for the command outside the pipe
+ *   input broken ERRNO  --frame only (version 5), once: writing the command's stdin failed (32, EPIPE:
+ *                       the command closed its read end; 12, ENOMEM: the queue could not grow); the
+ *                       queue is dropped, later 'i' frames too, and no `input drained` follows
  *   empty               no child is left at all; the supervisor exits 0 right after
  *
  * Kill requests: SIGUSR1 or byte 'T' on the control fd sends SIGTERM (then SIGCONT) to every live
@@ -39,9 +46,10 @@
  *   out (fd 1):  'o' / 'e'  the command's stdout / stderr, at most 65536 bytes a frame; an empty one
  *                           means that stream reached EOF (sent once per stream)
  *                's'        one status record as above, without its newline
- *   in (fd 0):   'i' bytes for the command's stdin (queued); 'c' close its stdin once the queue is
- *                written; 'T' / 'K' as the control bytes; 'P' / 'G' for the side pipe (below); other
- *                types are skipped; a length over 1 MiB, EOF or an error mean the harness is gone (as
+ *   in (fd 0):   'i' bytes for the command's stdin (queued, unbounded: the harness bounds what waits
+ *                by `input drained`); 'c' close its stdin once the queue is written; 'T' / 'K' as the
+ *                control bytes; 'P' / 'G' for the side pipe (below); other types are skipped; a
+ *                length over 1 MiB, EOF or an error mean the harness is gone (as
  *                control-fd EOF)
  * The side pipe, for a harness that can open this process's fds through /proc (root on the engine's
  * host, or the owner of a rootless engine's user namespace) and wants the output without the relay in
@@ -151,7 +159,7 @@
 #define __WALL 0x40000000
 #endif
 
-#define VERSION "4"
+#define VERSION "5"
 #define EXIT_SETUP 125
 #define TABLE_CAP 65536          /* processes one /proc scan can hold */
 #define MEMO_SLOTS (2 * TABLE_CAP) /* power of two */
@@ -164,9 +172,10 @@
 #define FRAME_HEADER 5
 #define READ_SIZE 65536          /* one read of a command pipe, or of fd 0; the largest payload sent */
 #define OUT_LIMIT (256 * 1024)   /* buffered output at which the command's pipes are no longer read */
-#define RECORD_ROOM 16384        /* beyond it, for records a command can provoke (signalled, warning) */
+#define RECORD_ROOM 16384        /* beyond it, for records a command can provoke (signalled, warning,
+                                    input drained) */
 #define FINAL_ROOM 1024          /* kept for the once-only ones: started, exit, EOF frames, empty,
-                                    pipe, switch, nonce */
+                                    pipe, switch, nonce, input broken */
 #define RING_CAP (OUT_LIMIT + FRAME_HEADER + READ_SIZE + RECORD_ROOM + FINAL_ROOM)
 #define REQUEST_MAX (1 << 20)    /* a longer frame from the harness cannot be a sound one */
 
@@ -389,6 +398,9 @@ static int stdin_fd = -1;  /* the supervisor's write end of the command's stdin 
 static int stdin_closing;  /* 'c' came: close once the queue is written */
 static unsigned char *stdin_queue;
 static size_t stdin_head, stdin_len, stdin_cap;
+static unsigned long long stdin_written;  /* 'i' bytes written into the command's stdin so far */
+static unsigned long long stdin_reported; /* the count the last `input drained` record gave */
+static int stdin_broken;                  /* `input broken` was sent: no more input records */
 static unsigned char request[READ_SIZE];
 static unsigned char request_header[FRAME_HEADER];
 static size_t request_header_len;
@@ -455,15 +467,17 @@ static void put_header(size_t at, char type, size_t n)
     ring_put(at, h, sizeof h);
 }
 
-/* Appends a whole frame when it fits under LIMIT; the caller has made sure the essential ones do. */
-static void frame_out(char type, const void *data, size_t n, size_t limit)
+/* Appends a whole frame when it fits under LIMIT (returns 1 then); the caller has made sure the
+ * essential ones do. */
+static int frame_out(char type, const void *data, size_t n, size_t limit)
 {
     if (out_dead || ring_len + FRAME_HEADER + n > limit)
-        return;
+        return 0;
     put_header(ring_len, type, n);
     if (n > 0)
         ring_put(ring_len + FRAME_HEADER, data, n);
     ring_len += FRAME_HEADER + n;
+    return 1;
 }
 
 /* Writes fd 1 until it would block. An error there means nobody reads: the harness is gone. */
@@ -699,6 +713,33 @@ static void close_stdin(void)
     stdin_head = stdin_len = stdin_cap = 0;
 }
 
+/* Writing the command's stdin failed with ERR (EPIPE: the command closed its read end; ENOMEM: the
+ * queue could not grow): the harness learns it once, and nothing more reaches the command. */
+static void stdin_failed(int err)
+{
+    close_stdin();
+    if (!stdin_broken)
+        record("input broken %d", err);
+    stdin_broken = 1;
+}
+
+/* `input drained N` once the queue is empty and something was written since the last one: the
+ * harness's sent bytes minus N are what still waits here, which it bounds. The command can provoke
+ * these (by reading) only as often as the harness sends, but a harness that sends and does not read
+ * must not crowd out the once-only records: over RECORD_ROOM the record waits (as a count it loses
+ * nothing) for room, tried again each poll round. Returns 0 while one is due and did not fit. */
+static int report_drained(void)
+{
+    if (stdin_broken || stdin_len > 0 || stdin_written == stdin_reported)
+        return 1;
+    char buf[48];
+    int n = snprintf(buf, sizeof buf, "input drained %llu", stdin_written);
+    if (!frame_out('s', buf, (size_t)n, RING_CAP - FINAL_ROOM) && !out_dead)
+        return 0;
+    stdin_reported = stdin_written;
+    return 1;
+}
+
 /* Nobody is left to ask for a kill: kill everything now, as on control-fd EOF. */
 static void harness_gone(void)
 {
@@ -727,8 +768,7 @@ static void queue_stdin(const unsigned char *data, size_t n)
             unsigned char *grown = realloc(stdin_queue, cap);
             if (grown == NULL) {
                 /* The command would read a stream with a hole in it: better no more stdin at all. */
-                record("warning stdin-queue %d", ENOMEM);
-                close_stdin();
+                stdin_failed(ENOMEM);
                 return;
             }
             stdin_queue = grown;
@@ -739,8 +779,8 @@ static void queue_stdin(const unsigned char *data, size_t n)
     stdin_len += n;
 }
 
-/* Writes the queue into the command's stdin until the pipe is full; EPIPE (the command closed its
- * stdin) drops the queue. */
+/* Writes the queue into the command's stdin until the pipe is full; an error (EPIPE: the command
+ * closed its stdin) drops the queue. */
 static void write_stdin(void)
 {
     while (stdin_fd >= 0 && stdin_len > 0) {
@@ -748,13 +788,14 @@ static void write_stdin(void)
         if (n > 0) {
             stdin_head += (size_t)n;
             stdin_len -= (size_t)n;
+            stdin_written += (unsigned long long)n;
             continue;
         }
         if (n < 0 && errno == EINTR)
             continue;
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
             return;
-        close_stdin();
+        stdin_failed(n < 0 ? errno : EPIPE); /* a pipe never takes 0 bytes of a non-empty write */
         return;
     }
     stdin_head = 0;
@@ -869,6 +910,8 @@ static void read_requests(void)
  * yet and `empty`. Returns 1 once `empty` is queued, 0 while it waits for room in the ring. */
 static int finish_streams(void)
 {
+    if (!report_drained())
+        return 0; /* the count the command read up to belongs before `empty` */
     close_stdin();
     for (int k = 0; k < 2; k++) {
         struct stream *s = &streams[k];
@@ -2369,6 +2412,7 @@ int main(int argc, char **argv)
         if (frame_mode) {
             /* Written before waiting: most of the time nothing is left to wait for. */
             write_stdin();
+            report_drained(); /* so at most one a round, whichever write emptied the queue */
             flush_out();
             if (requests_open) {
                 at_requests = nfds;

@@ -133,3 +133,61 @@ def test_execfail_record() -> None:
     seen = SupervisorRecords()
     seen.apply("execfail 2")
     assert seen.exec_failed == 2
+
+
+# ---- input records (protocol 5) -----------------------------------------------------------------
+
+
+def test_input_records_start_unknown() -> None:
+    seen = SupervisorRecords()
+    assert (seen.input_drained, seen.input_broken) == (0, None)
+
+
+def test_input_drained_is_the_last_count() -> None:
+    seen = SupervisorRecords()
+    for record in ["started 7", "input drained 5", "input drained 70005"]:
+        seen.apply(record)
+    assert seen.input_drained == 70005
+    # Cumulative and 64-bit in the supervisor: past 2**32 it is still one exact number.
+    seen.apply("input drained 5000000000")
+    assert seen.input_drained == 5_000_000_000
+    assert seen.input_broken is None
+
+
+def test_input_broken_keeps_the_errno() -> None:
+    seen = SupervisorRecords()
+    seen.apply("input drained 10")
+    seen.apply("input broken 32")
+    assert (seen.input_drained, seen.input_broken) == (10, 32)
+    seen.apply("input broken 12")  # sent once; were there another, the first failure stands
+    assert seen.input_broken == 32
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        "input drained",
+        "input drained x",
+        "input drained -3",
+        "input drained 1.5",
+        "input broken",
+        "input broken pipe",
+        "input broken -32",
+    ],
+)
+def test_unreadable_input_records_change_nothing(record: str, caplog: pytest.LogCaptureFixture) -> None:
+    seen = SupervisorRecords()
+    seen.apply("input drained 4")
+    with caplog.at_level("WARNING", logger="dsh_bash"):
+        seen.apply(record)
+    assert (seen.input_drained, seen.input_broken) == (4, None)
+    assert "unreadable record" in caplog.text, record
+
+
+def test_an_unknown_input_record_is_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    seen = SupervisorRecords()
+    with caplog.at_level("WARNING", logger="dsh_bash"):
+        seen.apply("input paused 3")  # a later version's: not this version's business
+        seen.apply("input")
+    assert (seen.input_drained, seen.input_broken) == (0, None)
+    assert caplog.text == ""

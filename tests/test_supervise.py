@@ -26,7 +26,13 @@ from pathlib import Path
 
 import pytest
 
-from dsh_bash._native import ARCHITECTURES, normalize_arch, supervisor_binary, supervisor_problem
+from dsh_bash._native import (
+    ARCHITECTURES,
+    PROTOCOL_VERSION,
+    normalize_arch,
+    supervisor_binary,
+    supervisor_problem,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 BINARY = supervisor_binary()
@@ -683,7 +689,8 @@ def test_usage_errors_exit_125(args: list[str]) -> None:
 
 def test_version() -> None:
     done = subprocess.run([SUPERVISE, "--version"], capture_output=True, text=True, timeout=10, check=True)
-    assert done.stdout == "dsh-supervise 4\n"
+    assert done.stdout == "dsh-supervise 5\n"
+    assert done.stdout == f"dsh-supervise {PROTOCOL_VERSION}\n"  # what the backends expect of it
 
 
 def test_arch_names() -> None:

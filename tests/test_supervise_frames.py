@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import select
 import shutil
 import signal
@@ -111,8 +112,19 @@ class Framed:
 
     @property
     def records(self) -> list[str]:
-        """The status records so far, warnings left out (qemu-user says `warning no-subreaper`)."""
-        return [str(r) for kind, r in self.events if kind == "s" and not str(r).startswith("warning ")]
+        """The status records so far, warnings left out (qemu-user says `warning no-subreaper`), and
+        the input records too (their number depends on how the writes to the command's stdin fell)."""
+        return [
+            str(r) for kind, r in self.events if kind == "s" and not str(r).startswith(("warning ", "input "))
+        ]
+
+    @property
+    def input_records(self) -> list[str]:
+        """The `input drained N` / `input broken ERRNO` records so far (protocol 5)."""
+        return [str(r) for kind, r in self.events if kind == "s" and str(r).startswith("input ")]
+
+    def drained(self) -> list[int]:
+        return [int(r.split()[2]) for r in self.input_records if r.startswith("input drained ")]
 
     def send(self, kind: bytes, payload: bytes = b"") -> None:
         data = memoryview(encode_frame(kind, payload))
@@ -166,7 +178,9 @@ class Framed:
         """Reads until a status record starting with PREFIX arrived; returns it."""
 
         def found() -> str | None:
-            return next((r for r in self.records if r.startswith(prefix)), None)
+            return next(
+                (str(r) for kind, r in self.events if kind == "s" and str(r).startswith(prefix)), None
+            )
 
         self.read_until(lambda: found() is not None, timeout)
         record = found()
@@ -420,6 +434,81 @@ def test_stdin_closed_by_the_command_drops_the_queue(runs: list[Framed]) -> None
     run.send(b"i", b"x" * 300000)
     run.finish()
     assert run.stdout == b"done\n"
+
+
+def test_input_drained_counts_every_byte_written(runs: list[Framed]) -> None:
+    run = Framed([*SH, "cat >/dev/null"])
+    runs.append(run)
+    run.started_pid()
+    sizes = [1, 4095, 70000, 300000, 1 << 20, 17]
+    for size in sizes:
+        run.send(b"i", b"y" * size)
+    total = sum(sizes)
+    # stdin stays open: the count is what tells the harness that nothing waits unread in the supervisor.
+    run.read_until(lambda: total in run.drained())
+    counts = run.drained()
+    assert counts == sorted(set(counts)), "cumulative, and only after progress"
+    assert run.input_records == [f"input drained {n}" for n in counts]
+    run.send(b"i", b"z" * 5)
+    run.read_until(lambda: total + 5 in run.drained())
+    run.send(b"c")
+    run.finish()
+    assert run.drained()[-1] == total + 5
+    assert run.records[1:] == ["exit 0", "empty"]
+
+
+def test_input_drained_waits_for_the_queue_to_empty(runs: list[Framed]) -> None:
+    # The command reads nothing for a while: a pipe's worth goes in, the rest waits in the queue.
+    run = Framed([*SH, "sleep 2; cat >/dev/null"])
+    runs.append(run)
+    run.started_pid()
+    run.send(b"i", b"x" * 400000)
+    run.read_for(0.5)
+    # The frame reaches the queue in reads of 64 KiB, and the first ones fit into the pipe: the queue
+    # was empty then. Never since: the pipe is full and the rest waits.
+    before = run.drained()
+    assert all(n <= 65536 for n in before), before
+    run.read_until(lambda: 400000 in run.drained(), timeout=10)
+    assert run.drained()[: len(before)] == before
+    assert all(n == 400000 for n in run.drained()[len(before) :]), "one record once cat emptied the queue"
+    run.send(b"c")
+    run.finish()
+    assert run.drained()[-1] == 400000
+
+
+def test_input_broken_once_when_the_command_closed_its_stdin(runs: list[Framed]) -> None:
+    run = Framed([*SH, "exec 0<&-; echo closed; sleep 1"])
+    runs.append(run)
+    run.started_pid()
+    run.read_until(lambda: run.stdout == b"closed\n")
+    run.send(b"i", b"x" * 1000)
+    run.expect("input broken ")
+    for _ in range(5):
+        run.send(b"i", b"more")  # dropped: the command reads no stdin any more
+    run.send(b"c")
+    run.finish()
+    assert run.input_records == ["input broken 32"]  # EPIPE, once; nothing was ever written
+    assert run.records[1:] == ["exit 0", "empty"]
+
+
+def test_input_broken_when_the_queue_cannot_grow(runs: list[Framed]) -> None:
+    run = Framed([*SH, "sleep 30"])
+    runs.append(run)
+    run.started_pid()
+    # The queue may grow by a few MiB at most (the command's process is spawned already: the limit
+    # is the supervisor's alone), so that a command that never reads makes the growth fail.
+    with open(f"/proc/{run.process.pid}/status") as status:
+        vm = next(int(line.split()[1]) for line in status if line.startswith("VmSize:")) * 1024
+    resource.prlimit(run.process.pid, resource.RLIMIT_AS, (vm + (4 << 20), resource.RLIM_INFINITY))
+    for _ in range(16):
+        run.send(b"i", b"q" * (1 << 20))
+    run.expect("input broken ", timeout=10)
+    run.send(b"i", b"after")
+    run.send(b"K")
+    run.finish()
+    # ENOMEM: no more stdin (never a stream with a hole), and no count after it.
+    assert run.input_records[-1] == "input broken 12", run.input_records
+    assert all(r.startswith("input drained ") for r in run.input_records[:-1]), run.input_records
 
 
 # ---- kill requests and containment ---------------------------------------------------------------
@@ -814,9 +903,9 @@ def test_frame_excludes_the_version_1_channels(option: list[str]) -> None:
     assert done.stderr.startswith("dsh-supervise: --frame "), done.stderr
 
 
-def test_version_2() -> None:
+def test_version() -> None:
     done = subprocess.run([SUPERVISE, "--version"], capture_output=True, text=True, timeout=5, check=True)
-    assert done.stdout == "dsh-supervise 4\n"
+    assert done.stdout == "dsh-supervise 5\n"
 
 
 @pytest.mark.skipif(
