@@ -70,6 +70,8 @@ class FramedCommand(CommandProcess):
         #: Why the stream cannot be read any further (it broke the framing), or None.
         self._broken: str | None = None
         self._abandoned = False
+        #: Bytes of open input (``send_input``) sent to the supervisor so far.
+        self._input_sent = 0
         self._stream_done = False
         self._eof: set[str] = set()
         #: Set once the supervisor started the command, could not, or its stream ended.
@@ -312,7 +314,10 @@ class FramedCommand(CommandProcess):
         raise await self._lost()
 
     async def send_stdin(self) -> None:
-        """Send the spec's stdin in frames, then close the command's stdin (``c``)."""
+        """Send the spec's stdin in frames, then close the command's stdin (``c``). With ``open_stdin``
+        nothing: the executor sends everything through :meth:`send_input` and :meth:`end_input`."""
+        if self._launch.spec.open_stdin:
+            return
         stdin = self._launch.spec.stdin
         data = b"" if stdin is None else (stdin.encode() if isinstance(stdin, str) else bytes(stdin))
         for at in range(0, len(data), STDIN_FRAME_BYTES):
@@ -321,6 +326,23 @@ class FramedCommand(CommandProcess):
             ):
                 return
         await self._send_frame(encode_frame(b"c"), urgent=False)
+
+    async def send_input(self, data: bytes) -> None:
+        for at in range(0, len(data), STDIN_FRAME_BYTES):
+            if self._records.input_broken is not None:
+                raise BrokenPipeError(self._records.input_broken, "the command closed its stdin")
+            chunk = data[at : at + STDIN_FRAME_BYTES]
+            if self._stream_done or not await self._send_frame(encode_frame(b"i", chunk), urgent=False):
+                raise BrokenPipeError(f"the supervisor's stream {self._where} ended")
+            self._input_sent += len(chunk)
+
+    async def end_input(self) -> None:
+        await self._send_frame(encode_frame(b"c"), urgent=False)
+
+    def input_pending(self) -> int:
+        # The supervisor queues what the command has not read yet; its `input drained N` says how much
+        # of what was sent went into the command's pipe.
+        return max(0, self._input_sent - self._records.input_drained)
 
     @property
     def ended(self) -> bool:

@@ -39,23 +39,18 @@ MARKER_CONTAINMENT_RACES: dict[str, frozenset[str]] = {
 }
 
 
-#: The checks of input to a running task (R-input-*): the Docker and SSH backends refuse
-#: ``open_stdin`` (reason ``interactive_unsupported``) until their supervisors' input records are
-#: wired (issue 17), so the kit reports these ``not_applicable`` there. Their tests expect exactly
-#: that, so a backend that starts taking input is noticed.
-#: (``input-off-by-default`` starts no task with open input: it passes everywhere.)
+#: The checks of input to a running task (R-input-*) that use open input
+#: (``input-off-by-default`` starts no task with it: it passes everywhere).
 INPUT_CHECKS = frozenset(
     name
     for name, each in CHECKS.items()
     if each.clause.startswith("R-input-") and name != "input-off-by-default"
 )
-#: The bwrap example refuses it for good: bwrap's own process holds the shell's stdin pipe, so a command
-#: that closed its stdin could not be told (see its README).
-INPUT_NOT_YET: dict[str, frozenset[str]] = {
-    "docker": INPUT_CHECKS,
-    "ssh": INPUT_CHECKS,
-    "bwrap": INPUT_CHECKS,
-}
+#: Where the kit reports them ``not_applicable`` (the backend refuses ``open_stdin``, reason
+#: ``interactive_unsupported``); tests expect exactly that, so a backend that starts taking input is
+#: noticed. The bwrap example refuses it for good: bwrap's own process holds the shell's stdin pipe,
+#: so a command that closed its stdin could not be told (see its README).
+INPUT_NOT_YET: dict[str, frozenset[str]] = {"docker": frozenset(), "ssh": frozenset(), "bwrap": INPUT_CHECKS}
 
 
 def expected_outcome(backend: str, name: str) -> CheckOutcome:

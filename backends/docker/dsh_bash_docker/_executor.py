@@ -399,6 +399,10 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         dropped = dropped_names(self._ambient, scrub=config.env_scrub, allow=config.env_allow)
         return [name for name in dropped if self._ambient[name] and name not in RC_FILE_VARIABLES]
 
+    def _supports_open_stdin(self) -> bool:
+        # Through the supervisor's 'i' and 'c' frames on the exec's stream.
+        return self._supervisor is not None
+
     async def _spawn(self, launch: Launch) -> CommandProcess:
         try:
             return await self._spawn_in_with_supervisor(launch)

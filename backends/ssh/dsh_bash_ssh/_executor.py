@@ -287,6 +287,10 @@ class SshBashExecutor(BashExecutor[SshConfig]):
             supervisor=supervisor,
         )
 
+    def _supports_open_stdin(self) -> bool:
+        # Through the supervisor's 'i' and 'c' frames on the task's channel (an attached task).
+        return self._supervisor is not None
+
     async def _detached_mode(self) -> bool:
         if self._detach is None:
             async with self._detach_lock:
@@ -296,7 +300,8 @@ class SshBashExecutor(BashExecutor[SshConfig]):
 
     async def _spawn(self, launch: Launch) -> CommandProcess:
         refuse_other_user(launch.spec.user, self._login_names(), f"on {self._pool.where}")
-        detached = launch.background and await self._detached_mode()
+        # A task with open input needs a live writer, so a live channel: it runs attached.
+        detached = launch.background and not launch.spec.open_stdin and await self._detached_mode()
         if launch.background and not detached:
             # No SFTP at all: the task holds its channel for its whole life. A start that waited
             # for a channel would wait for another task to end: refused instead, and one command
