@@ -33,6 +33,7 @@ from ._types import (
     CollectedOutput,
     EndCause,
     OwnerToken,
+    TerminalSize,
 )
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "OwnerToken",
     "TaskInputError",
     "TaskListener",
+    "TerminalSize",
     "UnknownTaskError",
     "backend_factory",
     "default_task_cap",

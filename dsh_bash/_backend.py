@@ -19,7 +19,7 @@ import anyio
 
 from ._errors import BashInfrastructureError
 from ._output import OutputStream
-from ._types import BashExecSpec
+from ._types import BashExecSpec, TerminalSize
 
 __all__ = [
     "MARKER_VAR",
@@ -221,6 +221,11 @@ class CommandProcess(ABC):
         """Bytes handed over by :meth:`send_input` and not yet written to the command's stdin (held by
         a supervisor, say). The executor bounds its own queue plus this."""
         return 0
+
+    async def resize(self, size: TerminalSize) -> None:
+        """Set the size of the command's terminal (a spec with ``terminal``): its foreground job gets
+        SIGWINCH. Called only for such a spec, while the command runs."""
+        raise NotImplementedError(f"{type(self).__name__} gives no command a terminal")
 
 
 def refuse_other_user(user: str | None, runs_as: Collection[str], where: str) -> None:

@@ -100,6 +100,8 @@ InputRefusal = Literal[
     "input_broken",  # the command closed its stdin (or it could not be written any more)
     "input_full",  # the write would leave more than MAX_PENDING_INPUT bytes unread by the command
     "other_owner",  # the task belongs to another owner
+    "not_terminal",  # resize_terminal on a task without a terminal
+    "terminal_no_close",  # close_input on a terminal task: a terminal ends by hang-up (kill)
 ]
 
 #: Every input refusal, in the order above.

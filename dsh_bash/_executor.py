@@ -52,6 +52,7 @@ from ._types import (
     BashTaskStatus,
     EndCause,
     OwnerToken,
+    TerminalSize,
 )
 
 __all__ = ["MAX_INPUT_BYTES", "MAX_PENDING_INPUT", "BashExecutor", "ConfigT_co", "TaskListener"]
@@ -259,6 +260,12 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
     def _leftovers(self) -> Killable:
         """Every process any command of this executor left behind, for the sweep at ``aclose``."""
 
+    def _supports_terminal(self) -> bool:
+        """True when this executor's commands can run on a pseudo-terminal (their processes implement
+        :meth:`~dsh_bash.backend.CommandProcess.resize` besides the input hooks). False refuses
+        ``terminal`` at start (reason ``interactive_unsupported``)."""
+        return False
+
     def _supports_open_stdin(self) -> bool:
         """True when this executor's commands can keep stdin open (their processes implement the input
         hooks of :class:`~dsh_bash.backend.CommandProcess`). False refuses ``open_stdin`` at start
@@ -451,13 +458,18 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             signal=request.signal,
             stdin=request.stdin,
             env=request.env,
-            open_stdin=request.open_stdin,
+            open_stdin=request.open_stdin or request.terminal is not None,
+            terminal=request.terminal,
         )
 
     async def exec(self, command: str, **request_fields: Any) -> BashRunResult:
         return await self.run(self.resolve(BashExecRequest(command=command, **request_fields)))
 
     async def run(self, spec: BashExecSpec) -> BashRunResult:
+        if isinstance(spec, BashExecSpec) and spec.terminal is not None:
+            raise ValueError(
+                "terminal is for start(): nobody can type into a foreground run (nothing was started)"
+            )
         if isinstance(spec, BashExecSpec) and spec.open_stdin:
             raise ValueError(
                 "open_stdin is for start(): nobody can write to a foreground run's stdin (nothing was "
@@ -511,16 +523,32 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
     async def close_input(self, task_id: BashTaskId, *, owner: OwnerToken | None) -> bool:
         """Close the stdin of a task started with ``open_stdin``: it reads end of file once it read
         what was queued. True if this call closed it, False if it was closed already (or broken)."""
-        _, feed = self._input_of(task_id, owner, "close the input of")
+        command, feed = self._input_of(task_id, owner, "close the input of")
+        if command.spec.terminal is not None:
+            raise TaskInputError(
+                f"task {task_id} runs on a terminal, whose input is never closed: write \\x04 (Ctrl-D) "
+                "for end of file at a line start, or kill it",
+                reason="terminal_no_close",
+            )
         if feed.state != "open":
             return False
         feed.state = "closing"
         feed.wake.set()
         return True
 
+    async def resize_terminal(
+        self, task_id: BashTaskId, size: TerminalSize, *, owner: OwnerToken | None
+    ) -> None:
+        """Set the size of a terminal task's terminal; its foreground job gets SIGWINCH."""
+        if not isinstance(size, TerminalSize):
+            raise TypeError(f"size must be a TerminalSize, got {type(size).__name__}")
+        command, _ = self._input_of(task_id, owner, "resize the terminal of", terminal=True)
+        await command.process.resize(size)
+
     def _input_of(
-        self, task_id: BashTaskId, owner: OwnerToken | None, what: str
+        self, task_id: BashTaskId, owner: OwnerToken | None, what: str, *, terminal: bool = False
     ) -> tuple[_Command, _TaskInput]:
+        """The task's open input, or the refusal (checked in this order: owner, end, input or terminal)."""
         self._ensure_open()
         command = self._command_for(task_id)
         task = command.task
@@ -530,6 +558,8 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             refusal, message = "other_owner", f"task {task_id} belongs to another owner"
         elif command.finalized or command.finishing or command.kill_cause is not None:
             refusal, message = "task_ended", f"task {task_id} has ended (or its kill began): cannot {what} it"
+        elif terminal and command.spec.terminal is None:
+            refusal, message = "not_terminal", f"task {task_id} runs on no terminal"
         elif command.input is None:
             refusal, message = (
                 "input_not_open",
@@ -651,6 +681,12 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             raise BashInfrastructureError(
                 "the abort signal was already aborted; nothing was started", reason="already_aborted"
             )
+        if spec.terminal is not None and not self._supports_terminal():
+            raise BashInfrastructureError(
+                f"{type(self).__name__} cannot run a command on a terminal here (terminal); nothing was "
+                "started",
+                reason="interactive_unsupported",
+            )
         if spec.open_stdin and not self._supports_open_stdin():
             raise BashInfrastructureError(
                 f"{type(self).__name__} cannot keep a command's stdin open here (open_stdin); nothing was "
@@ -680,6 +716,9 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         env = build_command_env(
             self._ambient_env(), scrub=config.env_scrub, allow=config.env_allow, explicit=spec.env
         )
+        if spec.terminal is not None and "TERM" not in (spec.env or {}):
+            # The policy's TERM=dumb is for output read as plain text; a terminal task's programs draw.
+            env["TERM"] = "xterm-256color"
         env[MARKER_VAR] = marker
         streams = [
             OutputStream(
@@ -703,7 +742,9 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             raise BashInfrastructureError(
                 f"could not start the command: {exc}", reason="start_failed"
             ) from exc
-        if spec.open_stdin and type(process).send_input is CommandProcess.send_input:
+        if (spec.open_stdin and type(process).send_input is CommandProcess.send_input) or (
+            spec.terminal is not None and type(process).resize is CommandProcess.resize
+        ):
             # The executor said yes, but its process (a wrapper around another, say) implements no
             # input hooks: every write would fail. Nothing may stay running of it.
             with anyio.CancelScope(shield=True):
@@ -712,7 +753,8 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
                 await self._finalize(orphan)
             raise BashInfrastructureError(
                 f"{type(self).__name__} takes open_stdin, but its process {type(process).__name__} does "
-                "not implement the input hooks (send_input, end_input); nothing was started",
+                "not implement the input hooks (send_input, end_input, and resize for a terminal); nothing "
+                "was started",
                 reason="interactive_unsupported",
             )
         task = None

@@ -296,6 +296,11 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         fallback: Killable = _MarkedLeftovers(self._scanner) if self._unheld else _NoLeftovers()
         return SupervisedLeftovers(self._supervised, fallback)
 
+    def _supports_terminal(self) -> bool:
+        # A pty pair of this process's: the command's stdio, and its controlling terminal (taken in
+        # Popen's child without dsh-supervise, by the supervisor's spawn with it).
+        return True
+
     def _supports_open_stdin(self) -> bool:
         # The command's stdin is a pipe from this process, with or without a supervisor.
         return True

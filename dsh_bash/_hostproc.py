@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import select
 import signal
 import socket
 import stat
+import struct
 import subprocess
+import termios
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +32,7 @@ from ._frames import SupervisorRecords
 from ._hostspill import HostSpillDir
 from ._output import OutputStream
 from ._procscan import ProcScanError, ProcScanner, signal_marked
+from ._types import TerminalSize
 
 __all__ = [
     "ChannelPool",
@@ -211,6 +215,11 @@ class HostProcess(CommandProcess):
         if fd is not None:
             os.close(fd)
 
+    async def resize(self, size: TerminalSize) -> None:
+        # The input fd of a terminal task is the terminal's master side (a dup of the one read).
+        if self._stdin_fd is not None:
+            set_terminal_size(self._stdin_fd, size)
+
     # -- kill ------------------------------------------------------------------------------------
 
     async def _members(self) -> tuple[bool, list[int]]:
@@ -305,9 +314,24 @@ def _read_once(fd: int, stream: OutputStream, buffers: dict[int, bytearray]) -> 
             data = memoryview(buffer)[:count]
     except BlockingIOError:
         return -1
+    except OSError as exc:
+        if exc.errno == errno.EIO:
+            return 0  # a terminal's master side: every process closed the terminal
+        raise
     if count:
         stream.feed(data)
     return count
+
+
+def set_terminal_size(fd: int, size: TerminalSize) -> None:
+    """Set the size of the terminal ``fd`` is a side of; its foreground process group gets SIGWINCH."""
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", size.rows, size.cols, 0, 0))
+
+
+def _take_terminal() -> None:  # pragma: no cover - runs in the child, between fork and exec
+    # After Popen's setsid: the session leader makes its stdin, a terminal, its controlling terminal,
+    # so that Ctrl-C, job control and /dev/tty work as in a terminal emulator.
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
 @dataclass(slots=True)
@@ -685,6 +709,10 @@ async def _discard_until_eof(fd: int) -> None:
                     return
             except BlockingIOError:
                 await anyio.wait_readable(fd)
+            except OSError as exc:
+                if exc.errno == errno.EIO:  # a terminal nobody holds any more
+                    return
+                raise
     finally:
         os.close(fd)
 
@@ -793,6 +821,18 @@ async def spawn_host_process(
                 "the command's supervisor (dsh-supervise) ended before the command started",
                 reason="start_failed",
             )
+        if spec.terminal is not None:
+            return _spawn_on_terminal(
+                launch,
+                argv,
+                host_workdir,
+                spec.terminal,
+                bash=bash,
+                scanner=scanner,
+                start_helper=start_helper,
+                script=script,
+                opened=opened,
+            )
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         opened += [out_r, out_w]
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -848,6 +888,70 @@ async def spawn_host_process(
         raise
 
 
+def _spawn_on_terminal(
+    launch: Launch,
+    argv: list[str],
+    host_workdir: str,
+    size: TerminalSize,
+    *,
+    bash: str,
+    scanner: ProcScanner,
+    start_helper: StartHelper,
+    script: tuple[HostSpillDir, str] | None,
+    opened: list[int],
+) -> HostProcess:
+    """Start the command on a new pseudo-terminal: its stdin, stdout and stderr, and its controlling
+    terminal. Ours is the master side, read as the command's stdout (stderr is an empty stream) and
+    written as its input. Descriptors go in ``opened`` until they are handed over."""
+    master, slave = os.openpty()
+    opened += [master, slave]
+    set_terminal_size(master, size)
+    writer = os.dup(master)
+    opened.append(writer)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    opened += [err_r, err_w]
+    try:
+        popen = subprocess.Popen(
+            argv,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            cwd=host_workdir,
+            env=launch.env,
+            start_new_session=True,
+            close_fds=True,
+            preexec_fn=_take_terminal,  # noqa: PLW1509 - needs the fork: it runs after setsid
+        )
+    except OSError as exc:
+        if exc.errno in (errno.E2BIG, errno.ENOENT, errno.EACCES) or exc.errno is None:
+            raise _start_error(bash, launch.spec.workdir, exc.errno or 0, launch.env) from exc
+        raise BashInfrastructureError(
+            f"cannot start {bash!r} in {launch.spec.workdir!r}: {exc.strerror or exc}", reason="start_failed"
+        ) from exc
+    except subprocess.SubprocessError as exc:
+        raise BashInfrastructureError(
+            f"cannot give the command its terminal: {exc}", reason="start_failed"
+        ) from exc
+    # Only the command holds the terminal's slave side now (EIO on the master once it closed it), and
+    # nobody writes the stderr pipe (EOF at once: a terminal has one stream).
+    for fd in (slave, err_w):
+        os.close(fd)
+        opened.remove(fd)
+    for fd in (master, writer, err_r):
+        _set_nonblocking(fd)
+    opened.clear()
+    return HostProcess(
+        popen,
+        launch,
+        stdout_fd=master,
+        stderr_fd=err_r,
+        stdin_fd=writer,
+        scanner=scanner,
+        start_helper=start_helper,
+        script=script,
+    )
+
+
 async def _spawn_supervised(
     launch: Launch,
     argv: list[str],
@@ -869,9 +973,24 @@ async def _spawn_supervised(
     theirs = [plumbing.status_theirs, plumbing.out_w, plumbing.err_w]
     ours = [plumbing.out_r, plumbing.err_r]
     status = plumbing.status
+    out_r, command_out, command_err = plumbing.out_r, plumbing.out_w, plumbing.err_w
     try:
         in_w: int | None = None
-        if spec.stdin is not None or spec.open_stdin:
+        if spec.terminal is not None:
+            # The terminal's slave side is the command's stdin, stdout and stderr (the supervisor
+            # makes it the controlling terminal); ours is the master, read as stdout and written as
+            # input. The stdout pipe goes unused, the stderr pipe ends at once.
+            master, slave = os.openpty()
+            theirs.append(slave)
+            ours.append(master)
+            set_terminal_size(master, spec.terminal)
+            in_w = os.dup(master)
+            ours.append(in_w)
+            for fd in (master, in_w):
+                _set_nonblocking(fd)
+            out_r = master
+            in_r = command_out = command_err = slave
+        elif spec.stdin is not None or spec.open_stdin:
             in_r, in_w = os.pipe2(os.O_CLOEXEC)
             _set_nonblocking(in_w)
             ours.append(in_w)
@@ -887,8 +1006,8 @@ async def _spawn_supervised(
             host_workdir,
             status=plumbing.status_theirs,
             stdin=in_r,
-            stdout=plumbing.out_w,
-            stderr=plumbing.err_w,
+            stdout=command_out,
+            stderr=command_err,
             status_in_program=_INNER_STATUS_FD if nested else -1,
         )
     except BaseException:
@@ -903,7 +1022,9 @@ async def _spawn_supervised(
     if channels is not None:
         # While the supervisor starts this command: the next one finds its plumbing ready.
         channels.refill()
-    out_r, err_r = plumbing.out_r, plumbing.err_r
+    if out_r != plumbing.out_r:
+        os.close(plumbing.out_r)
+    err_r = plumbing.err_r
     process = SupervisedProcess(
         launch,
         status=status,

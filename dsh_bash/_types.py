@@ -17,6 +17,7 @@ from pydantic import (
     StrictStr,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from ._abort import AbortSignal
@@ -32,6 +33,7 @@ __all__ = [
     "CollectedOutput",
     "EndCause",
     "OwnerToken",
+    "TerminalSize",
 ]
 
 BashTaskId = NewType("BashTaskId", str)
@@ -138,6 +140,13 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True, extra="forbid")
 
 
+class TerminalSize(_Frozen):
+    """The size of a task's pseudo-terminal, in character cells."""
+
+    rows: Annotated[int, Strict(), Field(ge=1, le=1000)]
+    cols: Annotated[int, Strict(), Field(ge=1, le=1000)]
+
+
 class _CommandChecks(_Frozen):
     """The checks a request and a spec share, on the fields both have."""
 
@@ -183,6 +192,9 @@ class BashExecRequest(_CommandChecks):
     #: Keep the command's stdin open after ``stdin`` was written, for ``write_input`` and
     #: ``close_input`` (background tasks only: ``run`` refuses it). False: ``stdin``, then end of file.
     open_stdin: Annotated[bool, Strict()] = False
+    #: Run the background task on a pseudo-terminal of this size (its controlling terminal, its stdin,
+    #: stdout and stderr; input open as with ``open_stdin``). None: pipes, as always.
+    terminal: TerminalSize | None = None
 
     @field_validator("timeout_ms", mode="before")
     @classmethod
@@ -204,6 +216,17 @@ class BashExecSpec(_CommandChecks):
     #: As on the request. A backend that gets it writes nothing to the command's stdin itself: the
     #: executor sends ``stdin`` and then every ``write_input`` through the process's input hooks.
     open_stdin: Annotated[bool, Strict()] = False
+    #: As on the request. A spec with a terminal has ``open_stdin`` too (``resolve`` sets it): a
+    #: terminal's input is always open.
+    terminal: TerminalSize | None = None
+
+    @model_validator(mode="after")
+    def _terminal_input_open(self) -> BashExecSpec:
+        if self.terminal is not None and not self.open_stdin:
+            raise ValueError(
+                "a spec with a terminal needs open_stdin=True: a terminal's input is always open"
+            )
+        return self
 
     @field_validator("timeout_ms", mode="before")
     @classmethod

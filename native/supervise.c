@@ -2281,6 +2281,14 @@ int main(int argc, char **argv)
         if (from >= 0 && posix_spawn_file_actions_adddup2(&actions, from, k) != 0)
             die("posix_spawn file actions: out of memory");
     }
+    /* Status-fd and fork-server mode: a command whose stdin is a terminal gets it as its controlling
+     * terminal (Ctrl-C, job control, /dev/tty), as a login shell does. Opening it anew does that: the
+     * child leads a new session by now (setsid runs before the file actions in glibc and musl), and a
+     * session leader without one acquires the first terminal it opens without O_NOCTTY. A terminal
+     * that is already another session's is not taken (the open just succeeds). */
+    if (!frame_mode && !detach_mode && isatty(0) &&
+        posix_spawn_file_actions_addopen(&actions, 0, "/proc/self/fd/0", O_RDWR, 0) != 0)
+        die("posix_spawn file actions: out of memory");
     if (program_status_fd >= 0 && posix_spawn_file_actions_adddup2(&actions, status_fd, program_status_fd) != 0)
         die("posix_spawn file actions: out of memory");
     if (program_status_fd >= 0)

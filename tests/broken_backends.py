@@ -53,6 +53,7 @@ from dsh_bash import (
     CollectedOutput,
     OwnerToken,
     TaskListener,
+    TerminalSize,
 )
 from dsh_bash._executor import _Command, _KillCause, _TaskInput
 from dsh_bash._output import _skip_continuation
@@ -1825,7 +1826,110 @@ class InputIgnoresOwner(LocalBashExecutor):
     """
 
     def _input_of(
-        self, task_id: BashTaskId, owner: OwnerToken | None, what: str
+        self, task_id: BashTaskId, owner: OwnerToken | None, what: str, *, terminal: bool = False
     ) -> tuple[_Command, _TaskInput]:
         task = self._command_for(task_id).task
-        return super()._input_of(task_id, None if task is None else task.owner, what)
+        return super()._input_of(task_id, None if task is None else task.owner, what, terminal=terminal)
+
+
+# -- terminals -------------------------------------------------------------------------------------------
+
+
+class _OnTerminal(LocalBashExecutor):
+    """Rewrites the command of every terminal task with ``rewrite`` (the breakage)."""
+
+    def _rewrite(self, command: str) -> str:
+        return command
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        if launch.spec.terminal is not None:
+            launch = _with_spec(launch, command=self._rewrite(launch.spec.command))
+        return await super()._spawn(launch)
+
+
+class TerminalNotControlling(_OnTerminal):
+    """Breaks: a terminal task's terminal is its controlling terminal.
+
+    The command runs in a session of its own that has none (as a terminal only passed as fds 0, 1
+    and 2 would be): `tty` and `stty size` work, `/dev/tty` does not open.
+    """
+
+    def _rewrite(self, command: str) -> str:
+        return f"exec setsid -w bash --noprofile --norc -c {shlex.quote(command)}"
+
+
+class TerminalWithoutSignals(_OnTerminal):
+    """Breaks: `\\x03` written to a terminal task interrupts its foreground job.
+
+    The terminal's line discipline makes no signals of keys (``stty -isig``): Ctrl-C is a plain byte.
+    """
+
+    def _rewrite(self, command: str) -> str:
+        return f"stty -isig; {command}"
+
+
+class TerminalDropsStderr(_OnTerminal):
+    """Breaks: a terminal task's stderr is part of its one stream of output.
+
+    What the command writes to stderr is dropped.
+    """
+
+    def _rewrite(self, command: str) -> str:
+        return f"exec 2>/dev/null; {command}"
+
+
+class _ResizeIgnoredProcess(HostProcess):
+    async def resize(self, size: TerminalSize) -> None:
+        return None
+
+
+class ResizeIgnored(_ProcessBreaker):
+    """Breaks: `resize_terminal` changes the size a terminal task's programs see.
+
+    The new size never reaches the terminal.
+    """
+
+    process_class = _ResizeIgnoredProcess
+
+
+class _TerminalGroupOnlyProcess(HostProcess):
+    """Signals the terminal's foreground process group alone: no scan for processes that left it."""
+
+    async def signal_all(self, sig: int) -> None:
+        if self._launch.spec.terminal is None:
+            await super().signal_all(sig)
+            return
+        group = self._foreground()
+        if group is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(group, sig)
+
+    def _foreground(self) -> int | None:
+        # A terminal without a session answers 0 (killpg(0) would signal our own group) or fails.
+        try:
+            group = os.tcgetpgrp(self._stdout_fd)
+        except OSError:
+            return None
+        return group if group > 1 and group != os.getpgrp() else None
+
+    async def remaining(self) -> list[str]:
+        if self._launch.spec.terminal is None:
+            return await super().remaining()
+        group = self._foreground()
+        if group is None:
+            return []
+        try:
+            os.killpg(group, 0)
+        except OSError:
+            return []
+        return [f"group {group}"]
+
+
+class TerminalKillsForegroundOnly(_ProcessBreaker):
+    """Breaks: kill and aclose of a terminal task leave no process of it.
+
+    They signal the terminal's foreground process group only (as a terminal's hang-up does): a process
+    that left the terminal's session lives on.
+    """
+
+    process_class = _TerminalGroupOnlyProcess

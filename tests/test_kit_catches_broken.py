@@ -122,6 +122,12 @@ CAUGHT_BY: list[Row] = [
     Row("input-off-by-default", bb.InputAlwaysOpen),
     Row("input-eof-after-close", bb.CloseDropsQueue),
     Row("input-refusals", bb.InputIgnoresOwner),
+    # -- terminals ----------------------------------------------------------------------------------
+    Row("terminal-size", bb.TerminalNotControlling),
+    Row("terminal-resize", bb.ResizeIgnored),
+    Row("terminal-ctrl-c", bb.TerminalWithoutSignals),
+    Row("terminal-output-incremental", bb.TerminalDropsStderr),
+    Row("terminal-kill-leaves-nothing", bb.TerminalKillsForegroundOnly),
     Row("read-returns-at-once", bb.LongPollingReads),
     Row("read-lossy-exact", bb.NeverLossy),
     Row("finished-tasks-stay-readable", bb.EvictsFinishedOutput),

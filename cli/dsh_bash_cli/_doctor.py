@@ -96,6 +96,10 @@ GENERIC_HINTS: Mapping[InfraReason, str] = {
         "wait for or kill a running background task, or raise max_running_tasks (each task holds a few "
         "descriptors: raise the descriptor limit with it)"
     ),
+    "interactive_unsupported": (
+        'start the task without open_stdin or terminal, or use a backend (or containment = "subreaper") '
+        "that keeps a command's input open"
+    ),
     "engine_unreachable": "start the container engine, or point the config at one that answers",
     "image_missing": "pull the image, or let the backend pull it",
     "container_missing": "name an existing, running container in the config",

@@ -18,11 +18,12 @@ from dsh_bash import (
     BashTaskId,
     OwnerToken,
     TaskInputError,
+    TerminalSize,
     UnknownTaskError,
 )
 
 from ._kit import CheckContext, check
-from ._support import expect_raises, read_to_end, wait_task
+from ._support import alive, expect_raises, gone, loop, read_to_end, wait_task
 
 
 async def _start_open(ctx: CheckContext, ex: BashExecutor, command: str, **fields: Any) -> BashTask:
@@ -220,3 +221,164 @@ async def input_refusals(ctx: CheckContext) -> None:
         )
         for task in (shut, deaf, full):
             await ex.kill(task.id)
+
+
+# -- terminals ------------------------------------------------------------------------------------
+
+
+async def _start_terminal(
+    ctx: CheckContext, ex: BashExecutor, command: str, rows: int = 24, cols: int = 80
+) -> BashTask:
+    """Start ``command`` on a terminal; a backend that gives no terminal makes the check N/A."""
+    try:
+        return await ex.start(
+            ex.resolve(BashExecRequest(command=command, terminal=TerminalSize(rows=rows, cols=cols)))
+        )
+    except BashInfrastructureError as exc:
+        if exc.reason == "interactive_unsupported":
+            ctx.not_applicable(f"the target runs no command on a terminal: {exc}")
+        raise
+
+
+@check(
+    "terminal-size",
+    kind="contract",
+    clause="R-term-size",
+    rule="A task started with `terminal` runs on a pseudo-terminal of that size that is its controlling "
+    "terminal: `tty` names a terminal, `stty size` prints the rows and columns, `/dev/tty` opens.",
+)
+async def terminal_size(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        task = await _start_terminal(
+            ctx,
+            ex,
+            'tty; stty size; if : </dev/tty; then echo ctty; else echo no-ctty; fi; echo "TERM=$TERM"',
+            30,
+            100,
+        )
+        await wait_task(task, 2 + ctx.allowance_s, "a terminal task printing its terminal")
+        out = (await read_to_end(ctx, ex, task.id)).replace("\r\n", "\n")
+        lines = out.splitlines()
+        ctx.expect(
+            len(lines) == 4 and lines[0].startswith("/dev/"), f"`tty` printed no terminal device: {out!r}"
+        )
+        ctx.expect("30 100" in lines, f"`stty size` of a 30x100 terminal printed {out!r}")
+        ctx.expect(
+            "ctty" in lines, f"/dev/tty did not open: the terminal is not the controlling one ({out!r})"
+        )
+        ctx.expect(
+            any(line.startswith("TERM=") and line != "TERM=dumb" for line in lines),
+            f"a terminal task kept TERM=dumb or none: {out!r}",
+        )
+
+
+@check(
+    "terminal-resize",
+    kind="contract",
+    clause="R-term-size",
+    rule="`resize_terminal` changes the size the terminal task's programs see, and its foreground job "
+    "gets SIGWINCH; on a task without a terminal it raises TaskInputError (`not_terminal`).",
+)
+async def terminal_resize(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        task = await _start_terminal(
+            ctx,
+            ex,
+            "trap 'stty size' WINCH; echo ready; i=0; while [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done",
+        )
+        await _read_until(ctx, ex, task, "ready", "a terminal task starting")
+        await ex.resize_terminal(task.id, TerminalSize(rows=40, cols=120), owner=None)
+        await _read_until(
+            ctx, ex, task, "40 120", "after resize_terminal to 40x120 (the WINCH trap prints `stty size`)"
+        )
+        await ex.kill(task.id)
+        plain = await _start_open(ctx, ex, "sleep 30")
+        await _refused(
+            ctx,
+            partial(ex.resize_terminal, plain.id, TerminalSize(rows=5, cols=5), owner=None),
+            "not_terminal",
+            "resize_terminal of a task without a terminal",
+        )
+        await ex.kill(plain.id)
+
+
+@check(
+    "terminal-ctrl-c",
+    kind="contract",
+    clause="R-term-interrupt",
+    rule="On a terminal task, `\\x03` interrupts the foreground job (SIGINT to the terminal's foreground "
+    "process group) and `\\x04` at a line start is end of file; `close_input` raises TaskInputError "
+    "(`terminal_no_close`).",
+)
+async def terminal_ctrl_c(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        task = await _start_terminal(
+            ctx,
+            ex,
+            "trap 'echo INT' INT; echo ready; sleep 30; echo after; read x; echo \"got [$x]\"; exit 3",
+        )
+        await _read_until(ctx, ex, task, "ready", "a terminal task starting")
+        await _refused(
+            ctx,
+            partial(ex.close_input, task.id, owner=None),
+            "terminal_no_close",
+            "close_input of a terminal",
+        )
+        started = time.monotonic()
+        await ex.write_input(task.id, "\x03", owner=None)
+        await _read_until(ctx, ex, task, "after", "after writing \\x03 to a terminal running `sleep 30`")
+        ctx.expect(time.monotonic() - started < 5, "\\x03 did not interrupt `sleep 30`")
+        await ex.write_input(task.id, "\x04", owner=None)
+        await wait_task(task, 2 + ctx.allowance_s, "`read` after \\x04")
+        rest = await read_to_end(ctx, ex, task.id)
+        ctx.expect(
+            "got []" in rest and task.exit_code == 3, f"`read` did not end at \\x04: {rest!r}, {task!r}"
+        )
+
+
+@check(
+    "terminal-output-incremental",
+    kind="contract",
+    clause="R-term-output",
+    rule="A terminal task's output is one stream, stdout, as the terminal shows it (stderr included, "
+    "`\\r\\n` line ends), read incrementally and consumed as any task's output.",
+)
+async def terminal_output_incremental(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        task = await _start_terminal(ctx, ex, "echo one; echo two >&2; sleep 0.5; echo three")
+        first = await _read_until(ctx, ex, task, "two", "the first lines of a terminal task")
+        ctx.expect(task.end_cause is None, "the output of a terminal task arrived only at its end")
+        await wait_task(task, 2 + ctx.allowance_s, "a terminal task")
+        rest = await read_to_end(ctx, ex, task.id)
+        whole = first + rest
+        ctx.expect(
+            whole == "one\r\ntwo\r\nthree\r\n",
+            f"a terminal task's output read as {whole!r}, expected one stream: "
+            "'one\\r\\ntwo\\r\\nthree\\r\\n'",
+        )
+
+
+@check(
+    "terminal-kill-leaves-nothing",
+    kind="contract",
+    clause="R-term-contained",
+    rule="Kill and aclose of a terminal task leave no process of it, also one that left the terminal's "
+    "session and ignores SIGHUP and SIGTERM.",
+)
+async def terminal_kill_leaves_nothing(ctx: CheckContext) -> None:
+    marks = [ctx.marker(), ctx.marker()]
+    async with ctx.executor() as ex:
+        tasks = []
+        for mark in marks:
+            body = loop(mark, trap_term=True, prelude="trap '' HUP")
+            hiding = f"setsid {body} >/dev/null 2>&1 &"
+            tasks.append(await _start_terminal(ctx, ex, f"{hiding} {loop(mark, trap_term=True)}"))
+        deadline = time.monotonic() + 2 + ctx.allowance_s
+        for mark in marks:
+            while not await ctx.processes(mark) and time.monotonic() < deadline:  # noqa: ASYNC110 - processes are polled
+                await anyio.sleep(0.05)
+            await alive(ctx, mark, "a terminal task's processes")
+        await ex.kill(tasks[0].id)
+        await wait_task(tasks[0], 2 * 0.3 + 2 + ctx.allowance_s, "a killed terminal task")
+        await gone(ctx, marks[0], 2 * 0.3 + 2 + ctx.allowance_s, "after kill of a terminal task")
+    await gone(ctx, marks[1], 2 * 0.3 + 2 + ctx.allowance_s, "after aclose with a terminal task running")

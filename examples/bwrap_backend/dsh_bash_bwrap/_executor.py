@@ -290,6 +290,10 @@ class BwrapBashExecutor(HostBashExecutor[BwrapConfig]):
         # stdin would never be seen to (writes would pile up, not fail as the contract says).
         return False
 
+    def _supports_terminal(self) -> bool:
+        # A terminal's input is open input, refused above.
+        return False
+
     async def _spawn(self, launch: Launch) -> CommandProcess:
         if self._sandbox_dir is None:
             raise BashInfrastructureError("the bwrap sandbox is gone (executor closing)")
