@@ -222,6 +222,13 @@ class CommandProcess(ABC):
         a supervisor, say). The executor bounds its own queue plus this."""
         return 0
 
+    async def sample_input_waiting(self) -> bool | None:
+        """One look, now: is a process of the command blocked reading its open input (the stdin pipe
+        or terminal the backend gave it), with nothing there to read? None: this backend cannot tell.
+        The executor samples it every 200 ms while the input is open and reports a wait seen twice in
+        a row with nothing written between (``BashTaskRead.waiting_for_input``)."""
+        return None
+
     async def resize(self, size: TerminalSize) -> None:
         """Set the size of the command's terminal (a spec with ``terminal``): its foreground job gets
         SIGWINCH. Called only for such a spec, while the command runs."""

@@ -76,16 +76,22 @@ MAX_PENDING_INPUT = 1_048_576
 #: Input goes to the backend in pieces of at most this, so that a close or a kill never waits behind
 #: one large write.
 _INPUT_CHUNK = 65_536
+#: How often a task with open input is looked at for a process blocked reading it.
+_WAIT_SAMPLE_S = 0.2
 _InputState = Literal["open", "closing", "closed", "broken"]
 
 
 class _TaskInput:
     """The open stdin of one background task: queued bytes, their order, and whether more may come."""
 
-    __slots__ = ("in_flight", "queue", "scope", "state", "wake")
+    __slots__ = ("in_flight", "queue", "scope", "state", "waiting", "wake", "writes")
 
     def __init__(self, first: bytes) -> None:
         self.queue = bytearray(first)
+        #: How many writes were queued: a wait seen before the latest write is not reported.
+        self.writes = 0
+        #: The latest verdict of the waiting-for-input watch (None: the backend cannot tell).
+        self.waiting: bool | None = False
         self.in_flight = 0
         self.state: _InputState = "open"
         self.wake = anyio.Event()
@@ -518,6 +524,9 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
                 reason="input_full",
             )
         feed.queue += payload
+        feed.writes += 1
+        if feed.waiting:
+            feed.waiting = False  # it has something to read now
         feed.wake.set()
 
     async def close_input(self, task_id: BashTaskId, *, owner: OwnerToken | None) -> bool:
@@ -571,33 +580,65 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         return command, command.input
 
     async def _pump_input(self, command: _Command) -> None:
-        """Hand a task's queued input to its process, in order, then the close; ends with the task."""
+        """Hand a task's queued input to its process, in order, then the close, and watch meanwhile for
+        a process waiting for it; ends with the task (``_finalize`` cancels ``feed.scope``)."""
         feed = command.input
         assert feed is not None
-        process = command.process
         with feed.scope:
-            try:
-                while True:
-                    if feed.queue:
-                        chunk = bytes(feed.queue[:_INPUT_CHUNK])
-                        del feed.queue[:_INPUT_CHUNK]
-                        feed.in_flight = len(chunk)
-                        try:
-                            await process.send_input(chunk)
-                        finally:
-                            feed.in_flight = 0
-                    elif feed.state == "closing":
-                        await process.end_input()
-                        feed.state = "closed"
-                        return
-                    else:
-                        feed.wake = anyio.Event()
-                        await feed.wake.wait()
-            except BrokenPipeError:
-                feed.broken()
-            except Exception:
-                log.exception("writing the input of command %s failed", command.launch.marker)
-                feed.broken()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch_waiting, command, feed)
+                await self._feed_input(command, feed)
+                tg.cancel_scope.cancel()  # closed or broken: nobody can wait for it any more
+
+    async def _watch_waiting(self, command: _Command, feed: _TaskInput) -> None:
+        process = command.process
+        #: ``feed.writes`` when the previous look saw a process waiting; None when it saw none.
+        previous: int | None = None
+        while True:
+            if feed.queue or feed.in_flight or process.input_pending():
+                previous, feed.waiting = None, False  # there is input on its way
+            else:
+                writes = feed.writes
+                try:
+                    seen = await process.sample_input_waiting()
+                except Exception:
+                    log.exception("looking for a reader of command %s's input failed", command.launch.marker)
+                    seen = None
+                if seen is None:
+                    feed.waiting = None
+                    return
+                if seen:
+                    feed.waiting = previous is not None and previous == writes == feed.writes
+                    previous = writes
+                else:
+                    previous, feed.waiting = None, False
+            await anyio.sleep(_WAIT_SAMPLE_S)
+
+    async def _feed_input(self, command: _Command, feed: _TaskInput) -> None:
+        """The queue, in order, then the close; returns once closed or broken."""
+        process = command.process
+        try:
+            while True:
+                if feed.queue:
+                    chunk = bytes(feed.queue[:_INPUT_CHUNK])
+                    del feed.queue[:_INPUT_CHUNK]
+                    feed.in_flight = len(chunk)
+                    try:
+                        await process.send_input(chunk)
+                    finally:
+                        feed.in_flight = 0
+                elif feed.state == "closing":
+                    await process.end_input()
+                    feed.state = "closed"
+                    return
+                else:
+                    feed.wake = anyio.Event()
+                    await feed.wake.wait()
+        except BrokenPipeError:
+            feed.broken()
+        except Exception:
+            log.exception("writing the input of command %s failed", command.launch.marker)
+            feed.broken()
 
     def owner_of(self, task_id: BashTaskId) -> OwnerToken | None:
         self._ensure_open()
@@ -613,6 +654,10 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         out_text, out_dropped = launch.stdout.read()
         err_text, err_dropped = launch.stderr.read()
         dropped = out_dropped + err_dropped
+        feed = command.input
+        waiting = (
+            feed.waiting if feed is not None and not command.finalized and feed.state == "open" else False
+        )
         return BashTaskRead.model_construct(
             task=command.task,
             delta=merge_streams(out_text, err_text),
@@ -620,6 +665,7 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             dropped_bytes=dropped,
             stdout_spill_path=launch.stdout.spill_path,
             stderr_spill_path=launch.stderr.spill_path,
+            waiting_for_input=waiting,
         )
 
     async def kill(self, task_id: BashTaskId) -> bool:

@@ -31,7 +31,7 @@ from ._forkserver import SupervisorServer, pidfd_exited, received_fds
 from ._frames import SupervisorRecords
 from ._hostspill import HostSpillDir
 from ._output import OutputStream
-from ._procscan import ProcScanError, ProcScanner, signal_marked
+from ._procscan import InputIdentity, ProcScanError, ProcScanner, input_waiters, signal_marked
 from ._types import TerminalSize
 
 __all__ = [
@@ -66,6 +66,9 @@ def _set_nonblocking(fd: int) -> None:
 
 class HostProcess(CommandProcess):
     """The process group ``pgid`` (our unreaped child leads it) plus every process carrying the marker."""
+
+    #: What the command's open input is (set at spawn for a task with open input or a terminal).
+    _input_identity: InputIdentity | None = None
 
     def __init__(
         self,
@@ -215,6 +218,19 @@ class HostProcess(CommandProcess):
         if fd is not None:
             os.close(fd)
 
+    async def sample_input_waiting(self) -> bool | None:
+        identity = self._input_identity
+        if identity is None:
+            return None
+        try:
+            entries = await self._scanner.entries()
+        except ProcScanError:
+            return False
+        marker = self._launch.marker
+        pids = [e.pid for e in entries if e.alive and (e.marker == marker or e.pgrp == self._pid)]
+        # A handful of small /proc reads per process: a task of thousands is looked at in part.
+        return bool(input_waiters(pids[:_WAIT_SAMPLE_MAX], identity))
+
     async def resize(self, size: TerminalSize) -> None:
         # The input fd of a terminal task is the terminal's master side (a dup of the one read).
         if self._stdin_fd is not None:
@@ -321,6 +337,10 @@ def _read_once(fd: int, stream: OutputStream, buffers: dict[int, bytearray]) -> 
     if count:
         stream.feed(data)
     return count
+
+
+#: The most processes of one command a waiting-for-input sample looks at.
+_WAIT_SAMPLE_MAX = 256
 
 
 def set_terminal_size(fd: int, size: TerminalSize) -> None:
@@ -868,7 +888,7 @@ async def spawn_host_process(
         for fd in (out_r, err_r) + ((in_w,) if in_w is not None else ()):
             _set_nonblocking(fd)
         opened.clear()
-        return HostProcess(
+        plain = HostProcess(
             popen,
             launch,
             stdout_fd=out_r,
@@ -878,6 +898,9 @@ async def spawn_host_process(
             start_helper=start_helper,
             script=script,
         )
+        if spec.open_stdin and in_w is not None:
+            plain._input_identity = InputIdentity.of_fd(in_w, terminal=False)
+        return plain
     except BaseException:
         for fd in opened:
             with contextlib.suppress(OSError):
@@ -905,6 +928,7 @@ def _spawn_on_terminal(
     written as its input. Descriptors go in ``opened`` until they are handed over."""
     master, slave = os.openpty()
     opened += [master, slave]
+    identity = InputIdentity.of_fd(slave, terminal=True)
     set_terminal_size(master, size)
     writer = os.dup(master)
     opened.append(writer)
@@ -940,7 +964,7 @@ def _spawn_on_terminal(
     for fd in (master, writer, err_r):
         _set_nonblocking(fd)
     opened.clear()
-    return HostProcess(
+    process = HostProcess(
         popen,
         launch,
         stdout_fd=master,
@@ -950,6 +974,8 @@ def _spawn_on_terminal(
         start_helper=start_helper,
         script=script,
     )
+    process._input_identity = identity
+    return process
 
 
 async def _spawn_supervised(
@@ -976,6 +1002,7 @@ async def _spawn_supervised(
     out_r, command_out, command_err = plumbing.out_r, plumbing.out_w, plumbing.err_w
     try:
         in_w: int | None = None
+        identity: InputIdentity | None = None
         if spec.terminal is not None:
             # The terminal's slave side is the command's stdin, stdout and stderr (the supervisor
             # makes it the controlling terminal); ours is the master, read as stdout and written as
@@ -983,6 +1010,7 @@ async def _spawn_supervised(
             master, slave = os.openpty()
             theirs.append(slave)
             ours.append(master)
+            identity = InputIdentity.of_fd(slave, terminal=True)
             set_terminal_size(master, spec.terminal)
             in_w = os.dup(master)
             ours.append(in_w)
@@ -993,6 +1021,8 @@ async def _spawn_supervised(
         elif spec.stdin is not None or spec.open_stdin:
             in_r, in_w = os.pipe2(os.O_CLOEXEC)
             _set_nonblocking(in_w)
+            if spec.open_stdin:
+                identity = InputIdentity.of_fd(in_w, terminal=False)
             ours.append(in_w)
             theirs.append(in_r)
         else:
@@ -1038,6 +1068,7 @@ async def _spawn_supervised(
         nudge=server.nudge,
         nested=nested,
     )
+    process._input_identity = identity
     if not launch.background:
         # A foreground command's start is confirmed by its wait(), whose errors run() raises as
         # they are: meanwhile the executor sets up its reading, while the supervisor starts it.

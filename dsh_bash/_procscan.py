@@ -32,11 +32,13 @@ from ._backend import MARKER_VAR
 
 __all__ = [
     "FdReserve",
+    "InputIdentity",
     "ProcEntry",
     "ProcScanError",
     "ProcScanner",
     "ProcStat",
     "boot_ticks",
+    "input_waiters",
     "read_proc_stat",
     "scan",
     "signal_marked",
@@ -349,3 +351,85 @@ class ProcScanner:
     def close(self) -> None:
         """Give the reserve back (at the executor's release)."""
         self.reserve.close()
+
+
+# -- who waits for input ----------------------------------------------------------------------------
+
+#: System call numbers, per machine, of the reads a process blocked on its input makes: ``read``,
+#: ``readv``, ``pread64`` (arg0: the fd) and ``select``/``pselect6`` (arg0: nfds). Other machines:
+#: nothing is reported (a false negative, never a false positive).
+_INPUT_SYSCALLS: dict[str, tuple[frozenset[int], frozenset[int]]] = {
+    "x86_64": (frozenset({0, 19, 17}), frozenset({23, 270})),
+    "aarch64": (frozenset({63, 65, 67}), frozenset({72})),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class InputIdentity:
+    """What a command's input is, as ``stat`` of an fd shows it: a pipe (its device and inode) or a
+    terminal (its device number, ``st_rdev``; any fd a program opened on ``/dev/tty`` matches too)."""
+
+    kind: str  # "pipe" or "terminal"
+    dev: int
+    ino: int = 0
+
+    @classmethod
+    def of_fd(cls, fd: int, *, terminal: bool) -> InputIdentity:
+        info = os.fstat(fd)
+        if terminal:
+            return cls("terminal", info.st_rdev)
+        return cls("pipe", info.st_dev, info.st_ino)
+
+    def matches(self, info: os.stat_result) -> bool:
+        if self.kind == "terminal":
+            return info.st_rdev == self.dev and info.st_rdev != 0
+        return (info.st_dev, info.st_ino) == (self.dev, self.ino)
+
+
+def _blocked_read_fd(pid: int, reads: frozenset[int], selects: frozenset[int]) -> int | None:
+    """The fd ``pid`` is blocked reading (state S in a read, or a select on fd 0 alone), else None."""
+    stat = read_proc_stat(pid)
+    if stat is None or stat.state != "S":
+        return None
+    try:
+        fields = _read_file(f"/proc/{pid}/syscall").split()
+    except OSError:
+        return None  # gone, or not ours to look at (another uid): not reported
+    if len(fields) < 4 or not fields[0].isdigit():
+        return None  # "running" or "-1 ...": not in a system call
+    number = int(fields[0])
+    try:
+        args = [int(field, 16) for field in fields[1:5]]
+    except ValueError:
+        return None
+    if number in reads:
+        return args[0]
+    # select(nfds, readfds, writefds, exceptfds): with nfds 1 only fd 0 can be in the read set.
+    if number in selects and args[0] == 1 and args[2] == 0 and args[3] == 0:
+        return 0
+    return None
+
+
+def input_waiters(pids: list[int], identity: InputIdentity, machine: str | None = None) -> list[int]:
+    """The processes among ``pids`` blocked, at this moment, reading the input ``identity`` names.
+
+    One sample: a process in state S in ``read``/``readv``/``pread64`` of an fd that is that input, or
+    in ``select``/``pselect6`` with fd 0 alone, fd 0 being it. Reading ``/proc/PID/syscall`` needs
+    ptrace rights over the process (the same user, or root); others are never reported. Readers that
+    wait in ``poll`` or ``epoll_wait`` are not recognised (a false negative).
+    """
+    calls = _INPUT_SYSCALLS.get(machine or os.uname().machine)
+    if calls is None:
+        return []
+    found = []
+    for pid in pids:
+        fd = _blocked_read_fd(pid, *calls)
+        if fd is None:
+            continue
+        try:
+            info = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if identity.matches(info):
+            found.append(pid)
+    return found

@@ -345,6 +345,11 @@ class BashTaskRead(_Frozen):
     dropped_bytes: int = Field(ge=0)
     stdout_spill_path: str | None
     stderr_spill_path: str | None
+    #: True while a process of the task is blocked reading its open input (stdin pipe or terminal)
+    #: with nothing there to read, as the backend saw it twice, 200 ms apart, with nothing written
+    #: between; False when it is not, or the task has no open input or ended; None when the backend
+    #: cannot tell.
+    waiting_for_input: bool | None = False
 
     def model_post_init(self, context: Any, /) -> None:
         if self.lossy != (self.dropped_bytes > 0):

@@ -57,7 +57,7 @@ from dsh_bash import (
 )
 from dsh_bash._executor import _Command, _KillCause, _TaskInput
 from dsh_bash._output import _skip_continuation
-from dsh_bash._procscan import ProcScanner, signal_marked
+from dsh_bash._procscan import ProcScanner, read_proc_stat, signal_marked
 from dsh_bash.backend import (
     KILL,
     MODEL_FRIENDLY_ENV,
@@ -1933,3 +1933,42 @@ class TerminalKillsForegroundOnly(_ProcessBreaker):
     """
 
     process_class = _TerminalGroupOnlyProcess
+
+
+# -- waiting for input -------------------------------------------------------------------------------
+
+
+class _NeverWaitingProcess(HostProcess):
+    async def sample_input_waiting(self) -> bool | None:
+        return False
+
+
+class NeverWaiting(_ProcessBreaker):
+    """Breaks: a read reports `waiting_for_input` while a process of the task is blocked reading it.
+
+    Every look says no process waits.
+    """
+
+    process_class = _NeverWaitingProcess
+
+
+class _SleepingIsWaitingProcess(HostProcess):
+    async def sample_input_waiting(self) -> bool | None:
+        # The state alone (S, sleeping): a process blocked on anything at all counts as waiting.
+        entries = await self._scanner.entries()
+        marker = self._launch.marker
+        for entry in entries:
+            if entry.alive and entry.marker == marker:
+                stat = read_proc_stat(entry.pid)
+                if stat is not None and stat.state == "S":
+                    return True
+        return False
+
+
+class WaitingWhenSleeping(_ProcessBreaker):
+    """Breaks: `waiting_for_input` is not reported while the task sleeps or reads another pipe.
+
+    Any process in state S (sleeping, for whatever reason) counts as waiting for input.
+    """
+
+    process_class = _SleepingIsWaitingProcess

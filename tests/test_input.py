@@ -3,8 +3,11 @@ issue asks for (a REPL through a terminal) on the local backend."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
+import subprocess
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +25,7 @@ from dsh_bash import (
     TaskInputError,
     TerminalSize,
 )
+from dsh_bash.backend import InputIdentity, input_waiters
 
 pytestmark = pytest.mark.anyio
 
@@ -131,3 +135,42 @@ async def test_a_command_waiting_on_read_is_answered(executor: LocalBashExecutor
         await task.wait()
     # bash prompts only when its input is a terminal: a pipe gets the answer alone.
     assert (await executor.read_output(task.id)).delta == "hi agent\n"
+
+
+# -- the waiting-for-input look ------------------------------------------------------------------------
+
+
+def _until_found(pids: list[int], identity: InputIdentity, want: bool) -> list[int]:
+    deadline = time.monotonic() + 5
+    while True:
+        found = input_waiters(pids, identity)
+        if bool(found) == want or time.monotonic() > deadline:
+            return found
+        time.sleep(0.02)
+
+
+def test_input_waiters_sees_a_reader_of_that_pipe_only() -> None:
+    read_end, write_end = os.pipe()
+    other_r, other_w = os.pipe()
+    readers = [
+        subprocess.Popen(["cat"], stdin=read_end, stdout=subprocess.DEVNULL),
+        subprocess.Popen(["cat"], stdin=other_r, stdout=subprocess.DEVNULL),  # another pipe
+        subprocess.Popen(["sleep", "30"], stdin=read_end),  # holds it, reads nothing
+    ]
+    try:
+        identity = InputIdentity.of_fd(write_end, terminal=False)
+        pids = [process.pid for process in readers]
+        assert _until_found(pids, identity, True) == [readers[0].pid]
+        assert input_waiters(pids, identity, machine="sparc") == []  # unknown machine: never a guess
+        os.write(write_end, b"x" * 65536 * 4)  # more than the pipe holds: cat is busy or writing
+        os.close(write_end)
+        write_end = -1
+        readers[0].wait(5)
+        assert input_waiters(pids, identity) == []
+    finally:
+        for process in readers:
+            process.kill()
+            process.wait()
+        for fd in (read_end, other_r, other_w, write_end):
+            if fd >= 0:
+                os.close(fd)

@@ -128,6 +128,8 @@ CAUGHT_BY: list[Row] = [
     Row("terminal-ctrl-c", bb.TerminalWithoutSignals),
     Row("terminal-output-incremental", bb.TerminalDropsStderr),
     Row("terminal-kill-leaves-nothing", bb.TerminalKillsForegroundOnly),
+    Row("waiting-reported", bb.NeverWaiting),
+    Row("waiting-not-reported", bb.WaitingWhenSleeping),
     Row("read-returns-at-once", bb.LongPollingReads),
     Row("read-lossy-exact", bb.NeverLossy),
     Row("finished-tasks-stay-readable", bb.EvictsFinishedOutput),

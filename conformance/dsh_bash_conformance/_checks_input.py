@@ -382,3 +382,93 @@ async def terminal_kill_leaves_nothing(ctx: CheckContext) -> None:
         await wait_task(tasks[0], 2 * 0.3 + 2 + ctx.allowance_s, "a killed terminal task")
         await gone(ctx, marks[0], 2 * 0.3 + 2 + ctx.allowance_s, "after kill of a terminal task")
     await gone(ctx, marks[1], 2 * 0.3 + 2 + ctx.allowance_s, "after aclose with a terminal task running")
+
+
+# -- waiting for input ------------------------------------------------------------------------------
+
+
+async def _waiting_seen(ctx: CheckContext, ex: BashExecutor, task: BashTask, within_s: float) -> float | None:
+    """Read the task for ``within_s``: when ``waiting_for_input`` first came (seconds), or None. A
+    backend that cannot tell (None) makes the check N/A."""
+    started = time.monotonic()
+    while time.monotonic() - started < within_s:
+        read = await ex.read_output(task.id)
+        if read.waiting_for_input is None:
+            ctx.not_applicable(
+                "the target cannot tell whether a task waits for input (waiting_for_input is None)"
+            )
+        if read.waiting_for_input:
+            return time.monotonic() - started
+        await anyio.sleep(0.02)
+    return None
+
+
+@check(
+    "waiting-reported",
+    kind="contract",
+    clause="R-input-waiting",
+    rule="A read reports `waiting_for_input` within 1 s after a process of the task blocked reading its "
+    "open input (pipe or terminal) with nothing to read, and no longer once input was written.",
+)
+async def waiting_reported(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        readers = [("`read` on open stdin", await _start_open(ctx, ex, 'read -r x; echo "got $x"; sleep 30'))]
+        try:
+            on_terminal = await ex.start(
+                ex.resolve(
+                    BashExecRequest(command="read -r x; sleep 30", terminal=TerminalSize(rows=24, cols=80))
+                )
+            )
+        except BashInfrastructureError as exc:
+            if exc.reason != "interactive_unsupported":
+                raise
+        else:
+            readers.append(("`read` on a terminal", on_terminal))
+        for what, task in readers:
+            after = await _waiting_seen(ctx, ex, task, 1 + ctx.allowance_s)
+            ctx.expect(
+                after is not None,
+                f"{what}: no read reported waiting_for_input within {1 + ctx.allowance_s:g} s",
+            )
+            await ex.write_input(task.id, "answer\n", owner=None)
+            read = await ex.read_output(task.id)
+            ctx.expect(
+                read.waiting_for_input is False,
+                f"{what}: the read right after write_input still reported "
+                f"waiting_for_input={read.waiting_for_input}",
+            )
+            await ex.kill(task.id)
+
+
+@check(
+    "waiting-not-reported",
+    kind="contract",
+    clause="R-input-waiting",
+    rule="`waiting_for_input` is not reported while the task's processes compute, sleep, or read another "
+    "pipe, nor for a task without open input.",
+)
+async def waiting_not_reported(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        cases = {
+            "sleeping": await _start_open(ctx, ex, "sleep 10"),
+            "computing": await _start_open(
+                ctx, ex, "end=$((SECONDS + 10)); while [ $SECONDS -lt $end ]; do :; done"
+            ),
+            "reading another pipe": await _start_open(ctx, ex, "sleep 10 | cat"),
+            "without open input": await ex.start(
+                ex.resolve(BashExecRequest(command="read -r x; cat; sleep 10"))
+            ),
+        }
+        started = time.monotonic()
+        while time.monotonic() - started < 1.5:
+            for what, task in cases.items():
+                read = await ex.read_output(task.id)
+                if read.waiting_for_input is None and what != "without open input":
+                    ctx.not_applicable("the target cannot tell whether a task waits for input")
+                ctx.expect(
+                    not read.waiting_for_input and task.end_cause is None,
+                    f"a task {what} was reported waiting for input (or ended: {task!r})",
+                )
+            await anyio.sleep(0.05)
+        for task in cases.values():
+            await ex.kill(task.id)
