@@ -629,7 +629,7 @@ class BashToolset:
                         await ended.wait()
         finally:
             unsubscribe()
-        wrote = f"wrote {len(data)} bytes to task {task_id}"
+        wrote = f"wrote {len(data)} {'byte' if len(data) == 1 else 'bytes'} to task {task_id}"
         if close:
             wrote += "; closed its input" if closed else "; its input was already closed"
         facts = {"bytes_written": len(data), "closed_input": closed}
