@@ -616,14 +616,26 @@ class BashToolset:
                 if refused is not None:
                     return refused
                 await self._executor.write_input(BashTaskId(task_id), data, owner=self._owner)
-                closed = close and await self._executor.close_input(BashTaskId(task_id), owner=self._owner)
             except UnknownTaskError:
                 return _unknown_task(task_id, BASH_INPUT)
             except TaskInputError as exc:
                 return _input_refused(exc, task_id)
             except DshBashError as exc:
                 return _failure(exc, "could not write to the task", BASH_INPUT, task_id=task_id)
+            closed = False
+            if close:
+                # The write went through: a task that ended since then has no input left to close, which
+                # the text says, instead of refusing a call whose input was sent.
+                try:
+                    closed = await self._executor.close_input(BashTaskId(task_id), owner=self._owner)
+                except (TaskInputError, UnknownTaskError):
+                    pass
+                except DshBashError as exc:
+                    what = f"wrote {len(data)} bytes to task {task_id}, but could not close its input"
+                    return _failure(exc, what, BASH_INPUT, task_id=task_id, bytes_written=len(data))
             with anyio.move_on_after(yield_ms / 1000):
+                # A loop, not one wait: the place where a task waiting for input again will end the wait
+                # too, once executors report it (docs/design/interactive.md, section 3).
                 while not ended.is_set():
                     with anyio.move_on_after(_INPUT_POLL_S):
                         await ended.wait()

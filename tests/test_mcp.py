@@ -420,8 +420,9 @@ async def test_http_sessions_are_isolated_owners(config: Path, marker: str) -> N
             async with Client(url, logging_callback=on_log_a) as a:
                 task_a = await _start(a, f"exec -a {marker}-a sleep 30")
                 task_b = await _start(b, f"exec -a {marker}-b sleep 30")
-                for tool in ("bash_output", "bash_kill"):
-                    refused = await b.call_tool(tool, {"task_id": task_a})
+                for tool in ("bash_output", "bash_kill", "bash_input"):
+                    extra = {"input": "x"} if tool == "bash_input" else {}
+                    refused = await b.call_tool(tool, {"task_id": task_a, **extra})
                     assert refused.is_error
                     assert _text(refused) == f"task {task_a} belongs to another session"
                 refused = await a.call_tool("bash_output", {"task_id": task_b})

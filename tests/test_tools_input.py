@@ -377,6 +377,16 @@ async def test_a_backend_without_open_input_is_a_clear_start_error() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_closed_executor_is_an_error() -> None:
+    async with _executor() as ex:
+        tools = BashToolset(ex)
+        task_id = await _start(tools, "cat")
+    result = await _input(tools, task_id, "x")
+    assert result.is_error and result.data["error"] == "executor_closed", result.text
+    assert result.text == "could not write to the task: the shell executor is closed"
+
+
+@pytest.mark.anyio
 async def test_foreground_only_toolset_has_no_input() -> None:
     async with _scripted() as ex:
         tools = BashToolset(ex, background=False)
