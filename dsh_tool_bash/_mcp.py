@@ -101,8 +101,8 @@ _INSTRUCTIONS: Final = (
 )
 _BACKGROUND_INSTRUCTIONS: Final = (
     " Long-running commands (servers, watchers) go to the background with run_in_background; read their "
-    "output with bash_output and stop them with bash_kill. Background tasks belong to this session and are "
-    "killed when it ends."
+    "output with bash_output and stop them with bash_kill; answer a program that asks for input (started "
+    "with open_stdin) with bash_input. Background tasks belong to this session and are killed when it ends."
 )
 
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 __all__ = [
     "BashArgs",
     "BashForegroundArgs",
+    "BashInputArgs",
     "BashKillArgs",
     "BashOutputArgs",
     "describe_validation_error",
@@ -22,6 +23,10 @@ __all__ = [
 ]
 
 PositiveMs = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+#: The longest ``input`` of one ``bash_input`` call, in characters (before the escapes are decoded).
+MAX_INPUT_CHARS = 65_536
+#: The longest ``yield_ms`` of ``bash_input``.
+MAX_YIELD_MS = 30_000
 
 
 class _Args(BaseModel):
@@ -63,6 +68,13 @@ class BashArgs(BashForegroundArgs):
             "and stop it with bash_kill. timeout_ms does not apply to background tasks."
         ),
     )
+    open_stdin: bool | None = Field(
+        default=False,
+        description=(
+            "With run_in_background only: keep the task's stdin open, so that you can answer its prompts "
+            "with bash_input. Without it the task's stdin is empty."
+        ),
+    )
 
 
 class BashOutputArgs(_Args):
@@ -71,6 +83,28 @@ class BashOutputArgs(_Args):
 
 class BashKillArgs(_Args):
     task_id: str = Field(description="The id of the background task to stop (e.g. 'bash-3').")
+
+
+class BashInputArgs(_Args):
+    task_id: str = Field(description="The id of a background task started with open_stdin (e.g. 'bash-3').")
+    input: str = Field(
+        max_length=MAX_INPUT_CHARS,
+        description=(
+            "What to type, in the escape notation of the tool's description: \\n ends a line. "
+            f"At most {MAX_INPUT_CHARS} characters."
+        ),
+    )
+    close: bool | None = Field(
+        default=False,
+        description="Close the task's stdin after the input: it then reads end of file (like Ctrl-D).",
+    )
+    yield_ms: Annotated[float, Field(ge=0, le=MAX_YIELD_MS, allow_inf_nan=False)] | None = Field(
+        default=1000,
+        description=(
+            "Wait up to this many milliseconds (0 to 30000) for the task to answer before returning its "
+            "new output; returns earlier when the task ends."
+        ),
+    )
 
 
 def _clean(node: Any) -> Any:

@@ -1,4 +1,5 @@
-"""``BashToolset``: the ``bash``, ``bash_output`` and ``bash_kill`` tools on top of any ``BashExecutor``."""
+"""``BashToolset``: the ``bash``, ``bash_output``, ``bash_input`` and ``bash_kill`` tools on top of any
+``BashExecutor``."""
 
 from __future__ import annotations
 
@@ -13,18 +14,22 @@ import anyio
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dsh_bash import (
+    MAX_PENDING_INPUT,
     AbortSignal,
     BashExecRequest,
     BashExecutor,
+    BashInfrastructureError,
     BashRunResult,
     BashTask,
     BashTaskId,
     DshBashError,
     ExecutorClosedError,
     OwnerToken,
+    TaskInputError,
     UnknownTaskError,
 )
 
+from ._keys import KeyNotationError, decode_keys
 from ._render import (
     completion_notice,
     escape_controls,
@@ -36,6 +41,7 @@ from ._render import (
 from ._schemas import (
     BashArgs,
     BashForegroundArgs,
+    BashInputArgs,
     BashKillArgs,
     BashOutputArgs,
     describe_validation_error,
@@ -56,6 +62,7 @@ log = logging.getLogger("dsh_tool_bash")
 BASH = "bash"
 BASH_OUTPUT = "bash_output"
 BASH_KILL = "bash_kill"
+BASH_INPUT = "bash_input"
 ABORTED_TEXT = "command aborted"
 
 #: A tool call's arguments may be at most this large: the UTF-8 bytes of the JSON text, or an estimate of
@@ -77,7 +84,16 @@ ErrorKind = Literal[
     "other_owner",
     "too_many_running",
     "internal",
+    # bash_input: the reasons of TaskInputError (other_owner above is one of them)
+    "task_ended",
+    "input_closed",
+    "input_not_open",
+    "input_full",
+    "input_broken",
 ]
+
+#: How often bash_input looks whether the task it wrote to has ended, while it waits ``yield_ms``.
+_INPUT_POLL_S = 0.05
 
 
 class ToolDefinition(BaseModel):
@@ -176,6 +192,8 @@ def _bash_description(*, background: bool, config: object) -> str:
             "`started background task ID` at once. Read what it printed since your last look with "
             "bash_output, and stop it with bash_kill. Do not start them with `&` or `nohup`: their "
             "output would be lost.",
+            "- For a program that asks for input (a prompt, a REPL, a confirmation), add "
+            "`open_stdin: true` to `run_in_background: true` and answer it with bash_input.",
         ]
     return "\n".join(text)
 
@@ -193,6 +211,24 @@ _BASH_OUTPUT_DESCRIPTION = "\n".join(
         "",
         "Poll sparingly: when waiting for something (a server to listen, a build to finish), prefer a "
         "foreground bash command that waits for it, such as `sleep 5` or a loop with a timeout.",
+    ]
+)
+
+_BASH_INPUT_DESCRIPTION = "\n".join(
+    [
+        "Type input into a background task started with bash, `run_in_background: true` and "
+        "`open_stdin: true`: answer a prompt, feed a REPL or a program reading stdin.",
+        "",
+        "`input` is sent as is (UTF-8), except for these escapes: `\\n` newline (ends a line: most "
+        "prompts need it), `\\r` CR, `\\t` tab, `\\\\` a backslash, `\\e` ESC, `\\xHH` any byte "
+        "(hex), `\\^C` Ctrl-C and other control keys (`\\^D`, `\\^Z`, `\\^[`, ...), and named keys "
+        "`\\<up>`, `\\<down>`, `\\<left>`, `\\<right>`, `\\<enter>` (CR), `\\<tab>`, "
+        "`\\<backspace>`, `\\<esc>`. Any other backslash escape is an error. There is no terminal: "
+        "Ctrl-C is just the byte 0x03 (stop a task with bash_kill), and `close: true` sends end of "
+        "input (what Ctrl-D means on a terminal).",
+        "",
+        "Then waits `yield_ms` (default 1000) or until the task ends, and returns `wrote N bytes to task "
+        "ID` and what the task printed since the last read, in bash_output's format with its status line.",
     ]
 )
 
@@ -304,7 +340,8 @@ class BashToolset:
         return BashArgs if self._background else BashForegroundArgs
 
     def definitions(self) -> list[ToolDefinition]:
-        """The tools this toolset offers: ``bash``, and ``bash_output``/``bash_kill`` with background."""
+        """The tools this toolset offers: ``bash``, and ``bash_output``/``bash_input``/``bash_kill`` with
+        background."""
         config = getattr(self._executor, "config", None)
         bash_schema = input_schema(self._bash_model())
         timeout = _number(getattr(config, "timeout_ms", None))
@@ -325,6 +362,11 @@ class BashToolset:
                     name=BASH_OUTPUT,
                     description=_BASH_OUTPUT_DESCRIPTION,
                     input_schema=input_schema(BashOutputArgs),
+                ),
+                ToolDefinition(
+                    name=BASH_INPUT,
+                    description=_BASH_INPUT_DESCRIPTION,
+                    input_schema=input_schema(BashInputArgs),
                 ),
                 ToolDefinition(
                     name=BASH_KILL,
@@ -374,7 +416,9 @@ class BashToolset:
     async def _call(
         self, name: str, arguments: Mapping[str, Any] | str | None, signal: AbortSignal | None
     ) -> ToolResult:
-        names = [tool for tool in (BASH, BASH_OUTPUT, BASH_KILL) if tool == BASH or self._background]
+        names = [
+            tool for tool in (BASH, BASH_OUTPUT, BASH_INPUT, BASH_KILL) if tool == BASH or self._background
+        ]
         if name not in names:
             return _error("unknown_tool", f'unknown tool "{name}" (available: {", ".join(names)})', str(name))
         model: type[BaseModel]
@@ -382,6 +426,8 @@ class BashToolset:
             model = self._bash_model()
         elif name == BASH_OUTPUT:
             model = BashOutputArgs
+        elif name == BASH_INPUT:
+            model = BashInputArgs
         else:
             model = BashKillArgs
         try:
@@ -394,6 +440,13 @@ class BashToolset:
             return _error("invalid_arguments", f"invalid arguments for {name}: {problem}", name)
         except RecursionError:  # a safety net: the bounds below should have refused it first
             return _error("invalid_arguments", f"invalid arguments for {name}: {_TOO_DEEP}", name)
+        if isinstance(args, BashArgs) and args.open_stdin and not args.run_in_background:
+            return _error(
+                "invalid_arguments",
+                'invalid arguments for bash: argument "open_stdin" needs "run_in_background": true '
+                "(only a background task can be answered with bash_input)",
+                name,
+            )
         if signal is not None and signal.aborted:
             return _error("aborted", ABORTED_TEXT, name)
         if isinstance(args, BashForegroundArgs):
@@ -402,6 +455,8 @@ class BashToolset:
             return await self._run(args, signal)
         if isinstance(args, BashOutputArgs):
             return await self._read(args.task_id)
+        if isinstance(args, BashInputArgs):
+            return await self._input(args)
         assert isinstance(args, BashKillArgs)
         return await self._kill(args.task_id)
 
@@ -434,10 +489,15 @@ class BashToolset:
 
     async def _start(self, args: BashArgs, signal: AbortSignal | None) -> ToolResult:
         try:
-            request = BashExecRequest(command=args.command, workdir=args.workdir, owner=self._owner)
+            request = BashExecRequest(
+                command=args.command,
+                workdir=args.workdir,
+                owner=self._owner,
+                open_stdin=bool(args.open_stdin),
+            )
         except ValueError as exc:
             return _error("invalid_arguments", f"invalid arguments for bash: {_one_line(exc)}", BASH)
-        facts: dict[str, Any] = {"background": True}
+        facts: dict[str, Any] = {"background": True, "open_stdin": bool(args.open_stdin)}
         if args.description is not None:
             facts["description"] = args.description
         book = _book(self._executor, self._owner)
@@ -472,6 +532,16 @@ class BashToolset:
         except DshBashError as exc:
             if signal is not None and signal.aborted:
                 return _error("aborted", ABORTED_TEXT, BASH, **facts)
+            if isinstance(exc, BashInfrastructureError) and exc.reason == "interactive_unsupported":
+                return _error(
+                    "infrastructure",
+                    "the background task could not start: this shell cannot keep a task's stdin open "
+                    "(open_stdin), so it cannot be answered with bash_input; start it without open_stdin "
+                    "and give its input in the command (a pipe, a here-document, a flag such as --yes)",
+                    BASH,
+                    reason=exc.reason,
+                    **facts,
+                )
             return _failure(exc, "the background task could not start", BASH, **facts)
         finally:
             book.reserved -= 1
@@ -495,11 +565,15 @@ class BashToolset:
             refused = self._foreign(task_id, BASH_OUTPUT)
             if refused is not None:
                 return refused
-            read = await self._executor.read_output(BashTaskId(task_id))
+            return await self._read_output(task_id, BASH_OUTPUT)
         except UnknownTaskError:
             return _unknown_task(task_id, BASH_OUTPUT)
         except DshBashError as exc:
             return _failure(exc, "could not read the task's output", BASH_OUTPUT, task_id=task_id)
+
+    async def _read_output(self, task_id: str, tool: str) -> ToolResult:
+        """The ``bash_output`` text and data of one read (its errors are the caller's to map)."""
+        read = await self._executor.read_output(BashTaskId(task_id))
         task = read.task  # read synchronously after the read: the status matches the delta
         spill_paths = (read.stdout_spill_path, read.stderr_spill_path)
         text = render_output(
@@ -509,7 +583,7 @@ class BashToolset:
             status=status_line(task.status, task.exit_code, task.signal),
         )
         data = {
-            "tool": BASH_OUTPUT,
+            "tool": tool,
             **_task_data(task),
             "new_output": bool(read.delta),
             "lossy": read.lossy,
@@ -518,6 +592,66 @@ class BashToolset:
             "stderr_spill_path": read.stderr_spill_path,
         }
         return ToolResult(text=text, is_error=False, data=data)
+
+    async def _input(self, args: BashInputArgs) -> ToolResult:
+        task_id, close = args.task_id, bool(args.close)
+        yield_ms = 1000.0 if args.yield_ms is None else args.yield_ms
+        try:
+            data = decode_keys(args.input)
+        except KeyNotationError as exc:
+            return _error(
+                "invalid_arguments", f'invalid arguments for bash_input: argument "input": {exc}', BASH_INPUT
+            )
+        ended = anyio.Event()
+
+        def task_done(task: BashTask) -> None:
+            if task.id == task_id:
+                ended.set()
+
+        # Subscribed before the write: a task that ends after taking the input cannot be missed.
+        unsubscribe = self._executor.on_task_done(task_done)
+        try:
+            try:
+                refused = self._foreign(task_id, BASH_INPUT)
+                if refused is not None:
+                    return refused
+                await self._executor.write_input(BashTaskId(task_id), data, owner=self._owner)
+            except UnknownTaskError:
+                return _unknown_task(task_id, BASH_INPUT)
+            except TaskInputError as exc:
+                return _input_refused(exc, task_id)
+            except DshBashError as exc:
+                return _failure(exc, "could not write to the task", BASH_INPUT, task_id=task_id)
+            closed = False
+            if close:
+                # The write went through: a task that ended since then has no input left to close, which
+                # the text says, instead of refusing a call whose input was sent.
+                try:
+                    closed = await self._executor.close_input(BashTaskId(task_id), owner=self._owner)
+                except (TaskInputError, UnknownTaskError):
+                    pass
+                except DshBashError as exc:
+                    what = f"wrote {len(data)} bytes to task {task_id}, but could not close its input"
+                    return _failure(exc, what, BASH_INPUT, task_id=task_id, bytes_written=len(data))
+            with anyio.move_on_after(yield_ms / 1000):
+                # A loop, not one wait: the place where a task waiting for input again will end the wait
+                # too, once executors report it (docs/design/interactive.md, section 3).
+                while not ended.is_set():
+                    with anyio.move_on_after(_INPUT_POLL_S):
+                        await ended.wait()
+        finally:
+            unsubscribe()
+        wrote = f"wrote {len(data)} {'byte' if len(data) == 1 else 'bytes'} to task {task_id}"
+        if close:
+            wrote += "; closed its input" if closed else "; its input was already closed"
+        facts = {"bytes_written": len(data), "closed_input": closed}
+        try:
+            read = await self._read_output(task_id, BASH_INPUT)
+        except DshBashError as exc:
+            return _failure(
+                exc, f"{wrote}, but could not read its output", BASH_INPUT, task_id=task_id, **facts
+            )
+        return ToolResult(text=f"{wrote}\n{read.text}", is_error=False, data={**read.data, **facts})
 
     async def _kill(self, task_id: str) -> ToolResult:
         try:
@@ -687,6 +821,26 @@ def _parse_arguments(arguments: object) -> dict[str, Any] | str:
 
 def _unknown_task(task_id: str, tool: str) -> ToolResult:
     return _error("unknown_task", f'unknown bash task "{task_id}"', tool, task_id=task_id)
+
+
+def _input_refused(exc: TaskInputError, task_id: str) -> ToolResult:
+    reason = exc.reason
+    texts = {
+        "task_ended": f"task {task_id} has finished; its input is closed",
+        "input_closed": f"the input of task {task_id} was closed (close: true); it takes no more input",
+        "input_not_open": (
+            f"task {task_id} was not started with open_stdin (start it with bash, run_in_background "
+            "and open_stdin: true to answer it with bash_input)"
+        ),
+        "input_full": (
+            f"task {task_id} has not read the input it was sent yet (at most {MAX_PENDING_INPUT} bytes may "
+            "wait); nothing was sent: check with bash_output that it is still reading"
+        ),
+        "input_broken": f"task {task_id} closed its input",
+        "other_owner": f"task {task_id} belongs to another session",
+    }
+    text = texts.get(reason, f"could not write to task {task_id}: {_one_line(exc)}")
+    return _error(reason, text, BASH_INPUT, task_id=task_id)
 
 
 def _failure(exc: DshBashError, what: str, tool: str, **facts: Any) -> ToolResult:

@@ -170,7 +170,7 @@ async def test_stdio_tools_foreground_background_and_no_orphans(config: Path, ma
     with anyio.fail_after(40):
         async with Client(stdio_client(params), logging_callback=on_log) as client:
             listed = await client.list_tools()
-            assert [tool.name for tool in listed.tools] == ["bash", "bash_output", "bash_kill"]
+            assert [tool.name for tool in listed.tools] == ["bash", "bash_output", "bash_input", "bash_kill"]
             bash = listed.tools[0]
             assert bash.input_schema["additionalProperties"] is False
             assert "run_in_background" in bash.input_schema["properties"]
@@ -218,6 +218,35 @@ async def test_stdio_tools_foreground_background_and_no_orphans(config: Path, ma
         await _until_gone(marker, 5)
 
 
+async def test_stdio_bash_input_answers_a_prompt(config: Path, marker: str) -> None:
+    params = StdioServerParameters(command=sys.executable, args=_server_args(config, marker), cwd=str(REPO))
+    with anyio.fail_after(40):
+        async with Client(stdio_client(params)) as client:
+            listed = {tool.name: tool for tool in (await client.list_tools()).tools}
+            assert listed["bash_input"].input_schema["required"] == ["task_id", "input"]
+            started = await client.call_tool(
+                "bash",
+                {"command": 'read -r n; echo "hi $n"; cat', "run_in_background": True, "open_stdin": True},
+            )
+            task_id = _data(started)["task_id"]
+            assert _data(started)["open_stdin"] is True
+            answered = await client.call_tool("bash_input", {"task_id": task_id, "input": "bob\\n"})
+            assert (_text(answered), answered.is_error) == (
+                f"wrote 4 bytes to task {task_id}\nhi bob\n[status: running]",
+                False,
+            )
+            closed = await client.call_tool(
+                "bash_input", {"task_id": task_id, "input": "bye\\n", "close": True, "yield_ms": 10_000}
+            )
+            assert _text(closed) == (
+                f"wrote 4 bytes to task {task_id}; closed its input\nbye\n[status: completed, exit code: 0]"
+            )
+            assert _data(closed)["tool"] == "bash_input" and _data(closed)["closed_input"] is True
+            refused = await client.call_tool("bash_input", {"task_id": task_id, "input": "more"})
+            assert refused.is_error and _data(refused)["error"] == "task_ended"
+            assert _text(refused) == f"task {task_id} has finished; its input is closed"
+
+
 @pytest.mark.parametrize(("signum", "background"), [(signal.SIGTERM, True), (signal.SIGINT, False)])
 async def test_stdio_server_stops_on_a_signal_and_kills_everything(
     config: Path, marker: str, signum: int, background: bool
@@ -231,7 +260,7 @@ async def test_stdio_server_stops_on_a_signal_and_kills_everything(
         async with _outliving(Client(stdio_client(params))) as client:
             listed = await client.list_tools()
             assert [tool.name for tool in listed.tools] == (
-                ["bash", "bash_output", "bash_kill"] if background else ["bash"]
+                ["bash", "bash_output", "bash_input", "bash_kill"] if background else ["bash"]
             )
             if background:
                 await _start(client, f"exec -a {marker}-bg sleep 30")
@@ -391,8 +420,9 @@ async def test_http_sessions_are_isolated_owners(config: Path, marker: str) -> N
             async with Client(url, logging_callback=on_log_a) as a:
                 task_a = await _start(a, f"exec -a {marker}-a sleep 30")
                 task_b = await _start(b, f"exec -a {marker}-b sleep 30")
-                for tool in ("bash_output", "bash_kill"):
-                    refused = await b.call_tool(tool, {"task_id": task_a})
+                for tool in ("bash_output", "bash_kill", "bash_input"):
+                    extra = {"input": "x"} if tool == "bash_input" else {}
+                    refused = await b.call_tool(tool, {"task_id": task_a, **extra})
                     assert refused.is_error
                     assert _text(refused) == f"task {task_a} belongs to another session"
                 refused = await a.call_tool("bash_output", {"task_id": task_b})
@@ -436,7 +466,7 @@ async def test_stdio_same_tools_over_a_docker_container_by_config_alone(
     with anyio.fail_after(60):
         async with Client(stdio_client(params)) as client:
             listed = await client.list_tools()
-            assert [tool.name for tool in listed.tools] == ["bash", "bash_output", "bash_kill"]
+            assert [tool.name for tool in listed.tools] == ["bash", "bash_output", "bash_input", "bash_kill"]
             # PID 1 is the container's init: the command ran inside the container.
             fg = await client.call_tool("bash", {"command": "tr '\\0' ' ' < /proc/1/cmdline; exit 3"})
             assert not fg.is_error

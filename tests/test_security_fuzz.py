@@ -427,7 +427,11 @@ argument_names = st.sampled_from(
         "timeout_ms",
         "workdir",
         "run_in_background",
+        "open_stdin",
         "task_id",
+        "input",
+        "close",
+        "yield_ms",
         "env",
         "stdin",
         "owner",
@@ -443,8 +447,20 @@ tool_arguments = st.one_of(
             "timeout_ms": st.one_of(json_scalars, st.floats(min_value=1, max_value=3000)),
             "workdir": st.one_of(st.sampled_from(["/", "/tmp", "/nonexistent", "rel"]), json_scalars),
             "run_in_background": json_scalars,
+            "open_stdin": json_scalars,
             "description": json_values,
         },
+    ),
+    st.fixed_dictionaries(
+        {
+            "task_id": st.sampled_from(["bash-1", "bash-2", "bash-999"]),
+            "input": st.one_of(
+                st.sampled_from(["y\\n", "\\^C", "\\<up>\\x00", "\\", "\\q", "\\x4", "\\<", "\\^"]),
+                odd_text,
+                json_values,
+            ),
+        },
+        optional={"close": json_scalars, "yield_ms": st.one_of(json_scalars, st.floats(0, 50))},
     ),
     st.fixed_dictionaries(
         {"task_id": st.one_of(st.sampled_from(["bash-1", "bash-2", "bash-999"]), json_values)}
@@ -453,7 +469,8 @@ tool_arguments = st.one_of(
     odd_text,
     json_values,
 )
-tool_names = st.sampled_from(["bash", "bash_output", "bash_kill"]) | st.text(max_size=12)
+TOOLS = ("bash", "bash_output", "bash_input", "bash_kill")
+tool_names = st.sampled_from(TOOLS) | st.text(max_size=12)
 
 DOCUMENTED_ERRORS = {
     "unknown_tool",
@@ -464,8 +481,24 @@ DOCUMENTED_ERRORS = {
     "unknown_task",
     "other_owner",
     "too_many_running",
+    "task_ended",
+    "input_closed",
+    "input_not_open",
+    "input_full",
+    "input_broken",
 }
-KNOWN_ARGUMENTS = ("command", "description", "timeout_ms", "workdir", "run_in_background", "task_id")
+KNOWN_ARGUMENTS = (
+    "command",
+    "description",
+    "timeout_ms",
+    "workdir",
+    "run_in_background",
+    "open_stdin",
+    "task_id",
+    "input",
+    "close",
+    "yield_ms",
+)
 
 
 def _as_wire(arguments: object, as_json: bool) -> Any:
@@ -489,7 +522,7 @@ async def _call_one(calls: list[tuple[str, Any]]) -> None:
                 result = await tools.call(name, arguments)
                 assert isinstance(result.text, str) and result.text
                 if not result.is_error:
-                    assert name in ("bash", "bash_output", "bash_kill")
+                    assert name in TOOLS
                     continue
                 kind = result.data.get("error")
                 assert kind in DOCUMENTED_ERRORS, result

@@ -1,4 +1,4 @@
-"""Security: a background task cannot be read or killed through another owner's toolset.
+"""Security: a background task cannot be read, written to or killed through another owner's toolset.
 
 Two ``BashToolset``s (owners alice and bob) and an ownerless one share one executor of each backend.
 Refused calls must neither consume the owner's output nor disturb the task. Over MCP, two HTTP
@@ -53,8 +53,10 @@ async def test_another_owner_cannot_read_or_kill_a_task(request: pytest.FixtureR
         await anyio.sleep(1.5)  # both lines printed, unread
 
         for intruder in (bob, anyone):
-            for tool in ("bash_output", "bash_kill"):
-                refused = await intruder.call(tool, {"task_id": task_id})
+            for tool in ("bash_output", "bash_kill", "bash_input"):
+                # bash_input is refused as another session's before the task's input state is looked at
+                extra = {"input": "x\\n", "close": True} if tool == "bash_input" else {}
+                refused = await intruder.call(tool, {"task_id": task_id, **extra})
                 assert refused.is_error, (tool, refused)
                 assert refused.text == f"task {task_id} belongs to another session"
                 assert refused.data["error"] == "other_owner"

@@ -202,7 +202,7 @@ def test_definitions_formats_and_schemas() -> None:
     tools = BashToolset(_scripted())
     definitions = tools.definitions()
     assert all(isinstance(d, ToolDefinition) for d in definitions)
-    assert [d.name for d in definitions] == ["bash", "bash_output", "bash_kill"]
+    assert [d.name for d in definitions] == ["bash", "bash_output", "bash_input", "bash_kill"]
     bash = definitions[0]
     schema = bash.input_schema
     assert schema["type"] == "object"
@@ -214,6 +214,7 @@ def test_definitions_formats_and_schemas() -> None:
         "timeout_ms",
         "workdir",
         "run_in_background",
+        "open_stdin",
     }
     assert schema["properties"]["timeout_ms"]["type"] == "number"
     assert "title" not in json.dumps(schema)
@@ -222,15 +223,15 @@ def test_definitions_formats_and_schemas() -> None:
     assert "bash_output" in bash.description and "bash_kill" in bash.description
     assert "120000" in bash.description and "600000" in bash.description
     for definition in definitions[1:]:
-        assert definition.input_schema["required"] == ["task_id"]
+        assert definition.input_schema["required"][0] == "task_id"
         assert definition.input_schema["additionalProperties"] is False
 
     openai = tools.openai_tools()
-    assert [t["type"] for t in openai] == ["function"] * 3
+    assert [t["type"] for t in openai] == ["function"] * 4
     assert openai[0]["function"]["name"] == "bash"
     assert openai[0]["function"]["parameters"] == schema
     anthropic = tools.anthropic_tools()
-    assert [t["name"] for t in anthropic] == ["bash", "bash_output", "bash_kill"]
+    assert [t["name"] for t in anthropic] == ["bash", "bash_output", "bash_input", "bash_kill"]
     assert anthropic[0]["input_schema"] == schema
     anthropic[0]["input_schema"]["properties"].clear()  # callers get copies
     assert tools.definitions()[0].input_schema == schema
@@ -359,7 +360,7 @@ async def test_unknown_tool_and_foreground_only_refusals() -> None:
         result = await BashToolset(ex).call("python", {"code": "1"})
         assert (
             result.is_error
-            and result.text == 'unknown tool "python" (available: bash, bash_output, bash_kill)'
+            and result.text == 'unknown tool "python" (available: bash, bash_output, bash_input, bash_kill)'
         )
         tools = BashToolset(ex, background=False)
         assert (await tools.call("bash_output", {"task_id": "bash-1"})).text == (

@@ -488,8 +488,8 @@ def _add_mcp_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser
         "mcp",
         help="serve the bash tools over the Model Context Protocol",
         description=(
-            "Serve the bash, bash_output and bash_kill tools over MCP on the backend FILE describes: "
-            "over stdio (one client), or with --http over streamable HTTP at http://HOST:PORT/mcp "
+            "Serve the bash, bash_output, bash_input and bash_kill tools over MCP on the backend FILE "
+            "describes: over stdio (one client), or with --http over streamable HTTP at http://HOST:PORT/mcp "
             "(many clients, each session its own owner of background tasks). Stops on SIGTERM, SIGINT "
             "or end of stdin (stdio), closing the executor. Needs the 'mcp' extra."
         ),
