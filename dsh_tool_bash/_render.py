@@ -131,8 +131,14 @@ def status_summary(status: BashTaskStatus, exit_code: int | None, signal: str | 
     return "completed"
 
 
-def status_line(status: BashTaskStatus, exit_code: int | None, signal: str | None) -> str:
-    return f"[status: {status_summary(status, exit_code, signal)}]"
+def status_line(
+    status: BashTaskStatus, exit_code: int | None, signal: str | None, *, waiting: bool = False
+) -> str:
+    """``[status: ...]``; a running task blocked reading its input gets ``, waiting for input``."""
+    summary = status_summary(status, exit_code, signal)
+    if waiting and status == "running":
+        summary += ", waiting for input"
+    return f"[status: {summary}]"
 
 
 def lossy_line(spill_paths: Sequence[str | None]) -> Line:

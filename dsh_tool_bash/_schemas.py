@@ -75,6 +75,14 @@ class BashArgs(BashForegroundArgs):
             "with bash_input. Without it the task's stdin is empty."
         ),
     )
+    terminal: bool | None = Field(
+        default=False,
+        description=(
+            "With run_in_background only: run the task on a 24x80 terminal (its input open, as with "
+            "open_stdin), for programs that need one: REPLs, ssh/sudo password prompts, full-screen "
+            "programs. Its output is what the terminal shows (input echoed, \\r\\n line ends)."
+        ),
+    )
 
 
 class BashOutputArgs(_Args):

@@ -26,6 +26,7 @@ from dsh_bash import (
     ExecutorClosedError,
     OwnerToken,
     TaskInputError,
+    TerminalSize,
     UnknownTaskError,
 )
 
@@ -90,8 +91,12 @@ ErrorKind = Literal[
     "input_not_open",
     "input_full",
     "input_broken",
+    "not_terminal",
+    "terminal_no_close",
 ]
 
+#: The terminal of a task started with ``terminal: true``: the size terminal programs assume.
+_TERMINAL = TerminalSize(rows=24, cols=80)
 #: How often bash_input looks whether the task it wrote to has ended, while it waits ``yield_ms``.
 _INPUT_POLL_S = 0.05
 
@@ -440,13 +445,15 @@ class BashToolset:
             return _error("invalid_arguments", f"invalid arguments for {name}: {problem}", name)
         except RecursionError:  # a safety net: the bounds below should have refused it first
             return _error("invalid_arguments", f"invalid arguments for {name}: {_TOO_DEEP}", name)
-        if isinstance(args, BashArgs) and args.open_stdin and not args.run_in_background:
-            return _error(
-                "invalid_arguments",
-                'invalid arguments for bash: argument "open_stdin" needs "run_in_background": true '
-                "(only a background task can be answered with bash_input)",
-                name,
-            )
+        if isinstance(args, BashArgs) and not args.run_in_background:
+            for flag in ("open_stdin", "terminal"):
+                if getattr(args, flag):
+                    return _error(
+                        "invalid_arguments",
+                        f'invalid arguments for bash: argument "{flag}" needs "run_in_background": true '
+                        "(only a background task can be answered with bash_input)",
+                        name,
+                    )
         if signal is not None and signal.aborted:
             return _error("aborted", ABORTED_TEXT, name)
         if isinstance(args, BashForegroundArgs):
@@ -494,10 +501,15 @@ class BashToolset:
                 workdir=args.workdir,
                 owner=self._owner,
                 open_stdin=bool(args.open_stdin),
+                terminal=_TERMINAL if args.terminal else None,
             )
         except ValueError as exc:
             return _error("invalid_arguments", f"invalid arguments for bash: {_one_line(exc)}", BASH)
-        facts: dict[str, Any] = {"background": True, "open_stdin": bool(args.open_stdin)}
+        facts: dict[str, Any] = {
+            "background": True,
+            "open_stdin": bool(args.open_stdin or args.terminal),
+            "terminal": bool(args.terminal),
+        }
         if args.description is not None:
             facts["description"] = args.description
         book = _book(self._executor, self._owner)
@@ -580,11 +592,14 @@ class BashToolset:
             read.delta,
             lossy=read.lossy,
             spill_paths=spill_paths,
-            status=status_line(task.status, task.exit_code, task.signal),
+            status=status_line(
+                task.status, task.exit_code, task.signal, waiting=read.waiting_for_input is True
+            ),
         )
         data = {
             "tool": tool,
             **_task_data(task),
+            "waiting_for_input": read.waiting_for_input,
             "new_output": bool(read.delta),
             "lossy": read.lossy,
             "dropped_bytes": read.dropped_bytes,
@@ -838,6 +853,10 @@ def _input_refused(exc: TaskInputError, task_id: str) -> ToolResult:
         ),
         "input_broken": f"task {task_id} closed its input",
         "other_owner": f"task {task_id} belongs to another session",
+        "terminal_no_close": (
+            f"task {task_id} runs on a terminal, whose input never closes: send \\^D (Ctrl-D) at a line "
+            "start for end of file, or use bash_kill"
+        ),
     }
     text = texts.get(reason, f"could not write to task {task_id}: {_one_line(exc)}")
     return _error(reason, text, BASH_INPUT, task_id=task_id)

@@ -230,9 +230,11 @@ async def test_stdio_bash_input_answers_a_prompt(config: Path, marker: str) -> N
             )
             task_id = _data(started)["task_id"]
             assert _data(started)["open_stdin"] is True
-            answered = await client.call_tool("bash_input", {"task_id": task_id, "input": "bob\\n"})
+            answered = await client.call_tool(
+                "bash_input", {"task_id": task_id, "input": "bob\\n", "yield_ms": 1500}
+            )
             assert (_text(answered), answered.is_error) == (
-                f"wrote 4 bytes to task {task_id}\nhi bob\n[status: running]",
+                f"wrote 4 bytes to task {task_id}\nhi bob\n[status: running, waiting for input]",
                 False,
             )
             closed = await client.call_tool(

@@ -215,6 +215,7 @@ def test_definitions_formats_and_schemas() -> None:
         "workdir",
         "run_in_background",
         "open_stdin",
+        "terminal",
     }
     assert schema["properties"]["timeout_ms"]["type"] == "number"
     assert "title" not in json.dumps(schema)

@@ -210,13 +210,16 @@ async def test_yield_ms_waits_while_the_task_runs() -> None:
         tools = BashToolset(ex)
         task_id = await _start(tools, "cat")
         started = time.monotonic()
-        echoed = await _input(tools, task_id, "one\\n", yield_ms=400)
+        echoed = await _input(tools, task_id, "one\\n", yield_ms=1500)
         elapsed = time.monotonic() - started
-        assert 0.4 <= elapsed < 3, elapsed
-        assert echoed.text == f"wrote 4 bytes to task {task_id}\none\n[status: running]"
+        assert 1.5 <= elapsed < 4, elapsed
+        # cat read the line, echoed it and blocks reading again: seen within about 0.4 s.
+        assert echoed.text == f"wrote 4 bytes to task {task_id}\none\n[status: running, waiting for input]"
+        assert echoed.data["waiting_for_input"] is True
         started = time.monotonic()
         quick = await _input(tools, task_id, "", yield_ms=0)
         assert time.monotonic() - started < 0.3
+        # A write, even an empty one, clears the wait until it is seen again.
         assert quick.text == f"wrote 0 bytes to task {task_id}\n(no new output)\n[status: running]"
         await tools.call("bash_kill", {"task_id": task_id})
 
@@ -287,8 +290,9 @@ async def test_another_owner_cannot_write_and_nothing_reaches_the_task() -> None
                 f"task {task_id} belongs to another session",
                 "other_owner",
             )
-        mine = await _input(alice, task_id, "mine\\n", yield_ms=500)
-        assert mine.text == f"wrote 5 bytes to task {task_id}\nmine\n[status: running]"  # still open
+        mine = await _input(alice, task_id, "mine\\n", yield_ms=1500)
+        # Still open: cat waits for more.
+        assert mine.text == f"wrote 5 bytes to task {task_id}\nmine\n[status: running, waiting for input]"
         shared = await _start(anyone, "cat")  # ownerless: anyone may write
         echoed = await _input(bob, shared, "shared\\n", close=True, yield_ms=10_000)
         assert echoed.text.endswith("shared\n[status: completed, exit code: 0]"), echoed.text
@@ -429,3 +433,31 @@ def test_definitions_offer_bash_input_beside_the_background_tools() -> None:
     assert re.search(
         r"\bbash_input\b", definitions["bash"].input_schema["properties"]["open_stdin"]["description"]
     )
+
+
+@pytest.mark.anyio
+async def test_a_terminal_task_through_the_tools() -> None:
+    async with _executor() as ex:
+        tools = BashToolset(ex)
+        refused = await tools.call("bash", {"command": "tty", "terminal": True})
+        assert refused.is_error and refused.data["error"] == "invalid_arguments"
+        assert 'argument "terminal" needs "run_in_background": true' in refused.text
+        started = await tools.call(
+            "bash",
+            {
+                "command": 'stty size; read -r -p "pass? " p; echo "[$p]"',
+                "run_in_background": True,
+                "terminal": True,
+            },
+        )
+        assert (started.data["terminal"], started.data["open_stdin"]) == (True, True)
+        task_id = str(started.data["task_id"])
+        asked = await _input(tools, task_id, "", yield_ms=2000)
+        # The prompt reads the terminal: the wait is seen, and the terminal's size is the tools' 24x80.
+        assert asked.text.endswith("24 80\r\npass? \n[status: running, waiting for input]"), asked.text
+        answered = await _input(tools, task_id, "s3cret\\r", yield_ms=5000)
+        assert answered.text == (
+            f"wrote 7 bytes to task {task_id}\ns3cret\r\n[s3cret]\r\n[status: completed, exit code: 0]"
+        ), answered.text
+        closing = await _input(tools, task_id, "x", close=True, yield_ms=0)
+        assert closing.data["error"] == "task_ended"
