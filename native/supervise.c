@@ -3,7 +3,8 @@
  *
  *   dsh-supervise [--status-fd N] [--control-fd N] [--die-with-parent] [--allow-no-subreaper]
  *                 [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]
- *   dsh-supervise --frame [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]
+ *   dsh-supervise --frame [--tty ROWSxCOLS] [--allow-no-subreaper] [--setenv NAME=VALUE]...
+ *                 -- PROGRAM [ARGS...]
  *   dsh-supervise --frame --spec [--allow-no-subreaper]
  *   dsh-supervise --detach --status-file PATH [--stdin-file PATH] [--stdout-file PATH]
  *                 [--stderr-file PATH] [--cap-bytes N [--cap-file PATH]] [--allow-no-subreaper]
@@ -21,6 +22,8 @@
  * Status records (only with --status-fd):
  *   started PID         PROGRAM was exec'd (PID leads its own session and process group)
  *   execfail ERRNO      exec failed (an `exit 127` record follows for the child that reported it)
+ *   ptyfail ERRNO       --frame with a terminal (version 5): the pseudo-terminal could not be made (no
+ *                       devpts where the supervisor runs, say); nothing was started, `exit 127` follows
  *   exit CODE           the PROGRAM process exited (descendants may live on)
  *   signal NUM[ core]   the PROGRAM process was killed by a signal
  *   signalled N         answer to a kill request: N processes signalled by its first pass
@@ -32,7 +35,8 @@
  *                       still waits for the command outside the pipe
  *   input broken ERRNO  --frame only (version 5), once: writing the command's stdin failed (32, EPIPE:
  *                       the command closed its read end; 12, ENOMEM: the queue could not grow); the
- *                       queue is dropped, later 'i' frames too, and no `input drained` follows
+ *                       queue is dropped, later 'i' frames too, and no `input drained` follows. A
+ *                       terminal takes input even when nobody holds its slave, up to its buffer
  *   empty               no child is left at all; the supervisor exits 0 right after
  *
  * Kill requests: SIGUSR1 or byte 'T' on the control fd sends SIGTERM (then SIGCONT) to every live
@@ -48,7 +52,8 @@
  *                's'        one status record as above, without its newline
  *   in (fd 0):   'i' bytes for the command's stdin (queued, unbounded: the harness bounds what waits
  *                by `input drained`); 'c' close its stdin once the queue is written; 'T' / 'K' as the
- *                control bytes; 'P' / 'G' for the side pipe (below); other types are skipped; a
+ *                control bytes; 'P' / 'G' for the side pipe (below); 'W' resizes the terminal (below);
+ *                other types are skipped; a
  *                length over 1 MiB, EOF or an error mean the harness is gone (as
  *                control-fd EOF)
  * The side pipe, for a harness that can open this process's fds through /proc (root on the engine's
@@ -62,12 +67,35 @@
  * frame. fd 1 is written non-blocking from a bounded buffer: while it holds OUT_LIMIT bytes the
  * command's pipes are not read (the command blocks), but fd 0, signals and kill passes are served.
  *
+ * A terminal (version 5: --tty ROWSxCOLS, or the 'x' payload's terminal field with --spec; each a
+ * decimal number from 1 to 65535): the command runs on a pseudo-terminal of that size instead of the
+ * three pipes. The supervisor makes it (posix_openpt O_NOCTTY, grantpt, unlockpt, TIOCSWINSZ) and
+ * holds its master alone; the child, a session leader, opens the slave as fd 0 (which makes it its
+ * controlling terminal and the child's group the foreground group) and dup2()s it onto 1 and 2; the
+ * supervisor never holds the slave. 'i' bytes are written into the master as they would be typed (a
+ * 0x03 is the terminal's interrupt: SIGINT to the foreground group, with the default ISIG; the line
+ * discipline echoes them), the master's output is the 'o' stream (the command's stdout and stderr in
+ * one, as a terminal shows them), and the 'e' stream's EOF frame is sent at once. A read of EIO from
+ * the master means no process holds the slave any more: the 'o' stream's EOF. 'c' is ignored (a
+ * terminal is not closed; it ends by hang-up, which a kill brings, or when the supervisor exits and
+ * its master closes). 'W' with the payload "R C" (ASCII, one space) sets the size (TIOCSWINSZ: the
+ * kernel sends SIGWINCH to the foreground group); without a terminal it is ignored, and a payload that
+ * is no such size changes nothing but sends `warning resize 22`. Once no child is left, the terminal's
+ * output is read until it is empty (EAGAIN) or EIO, beyond what FIONREAD counts (the line discipline's
+ * 4 KiB; more waits in the kernel's buffers) but at most 1 MiB more: a process outside the subtree
+ * that opened the slave cannot keep the supervisor by writing. Kills are as without a terminal.
+ *
  * --spec (with --frame, within version 4), for a harness that starts supervisors ahead of their
  * commands (a container engine takes tens of milliseconds to start an exec): no PROGRAM on the command
  * line; the supervisor waits on fd 0 for an 'x' frame whose payload is NUL-terminated strings, as a
  * --fork-server request's: ".", "-1", the argument count, PROGRAM and its arguments, then NAME=VALUE
- * entries applied as --setenv (so a value waits in no process). Other frames before it are skipped;
- * EOF before it: exit 0 at once (the spare was not needed). Then it goes on as --frame.
+ * entries applied as --setenv (so a value waits in no process). Version 5 allows one more string right
+ * after "-1", the terminal field: "-" (no terminal) or "R C" (a terminal of R rows and C columns, as
+ * --tty); a payload without it (its third string, the argument count, is all digits) runs without a
+ * terminal as before, and a third string that is neither is not a sound frame (125). So the strings
+ * ".", "-1", "24 80", "3", "bash", "-c", "tty", "TERM=xterm" (each with its NUL) run `bash -c tty` on
+ * a 24x80 terminal. Other frames before it ('W' too) are skipped; EOF before it: exit 0 at once (the
+ * spare was not needed). Then it goes on as --frame.
  *
  * --detach (version 3), for background tasks that must outlive the harness's channel (an SSH
  * connection that drops): no channel can carry the records, so they go to a file the command could
@@ -2118,7 +2146,8 @@ static void usage(void)
 {
     die("usage: dsh-supervise [--status-fd N] [--control-fd N] [--die-with-parent] [--allow-no-subreaper] "
         "[--setenv NAME=VALUE]... -- PROGRAM [ARGS...]\n"
-        "       dsh-supervise --frame [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]\n"
+        "       dsh-supervise --frame [--tty ROWSxCOLS] [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM "
+        "[ARGS...]\n"
         "       dsh-supervise --frame --spec [--allow-no-subreaper]\n"
         "       dsh-supervise --detach --status-file PATH [--stdin-file PATH] [--stdout-file PATH] "
         "[--stderr-file PATH] [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]\n"
