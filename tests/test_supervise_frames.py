@@ -1173,3 +1173,24 @@ def test_tty_that_cannot_be_made_is_a_ptyfail_record(runs: list[Framed]) -> None
     assert failure.startswith("ptyfail ") and int(failure.split()[1]) > 0, failure
     assert rest == ["exit 127", "empty"]
     assert sorted(e for e in run.events if e[0] == "eof") == [("eof", "stderr"), ("eof", "stdout")]
+
+
+@pytest.mark.skipif(
+    QEMU is None,
+    reason="backend unavailable: qemu-aarch64-static is not installed (apt-get install qemu-user-static)",
+)
+def test_aarch64_terminal_under_qemu(runs: list[Framed]) -> None:
+    binary = supervisor_binary("aarch64")
+    assert binary is not None, supervisor_problem("aarch64")
+    assert QEMU is not None
+    run = Framed(
+        ["/bin/sh", "-c", 'read x; echo "got $x"; stty size; tty >/dev/null && echo tty'],
+        binary=(QEMU, str(binary)),
+        options=["--allow-no-subreaper", "--tty", "30x100"],
+    )
+    runs.append(run)
+    run.send(b"W", b"31 101")
+    run.send(b"i", b"in\n")
+    run.finish(10)
+    assert _lines(run.stdout) == ["in", "got in", "31 101", "tty", ""]
+    assert run.records[1:] == ["exit 0", "empty"]
