@@ -1197,3 +1197,14 @@ def test_aarch64_terminal_under_qemu(runs: list[Framed]) -> None:
     run.finish(10)
     assert _lines(run.stdout) == ["in", "got in", "31 101", "tty", ""]
     assert run.records[1:] == ["exit 0", "empty"]
+
+
+def test_tty_exec_failure(runs: list[Framed]) -> None:
+    run = Framed(["/nonexistent/dsh-program"], options=["--tty", "24x80"])
+    runs.append(run)
+    run.finish()
+    assert run.records == ["execfail 2", "exit 127", "empty"]
+    assert run.stdout == b"" and sorted(e for e in run.events if e[0] == "eof") == [
+        ("eof", "stderr"),
+        ("eof", "stdout"),
+    ]
