@@ -3,7 +3,8 @@
  *
  *   dsh-supervise [--status-fd N] [--control-fd N] [--die-with-parent] [--allow-no-subreaper]
  *                 [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]
- *   dsh-supervise --frame [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]
+ *   dsh-supervise --frame [--tty ROWSxCOLS] [--allow-no-subreaper] [--setenv NAME=VALUE]...
+ *                 -- PROGRAM [ARGS...]
  *   dsh-supervise --frame --spec [--allow-no-subreaper]
  *   dsh-supervise --detach --status-file PATH [--stdin-file PATH] [--stdout-file PATH]
  *                 [--stderr-file PATH] [--cap-bytes N [--cap-file PATH]] [--allow-no-subreaper]
@@ -21,6 +22,8 @@
  * Status records (only with --status-fd):
  *   started PID         PROGRAM was exec'd (PID leads its own session and process group)
  *   execfail ERRNO      exec failed (an `exit 127` record follows for the child that reported it)
+ *   ptyfail ERRNO       --frame with a terminal (version 5): the pseudo-terminal could not be made (no
+ *                       devpts where the supervisor runs, say); nothing was started, `exit 127` follows
  *   exit CODE           the PROGRAM process exited (descendants may live on)
  *   signal NUM[ core]   the PROGRAM process was killed by a signal
  *   signalled N         answer to a kill request: N processes signalled by its first pass
@@ -32,7 +35,8 @@
  *                       still waits for the command outside the pipe
  *   input broken ERRNO  --frame only (version 5), once: writing the command's stdin failed (32, EPIPE:
  *                       the command closed its read end; 12, ENOMEM: the queue could not grow); the
- *                       queue is dropped, later 'i' frames too, and no `input drained` follows
+ *                       queue is dropped, later 'i' frames too, and no `input drained` follows. A
+ *                       terminal takes input even when nobody holds its slave, up to its buffer
  *   empty               no child is left at all; the supervisor exits 0 right after
  *
  * Kill requests: SIGUSR1 or byte 'T' on the control fd sends SIGTERM (then SIGCONT) to every live
@@ -48,7 +52,8 @@
  *                's'        one status record as above, without its newline
  *   in (fd 0):   'i' bytes for the command's stdin (queued, unbounded: the harness bounds what waits
  *                by `input drained`); 'c' close its stdin once the queue is written; 'T' / 'K' as the
- *                control bytes; 'P' / 'G' for the side pipe (below); other types are skipped; a
+ *                control bytes; 'P' / 'G' for the side pipe (below); 'W' resizes the terminal (below);
+ *                other types are skipped; a
  *                length over 1 MiB, EOF or an error mean the harness is gone (as
  *                control-fd EOF)
  * The side pipe, for a harness that can open this process's fds through /proc (root on the engine's
@@ -62,12 +67,35 @@
  * frame. fd 1 is written non-blocking from a bounded buffer: while it holds OUT_LIMIT bytes the
  * command's pipes are not read (the command blocks), but fd 0, signals and kill passes are served.
  *
+ * A terminal (version 5: --tty ROWSxCOLS, or the 'x' payload's terminal field with --spec; each a
+ * decimal number from 1 to 65535): the command runs on a pseudo-terminal of that size instead of the
+ * three pipes. The supervisor makes it (posix_openpt O_NOCTTY, grantpt, unlockpt, TIOCSWINSZ) and
+ * holds its master alone; the child, a session leader, opens the slave as fd 0 (which makes it its
+ * controlling terminal and the child's group the foreground group) and dup2()s it onto 1 and 2; the
+ * supervisor never holds the slave. 'i' bytes are written into the master as they would be typed (a
+ * 0x03 is the terminal's interrupt: SIGINT to the foreground group, with the default ISIG; the line
+ * discipline echoes them), the master's output is the 'o' stream (the command's stdout and stderr in
+ * one, as a terminal shows them), and the 'e' stream's EOF frame is sent at once. A read of EIO from
+ * the master means no process holds the slave any more: the 'o' stream's EOF. 'c' is ignored (a
+ * terminal is not closed; it ends by hang-up, which a kill brings, or when the supervisor exits and
+ * its master closes). 'W' with the payload "R C" (ASCII, one space) sets the size (TIOCSWINSZ: the
+ * kernel sends SIGWINCH to the foreground group); without a terminal it is ignored, and a payload that
+ * is no such size changes nothing but sends `warning resize 22`. Once no child is left, the terminal's
+ * output is read until it is empty (EAGAIN) or EIO, beyond what FIONREAD counts (the line discipline's
+ * 4 KiB; more waits in the kernel's buffers) but at most 1 MiB more: a process outside the subtree
+ * that opened the slave cannot keep the supervisor by writing. Kills are as without a terminal.
+ *
  * --spec (with --frame, within version 4), for a harness that starts supervisors ahead of their
  * commands (a container engine takes tens of milliseconds to start an exec): no PROGRAM on the command
  * line; the supervisor waits on fd 0 for an 'x' frame whose payload is NUL-terminated strings, as a
  * --fork-server request's: ".", "-1", the argument count, PROGRAM and its arguments, then NAME=VALUE
- * entries applied as --setenv (so a value waits in no process). Other frames before it are skipped;
- * EOF before it: exit 0 at once (the spare was not needed). Then it goes on as --frame.
+ * entries applied as --setenv (so a value waits in no process). Version 5 allows one more string right
+ * after "-1", the terminal field: "-" (no terminal) or "R C" (a terminal of R rows and C columns, as
+ * --tty); a payload without it (its third string, the argument count, is all digits) runs without a
+ * terminal as before, and a third string that is neither is not a sound frame (125). So the strings
+ * ".", "-1", "24 80", "3", "bash", "-c", "tty", "TERM=xterm" (each with its NUL) run `bash -c tty` on
+ * a 24x80 terminal. Other frames before it ('W' too) are skipped; EOF before it: exit 0 at once (the
+ * spare was not needed). Then it goes on as --frame.
  *
  * --detach (version 3), for background tasks that must outlive the harness's channel (an SSH
  * connection that drops): no channel can carry the records, so they go to a file the command could
@@ -178,6 +206,7 @@
                                     pipe, switch, nonce, input broken */
 #define RING_CAP (OUT_LIMIT + FRAME_HEADER + READ_SIZE + RECORD_ROOM + FINAL_ROOM)
 #define REQUEST_MAX (1 << 20)    /* a longer frame from the harness cannot be a sound one */
+#define TTY_SLACK (1 << 20)      /* terminal output read once no child is left, beyond what FIONREAD says */
 
 /* ---- SHA-256 (FIPS 180-4) and HMAC-SHA256 (RFC 2104), for --detach's signed records ----------- */
 
@@ -412,6 +441,12 @@ static int side_switched;     /* frames after the `switch` record go to side_pip
 static size_t side_fd1_left;  /* ring bytes still owed to fd 1 (up to and with `switch`) */
 static unsigned char side_nonce[64];
 static size_t side_nonce_len;
+/* --tty / the 'x' payload's terminal field: the command runs on a pseudo-terminal whose master only
+ * the supervisor holds (stdin_fd and streams[0].fd are dups of it; the slave is the command's alone). */
+static unsigned short tty_rows, tty_cols; /* 0: no terminal */
+static int pty_master = -1;
+static unsigned char resize_text[32];     /* a 'W' payload: "R C" */
+static size_t resize_len;                 /* its length, counted past the buffer too */
 
 /* --status-fd: records wait here until the supervisor is about to block (or exit), so that those of
  * one moment (`exit` and `empty`, most often) reach the harness in one write and wake it once. */
@@ -854,6 +889,78 @@ static void side_switch(void)
     frame_out('s', text, n, RING_CAP);
 }
 
+/* "R<SEP>C" in N bytes: two decimal numbers of 1 to 65535 (what a struct winsize holds), nothing else.
+ * 0 when sound. */
+static int parse_size(const char *s, size_t n, char sep, unsigned short *rows, unsigned short *cols)
+{
+    unsigned long v[2] = {0, 0};
+    int k = 0;
+    size_t digits = 0;
+    for (size_t at = 0; at < n; at++) {
+        if (s[at] >= '0' && s[at] <= '9' && digits < 5) {
+            v[k] = v[k] * 10 + (unsigned long)(s[at] - '0');
+            digits++;
+        } else if (s[at] == sep && k == 0 && digits > 0) {
+            k = 1;
+            digits = 0;
+        } else {
+            return -1;
+        }
+    }
+    if (k != 1 || digits == 0 || v[0] < 1 || v[0] > 65535 || v[1] < 1 || v[1] > 65535)
+        return -1;
+    *rows = (unsigned short)v[0];
+    *cols = (unsigned short)v[1];
+    return 0;
+}
+
+/* 'W' "R C": the terminal's new size. The kernel sends SIGWINCH to its foreground process group, as
+ * a terminal emulator's resize does. Without a terminal there is nothing to resize; a payload that
+ * is not a size changes nothing either (`warning resize 22`). */
+static void resize_terminal(void)
+{
+    unsigned short rows, cols;
+    if (pty_master < 0)
+        return;
+    if (resize_len > sizeof resize_text ||
+        parse_size((const char *)resize_text, resize_len, ' ', &rows, &cols) != 0) {
+        record("warning resize %d", EINVAL);
+        return;
+    }
+    struct winsize ws = {rows, cols, 0, 0};
+    if (ioctl(pty_master, TIOCSWINSZ, &ws) < 0)
+        record("warning resize %d", errno);
+}
+
+/* Makes the pseudo-terminal (master here, close-on-exec, never our controlling terminal) of the asked
+ * size and names its slave, which only the child opens. Returns 0, or the errno that failed it. */
+static int open_terminal(char *slave, size_t size)
+{
+    int fd = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (fd < 0)
+        return errno;
+    struct winsize ws = {tty_rows, tty_cols, 0, 0};
+    int err = 0;
+    if (grantpt(fd) < 0 || unlockpt(fd) < 0 || ioctl(fd, TIOCSWINSZ, &ws) < 0)
+        err = errno;
+    else
+        err = ptsname_r(fd, slave, size);
+    /* Three descriptors of one open file: the 'i' queue and the output stream close on their own
+     * (input broken, EOF), while 'W' still needs one. */
+    if (err == 0 && ((stdin_fd = fcntl(fd, F_DUPFD_CLOEXEC, 3)) < 0 ||
+                     (streams[0].fd = fcntl(fd, F_DUPFD_CLOEXEC, 3)) < 0))
+        err = errno;
+    if (err != 0) {
+        if (stdin_fd >= 0)
+            close(stdin_fd);
+        close(fd);
+        stdin_fd = streams[0].fd = -1;
+        return err;
+    }
+    pty_master = fd;
+    return 0;
+}
+
 /* Reads what fd 0 has and acts on each request frame as its header completes. */
 static void read_requests(void)
 {
@@ -872,10 +979,16 @@ static void read_requests(void)
             else if (request_type == 'G')
                 for (size_t k = 0; k < take && side_nonce_len < sizeof side_nonce; k++)
                     side_nonce[side_nonce_len++] = request[at + k];
+            else if (request_type == 'W')
+                for (size_t k = 0; k < take; k++, resize_len++)
+                    if (resize_len < sizeof resize_text)
+                        resize_text[resize_len] = request[at + k];
             at += take;
             request_left -= take;
             if (request_left == 0 && request_type == 'G')
                 side_switch();
+            else if (request_left == 0 && request_type == 'W')
+                resize_terminal();
             continue;
         }
         request_header[request_header_len++] = request[at++];
@@ -889,8 +1002,8 @@ static void read_requests(void)
             harness_gone(); /* the stream is not the harness's any more */
             return;
         }
-        if (request_type == 'c')
-            stdin_closing = 1;
+        if (request_type == 'c' && tty_rows == 0)
+            stdin_closing = 1; /* a terminal is not closed: it ends by hang-up, which a kill brings */
         else if (request_type == 'T')
             want_term = 1;
         else if (request_type == 'K')
@@ -901,6 +1014,10 @@ static void read_requests(void)
             side_nonce_len = 0;
             if (request_left == 0)
                 side_switch();
+        } else if (request_type == 'W') {
+            resize_len = 0;
+            if (request_left == 0)
+                resize_terminal();
         }
     }
 }
@@ -1951,6 +2068,28 @@ static int read_fd0(unsigned char *buf, size_t n)
     return 1;
 }
 
+/* The 'x' payload's optional terminal field, the third string (after the directory and the status
+ * fd): "-" (none) or "R C" (a terminal of R rows and C columns). An argument count, which is the third
+ * string of a payload without it, is never empty and all digits: that tells them apart. The field is
+ * taken out (the rest is parsed as a --fork-server request's payload); returns the new length. */
+static size_t take_terminal_field(char *data, size_t len)
+{
+    if (len == 0 || data[len - 1] != '\0')
+        return len; /* not sound: server_parse says so */
+    char *field = data;
+    for (int k = 0; k < 2 && field < data + len; k++)
+        field += strlen(field) + 1;
+    if (field >= data + len)
+        return len;
+    size_t n = strlen(field);
+    if (n > 0 && strspn(field, "0123456789") == n)
+        return len; /* an argument count: no terminal field */
+    if (strcmp(field, "-") != 0 && parse_size(field, n, ' ', &tty_rows, &tty_cols) != 0)
+        die("--spec: not a sound terminal field");
+    memmove(field, field + n + 1, (size_t)(data + len - (field + n + 1)));
+    return len - (n + 1);
+}
+
 /* --spec: waits on fd 0 for the 'x' frame that names the command: NUL-terminated strings as a
  * --fork-server request's payload (a directory, which must be ".", the status fd "-1", the argument
  * count, the arguments, then NAME=VALUE entries applied as --setenv). Frames of other types before
@@ -1973,6 +2112,7 @@ static char **read_spec(char ***names_out, char ***values_out, int *count_out)
             free(data);
             continue;
         }
+        len = take_terminal_field(data, len);
         char **program = NULL;
         if (server_parse(data, len, &program) != 0 || program_status_fd != -1 || program_cwd == NULL ||
             strcmp(program_cwd, ".") != 0)
@@ -2006,7 +2146,8 @@ static void usage(void)
 {
     die("usage: dsh-supervise [--status-fd N] [--control-fd N] [--die-with-parent] [--allow-no-subreaper] "
         "[--setenv NAME=VALUE]... -- PROGRAM [ARGS...]\n"
-        "       dsh-supervise --frame [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]\n"
+        "       dsh-supervise --frame [--tty ROWSxCOLS] [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM "
+        "[ARGS...]\n"
         "       dsh-supervise --frame --spec [--allow-no-subreaper]\n"
         "       dsh-supervise --detach --status-file PATH [--stdin-file PATH] [--stdout-file PATH] "
         "[--stderr-file PATH] [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]\n"
@@ -2043,6 +2184,10 @@ int main(int argc, char **argv)
             frame_mode = 1;
         } else if (strcmp(a, "--spec") == 0) {
             spec_mode = 1;
+        } else if (strcmp(a, "--tty") == 0 && i + 1 < argc) {
+            i++;
+            if (parse_size(argv[i], strlen(argv[i]), 'x', &tty_rows, &tty_cols) != 0)
+                die("--tty wants ROWSxCOLS, each a number from 1 to 65535");
         } else if (strcmp(a, "--detach") == 0) {
             detach_mode = 1;
         } else if (strcmp(a, "--fork-server") == 0) {
@@ -2088,8 +2233,11 @@ int main(int argc, char **argv)
     if (server_mode && (frame_mode || detach_mode || status_fd >= 0 || control_fd >= 0 || i < argc))
         die("--fork-server takes its requests from fd 0 and runs the programs they name: it goes with none "
             "of --frame, --detach, --status-fd, --control-fd, nor a PROGRAM");
-    if (spec_mode && (!frame_mode || i < argc || setenv_count > 0))
-        die("--spec goes with --frame, and takes the PROGRAM and its --setenv entries from fd 0");
+    if (spec_mode && (!frame_mode || i < argc || setenv_count > 0 || tty_rows > 0))
+        die("--spec goes with --frame, and takes the PROGRAM, its --setenv entries and its terminal (no --tty) "
+            "from fd 0");
+    if (tty_rows > 0 && !frame_mode)
+        die("--tty goes with --frame: the supervisor holds the terminal's master and relays it");
     if (i >= argc && !server_mode && !spec_mode)
         usage();
     if (frame_mode && (status_fd >= 0 || control_fd >= 0 || die_with_parent))
@@ -2233,7 +2381,11 @@ int main(int argc, char **argv)
     /* --frame: the command's stdin, stdout and stderr, [0] its read end, [1] its write end. All
      * close-on-exec: the child dup2()s its own ends onto 0-2 and inherits none of the others. */
     int stdio_pipe[3][2] = {{-1, -1}, {-1, -1}, {-1, -1}};
-    if (frame_mode) {
+    char slave[64];
+    int pty_err = 0; /* a terminal was asked for and could not be made: this errno */
+    if (frame_mode && tty_rows > 0) {
+        pty_err = open_terminal(slave, sizeof slave);
+    } else if (frame_mode) {
         for (int k = 0; k < 3; k++)
             if (pipe2(stdio_pipe[k], O_CLOEXEC) < 0)
                 die("pipe2: %s", strerror(errno));
@@ -2275,7 +2427,7 @@ int main(int argc, char **argv)
         posix_spawnattr_setsigdefault(&attr, &all) != 0 || posix_spawnattr_setsigmask(&attr, &none) != 0 ||
         posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSID | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK) != 0)
         die("posix_spawn attributes: out of memory");
-    for (int k = 0; k < 3; k++) {
+    for (int k = 0; k < 3 && pty_master < 0; k++) {
         int from = detach_mode ? stdio_files[k] : frame_mode ? stdio_pipe[k][k == 0 ? 0 : 1] : -1;
         /* Over the harness's stream (--frame): from here on the command reaches it only through us. */
         if (from >= 0 && posix_spawn_file_actions_adddup2(&actions, from, k) != 0)
@@ -2289,13 +2441,22 @@ int main(int argc, char **argv)
     if (!frame_mode && !detach_mode && isatty(0) &&
         posix_spawn_file_actions_addopen(&actions, 0, "/proc/self/fd/0", O_RDWR, 0) != 0)
         die("posix_spawn file actions: out of memory");
+    /* The terminal: the child, a session leader by now (glibc and musl run setsid before the file
+     * actions), opens the slave without O_NOCTTY, which makes it the session's controlling terminal
+     * and the child's process group its foreground group. Only the child ever opens the slave: once
+     * every process closed it, the master reads EIO, the terminal's EOF. */
+    if (pty_master >= 0 && (posix_spawn_file_actions_addopen(&actions, 0, slave, O_RDWR, 0) != 0 ||
+                            posix_spawn_file_actions_adddup2(&actions, 0, 1) != 0 ||
+                            posix_spawn_file_actions_adddup2(&actions, 0, 2) != 0))
+        die("posix_spawn file actions: out of memory");
     if (program_status_fd >= 0 && posix_spawn_file_actions_adddup2(&actions, status_fd, program_status_fd) != 0)
         die("posix_spawn file actions: out of memory");
     if (program_status_fd >= 0)
         flush_status(); /* our pid and pidfd first: the program writes records of its own there */
     char **own_env = environ;
     environ = command_env; /* what posix_spawnp searches PATH with, as Popen(env=) does */
-    int exec_err = posix_spawnp(&child_pid, program[0], &actions, &attr, program, command_env);
+    int exec_err =
+        pty_err != 0 ? pty_err : posix_spawnp(&child_pid, program[0], &actions, &attr, program, command_env);
     environ = own_env;
     posix_spawn_file_actions_destroy(&actions);
     posix_spawnattr_destroy(&attr);
@@ -2304,17 +2465,21 @@ int main(int argc, char **argv)
     for (int k = 0; k < 3; k++)
         if (stdio_files[k] >= 0)
             close(stdio_files[k]); /* the command's alone: no EOF of theirs waits for the supervisor */
-    if (frame_mode) {
+    if (frame_mode && tty_rows == 0) {
         close(stdio_pipe[0][0]);
         close(stdio_pipe[1][1]);
         close(stdio_pipe[2][1]);
         stdin_fd = stdio_pipe[0][1];
         streams[0].fd = stdio_pipe[1][0];
         streams[1].fd = stdio_pipe[2][0];
-        /* Only the supervisor's ends (their own open files): the command's ends stay blocking. */
-        if (fcntl(stdin_fd, F_SETFL, O_NONBLOCK) < 0 || fcntl(streams[0].fd, F_SETFL, O_NONBLOCK) < 0 ||
-            fcntl(streams[1].fd, F_SETFL, O_NONBLOCK) < 0)
-            die("fcntl(O_NONBLOCK): %s", strerror(errno));
+    }
+    if (frame_mode) {
+        /* Only the supervisor's ends (their own open files): the command's ends stay blocking. The
+         * master's dups share one open file: the command's slave is another. */
+        int own[3] = {stdin_fd, streams[0].fd, streams[1].fd};
+        for (int k = 0; k < 3; k++)
+            if (own[k] >= 0 && fcntl(own[k], F_SETFL, O_NONBLOCK) < 0)
+                die("fcntl(O_NONBLOCK): %s", strerror(errno));
         /* One slow reader of fd 1 must never stall kill requests; fd 0 too, which may share its open
          * file (one socket as both). This changes the flags of the harness's open file descriptions. */
         int fl0 = fcntl(0, F_GETFL), fl1 = fcntl(1, F_GETFL);
@@ -2329,11 +2494,20 @@ int main(int argc, char **argv)
         if (fd != status_fd && fd != control_fd)
             dup2(dev_null, fd);
     close(dev_null);
-    if (exec_err != 0) {
+    if (pty_err != 0) {
+        record("ptyfail %d", pty_err); /* no devpts where the supervisor runs, say */
+        record("exit 127");
+    } else if (exec_err != 0) {
         record("execfail %d", exec_err);
         record("exit 127"); /* as a child that failed its exec and exited 127 (posix_spawn reaped it) */
     } else {
         record("started %d", (int)child_pid);
+    }
+    /* A terminal is one stream: the command's stderr is its stdout, so stderr ends at once. */
+    if (frame_mode && tty_rows > 0) {
+        if (streams[0].fd < 0)
+            frame_out('o', NULL, 0, RING_CAP);
+        frame_out('e', NULL, 0, RING_CAP);
     }
 
     struct pollfd pfds[7];
@@ -2348,6 +2522,11 @@ int main(int argc, char **argv)
                 if (streams[k].fd >= 0 && ioctl(streams[k].fd, FIONREAD, &queued) == 0)
                     streams[k].budget = queued;
             }
+            /* The terminal's output may still wait in the kernel's buffers beyond the 4 KiB that
+             * FIONREAD counts (a read moves it on); a read that finds nothing (EAGAIN) or EIO ends it
+             * anyway, so the budget only bounds a writer outside the subtree that holds the slave. */
+            if (pty_master >= 0 && streams[0].fd >= 0)
+                streams[0].budget += TTY_SLACK;
         }
         if (no_children && (relay_pipe[0] >= 0 || relay_pipe[1] >= 0)) {
             /* No writer is left: what the pipes hold is all there is; `empty` waits for it. */

@@ -942,3 +942,269 @@ def test_setenv_in_frame_mode(runs: list[Framed]) -> None:
     run.send(b"K")
     run.finish()
     assert bytes(run.stdout) == assignment.split("=", 1)[1].encode()
+
+
+# ---- terminals: --tty, the 'x' payload's terminal field, 'W' (protocol 5) -------------------------
+
+
+def _child_running(pid: int, comm: str, timeout: float = 5.0) -> None:
+    """Waits until PID has a child whose command name is COMM (it exec'd, so a signal reaches it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            if any(Path(f"/proc/{child}/comm").read_text().strip() == comm for child in children):
+                return
+        time.sleep(0.01)
+    pytest.fail(f"no {comm} child of {pid} within {timeout} s")
+
+
+def _lines(data: bytearray) -> list[str]:
+    """A terminal's output as lines (the terminal writes CR LF for LF)."""
+    return bytes(data).decode().split("\r\n")
+
+
+def test_tty_is_the_commands_controlling_terminal(runs: list[Framed]) -> None:
+    script = "tty; stty size; : </dev/tty && echo ctty; echo err >&2; exit 4"
+    run = Framed([*SH, script], options=["--tty", "24x80"])
+    runs.append(run)
+    run.finish()
+    device, size, ctty, err, rest = _lines(run.stdout)
+    assert device.startswith("/dev/pts/") and device[9:].isdigit(), device
+    assert (size, ctty, err, rest) == ("24 80", "ctty", "err", "")
+    assert run.stderr == b""
+    assert run.records[1:] == ["exit 4", "empty"]
+    # stderr is the terminal too: its stream ends at once, before the terminal's.
+    assert [e for e in run.events if e[0] == "eof"] == [("eof", "stderr"), ("eof", "stdout")]
+
+
+def test_tty_from_the_spec_payload(runs: list[Framed]) -> None:
+    run = Framed([], options=["--spec"])
+    runs.append(run)
+    payload = _spec([*SH, 'stty size; echo "$A"'], {"A": "a=1"})
+    # The terminal field is the third string, after the directory and the status fd.
+    run.send(b"x", payload.replace(b".\0-1\0", b".\0-1\x0030 100\0", 1))
+    run.finish()
+    assert _lines(run.stdout) == ["30 100", "a=1", ""]
+    assert run.records[1:] == ["exit 0", "empty"]
+
+
+def test_spec_terminal_field_dash_means_pipes(runs: list[Framed]) -> None:
+    run = Framed([], options=["--spec"])
+    runs.append(run)
+    run.send(b"x", _spec([*SH, "echo err >&2; tty"], {}).replace(b".\0-1\0", b".\0-1\0-\0", 1))
+    run.finish()
+    assert run.stdout == b"not a tty\n" and run.stderr == b"err\n"
+    assert run.records[1:] == ["exit 1", "empty"]
+
+
+@pytest.mark.parametrize("field", [b"", b"30x100", b"0 80", b"24 65536", b"24 80 1", b" 24 80", b"a b"])
+def test_spec_refuses_an_unsound_terminal_field(runs: list[Framed], field: bytes) -> None:
+    run = Framed([], options=["--spec"])
+    runs.append(run)
+    run.send(b"x", b".\0-1\0" + field + b"\x001\0true\0")
+    assert run.process.wait(5) == 125
+    assert run.process.stderr is not None and b"terminal field" in run.process.stderr.read()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--frame", "--tty", "24"],
+        ["--frame", "--tty", "0x80"],
+        ["--frame", "--tty", "24x80x1"],
+        ["--frame", "--tty", "24x70000"],
+        ["--frame", "--spec", "--tty", "24x80"],
+        ["--tty", "24x80"],
+    ],
+)
+def test_tty_option_usage_errors(args: list[str]) -> None:
+    done = subprocess.run(
+        [SUPERVISE, *args, *([] if "--spec" in args else ["--", "true"])],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=5,
+        check=False,
+    )
+    assert done.returncode == 125 and b"--tty" in done.stderr, done.stderr
+
+
+def test_tty_ctrl_c_interrupts_the_foreground_job(runs: list[Framed]) -> None:
+    run = Framed([*SH, "trap 'echo INT' INT; sleep 30; echo after"], options=["--tty", "24x80"])
+    runs.append(run)
+    _child_running(run.started_pid(), "sleep")
+    run.send(b"i", b"\x03")
+    run.finish()
+    assert _lines(run.stdout)[-3:] == ["^CINT", "after", ""], run.stdout
+    assert run.records[1:] == ["exit 0", "empty"]
+
+
+def test_tty_resize_frame_sends_sigwinch(runs: list[Framed]) -> None:
+    script = "stty size; trap 'stty size' WINCH; echo ready; sleep 30 & wait; wait"
+    run = Framed([*SH, script], options=["--tty", "24x80"])
+    runs.append(run)
+    run.read_until(lambda: b"ready\r\n" in run.stdout)
+    run.send(b"W", b"40 132")
+    run.read_until(lambda: b"40 132\r\n" in run.stdout)
+    assert _lines(run.stdout)[:3] == ["24 80", "ready", "40 132"]
+    run.send(b"K")
+    run.finish()
+
+
+@pytest.mark.parametrize("payload", [b"", b"40", b"40x132", b"0 80", b"40 132 ", b"4" * 40 + b" 1"])
+def test_tty_unsound_resize_changes_nothing(runs: list[Framed], payload: bytes) -> None:
+    run = Framed([*SH, "read x; stty size"], options=["--tty", "24x80"])
+    runs.append(run)
+    run.send(b"W", payload)
+    run.send(b"i", b"go\n")
+    run.finish()
+    assert _lines(run.stdout) == ["go", "24 80", ""]
+    assert ("s", "warning resize 22") in run.events
+
+
+def test_resize_frame_without_a_terminal_is_ignored(runs: list[Framed]) -> None:
+    run = Framed([*SH, "cat"])
+    runs.append(run)
+    run.send(b"W", b"40 132")
+    run.send(b"W", b"junk")
+    run.send(b"i", b"in")
+    run.send(b"c")
+    run.finish()
+    assert run.stdout == b"in"
+    assert not [r for kind, r in run.events if kind == "s" and str(r).startswith("warning ")]
+
+
+def test_tty_close_frame_leaves_the_terminal_open(runs: list[Framed]) -> None:
+    run = Framed([*SH, 'read x; echo "got $x"'], options=["--tty", "24x80"])
+    runs.append(run)
+    run.started_pid()
+    run.send(b"c")
+    run.send(b"i", b"hi\n")
+    run.finish()
+    assert _lines(run.stdout) == ["hi", "got hi", ""]  # the terminal's echo, then the command's
+
+
+def test_tty_output_ends_when_the_command_exits(runs: list[Framed]) -> None:
+    # More than the terminal's buffers hold when the command exits: every byte still arrives, then EOF.
+    run = Framed([*SH, "head -c 300000 /dev/zero | tr '\\0' a; exit 3"], options=["--tty", "24x80"])
+    runs.append(run)
+    run.finish(10)
+    assert bytes(run.stdout) == b"a" * 300000
+    assert run.records[1:] == ["exit 3", "empty"]
+    # The terminal's EOF (EIO: no slave fd left) may be read before or after the exit is reaped.
+    kinds = _kinds(run.events)
+    assert kinds[-1] == "s:empty" and kinds.count("eof:stdout") == 1
+    assert "o" not in kinds[kinds.index("eof:stdout") :]
+
+
+def test_tty_kill_leaves_nothing(runs: list[Framed], marker: str) -> None:
+    # A process that left the terminal's session still holds the slave (its stdio): the terminal's EOF
+    # waits for it, and the kill finds it through the subreaper all the same.
+    # (HUP ignored: the shell's exit hangs up its foreground group, which holds the subshell until
+    # setsid ran.)
+    script = '( trap "" HUP; setsid "$BASH" -c \'exec -a "$M-setsid" sleep 300\' & ); echo ok'
+    run = Framed([*SH, script], options=["--tty", "24x80"], marker=marker)
+    runs.append(run)
+    run.expect("exit 0")
+    deadline = time.monotonic() + 5
+    while not _marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(_marked(marker)) == 1
+    run.read_for(0.2)
+    assert run.process.poll() is None and ("eof", "stdout") not in run.events
+    run.send(b"K")
+    run.finish()
+    assert run.records[1:] == ["exit 0", "signalled 1", "empty"]
+    assert _marked(marker) == []
+
+
+FILL_TERMINAL = """
+import os, sys, time
+os.set_blocking(1, False)
+total = stalls = 0
+while stalls < 10:  # full for half a second: the supervisor reads no more (its buffer is full)
+    try:
+        total += os.write(1, b"a" * 4096)
+        stalls = 0
+    except BlockingIOError:
+        stalls += 1
+        time.sleep(0.05)
+with open(sys.argv[1], "w") as f:
+    f.write(str(total))
+"""
+
+
+@pytest.mark.parametrize("attempt", range(3))  # the terminal is not always that full when it exits
+def test_tty_output_left_in_the_terminal_at_exit_arrives_whole(
+    runs: list[Framed], tmp_path: Path, attempt: int
+) -> None:
+    # The command fills everything between it and a harness that does not read, then exits: the
+    # terminal holds more than the 4 KiB FIONREAD counts, and all of it still comes before EOF.
+    written = tmp_path / "written"
+    run = Framed([PYTHON, "-c", FILL_TERMINAL, str(written)], options=["--tty", "24x80"], pipes=True)
+    runs.append(run)
+    deadline = time.monotonic() + 10
+    while not written.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run.finish(10)
+    total = int(written.read_text())
+    assert len(run.stdout) == total and bytes(run.stdout) == b"a" * total
+
+
+def _can_unshare() -> bool:
+    done = subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=5, check=False)
+    return shutil.which("unshare") is not None and done.returncode == 0
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="unshare(1) is not installed")
+def test_tty_that_cannot_be_made_is_a_ptyfail_record(runs: list[Framed]) -> None:
+    if not _can_unshare():
+        pytest.skip("user namespaces are not allowed here (unshare -r fails)")
+    # /dev/ptmx is /dev/null in a mount namespace of the supervisor's own: no terminal can be made.
+    hide_ptmx = (
+        "unshare",
+        "-rm",
+        BASH,
+        "-c",
+        'mount --bind /dev/null /dev/ptmx && exec "$0" "$@"',
+        SUPERVISE,
+    )
+    run = Framed(["true"], options=["--tty", "24x80"], binary=hide_ptmx)
+    runs.append(run)
+    run.finish()
+    failure, *rest = run.records
+    assert failure.startswith("ptyfail ") and int(failure.split()[1]) > 0, failure
+    assert rest == ["exit 127", "empty"]
+    assert sorted(e for e in run.events if e[0] == "eof") == [("eof", "stderr"), ("eof", "stdout")]
+
+
+@pytest.mark.skipif(
+    QEMU is None,
+    reason="backend unavailable: qemu-aarch64-static is not installed (apt-get install qemu-user-static)",
+)
+def test_aarch64_terminal_under_qemu(runs: list[Framed]) -> None:
+    binary = supervisor_binary("aarch64")
+    assert binary is not None, supervisor_problem("aarch64")
+    assert QEMU is not None
+    run = Framed(
+        ["/bin/sh", "-c", 'read x; echo "got $x"; stty size; tty >/dev/null && echo tty'],
+        binary=(QEMU, str(binary)),
+        options=["--allow-no-subreaper", "--tty", "30x100"],
+    )
+    runs.append(run)
+    run.send(b"W", b"31 101")
+    run.send(b"i", b"in\n")
+    run.finish(10)
+    assert _lines(run.stdout) == ["in", "got in", "31 101", "tty", ""]
+    assert run.records[1:] == ["exit 0", "empty"]
+
+
+def test_tty_exec_failure(runs: list[Framed]) -> None:
+    run = Framed(["/nonexistent/dsh-program"], options=["--tty", "24x80"])
+    runs.append(run)
+    run.finish()
+    assert run.records == ["execfail 2", "exit 127", "empty"]
+    assert run.stdout == b"" and sorted(e for e in run.events if e[0] == "eof") == [
+        ("eof", "stderr"),
+        ("eof", "stdout"),
+    ]
