@@ -245,14 +245,22 @@ class SupervisorServer:
 
 
 def command_payload(
-    argv: Sequence[str], env: Mapping[str, str], cwd: str, status_in_program: int = -1
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    cwd: str,
+    status_in_program: int = -1,
+    terminal: tuple[int, int] | None = None,
 ) -> bytes:
     """A command for dsh-supervise as NUL-terminated strings: the directory, the fd the program gets
     the status socket as (-1: none), the argument count, the arguments, then NAME=VALUE entries.
-    The payload of a ``--fork-server`` request, and of the ``x`` frame of ``--frame --spec``."""
+    The payload of a ``--fork-server`` request, and of the ``x`` frame of ``--frame --spec``.
+
+    ``terminal`` (``x`` frames only): run the command on a pseudo-terminal of (rows, columns) that
+    the supervisor makes and owns; it goes as a field of its own after the status fd."""
     fields = [
         cwd,
         str(status_in_program),
+        *([f"{terminal[0]} {terminal[1]}"] if terminal is not None else []),
         str(len(argv)),
         *argv,
         *(f"{key}={value}" for key, value in env.items()),

@@ -27,6 +27,7 @@ import anyio.lowlevel
 from ._backend import CommandProcess, ExitStatus, Killable, Launch
 from ._errors import BashInfrastructureError, InfraReason
 from ._frames import FrameDecoder, FrameError, SupervisorRecords, encode_frame
+from ._types import TerminalSize
 
 __all__ = ["STDIN_FRAME_BYTES", "FramedCommand"]
 
@@ -264,7 +265,7 @@ class FramedCommand(CommandProcess):
     def _on_status(self, record: str) -> None:
         records = self._records
         records.apply(record)
-        if records.child is not None or records.exec_failed is not None:
+        if records.child is not None or records.exec_failed is not None or records.pty_failed is not None:
             self._decided.set()
         if records.command_exit is not None:
             self._decided.set()
@@ -282,6 +283,12 @@ class FramedCommand(CommandProcess):
 
     def start_failure(self) -> BashInfrastructureError | None:
         """Once :attr:`_decided` is set: why the supervisor could not start the command, or None."""
+        failed = self._records.pty_failed
+        if failed is not None:
+            return BashInfrastructureError(
+                f"cannot make the command's terminal {self._where}: {errno.errorcode.get(failed, failed)}",
+                reason="start_failed",
+            )
         code = self._records.exec_failed
         if code is not None:
             reason: InfraReason = "shell_missing" if code in (errno.ENOENT, errno.EACCES) else "start_failed"
@@ -338,6 +345,9 @@ class FramedCommand(CommandProcess):
 
     async def end_input(self) -> None:
         await self._send_frame(encode_frame(b"c"), urgent=False)
+
+    async def resize(self, size: TerminalSize) -> None:
+        await self._send_frame(encode_frame(b"W", f"{size.rows} {size.cols}".encode()), urgent=False)
 
     def input_pending(self) -> int:
         # The supervisor queues what the command has not read yet; its `input drained N` says how much

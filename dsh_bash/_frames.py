@@ -151,6 +151,7 @@ class SupervisorRecords:
         "exec_failed",
         "input_broken",
         "input_drained",
+        "pty_failed",
         "side_pipe",
         "supervisor_pid",
         "supervisor_start_time",
@@ -165,6 +166,8 @@ class SupervisorRecords:
         self.exec_failed: int | None = None
         #: The errno of a failed change to the command's directory (``cwdfail``, --fork-server only).
         self.workdir_failed: int | None = None
+        #: The errno of a terminal the supervisor could not make (``ptyfail``; nothing started).
+        self.pty_failed: int | None = None
         #: How the command's bash ended (``exit`` / ``signal``).
         self.command_exit: ExitStatus | None = None
         #: True once no process of the command is left (``empty``, the supervisor's last record).
@@ -216,6 +219,8 @@ class SupervisorRecords:
                 self.switched = True
             elif kind == "cwdfail":
                 self.workdir_failed = int(args[0])
+            elif kind == "ptyfail":
+                self.pty_failed = int(args[0])
             elif kind == "input" and args[:1] == ["drained"]:
                 self.input_drained = _count(args[1])
             elif kind == "input" and args[:1] == ["broken"]:

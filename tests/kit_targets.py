@@ -55,8 +55,8 @@ WAITING_CHECKS = frozenset(name for name, each in CHECKS.items() if each.clause 
 #: mode come next). The bwrap example refuses open input for good: bwrap's own process holds the
 #: shell's stdin, so a command that closed its stdin could not be told (see its README).
 INPUT_NOT_YET: dict[str, frozenset[str]] = {
-    "docker": TERMINAL_CHECKS | WAITING_CHECKS,
-    "ssh": TERMINAL_CHECKS | WAITING_CHECKS,
+    "docker": WAITING_CHECKS,
+    "ssh": WAITING_CHECKS,
     "bwrap": INPUT_CHECKS | TERMINAL_CHECKS,
 }
 

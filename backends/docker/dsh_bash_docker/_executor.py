@@ -403,6 +403,11 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         # Through the supervisor's 'i' and 'c' frames on the exec's stream.
         return self._supervisor is not None
 
+    def _supports_terminal(self) -> bool:
+        # A pty the supervisor makes in the container and owns (not an engine TTY exec, which would
+        # run the frames through a line discipline); resized by its 'W' frame.
+        return self._supervisor is not None
+
     async def _spawn(self, launch: Launch) -> CommandProcess:
         try:
             return await self._spawn_in_with_supervisor(launch)
@@ -539,11 +544,15 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         )
         boot = ["bash", "--noprofile", "--norc", "-c", BOOT_SUPERVISED if supervisor else BOOT]
         boot += ["dsh-bash", spec.workdir, script_path]
-        taken = await self._take_spare(container, user, boot, env) if supervisor is not None else None
+        terminal = None if spec.terminal is None else (spec.terminal.rows, spec.terminal.cols)
+        taken = (
+            await self._take_spare(container, user, boot, env, terminal) if supervisor is not None else None
+        )
         if taken is not None:
             exec_id, stream = taken
         else:
-            argv = [supervisor, "--frame", "--", *boot] if supervisor is not None else boot
+            tty = [] if terminal is None else ["--tty", f"{terminal[0]}x{terminal[1]}"]
+            argv = [supervisor, "--frame", *tty, "--", *boot] if supervisor is not None else boot
             exec_id = await self._engine.exec_create(
                 container, argv, env=env, stdin=supervisor is not None or spec.stdin is not None, user=user
             )
@@ -582,13 +591,18 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         return process
 
     async def _take_spare(
-        self, container: str, user: str | None, boot: list[str], env: dict[str, str]
+        self,
+        container: str,
+        user: str | None,
+        boot: list[str],
+        env: dict[str, str],
+        terminal: tuple[int, int] | None,
     ) -> tuple[str, ExecStream] | None:
         """A warm exec of the configured user in ``container``, told to run ``boot`` with ``env``;
         None when there is none (or the command cannot go by one): then a fresh exec."""
         if user != self._docker_config.user or container != self._container_id:
             return None
-        payload = spec_payload(boot, env)
+        payload = spec_payload(boot, env, terminal)
         if payload is None:
             return None
         spare = await self._warm.take()

@@ -38,12 +38,14 @@ log = logging.getLogger("dsh_bash.docker")
 _MAX_SPEC = 1 << 20
 
 
-def spec_payload(argv: list[str], env: dict[str, str]) -> bytes | None:
+def spec_payload(
+    argv: list[str], env: dict[str, str], terminal: tuple[int, int] | None = None
+) -> bytes | None:
     """The ``x`` frame's payload for ``dsh-supervise --spec``; None when it cannot carry them (a NUL
     in a string, or over the supervisor's frame limit): the command then takes a fresh exec."""
     if any("\0" in text for text in argv) or any("\0" in name + value for name, value in env.items()):
         return None
-    payload = command_payload(argv, env, ".")
+    payload = command_payload(argv, env, ".", terminal=terminal)
     return payload if len(payload) <= _MAX_SPEC else None
 
 

@@ -291,6 +291,11 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         # Through the supervisor's 'i' and 'c' frames on the task's channel (an attached task).
         return self._supervisor is not None
 
+    def _supports_terminal(self) -> bool:
+        # A pty the supervisor makes on the host and owns (not an SSH pty-req: the channel carries
+        # frames); resized by its 'W' frame.
+        return self._supervisor is not None
+
     async def _detached_mode(self) -> bool:
         if self._detach is None:
             async with self._detach_lock:
@@ -356,7 +361,9 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                 launch.stdout.prepaid_gone()
                 launch.stderr.prepaid_gone()
                 raise
-        plan = self._plan(launch, nonce, "bg" if detached else "fg")
+        size = launch.spec.terminal
+        mode = "bg" if detached else "fg" if size is None else f"fg{size.rows}x{size.cols}"
+        plan = self._plan(launch, nonce, mode)
         script = plan.script
         if detached:
             return await self._spawn_detached(launch, nonce, plan, warm=warm)

@@ -271,8 +271,11 @@ builtin export DSH_BASH_MARK=$_dsh_mark
 # command line never show it: a kill by marker must not hit the process that holds everything else.
 # The supervisor gives the command a stdin pipe of its own, closed when the harness says so: no
 # /dev/null here.
+# A terminal task's mode is "fg" and its terminal's size ("fg30x100"): the supervisor makes and owns
+# that pty.
 _RUN_SUPERVISED = (
-    'exec SUPERVISOR --frame --setenv "DSH_BASH_MARK=$_dsh_mark" -- bash --noprofile --norc COMMAND\n'
+    '_dsh_tty=${_dsh_mode#fg}; exec SUPERVISOR --frame ${_dsh_tty:+--tty "$_dsh_tty"} '
+    '--setenv "DSH_BASH_MARK=$_dsh_mark" -- bash --noprofile --norc COMMAND\n'
 )
 # Before the verdict, so that a supervisor removed since the executor opened (by a command of the
 # same user) is told apart from a command that could not start: the executor installs it again.
