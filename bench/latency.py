@@ -72,6 +72,33 @@ async def _back_to_back(runs: int, subject: Timed, baseline: Timed, block: int =
     return {name: statistics.median(values) * 1000 for name, values in samples.items()}
 
 
+#: The row of the interactive round trip, beside each backend's plain `true`.
+ROUND_TRIP = "interactive round trip (a line to `cat` on a terminal, read back) vs `true`"
+
+
+async def round_trip(ex: Any, runs: int) -> float:
+    """Median ms of one interactive round trip: a line written to ``cat`` running on a terminal task,
+    until a read shows it twice (the terminal's echo, then cat's copy); reads as a tool loop polls."""
+    from dsh_bash import BashExecRequest, TerminalSize  # noqa: PLC0415
+
+    task = await ex.start(ex.resolve(BashExecRequest(command="cat", terminal=TerminalSize(rows=24, cols=80))))
+    samples = []
+    try:
+        for i in range(runs + 3):
+            line = f"ping{i}"
+            started = time.perf_counter()
+            await ex.write_input(task.id, line + "\n", owner=None)
+            seen = ""
+            while seen.count(line + "\r\n") < 2:
+                seen += (await ex.read_output(task.id)).delta
+                await asyncio.sleep(0.0005)
+            if i >= 3:  # warm-up
+                samples.append(time.perf_counter() - started)
+    finally:
+        await ex.kill(task.id)
+    return statistics.median(samples) * 1000
+
+
 async def bench_local(runs: int) -> list[tuple[str, str, float, float]]:
     async def raw() -> None:
         process = await asyncio.create_subprocess_exec("bash", "-c", "true")
@@ -89,10 +116,12 @@ async def bench_local(runs: int) -> list[tuple[str, str, float, float]]:
             await marker_ex.exec("true")
 
         medians = await _alternate(runs, subject, {"raw": raw, "marker": marker_only})
+        interactive = await round_trip(ex, runs)
     return [
         ("local", 'asyncio.create_subprocess_exec("bash","-c","true")', medians["subject"], medians["raw"]),
         # The cost of the containment: the same executor without dsh-supervise (marker only).
         ("local", "the local executor with containment = marker", medians["subject"], medians["marker"]),
+        ("local", ROUND_TRIP, interactive, medians["subject"]),
     ]
 
 
@@ -144,6 +173,8 @@ async def bench_docker(runs: int, image: str) -> list[tuple[str, str, float, flo
             at_once["subject"].append(await fifty(subject))
             await settle()
             at_once["cli"].append(await fifty(cli))
+        await settle()
+        interactive = await round_trip(ex, runs)
     client.close()
     wall = {name: statistics.median(values) for name, values in at_once.items()}
     return [
@@ -153,6 +184,7 @@ async def bench_docker(runs: int, image: str) -> list[tuple[str, str, float, flo
         ("docker", "docker-py container.exec_run(['true'])", medians["subject"], medians["sdk"]),
         # The cost of the containment: the same executor without dsh-supervise (marker only).
         ("docker", "the Docker executor with containment = marker", medians["subject"], medians["marker"]),
+        ("docker", ROUND_TRIP, interactive, medians["subject"]),
     ]
 
 
@@ -226,6 +258,8 @@ async def bench_ssh(runs: int, server: Any = None) -> list[tuple[str, str, float
                 cli_samples.append(time.perf_counter() - started)
                 await _server_quiet()
             cli_ms = statistics.median(cli_samples) * 1000
+            await settle()
+            interactive = await round_trip(ex, runs)
     finally:
         if own_server:
             ssh_support.stop_server(server)
@@ -235,6 +269,7 @@ async def bench_ssh(runs: int, server: Any = None) -> list[tuple[str, str, float
         ("ssh", "ssh CLI (new connection each time)", medians["subject"], cli_ms),
         # The cost of the containment: the same executor without dsh-supervise (marker only).
         ("ssh", "the SSH executor with containment = marker", medians["subject"], medians["marker"]),
+        ("ssh", ROUND_TRIP, interactive, medians["subject"]),
     ]
 
 

@@ -178,20 +178,13 @@ class HostProcess(CommandProcess):
                 await anyio.lowlevel.checkpoint()
 
     async def _write_stdin(self, fd: int) -> None:
+        """The spec's stdin, then end of file (a command without open input)."""
         data = self._launch.spec.stdin
         assert data is not None
-        view = memoryview(data.encode() if isinstance(data, str) else data)
         try:
-            while view:
-                try:
-                    written = os.write(fd, view)
-                except BlockingIOError:
-                    await anyio.wait_writable(fd)
-                    continue
-                view = view[written:]
-        except OSError as exc:
-            if exc.errno not in (errno.EPIPE, errno.EBADF):
-                raise
+            await self.send_input(data.encode() if isinstance(data, str) else data)
+        except BrokenPipeError:
+            pass  # the command closed its stdin: the rest has no reader
         finally:
             self._stdin_fd = None
             os.close(fd)
@@ -863,24 +856,7 @@ async def spawn_host_process(
             in_r, in_w = os.pipe2(os.O_CLOEXEC)
             opened += [in_r, in_w]
             stdin = in_r
-        try:
-            # Popen forks (vfork) and execs in the calling thread, as asyncio's own subprocess does.
-            popen = subprocess.Popen(  # noqa: ASYNC220
-                argv,
-                stdin=stdin,
-                stdout=out_w,
-                stderr=err_w,
-                cwd=host_workdir,
-                env=launch.env,
-                start_new_session=True,
-                close_fds=True,
-            )
-        except OSError as exc:
-            if exc.errno in (errno.E2BIG, errno.ENOENT, errno.EACCES) or exc.errno is None:
-                raise _start_error(bash, spec.workdir, exc.errno or 0, launch.env) from exc
-            raise BashInfrastructureError(
-                f"cannot start {bash!r} in {spec.workdir!r}: {exc.strerror or exc}", reason="start_failed"
-            ) from exc
+        popen = _popen(launch, argv, host_workdir, bash, stdin=stdin, stdout=out_w, stderr=err_w)
         # The child holds its own copies now; ours must go, or EOF would never come.
         for fd in (out_w, err_w) + ((stdin,) if in_w is not None else ()):
             os.close(fd)
@@ -911,6 +887,44 @@ async def spawn_host_process(
         raise
 
 
+def _popen(
+    launch: Launch,
+    argv: list[str],
+    host_workdir: str,
+    bash: str,
+    *,
+    stdin: Any,
+    stdout: int,
+    stderr: int,
+    preexec_fn: Callable[[], None] | None = None,
+) -> subprocess.Popen[bytes]:
+    """``bash`` (``argv``) in a new session of this host; what keeps it from starting, as the
+    contract's infrastructure errors. ``preexec_fn`` (a terminal's) costs the vfork fast path."""
+    try:
+        # Popen forks (vfork) and execs in the calling thread, as asyncio's own subprocess does.
+        return subprocess.Popen(
+            argv,
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            cwd=host_workdir,
+            env=launch.env,
+            start_new_session=True,
+            close_fds=True,
+            preexec_fn=preexec_fn,  # noqa: PLW1509 - a terminal's: it runs after setsid
+        )
+    except OSError as exc:
+        if exc.errno in (errno.E2BIG, errno.ENOENT, errno.EACCES) or exc.errno is None:
+            raise _start_error(bash, launch.spec.workdir, exc.errno or 0, launch.env) from exc
+        raise BashInfrastructureError(
+            f"cannot start {bash!r} in {launch.spec.workdir!r}: {exc.strerror or exc}", reason="start_failed"
+        ) from exc
+    except subprocess.SubprocessError as exc:  # preexec_fn failed in the child
+        raise BashInfrastructureError(
+            f"cannot give the command its terminal: {exc}", reason="start_failed"
+        ) from exc
+
+
 def _spawn_on_terminal(
     launch: Launch,
     argv: list[str],
@@ -934,28 +948,9 @@ def _spawn_on_terminal(
     opened.append(writer)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     opened += [err_r, err_w]
-    try:
-        popen = subprocess.Popen(
-            argv,
-            stdin=slave,
-            stdout=slave,
-            stderr=slave,
-            cwd=host_workdir,
-            env=launch.env,
-            start_new_session=True,
-            close_fds=True,
-            preexec_fn=_take_terminal,  # noqa: PLW1509 - needs the fork: it runs after setsid
-        )
-    except OSError as exc:
-        if exc.errno in (errno.E2BIG, errno.ENOENT, errno.EACCES) or exc.errno is None:
-            raise _start_error(bash, launch.spec.workdir, exc.errno or 0, launch.env) from exc
-        raise BashInfrastructureError(
-            f"cannot start {bash!r} in {launch.spec.workdir!r}: {exc.strerror or exc}", reason="start_failed"
-        ) from exc
-    except subprocess.SubprocessError as exc:
-        raise BashInfrastructureError(
-            f"cannot give the command its terminal: {exc}", reason="start_failed"
-        ) from exc
+    popen = _popen(
+        launch, argv, host_workdir, bash, stdin=slave, stdout=slave, stderr=slave, preexec_fn=_take_terminal
+    )
     # Only the command holds the terminal's slave side now (EIO on the master once it closed it), and
     # nobody writes the stderr pipe (EOF at once: a terminal has one stream).
     for fd in (slave, err_w):
