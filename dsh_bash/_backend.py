@@ -157,13 +157,26 @@ class SupervisedLeftovers(Generic[SupervisedT]):
     def __init__(self, supervised: set[SupervisedT], fallback: Killable) -> None:
         self._supervised = supervised
         self._fallback = fallback
+        #: Signals the fallback was sent, and whether its last look found anything: a kill sequence
+        #: repeats SIGKILL while anything remains, and a repeat through the fallback (an exec or a
+        #: channel on Docker and SSH) is only worth its cost once the fallback itself saw processes.
+        self._fallback_sent: set[int] = set()
+        self._fallback_found = False
 
     async def signal_all(self, sig: int) -> None:
         for command in list(self._supervised):
             await command.signal_all(sig)
-        await self._fallback.signal_all(sig)
+        if sig not in self._fallback_sent or self._fallback_found:
+            self._fallback_sent.add(sig)
+            await self._fallback.signal_all(sig)
 
     async def remaining(self) -> list[str]:
+        """What the supervisors still hold; the fallback is asked only once they hold nothing.
+
+        A caller polls until the answer is empty, so a look through the fallback (on Docker and SSH an
+        exec or a channel each) while a supervisor still reports processes would buy nothing: one
+        at the end tells whether anything escaped them.
+        """
         found: list[str] = []
         for command in list(self._supervised):
             left = await command.remaining()
@@ -171,7 +184,11 @@ class SupervisedLeftovers(Generic[SupervisedT]):
                 found += left
             elif command.ended:
                 self._supervised.discard(command)
-        return found + await self._fallback.remaining()
+        if found:
+            return found
+        found = await self._fallback.remaining()
+        self._fallback_found = bool(found)
+        return found
 
 
 class CommandProcess(ABC):

@@ -317,6 +317,11 @@ class EngineClient:
             raise EngineError(_error_text(response.status, data), response.status)
         raise EngineError(f"the Docker engine did not hand over the exec's stream (status {response.status})")
 
+    async def exec_start_detached(self, exec_id: str) -> None:
+        """Start the exec and return at once: no stream is handed over (on an ``ssh://`` engine no
+        new channel is opened for it), nothing it writes is read."""
+        await self.request("POST", f"/exec/{exec_id}/start", {"Detach": True, "Tty": False})
+
     async def exec_inspect(self, exec_id: str) -> dict[str, Any]:
         result: dict[str, Any] = await self.request("GET", f"/exec/{exec_id}/json")
         return result

@@ -40,7 +40,7 @@ from ._engine import Endpoint, EngineClient, EngineError, ExecStream
 from ._framed import FramedDockerProcess, SidePipes, SupervisorMissing
 from ._hints import INFRA_HINTS
 from ._kit import find_container_processes, find_open_leftovers, kit_notes, plant_in_environment
-from ._process import ContainerMarked, DockerProcess, diagnose_refusal, run_script
+from ._process import ContainerMarked, DockerProcess, diagnose_refusal, run_script, start_script
 from ._scripts import BOOT, BOOT_SUPERVISED, SPILL_DIR, SPILL_WRITER
 from ._spill import DockerSpillFile
 from ._supervisor import INSTALL_DIR, install_supervisor
@@ -362,11 +362,12 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             if self._container_id:  # empty when opening failed before the container was started
                 await self._remove_container(self._container_id)
         elif self._spill_dir:
-            # Bounded: an engine stalled by a burst of ending execs would hold aclose for seconds.
-            # The exec, once started, completes in the container whether or not it is waited for.
+            # Started, not waited for: it completes in the container all the same, and waiting would
+            # cost aclose a stream and an inspect (on an ``ssh://`` engine a channel each). Bounded:
+            # an engine stalled by a burst of ending execs would hold aclose for seconds.
             try:
                 with anyio.move_on_after(_RELEASE_WAIT_S) as waited:
-                    await run_script(
+                    await start_script(
                         self._engine, self._container_id, config.user, 'rm -rf -- "$1"', self._spill_dir
                     )
                 if waited.cancelled_caught:

@@ -59,6 +59,24 @@ _REFUSED_EXIT_CODES = (126, 127)
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
+async def start_script(
+    engine: EngineClient, container: str, user: str | None, script: str, *args: str
+) -> None:
+    """Start a small bash script in the container and return without waiting for its end.
+
+    For clean-up nobody waits on (its exit is never known): two requests on kept-alive connections
+    instead of :func:`run_script`'s stream and inspect.
+    """
+    exec_id = await engine.exec_create(
+        container,
+        ["bash", "--noprofile", "--norc", "-c", script, "dsh-bash", *args],
+        env=SCRIPT_ENV,
+        stdin=False,
+        user=user,
+    )
+    await engine.exec_start_detached(exec_id)
+
+
 async def run_script(
     engine: EngineClient,
     container: str,
