@@ -183,6 +183,14 @@ class _Delivered:
         return await self._target.remaining()
 
 
+def _waiting(command: _Command) -> bool | None:
+    """The waiting-for-input verdict a read reports: only while the task runs with its input open."""
+    feed = command.input
+    if feed is None or command.finalized or feed.state != "open":
+        return False
+    return feed.waiting
+
+
 class _SentToAll(set[int]):
     """The signals aclose's one kill sequence sends, recorded for every command it kills."""
 
@@ -673,10 +681,6 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         out_text, out_dropped = launch.stdout.read()
         err_text, err_dropped = launch.stderr.read()
         dropped = out_dropped + err_dropped
-        feed = command.input
-        waiting = (
-            feed.waiting if feed is not None and not command.finalized and feed.state == "open" else False
-        )
         return BashTaskRead.model_construct(
             task=command.task,
             delta=merge_streams(out_text, err_text),
@@ -684,8 +688,19 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             dropped_bytes=dropped,
             stdout_spill_path=launch.stdout.spill_path,
             stderr_spill_path=launch.stderr.spill_path,
-            waiting_for_input=waiting,
+            waiting_for_input=_waiting(command),
         )
+
+    def waiting_for_input(self, task_id: BashTaskId) -> bool | None:
+        """What the next ``read_output`` would report as ``waiting_for_input``, without reading: the
+        task's output stays for that read.
+
+        Synchronous: the verdict is kept in memory by the task's watch (a look does no I/O), and a look
+        made right after a read (no await between) sees the state that read reported. A write clears the
+        verdict at once, so a ``True`` seen after ``write_input`` returned is a wait that came after it.
+        """
+        self._ensure_open()
+        return _waiting(self._command_for(task_id))
 
     async def kill(self, task_id: BashTaskId) -> bool:
         self._ensure_open()

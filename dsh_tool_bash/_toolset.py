@@ -97,7 +97,8 @@ ErrorKind = Literal[
 
 #: The terminal of a task started with ``terminal: true``: the size terminal programs assume.
 _TERMINAL = TerminalSize(rows=24, cols=80)
-#: How often bash_input looks whether the task it wrote to has ended, while it waits ``yield_ms``.
+#: How often bash_input looks whether the task it wrote to has ended or waits for input again, while it
+#: waits ``yield_ms``.
 _INPUT_POLL_S = 0.05
 
 
@@ -232,8 +233,9 @@ _BASH_INPUT_DESCRIPTION = "\n".join(
         "Ctrl-C is just the byte 0x03 (stop a task with bash_kill), and `close: true` sends end of "
         "input (what Ctrl-D means on a terminal).",
         "",
-        "Then waits `yield_ms` (default 1000) or until the task ends, and returns `wrote N bytes to task "
-        "ID` and what the task printed since the last read, in bash_output's format with its status line.",
+        "Then waits `yield_ms` (default 1000), or less: until the task ends or waits for input again "
+        "(a prompt after its answer), and returns `wrote N bytes to task ID` and what the task printed "
+        "since the last read, in bash_output's format with its status line.",
     ]
 )
 
@@ -649,9 +651,10 @@ class BashToolset:
                     what = f"wrote {len(data)} bytes to task {task_id}, but could not close its input"
                     return _failure(exc, what, BASH_INPUT, task_id=task_id, bytes_written=len(data))
             with anyio.move_on_after(yield_ms / 1000):
-                # A loop, not one wait: the place where a task waiting for input again will end the wait
-                # too, once executors report it (docs/design/interactive.md, section 3).
-                while not ended.is_set():
+                # A loop, not one wait: a task that waits for input again (a REPL printed its answer and
+                # its prompt) has said what it will say until it is answered. The write cleared the
+                # previous verdict, so a wait seen here came after it; looking does not consume output.
+                while not ended.is_set() and not self._waits_again(task_id):
                     with anyio.move_on_after(_INPUT_POLL_S):
                         await ended.wait()
         finally:
@@ -667,6 +670,12 @@ class BashToolset:
                 exc, f"{wrote}, but could not read its output", BASH_INPUT, task_id=task_id, **facts
             )
         return ToolResult(text=f"{wrote}\n{read.text}", is_error=False, data={**read.data, **facts})
+
+    def _waits_again(self, task_id: str) -> bool:
+        try:
+            return self._executor.waiting_for_input(BashTaskId(task_id)) is True
+        except DshBashError:
+            return False  # the read that follows reports what went wrong
 
     async def _kill(self, task_id: str) -> ToolResult:
         try:

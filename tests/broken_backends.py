@@ -1972,3 +1972,37 @@ class WaitingWhenSleeping(_ProcessBreaker):
     """
 
     process_class = _SleepingIsWaitingProcess
+
+
+class WaitLookConsumes(LocalBashExecutor):
+    """Breaks: `waiting_for_input(id)` consumes nothing: the next read delivers every byte.
+
+    The look is built on a read that throws its delta away, as a look written with the read's code might.
+    """
+
+    def waiting_for_input(self, task_id: BashTaskId) -> bool | None:
+        waiting = super().waiting_for_input(task_id)
+        launch = self._command_for(task_id).launch
+        launch.stdout.read()
+        launch.stderr.read()
+        return waiting
+
+
+class WaitLookFromLastRead(LocalBashExecutor):
+    """Breaks: `waiting_for_input(id)` is False right after a write: a wait seen before it does not count.
+
+    The look answers from a cache of what the last read reported, which a write does not clear.
+    """
+
+    def __init__(self, config: LocalConfig | None = None) -> None:
+        super().__init__(config)
+        self._last_waiting: dict[BashTaskId, bool | None] = {}
+
+    async def read_output(self, task_id: BashTaskId) -> BashTaskRead:
+        read = await super().read_output(task_id)
+        self._last_waiting[task_id] = read.waiting_for_input
+        return read
+
+    def waiting_for_input(self, task_id: BashTaskId) -> bool | None:
+        super().waiting_for_input(task_id)  # refusals as the sound look's
+        return self._last_waiting.get(task_id, False)

@@ -204,18 +204,60 @@ async def test_close_sends_end_of_input() -> None:
         assert closed.data["closed_input"] is True
 
 
+async def _until_waiting(tools: BashToolset, task_id: str, limit_s: float = 10) -> str:
+    """Read the task until a read reports it waiting for input; return what it printed meanwhile."""
+    seen = ""
+    with anyio.fail_after(limit_s):
+        while True:
+            result = await tools.call("bash_output", {"task_id": task_id})
+            assert not result.is_error, result.text
+            if result.data["new_output"]:
+                seen += result.text.rsplit("[status:", 1)[0]
+            if result.data["waiting_for_input"]:
+                return seen
+            await anyio.sleep(0.05)
+
+
 @pytest.mark.anyio
 async def test_yield_ms_waits_while_the_task_runs() -> None:
     async with _executor() as ex:
         tools = BashToolset(ex)
-        task_id = await _start(tools, "cat")
+        task_id = await _start(tools, 'read -r l; echo "got $l"; sleep 30')
+        # Waiting before the write: that verdict is the write's to clear, not a reason to return early.
+        await _until_waiting(tools, task_id)
         started = time.monotonic()
         echoed = await _input(tools, task_id, "one\\n", yield_ms=1500)
         elapsed = time.monotonic() - started
         assert 1.5 <= elapsed < 4, elapsed
-        # cat read the line, echoed it and blocks reading again: seen within about 0.4 s.
-        assert echoed.text == f"wrote 4 bytes to task {task_id}\none\n[status: running, waiting for input]"
-        assert echoed.data["waiting_for_input"] is True
+        # It read its line and sleeps: it does not wait for input again, so the whole yield_ms passes.
+        assert echoed.text == f"wrote 4 bytes to task {task_id}\ngot one\n[status: running]"
+        assert echoed.data["waiting_for_input"] is False
+        await tools.call("bash_kill", {"task_id": task_id})
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("command", "text", "answer"),
+    [
+        ('while read -r l; do echo "got $l"; done', "one\\n", "got one\n"),
+        ("python3 -i", "6*7\\n", "42\n"),
+    ],
+    ids=["while-read", "python3-i"],
+)
+async def test_bash_input_returns_once_the_task_waits_again(command: str, text: str, answer: str) -> None:
+    async with _executor() as ex:
+        tools = BashToolset(ex)
+        task_id = await _start(tools, command)
+        await _until_waiting(tools, task_id)
+        started = time.monotonic()
+        answered = await _input(tools, task_id, text, yield_ms=10_000)
+        elapsed = time.monotonic() - started
+        # It answered and blocks reading its next line (seen twice, 200 ms apart): no need to wait 10 s.
+        assert elapsed < 5, elapsed
+        assert not answered.is_error, answered.text
+        assert answer in answered.text, answered.text
+        assert answered.text.endswith("[status: running, waiting for input]"), answered.text
+        assert answered.data["waiting_for_input"] is True
         started = time.monotonic()
         quick = await _input(tools, task_id, "", yield_ms=0)
         assert time.monotonic() - started < 0.3

@@ -50,6 +50,9 @@ async def _all_refused(
     await expect_raises(ExecutorClosedError, partial(ex.exec, spec.command), f"exec {when}")
     await expect_raises(ExecutorClosedError, partial(ex.start, spec), f"start {when}")
     await expect_raises(ExecutorClosedError, partial(ex.read_output, task_id), f"read_output {when}")
+    expect_raises_sync(
+        ExecutorClosedError, partial(ex.waiting_for_input, task_id), f"waiting_for_input {when}"
+    )
     await expect_raises(ExecutorClosedError, partial(ex.kill, task_id), f"kill {when}")
     await expect_raises(
         ExecutorClosedError, partial(ex.write_input, task_id, "x", owner=None), f"write_input {when}"

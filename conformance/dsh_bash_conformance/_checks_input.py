@@ -23,7 +23,7 @@ from dsh_bash import (
 )
 
 from ._kit import CheckContext, check
-from ._support import alive, expect_raises, gone, loop, read_to_end, wait_task
+from ._support import alive, expect_raises, expect_raises_sync, gone, loop, read_to_end, wait_task
 
 
 async def _start_open(ctx: CheckContext, ex: BashExecutor, command: str, **fields: Any) -> BashTask:
@@ -386,6 +386,7 @@ async def _waiting_seen(ctx: CheckContext, ex: BashExecutor, task: BashTask, wit
     started = time.monotonic()
     while time.monotonic() - started < within_s:
         read = await ex.read_output(task.id)
+        _look_agrees(ctx, ex, task, read.waiting_for_input)
         if read.waiting_for_input is None:
             ctx.not_applicable(
                 "the target cannot tell whether a task waits for input (waiting_for_input is None)"
@@ -396,21 +397,55 @@ async def _waiting_seen(ctx: CheckContext, ex: BashExecutor, task: BashTask, wit
     return None
 
 
+def _look_agrees(ctx: CheckContext, ex: BashExecutor, task: BashTask, reported: bool | None) -> None:
+    """Called right after a read, with no await between: the look sees the state the read reported."""
+    look = ex.waiting_for_input(task.id)
+    ctx.expect(
+        look is reported,
+        f"waiting_for_input({task.id!r}) right after a read was {look!r}, the read reported {reported!r}",
+    )
+
+
+async def _looks_consume_nothing(
+    ctx: CheckContext, ex: BashExecutor, task: BashTask, want: str, what: str
+) -> None:
+    """Look for a second while the task answers, then read: the answer must still be there."""
+    started = time.monotonic()
+    while time.monotonic() - started < 1:
+        ex.waiting_for_input(task.id)
+        await anyio.sleep(0.02)
+    seen = ""
+    deadline = time.monotonic() + 2 + ctx.allowance_s
+    while want not in seen:
+        if time.monotonic() > deadline:
+            ctx.fail(
+                f"{what}: after a second of waiting_for_input looks the reads gave {seen!r}, expected "
+                f"{want!r} (does the look consume output?)"
+            )
+        seen += (await ex.read_output(task.id)).delta
+        await anyio.sleep(0.02)
+
+
 @check(
     "waiting-reported",
     kind="contract",
     clause="R-input-waiting",
     rule="A read reports `waiting_for_input` within 1 s after a process of the task blocked reading its "
-    "open input (pipe or terminal) with nothing to read, and no longer once input was written.",
+    "open input (pipe or terminal) with nothing to read, and no longer once input was written; "
+    "`waiting_for_input(id)` agrees with each read, is False right after a write and consumes nothing.",
 )
 async def waiting_reported(ctx: CheckContext) -> None:
     async with ctx.executor() as ex:
-        readers = [("`read` on open stdin", await _start_open(ctx, ex, 'read -r x; echo "got $x"; sleep 30'))]
+        expect_raises_sync(
+            UnknownTaskError,
+            partial(ex.waiting_for_input, BashTaskId("kit-no-such-task")),
+            "waiting_for_input of an unknown id",
+        )
+        reader = 'read -r x; echo "got $x"; sleep 30'
+        readers = [("`read` on open stdin", await _start_open(ctx, ex, reader))]
         try:
             on_terminal = await ex.start(
-                ex.resolve(
-                    BashExecRequest(command="read -r x; sleep 30", terminal=TerminalSize(rows=24, cols=80))
-                )
+                ex.resolve(BashExecRequest(command=reader, terminal=TerminalSize(rows=24, cols=80)))
             )
         except BashInfrastructureError as exc:
             if exc.reason != "interactive_unsupported":
@@ -424,12 +459,20 @@ async def waiting_reported(ctx: CheckContext) -> None:
                 f"{what}: no read reported waiting_for_input within {1 + ctx.allowance_s:g} s",
             )
             await ex.write_input(task.id, "answer\n", owner=None)
+            look = ex.waiting_for_input(task.id)
+            ctx.expect(
+                look is False,
+                f"{what}: waiting_for_input right after write_input was {look!r}: a wait seen before the "
+                "write still counted",
+            )
             read = await ex.read_output(task.id)
             ctx.expect(
                 read.waiting_for_input is False,
                 f"{what}: the read right after write_input still reported "
                 f"waiting_for_input={read.waiting_for_input}",
             )
+            if "got answer" not in read.delta:
+                await _looks_consume_nothing(ctx, ex, task, "got answer", what)
             await ex.kill(task.id)
 
 
@@ -438,7 +481,7 @@ async def waiting_reported(ctx: CheckContext) -> None:
     kind="contract",
     clause="R-input-waiting",
     rule="`waiting_for_input` is not reported while the task's processes compute, sleep, or read another "
-    "pipe, nor for a task without open input.",
+    "pipe, nor for a task without open input; `waiting_for_input(id)` agrees with each read.",
 )
 async def waiting_not_reported(ctx: CheckContext) -> None:
     async with ctx.executor() as ex:
@@ -456,6 +499,7 @@ async def waiting_not_reported(ctx: CheckContext) -> None:
         while time.monotonic() - started < 1.5:
             for what, task in cases.items():
                 read = await ex.read_output(task.id)
+                _look_agrees(ctx, ex, task, read.waiting_for_input)
                 if read.waiting_for_input is None and what != "without open input":
                     ctx.not_applicable("the target cannot tell whether a task waits for input")
                 ctx.expect(
