@@ -53,6 +53,7 @@ from ._types import (
     EndCause,
     OwnerToken,
     TerminalSize,
+    _encodable,
 )
 
 __all__ = ["MAX_INPUT_BYTES", "MAX_PENDING_INPUT", "BashExecutor", "ConfigT_co", "TaskListener"]
@@ -1003,13 +1004,8 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
 
 def _input_bytes(data: object) -> bytes:
     if isinstance(data, str):
-        try:
-            payload = data.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(
-                f"input is not valid text: lone surrogate {data[exc.start]!r} at index {exc.start} has no "
-                "UTF-8 encoding (send raw bytes as bytes)"
-            ) from None
+        _encodable(data, "input")  # refuses a lone surrogate, naming it
+        payload = data.encode("utf-8")
     elif isinstance(data, bytes | bytearray | memoryview):
         payload = bytes(data)
     else:
