@@ -37,6 +37,20 @@
  *                       the command closed its read end; 12, ENOMEM: the queue could not grow); the
  *                       queue is dropped, later 'i' frames too, and no `input drained` follows. A
  *                       terminal takes input even when nobody holds its slave, up to its buffer
+ *   input busy N        --frame only (version 5), while the command's input is open (a pipe until 'c'
+ *   input waiting N     or `input broken`; a terminal): every SAMPLE_MS the supervisor looks down its
+ *                       subtree (the children files, at most SAMPLE_MAX processes) for a process in
+ *                       state S blocked in read/readv/pread64 of an fd, or in select/pselect6 with nfds
+ *                       1 and no write or except set (fd 0), whose /proc/PID/fd/FD is the input: the
+ *                       stdin pipe (st_dev and st_ino, taken at spawn) or the terminal (its st_rdev, or
+ *                       /dev/tty's (5, 0) in a process whose controlling terminal it is). `waiting` when
+ *                       one is and the 'i' queue is empty, else `busy`; N is every 'i' payload byte
+ *                       received (and so written) by then, so a harness ignores a report older than its
+ *                       last write. Sent on a change only (of the state, or of N while waiting), and
+ *                       `input busy 0` right after `started` when the input is open, which says that
+ *                       this supervisor samples. Nothing once the input is closed or no child is left.
+ *                       Readers in poll/epoll and processes of another uid are not seen (x86_64 and
+ *                       aarch64 only; elsewhere never `waiting`)
  *   empty               no child is left at all; the supervisor exits 0 right after
  *
  * Kill requests: SIGUSR1 or byte 'T' on the control fd sends SIGTERM (then SIGCONT) to every live
@@ -202,9 +216,9 @@
 #define READ_SIZE 65536          /* one read of a command pipe, or of fd 0; the largest payload sent */
 #define OUT_LIMIT (256 * 1024)   /* buffered output at which the command's pipes are no longer read */
 #define RECORD_ROOM 16384        /* beyond it, for records a command can provoke (signalled, warning,
-                                    input drained) */
+                                    input drained, input waiting / busy) */
 #define FINAL_ROOM 1024          /* kept for the once-only ones: started, exit, EOF frames, empty,
-                                    pipe, switch, nonce, input broken */
+                                    pipe, switch, nonce, input broken, the first input busy */
 #define RING_CAP (OUT_LIMIT + FRAME_HEADER + READ_SIZE + RECORD_ROOM + FINAL_ROOM)
 #define REQUEST_MAX (1 << 20)    /* a longer frame from the harness cannot be a sound one */
 #define TTY_SLACK (1 << 20)      /* terminal output read once no child is left, beyond what FIONREAD says */

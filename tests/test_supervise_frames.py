@@ -269,6 +269,8 @@ def _kinds(events: list[Event]) -> list[str]:
     """The events with consecutive output chunks of one stream merged: ['s:started', 'o', 's:exit 0']."""
     kinds: list[str] = []
     for kind, value in events:
+        if kind == "s" and str(value).startswith(("input waiting ", "input busy ")):
+            continue  # the input sampler's: when they come depends on the timing of its looks
         name = kind if isinstance(value, bytes) else f"{kind}:{value}"  # output: its stream alone
         if name.startswith("s:started "):
             name = "s:started"
