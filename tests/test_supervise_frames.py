@@ -1281,12 +1281,13 @@ def test_python_input_is_seen_waiting(runs: list[Framed]) -> None:
 
 
 def test_closed_input_is_not_sampled(runs: list[Framed]) -> None:
-    # 'c' at once: the reader sees EOF, and the input is closed before any sample could see it open.
-    run = Framed([*SH, "exec 3<&0; sleep 1.5"])
+    # The reader ends its wait at the close (EOF), but the input is closed: no `input busy` follows.
+    run = Framed([*SH, "read -r x; sleep 1"])
     runs.append(run)
+    run.expect("input waiting 0", timeout=2.0)
     run.send(b"c")
     run.finish()
-    assert run.waiting_records in ([], ["input busy 0"])
+    assert run.waiting_records == ["input busy 0", "input waiting 0"]
 
 
 def test_reader_of_the_terminal_is_seen_waiting(runs: list[Framed]) -> None:
