@@ -1606,7 +1606,12 @@ static void sample_input(void)
     next_sample = now_ms() + SAMPLE_MS;
     if (!input_sampled())
         return;
-    int waiting = stdin_len == 0 && input_waiter();
+    /* Bytes still in the pipe: the reader was not scheduled yet since they came, so it is not waiting
+     * for them, whatever its state says. */
+    int unread = 0;
+    if (!input_is_terminal && ioctl(stdin_fd, FIONREAD, &unread) < 0)
+        unread = 0;
+    int waiting = stdin_len == 0 && unread == 0 && input_waiter();
     /* A reader that took the new bytes and waits again within one look waits anew: its N changed. */
     if (waiting == input_waiting && (!waiting || stdin_written == input_waiting_count))
         return;

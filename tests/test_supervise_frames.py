@@ -1372,7 +1372,7 @@ def test_framed_command_samples_from_the_records() -> None:
     command = _PipedCommand(launch, process)
 
     async def until_waiting() -> None:
-        with anyio.fail_after(3):
+        with anyio.fail_after(5):
             while not await command.sample_input_waiting():  # noqa: ASYNC110 (the executor polls so)
                 await anyio.sleep(0.05)
 
