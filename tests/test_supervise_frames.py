@@ -1336,8 +1336,11 @@ class _PipedCommand(FramedCommand):
 
     async def _send_frame(self, frame: bytes, *, urgent: bool) -> bool:
         assert self._process.stdin is not None
-        self._process.stdin.write(frame)
-        self._process.stdin.flush()
+        try:
+            self._process.stdin.write(frame)
+            self._process.stdin.flush()
+        except BrokenPipeError:
+            return False  # the supervisor is done (the command may end before the close frame)
         return True
 
     async def _lost(self) -> BashInfrastructureError:
