@@ -408,22 +408,27 @@ async def _waiting_seen(ctx: CheckContext, ex: BashExecutor, task: BashTask, wit
     kind="contract",
     clause="R-input-waiting",
     rule="A read reports `waiting_for_input` within 1 s after a process of the task blocked reading its "
-    "open input (pipe or terminal) with nothing to read, and no longer once input was written.",
+    "open input (pipe or terminal, also through /dev/tty) with nothing to read, and no longer once input "
+    "was written.",
 )
 async def waiting_reported(ctx: CheckContext) -> None:
     async with ctx.executor() as ex:
         readers = [("`read` on open stdin", await _start_open(ctx, ex, 'read -r x; echo "got $x"; sleep 30'))]
-        try:
-            on_terminal = await ex.start(
-                ex.resolve(
-                    BashExecRequest(command="read -r x; sleep 30", terminal=TerminalSize(rows=24, cols=80))
+        on_terminal = {
+            "`read` on a terminal": "read -r x; sleep 30",
+            # As ssh and sudo ask for a password: from /dev/tty, whatever stdin is.
+            "`read` from /dev/tty, stdin elsewhere": "exec 3</dev/tty </dev/null; read -r -u 3 x; sleep 30",
+        }
+        for name, command in on_terminal.items():
+            try:
+                task = await ex.start(
+                    ex.resolve(BashExecRequest(command=command, terminal=TerminalSize(rows=24, cols=80)))
                 )
-            )
-        except BashInfrastructureError as exc:
-            if exc.reason != "interactive_unsupported":
-                raise
-        else:
-            readers.append(("`read` on a terminal", on_terminal))
+            except BashInfrastructureError as exc:
+                if exc.reason != "interactive_unsupported":
+                    raise
+                break
+            readers.append((name, task))
         for what, task in readers:
             after = await _waiting_seen(ctx, ex, task, 1 + ctx.allowance_s)
             ctx.expect(
