@@ -398,9 +398,7 @@ class InputIdentity:
         return (info.st_dev, info.st_ino) == (self.dev, self.ino)
 
 
-def _blocked_read_fd(
-    pid: int, reads: frozenset[int], selects: frozenset[int]
-) -> tuple[int, ProcStat] | None:
+def _blocked_read_fd(pid: int, reads: frozenset[int], selects: frozenset[int]) -> tuple[int, ProcStat] | None:
     """The fd ``pid`` is blocked reading (state S in a read, or a select on fd 0 alone) and its stat,
     else None."""
     stat = read_proc_stat(pid)
