@@ -31,7 +31,14 @@ from ._forkserver import SupervisorServer, pidfd_exited, received_fds
 from ._frames import SupervisorRecords
 from ._hostspill import HostSpillDir
 from ._output import OutputStream
-from ._procscan import InputIdentity, ProcScanError, ProcScanner, input_waiters, signal_marked
+from ._procscan import (
+    InputIdentity,
+    ProcScanError,
+    ProcScanner,
+    descendants,
+    input_waiters,
+    signal_marked,
+)
 from ._types import TerminalSize
 
 __all__ = [
@@ -215,14 +222,12 @@ class HostProcess(CommandProcess):
         identity = self._input_identity
         if identity is None:
             return None
-        try:
-            entries = await self._scanner.entries()
-        except ProcScanError:
-            return False
-        marker = self._launch.marker
-        pids = [e.pid for e in entries if e.alive and (e.marker == marker or e.pgrp == self._pid)]
-        # A handful of small /proc reads per process: a task of thousands is looked at in part.
-        return bool(input_waiters(pids[:_WAIT_SAMPLE_MAX], identity))
+        if not self._pid:
+            return False  # a supervisor whose pid has not come yet
+        # The tree under the command's leader (or its supervisor, a subreaper that holds every
+        # orphan): no scan of every process here, which a busy host makes slow. A handful of small
+        # /proc reads per process; a task of thousands is looked at in part.
+        return bool(input_waiters(descendants(self._pid, _WAIT_SAMPLE_MAX), identity))
 
     async def resize(self, size: TerminalSize) -> None:
         # The input fd of a terminal task is the terminal's master side (a dup of the one read).

@@ -38,6 +38,7 @@ __all__ = [
     "ProcScanner",
     "ProcStat",
     "boot_ticks",
+    "descendants",
     "input_waiters",
     "read_proc_stat",
     "scan",
@@ -421,6 +422,27 @@ def _blocked_read_fd(pid: int, reads: frozenset[int], selects: frozenset[int]) -
     if number in selects and args[0] == 1 and args[2] == 0 and args[3] == 0:
         return 0, stat
     return None
+
+
+def descendants(root: int, limit: int) -> list[int]:
+    """``root`` and its descendants (children, theirs, ...), breadth first, at most ``limit``, from
+    ``/proc/PID/task/TID/children``: reads only the tree's own files, whatever else runs here."""
+    found = [root]
+    at = 0
+    while at < len(found) and len(found) < limit:
+        pid = found[at]
+        at += 1
+        try:
+            threads = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue  # gone
+        for tid in threads:
+            try:
+                children = _read_file(f"/proc/{pid}/task/{tid}/children").split()
+            except OSError:
+                continue
+            found += [int(child) for child in children if child.isdigit()]
+    return found[:limit]
 
 
 def input_waiters(pids: list[int], identity: InputIdentity, machine: str | None = None) -> list[int]:

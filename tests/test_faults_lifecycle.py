@@ -117,10 +117,15 @@ async def test_aclose_with_a_hundred_tasks_running(backend: Backend, marker: str
         # command whose end aclose stopped waiting for (its bound expired: a loaded engine).
         plain_ends = {(task.signal, task.exit_code) for task in tasks[:40]}
         trap_ends = {(task.signal, task.exit_code) for task in tasks[40:70]}
-        assert plain_ends <= {("SIGTERM", None), (None, None)}, plain_ends
+        within_bound = elapsed < 2 * GRACE_MS / 1000 + 0.5
+        # Past the bound, the SIGTERM pass itself was slow (100 supervisors on a loaded host): the
+        # SIGKILL after the grace may reach a plain one before it acted on its SIGTERM, and then
+        # SIGKILL is the truth.
+        plain_allowed = {("SIGTERM", None), (None, None)} | (set() if within_bound else {("SIGKILL", None)})
+        assert plain_ends <= plain_allowed, (plain_ends, f"aclose took {elapsed:.2f}s")
         assert trap_ends <= {("SIGKILL", None), (None, None)}, trap_ends
-        if elapsed < 2 * GRACE_MS / 1000 + 0.5:  # within aclose's bound every end was seen
-            assert (plain_ends, trap_ends) == ({("SIGTERM", None)}, {("SIGKILL", None)})
+        if within_bound:  # within aclose's bound every end was seen
+            assert (plain_ends, trap_ends) == ({("SIGTERM", None)}, {("SIGKILL", None)}), f"{elapsed:.2f}s"
         assert notified == []  # no listener once aclose has begun
         for task in tasks:
             with anyio.fail_after(1):

@@ -454,18 +454,24 @@ class SshBashExecutor(BashExecutor[SshConfig]):
             # stdin then goes in frames (FramedSshProcess.pump_output).
             chan = session.chan
             assert chan is not None
-            if header is not None:
-                chan.write(header)
-            if spec.stdin is not None and framed is None:
-                data = spec.stdin.encode() if isinstance(spec.stdin, str) else bytes(spec.stdin)
+            try:
+                if header is not None:
+                    chan.write(header)
+                if spec.stdin is not None and framed is None:
+                    data = spec.stdin.encode() if isinstance(spec.stdin, str) else bytes(spec.stdin)
+                    if key is not None:
+                        chan.write(b"%d\0" % len(data))
+                    chan.write(data)
+                    if key is None:
+                        chan.write_eof()
                 if key is not None:
-                    chan.write(b"%d\0" % len(data))
-                chan.write(data)
-                if key is None:
+                    chan.write(key)
                     chan.write_eof()
-            if key is not None:
-                chan.write(key)
-                chan.write_eof()
+            except OSError as exc:
+                # The channel closed before all of it went (asyncssh: "Channel not open for
+                # sending"): BOOT ended early, and its verdict (a missing workdir, say) or the
+                # channel's end, which the preamble reads, says why; not this write.
+                log.debug("start of %s: the channel closed under its input: %s", launch.marker, exc)
             await process.read_preamble()
             marked.start = session.command_start
         except BaseException as exc:
