@@ -930,6 +930,27 @@ def _popen(
         ) from exc
 
 
+@dataclass(frozen=True, slots=True)
+class _Terminal:
+    master: int  # read as the task's stdout
+    writer: int  # a dup of the master, written as the task's input
+    slave: int  # the command's stdin, stdout and stderr
+    identity: InputIdentity
+
+
+def _open_terminal(size: TerminalSize, opened: list[int]) -> _Terminal:
+    """A pty pair of ``size`` for a terminal task, its descriptors in ``opened`` as soon as they exist
+    (the caller closes them if a later step fails); ours non-blocking."""
+    master, slave = os.openpty()
+    opened += [master, slave]
+    writer = os.dup(master)
+    opened.append(writer)
+    set_terminal_size(master, size)
+    for fd in (master, writer):
+        _set_nonblocking(fd)
+    return _Terminal(master, writer, slave, InputIdentity.of_fd(slave, terminal=True))
+
+
 def _spawn_on_terminal(
     launch: Launch,
     argv: list[str],
@@ -945,12 +966,8 @@ def _spawn_on_terminal(
     """Start the command on a new pseudo-terminal: its stdin, stdout and stderr, and its controlling
     terminal. Ours is the master side, read as the command's stdout (stderr is an empty stream) and
     written as its input. Descriptors go in ``opened`` until they are handed over."""
-    master, slave = os.openpty()
-    opened += [master, slave]
-    identity = InputIdentity.of_fd(slave, terminal=True)
-    set_terminal_size(master, size)
-    writer = os.dup(master)
-    opened.append(writer)
+    terminal = _open_terminal(size, opened)
+    master, slave, writer = terminal.master, terminal.slave, terminal.writer
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     opened += [err_r, err_w]
     popen = _popen(
@@ -961,8 +978,7 @@ def _spawn_on_terminal(
     for fd in (slave, err_w):
         os.close(fd)
         opened.remove(fd)
-    for fd in (master, writer, err_r):
-        _set_nonblocking(fd)
+    _set_nonblocking(err_r)
     opened.clear()
     process = HostProcess(
         popen,
@@ -974,7 +990,7 @@ def _spawn_on_terminal(
         start_helper=start_helper,
         script=script,
     )
-    process._input_identity = identity
+    process._input_identity = terminal.identity
     return process
 
 
@@ -1007,17 +1023,11 @@ async def _spawn_supervised(
             # The terminal's slave side is the command's stdin, stdout and stderr (the supervisor
             # makes it the controlling terminal); ours is the master, read as stdout and written as
             # input. The stdout pipe goes unused, the stderr pipe ends at once.
-            master, slave = os.openpty()
-            theirs.append(slave)
-            ours.append(master)
-            identity = InputIdentity.of_fd(slave, terminal=True)
-            set_terminal_size(master, spec.terminal)
-            in_w = os.dup(master)
-            ours.append(in_w)
-            for fd in (master, in_w):
-                _set_nonblocking(fd)
-            out_r = master
-            in_r = command_out = command_err = slave
+            terminal = _open_terminal(spec.terminal, ours)
+            ours.remove(terminal.slave)  # goes with the request
+            theirs.append(terminal.slave)
+            identity, in_w, out_r = terminal.identity, terminal.writer, terminal.master
+            in_r = command_out = command_err = terminal.slave
         elif spec.stdin is not None or spec.open_stdin:
             in_r, in_w = os.pipe2(os.O_CLOEXEC)
             _set_nonblocking(in_w)

@@ -25,8 +25,9 @@ import pytest
 from debian_image import USER, USER_UID
 from docker_support import BACKEND_UNAVAILABLE, SESSION_ID, SESSION_LABEL, DockerMode
 from dsh_bash_docker import DockerBashExecutor, DockerConfig
+from interactive_support import drive_python_repl
 
-from dsh_bash import BashExecRequest, TerminalSize
+from dsh_bash import BashExecRequest
 
 pytestmark = [pytest.mark.docker, pytest.mark.anyio, pytest.mark.timeout(120 + 300)]
 
@@ -219,18 +220,4 @@ def test_missing_image_without_mmdebstrap_names_the_reason(
 async def test_python_repl_through_a_terminal(mode: DockerMode, request: pytest.FixtureRequest) -> None:
     """Issue 17's drive: `python3 -i` on a terminal task: an expression in, its value out, Ctrl-D ends it."""
     async with _executor(mode, request) as ex:
-        task = await ex.start(
-            ex.resolve(BashExecRequest(command="python3 -i -q", terminal=TerminalSize(rows=24, cols=80)))
-        )
-        seen = ""
-        with anyio.fail_after(20):
-            while ">>> " not in seen:
-                seen += (await ex.read_output(task.id)).delta
-                await anyio.sleep(0.05)
-            await ex.write_input(task.id, "6*7\n", owner=None)
-            while "42\r\n" not in seen:
-                seen += (await ex.read_output(task.id)).delta
-                await anyio.sleep(0.05)
-            await ex.write_input(task.id, "\x04", owner=None)
-            await task.wait()
-        assert (task.status, task.exit_code) == ("completed", 0), seen
+        await drive_python_repl(ex)

@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import pytest
 from dsh_bash_local import LocalBashExecutor, LocalConfig
+from interactive_support import drive_python_repl
 from pydantic import ValidationError
 
 from dsh_bash import (
@@ -114,16 +115,7 @@ async def test_run_refuses_open_input_and_terminals(executor: LocalBashExecutor)
 
 @pytest.mark.skipif(shutil.which("python3") is None, reason="python3 is not installed on this host")
 async def test_python_repl_through_a_terminal(executor: LocalBashExecutor) -> None:
-    task = await executor.start(
-        executor.resolve(BashExecRequest(command="python3 -i -q", terminal=TerminalSize(rows=24, cols=80)))
-    )
-    await _until(executor, task, ">>> ")
-    await executor.write_input(task.id, "6*7\n", owner=None)
-    assert "42\r\n" in await _until(executor, task, "42")
-    await executor.write_input(task.id, "\x04", owner=None)  # Ctrl-D at a line start: end of file
-    with anyio.fail_after(5):
-        await task.wait()
-    assert (task.status, task.exit_code) == ("completed", 0)
+    await drive_python_repl(executor, limit_s=10)
 
 
 async def test_a_command_waiting_on_read_is_answered(executor: LocalBashExecutor) -> None:

@@ -12,9 +12,10 @@ from pathlib import Path
 import anyio
 import pytest
 from dsh_bash_conformance import find_host_processes
+from interactive_support import drive_python_repl
 from ssh_support import TEST_USER, SshServer, keygen
 
-from dsh_bash import BashExecRequest, BashInfrastructureError, BashTask, ConfigError, TerminalSize
+from dsh_bash import BashExecRequest, BashInfrastructureError, BashTask, ConfigError
 
 pytestmark = [pytest.mark.anyio, pytest.mark.ssh]
 
@@ -567,21 +568,7 @@ async def test_a_killed_spare_is_replaced(ssh_server: SshServer) -> None:
 
 
 async def test_python_repl_through_a_terminal(ssh_server: SshServer) -> None:
-    """Issue 17's drive: `python3 -i` on a terminal task on the SSH host: an expression in, its value
-    out, Ctrl-D ends it; the task ran attached (open input needs a live channel)."""
+    """Issue 17's drive: `python3 -i` on a terminal task on the SSH host; the task runs attached (open
+    input needs a live channel)."""
     async with ssh_server.executor(grace_ms=300) as ex:
-        task = await ex.start(
-            ex.resolve(BashExecRequest(command="python3 -i -q", terminal=TerminalSize(rows=24, cols=80)))
-        )
-        seen = ""
-        with anyio.fail_after(20):
-            while ">>> " not in seen:
-                seen += (await ex.read_output(task.id)).delta
-                await anyio.sleep(0.05)
-            await ex.write_input(task.id, "6*7\n", owner=None)
-            while "42\r\n" not in seen:
-                seen += (await ex.read_output(task.id)).delta
-                await anyio.sleep(0.05)
-            await ex.write_input(task.id, "\x04", owner=None)
-            await task.wait()
-        assert (task.status, task.exit_code) == ("completed", 0), seen
+        await drive_python_repl(ex)

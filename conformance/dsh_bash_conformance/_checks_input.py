@@ -27,12 +27,13 @@ from ._support import alive, expect_raises, gone, loop, read_to_end, wait_task
 
 
 async def _start_open(ctx: CheckContext, ex: BashExecutor, command: str, **fields: Any) -> BashTask:
-    """Start ``command`` with open input; a backend that refuses open input makes the check N/A."""
+    """Start ``command`` with open input (or with ``terminal=``); a backend that refuses it makes the
+    check N/A."""
     try:
         return await ex.start(ex.resolve(BashExecRequest(command=command, open_stdin=True, **fields)))
     except BashInfrastructureError as exc:
         if exc.reason == "interactive_unsupported":
-            ctx.not_applicable(f"the target keeps no command's stdin open: {exc}")
+            ctx.not_applicable(f"the target refuses open input or a terminal: {exc}")
         raise
 
 
@@ -229,15 +230,7 @@ async def input_refusals(ctx: CheckContext) -> None:
 async def _start_terminal(
     ctx: CheckContext, ex: BashExecutor, command: str, rows: int = 24, cols: int = 80
 ) -> BashTask:
-    """Start ``command`` on a terminal; a backend that gives no terminal makes the check N/A."""
-    try:
-        return await ex.start(
-            ex.resolve(BashExecRequest(command=command, terminal=TerminalSize(rows=rows, cols=cols)))
-        )
-    except BashInfrastructureError as exc:
-        if exc.reason == "interactive_unsupported":
-            ctx.not_applicable(f"the target runs no command on a terminal: {exc}")
-        raise
+    return await _start_open(ctx, ex, command, terminal=TerminalSize(rows=rows, cols=cols))
 
 
 @check(
