@@ -632,9 +632,9 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
                     log.exception("looking for a reader of command %s's input failed", command.launch.marker)
                     seen = None
                 if seen is None:
-                    feed.waiting = None
-                    return
-                if seen:
+                    # Cannot tell (yet: a supervisor's first report may still be on its way).
+                    previous, feed.waiting = None, None
+                elif seen:
                     feed.waiting = previous is not None and previous == writes == feed.writes
                     previous = writes
                 else:

@@ -354,6 +354,16 @@ class FramedCommand(CommandProcess):
         # of what was sent went into the command's pipe.
         return max(0, self._input_sent - self._records.input_drained)
 
+    async def sample_input_waiting(self) -> bool | None:
+        # The supervisor samples its subtree itself (`input waiting N` / `input busy N`); a report
+        # counts only when it saw every byte sent so far, so one from before the last write is none.
+        # None until a first record came: a supervisor that does not sample never sends one.
+        reported = self._records.input_waiting
+        if reported is None:
+            return None
+        waiting, received = reported
+        return waiting and received == self._input_sent
+
     @property
     def ended(self) -> bool:
         """True once the supervisor's stream ended: it holds nothing any more (or was killed)."""

@@ -151,6 +151,7 @@ class SupervisorRecords:
         "exec_failed",
         "input_broken",
         "input_drained",
+        "input_waiting",
         "pty_failed",
         "side_pipe",
         "supervisor_pid",
@@ -190,6 +191,11 @@ class SupervisorRecords:
         #: The errno that ended writing the command's stdin (``input broken``: 32, EPIPE, once the
         #: command closed it; 12, ENOMEM, for a queue that could not grow); the rest was dropped.
         self.input_broken: int | None = None
+        #: The last ``input waiting N`` (True, N) or ``input busy N`` (False, N): whether a process of
+        #: the command was blocked reading its open input with nothing queued, N being the ``i`` bytes
+        #: the supervisor had received then (a report older than the harness's last write has a smaller
+        #: N). None until one came: a supervisor sends ``input busy 0`` first when it samples at all.
+        self.input_waiting: tuple[bool, int] | None = None
 
     def apply(self, record: str) -> None:
         words = record.split()
@@ -227,6 +233,8 @@ class SupervisorRecords:
                 number = _count(args[1])
                 if self.input_broken is None:
                     self.input_broken = number
+            elif kind == "input" and args[:1] in (["waiting"], ["busy"]):
+                self.input_waiting = (args[0] == "waiting", _count(args[1]))
             elif kind == "warning":
                 log.info("dsh-supervise: %s", record)
         except (IndexError, ValueError):

@@ -168,6 +168,8 @@ class ProcStat:
     session: int
     #: When the process started (clock ticks after boot): with the pid, it names one process for good.
     starttime: int = 0
+    #: Its controlling terminal's device number (0: none), encoded as ``st_rdev`` is.
+    tty_nr: int = 0
 
     @property
     def alive(self) -> bool:
@@ -191,7 +193,10 @@ def read_proc_stat(pid: int | str, proc: str = "/proc", reserve: FdReserve = _NO
         return None
     try:
         start = int(fields[19]) if len(fields) > 19 else 0
-        return ProcStat(int(pid), fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[3]), start)
+        tty = int(fields[4]) if len(fields) > 4 else 0
+        return ProcStat(
+            int(pid), fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[3]), start, tty
+        )
     except ValueError:
         return None
 
@@ -365,6 +370,10 @@ _INPUT_SYSCALLS: dict[str, tuple[frozenset[int], frozenset[int]]] = {
 }
 
 
+#: ``/dev/tty``'s device number (5, 0): an fd on it reads the process's controlling terminal.
+_DEV_TTY = os.makedev(5, 0)
+
+
 @dataclass(frozen=True, slots=True)
 class InputIdentity:
     """What a command's input is, as ``stat`` of an fd shows it: a pipe (its device and inode) or a
@@ -381,14 +390,18 @@ class InputIdentity:
             return cls("terminal", info.st_rdev)
         return cls("pipe", info.st_dev, info.st_ino)
 
-    def matches(self, info: os.stat_result) -> bool:
+    def matches(self, info: os.stat_result, tty_nr: int = 0) -> bool:
+        """Whether an fd's ``stat`` is this input; ``tty_nr``: the process's controlling terminal."""
         if self.kind == "terminal":
+            if info.st_rdev == _DEV_TTY:  # /dev/tty: its controlling terminal, whichever that is
+                return tty_nr == self.dev and self.dev != 0
             return info.st_rdev == self.dev and info.st_rdev != 0
         return (info.st_dev, info.st_ino) == (self.dev, self.ino)
 
 
-def _blocked_read_fd(pid: int, reads: frozenset[int], selects: frozenset[int]) -> int | None:
-    """The fd ``pid`` is blocked reading (state S in a read, or a select on fd 0 alone), else None."""
+def _blocked_read_fd(pid: int, reads: frozenset[int], selects: frozenset[int]) -> tuple[int, ProcStat] | None:
+    """The fd ``pid`` is blocked reading (state S in a read, or a select on fd 0 alone) and its stat,
+    else None."""
     stat = read_proc_stat(pid)
     if stat is None or stat.state != "S":
         return None
@@ -404,10 +417,10 @@ def _blocked_read_fd(pid: int, reads: frozenset[int], selects: frozenset[int]) -
     except ValueError:
         return None
     if number in reads:
-        return args[0]
+        return args[0], stat
     # select(nfds, readfds, writefds, exceptfds): with nfds 1 only fd 0 can be in the read set.
     if number in selects and args[0] == 1 and args[2] == 0 and args[3] == 0:
-        return 0
+        return 0, stat
     return None
 
 
@@ -445,13 +458,14 @@ def input_waiters(pids: list[int], identity: InputIdentity, machine: str | None 
         return []
     found = []
     for pid in pids:
-        fd = _blocked_read_fd(pid, *calls)
-        if fd is None:
+        blocked = _blocked_read_fd(pid, *calls)
+        if blocked is None:
             continue
+        fd, stat = blocked
         try:
             info = os.stat(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue
-        if identity.matches(info):
+        if identity.matches(info, stat.tty_nr):
             found.append(pid)
     return found

@@ -37,6 +37,20 @@
  *                       the command closed its read end; 12, ENOMEM: the queue could not grow); the
  *                       queue is dropped, later 'i' frames too, and no `input drained` follows. A
  *                       terminal takes input even when nobody holds its slave, up to its buffer
+ *   input busy N        --frame only (version 5), while the command's input is open (a pipe until 'c'
+ *   input waiting N     or `input broken`; a terminal): every SAMPLE_MS the supervisor looks down its
+ *                       subtree (the children files, at most SAMPLE_MAX processes) for a process in
+ *                       state S blocked in read/readv/pread64 of an fd, or in select/pselect6 with nfds
+ *                       1 and no write or except set (fd 0), whose /proc/PID/fd/FD is the input: the
+ *                       stdin pipe (st_dev and st_ino, taken at spawn) or the terminal (its st_rdev, or
+ *                       /dev/tty's (5, 0) in a process whose controlling terminal it is). `waiting` when
+ *                       one is and the 'i' queue is empty, else `busy`; N is every 'i' payload byte
+ *                       received (and so written) by then, so a harness ignores a report older than its
+ *                       last write. Sent on a change only (of the state, or of N while waiting), and
+ *                       `input busy 0` right after `started` when the input is open, which says that
+ *                       this supervisor samples. Nothing once the input is closed or no child is left.
+ *                       Readers in poll/epoll and processes of another uid are not seen (x86_64 and
+ *                       aarch64 only; elsewhere never `waiting`)
  *   empty               no child is left at all; the supervisor exits 0 right after
  *
  * Kill requests: SIGUSR1 or byte 'T' on the control fd sends SIGTERM (then SIGCONT) to every live
@@ -167,6 +181,7 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/uio.h>
@@ -201,9 +216,9 @@
 #define READ_SIZE 65536          /* one read of a command pipe, or of fd 0; the largest payload sent */
 #define OUT_LIMIT (256 * 1024)   /* buffered output at which the command's pipes are no longer read */
 #define RECORD_ROOM 16384        /* beyond it, for records a command can provoke (signalled, warning,
-                                    input drained) */
+                                    input drained, input waiting / busy) */
 #define FINAL_ROOM 1024          /* kept for the once-only ones: started, exit, EOF frames, empty,
-                                    pipe, switch, nonce, input broken */
+                                    pipe, switch, nonce, input broken, the first input busy */
 #define RING_CAP (OUT_LIMIT + FRAME_HEADER + READ_SIZE + RECORD_ROOM + FINAL_ROOM)
 #define REQUEST_MAX (1 << 20)    /* a longer frame from the harness cannot be a sound one */
 #define TTY_SLACK (1 << 20)      /* terminal output read once no child is left, beyond what FIONREAD says */
@@ -430,6 +445,15 @@ static size_t stdin_head, stdin_len, stdin_cap;
 static unsigned long long stdin_written;  /* 'i' bytes written into the command's stdin so far */
 static unsigned long long stdin_reported; /* the count the last `input drained` record gave */
 static int stdin_broken;                  /* `input broken` was sent: no more input records */
+/* `input waiting` / `input busy`: the command's input as stat(2) shows it, taken once at spawn (a pipe:
+ * st_dev and st_ino of our write end; a terminal: st_rdev of its slave), and the last state sent. */
+static int input_is_terminal;
+static dev_t input_dev;
+static ino_t input_ino;
+static int input_known;      /* the identity was taken: sampling can tell */
+static int input_waiting = -1; /* -1 nothing sent yet; else the state the last record gave */
+static unsigned long long input_waiting_count; /* and its N */
+static long long next_sample;
 static unsigned char request[READ_SIZE];
 static unsigned char request_header[FRAME_HEADER];
 static size_t request_header_len;
@@ -1070,7 +1094,9 @@ static int no_fd_errno(int e)
     return e == EMFILE || e == ENFILE || e == ENOMEM;
 }
 
-/* Reads the state and ppid of PID from /proc/PID/stat with one new fd (closed before returning). */
+/* Reads the state and ppid of PID from /proc/PID/stat with one new fd (closed before returning); its
+ * controlling terminal goes to stat_tty (tty_nr, the kernel's encoding of a device number). */
+static unsigned stat_tty;
 static int read_stat(int pid, int *ppid, char *state)
 {
     char path[32], buf[256];
@@ -1097,6 +1123,16 @@ static int read_stat(int pid, int *ppid, char *state)
         return STAT_GONE;
     *state = p[2];
     *ppid = (int)v;
+    /* Then pgrp, session and tty_nr: the controlling terminal (0: none). */
+    stat_tty = 0;
+    for (int k = 0; k < 3 && *end == ' '; k++) {
+        char *field = end + 1;
+        v = strtol(field, &end, 10);
+        if (end == field)
+            break;
+        if (k == 2)
+            stat_tty = (unsigned)v;
+    }
     return STAT_OK;
 }
 
@@ -1279,17 +1315,15 @@ static int consider(int child, int sig, int *tail, int *signalled, int *alive)
     return 0;
 }
 
-/* Signals the children of PID listed in /proc/PID/task/TID/children as they are read, appending the
- * ones still ours to queue[] (from *tail). One fd at a time. Adds to *signalled and *alive; returns
- * STAT_NOFD when something could not be opened for want of a file descriptor, else 0. */
-static int walk_children(int pid, int sig, int *tail, int *signalled, int *alive)
+/* Lists the threads of PID into tids[] (*ntids of them). Returns 0, or STAT_NOFD for want of a file
+ * descriptor, or -1 when PID is gone. */
+static int read_tids(int pid, int *ntids)
 {
-    char path[64];
-    int ntids = 0, result = 0;
+    char path[32];
     snprintf(path, sizeof path, "%d/task", pid);
     int fd = openat(proc_fd, path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0)
-        return no_fd_errno(errno) ? STAT_NOFD : 0;
+        return no_fd_errno(errno) ? STAT_NOFD : -1;
     for (;;) {
         long n = syscall(SYS_getdents64, fd, dents, sizeof dents);
         if (n <= 0)
@@ -1300,11 +1334,24 @@ static int walk_children(int pid, int sig, int *tail, int *signalled, int *alive
             const char *name = dents + off + 19;
             off += reclen;
             long tid = strtol(name, NULL, 10);
-            if (tid > 0 && ntids < (int)(sizeof tids / sizeof tids[0]))
-                tids[ntids++] = (int)tid;
+            if (tid > 0 && *ntids < (int)(sizeof tids / sizeof tids[0]))
+                tids[(*ntids)++] = (int)tid;
         }
     }
     close(fd);
+    return 0;
+}
+
+/* Signals the children of PID listed in /proc/PID/task/TID/children as they are read, appending the
+ * ones still ours to queue[] (from *tail). One fd at a time. Adds to *signalled and *alive; returns
+ * STAT_NOFD when something could not be opened for want of a file descriptor, else 0. */
+static int walk_children(int pid, int sig, int *tail, int *signalled, int *alive)
+{
+    char path[64];
+    int ntids = 0, result = 0;
+    int fd = read_tids(pid, &ntids);
+    if (fd < 0)
+        return fd == STAT_NOFD ? STAT_NOFD : 0;
     for (int t = 0; t < ntids; t++) {
         snprintf(path, sizeof path, "%d/task/%d/children", pid, tids[t]);
         fd = openat(proc_fd, path, O_RDONLY | O_CLOEXEC);
@@ -1405,6 +1452,175 @@ static int kill_pass(int sig, int *alive)
     if (incomplete)
         (*alive)++;
     return signalled;
+}
+
+/* ---- --frame: is the command waiting for input? ---------------------------------------------- */
+
+static long long now_ms(void);
+
+#define SAMPLE_MS 200  /* between two looks at the subtree while the input is open */
+#define SAMPLE_MAX 256 /* processes looked at in one: a bound on the cost of a look */
+
+/* The system calls a reader of the input blocks in: read(2)'s kin with the fd as arg0, and select(2)'s
+ * kin, which is taken as a read of fd 0 only with nfds 1 and neither write nor except sets. */
+#if defined(__x86_64__)
+static const long read_calls[] = {0, 19, 17}; /* read, readv, pread64 */
+static const long select_calls[] = {23, 270}; /* select, pselect6 */
+#elif defined(__aarch64__)
+static const long read_calls[] = {63, 65, 67};
+static const long select_calls[] = {72};
+#else
+static const long read_calls[] = {-2};
+static const long select_calls[] = {-2};
+#endif
+
+static int in_calls(long nr, const long *calls, size_t n)
+{
+    for (size_t k = 0; k < n; k++)
+        if (calls[k] == nr)
+            return 1;
+    return 0;
+}
+
+/* The fd PID is blocked reading at this moment (state S, in one of the calls above), else -1. */
+static int blocked_read_fd(int pid)
+{
+    int ppid;
+    char state;
+    if (read_stat(pid, &ppid, &state) != STAT_OK || state != 'S')
+        return -1;
+    char path[32], buf[256];
+    snprintf(path, sizeof path, "%d/syscall", pid);
+    int fd = openat(proc_fd, path, O_RDONLY | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0)
+        return -1; /* gone, or not ours to look at: never reported */
+    ssize_t n;
+    do
+        n = read(fd, buf, sizeof buf - 1);
+    while (n < 0 && errno == EINTR);
+    close(fd);
+    if (n <= 0)
+        return -1;
+    buf[n] = '\0';
+    /* "NR ARG0 ... ARG5 SP PC" (NR decimal, the rest hex), or "running", or "-1 SP PC". */
+    if (buf[0] < '0' || buf[0] > '9')
+        return -1;
+    char *p = buf, *end;
+    long nr = strtol(p, &end, 10);
+    unsigned long long args[4];
+    p = end;
+    for (int k = 0; k < 4; k++) {
+        if (*p != ' ')
+            return -1;
+        args[k] = strtoull(p + 1, &end, 16);
+        if (end == p + 1)
+            return -1;
+        p = end;
+    }
+    if (in_calls(nr, read_calls, sizeof read_calls / sizeof read_calls[0]))
+        return args[0] <= 0x7fffffff ? (int)args[0] : -1;
+    if (in_calls(nr, select_calls, sizeof select_calls / sizeof select_calls[0]) && args[0] == 1 &&
+        args[2] == 0 && args[3] == 0)
+        return 0;
+    return -1;
+}
+
+/* Whether /proc/PID/fd/FD is the command's input: the pipe, or the terminal (any fd opened on it,
+ * /dev/tty too, has its device number). */
+static int is_input(int pid, int fd)
+{
+    char path[48];
+    struct stat st;
+    snprintf(path, sizeof path, "%d/fd/%d", pid, fd);
+    if (fstatat(proc_fd, path, &st, 0) < 0)
+        return 0;
+    /* An fd opened on /dev/tty is that device's (5, 0), whatever terminal it reaches: the caller's
+     * controlling one, which read_stat just gave for this process. tty_nr is encoded as
+     * new_encode_dev(): minor's low byte, the major from bit 8, the minor's rest from bit 20. */
+    unsigned major_ = major(input_dev), minor_ = minor(input_dev);
+    unsigned input_tty = (minor_ & 0xff) | (major_ << 8) | ((minor_ & ~0xffu) << 12);
+    if (input_is_terminal)
+        return st.st_rdev != 0 &&
+               (st.st_rdev == input_dev || (st.st_rdev == makedev(5, 0) && stat_tty == input_tty));
+    return st.st_dev == input_dev && st.st_ino == input_ino;
+}
+
+/* One look down the subtree from the supervisor (the children files, as a kill pass walks them, but
+ * nothing is signalled): 1 when some process is blocked reading the input. A process that forks or
+ * ends meanwhile may be missed; the harness asks for two looks in a row. */
+static int input_waiter(void)
+{
+    int queue[SAMPLE_MAX];
+    int head = 0, tail = 0;
+    queue[tail++] = self_pid;
+    while (head < tail) {
+        int pid = queue[head++];
+        if (pid != self_pid) {
+            int fd = blocked_read_fd(pid);
+            if (fd >= 0 && is_input(pid, fd))
+                return 1;
+        }
+        int ntids = 0;
+        if (tail >= SAMPLE_MAX || read_tids(pid, &ntids) < 0)
+            continue;
+        for (int t = 0; t < ntids && tail < SAMPLE_MAX; t++) {
+            char path[64], buf[4096];
+            snprintf(path, sizeof path, "%d/task/%d/children", pid, tids[t]);
+            int fd = openat(proc_fd, path, O_RDONLY | O_CLOEXEC);
+            if (fd < 0)
+                continue;
+            long child = 0;
+            ssize_t n;
+            while (tail < SAMPLE_MAX && (n = read(fd, buf, sizeof buf)) > 0) {
+                for (ssize_t k = 0; k < n && tail < SAMPLE_MAX; k++) {
+                    if (buf[k] >= '0' && buf[k] <= '9') {
+                        child = child * 10 + (buf[k] - '0');
+                        continue;
+                    }
+                    if (child > 0)
+                        queue[tail++] = (int)child;
+                    child = 0;
+                }
+            }
+            if (child > 0 && tail < SAMPLE_MAX)
+                queue[tail++] = (int)child;
+            close(fd);
+        }
+    }
+    return 0;
+}
+
+/* Whether the input is open and ours to sample: a pipe until 'c' or EPIPE, a terminal while it is. */
+static int input_sampled(void)
+{
+    return input_known && stdin_fd >= 0 && !stdin_closing && !stdin_broken && child_pid > 0 && proc_fd >= 0;
+}
+
+/* `input waiting N` when a process is blocked reading the input with the 'i' queue empty (N: the 'i'
+ * bytes received, all written by then), `input busy N` when that stops; sent on a change only (of
+ * the state, or of N while waiting). A
+ * command can provoke these, so they keep to RECORD_ROOM; one that did not fit is tried again at the
+ * next look. */
+static void sample_input(void)
+{
+    next_sample = now_ms() + SAMPLE_MS;
+    if (!input_sampled())
+        return;
+    /* Bytes still in the pipe: the reader was not scheduled yet since they came, so it is not waiting
+     * for them, whatever its state says. */
+    int unread = 0;
+    if (!input_is_terminal && ioctl(stdin_fd, FIONREAD, &unread) < 0)
+        unread = 0;
+    int waiting = stdin_len == 0 && unread == 0 && input_waiter();
+    /* A reader that took the new bytes and waits again within one look waits anew: its N changed. */
+    if (waiting == input_waiting && (!waiting || stdin_written == input_waiting_count))
+        return;
+    char buf[48];
+    int n = snprintf(buf, sizeof buf, "input %s %llu", waiting ? "waiting" : "busy", stdin_written);
+    if (frame_out('s', buf, (size_t)n, RING_CAP - FINAL_ROOM) || out_dead) {
+        input_waiting = waiting;
+        input_waiting_count = stdin_written;
+    }
 }
 
 /* ---- children --------------------------------------------------------------------------------- */
@@ -2502,6 +2718,22 @@ int main(int argc, char **argv)
         record("exit 127"); /* as a child that failed its exec and exited 127 (posix_spawn reaped it) */
     } else {
         record("started %d", (int)child_pid);
+        /* What the command's input is, as stat(2) of a reader's fd shows it: taken once, while the
+         * terminal's slave surely exists and before the pipe could be closed. */
+        struct stat st;
+        if (frame_mode && pty_master >= 0 && stat(slave, &st) == 0 && st.st_rdev != 0) {
+            input_is_terminal = 1;
+            input_dev = st.st_rdev;
+            input_known = 1;
+        } else if (frame_mode && pty_master < 0 && stdin_fd >= 0 && fstat(stdin_fd, &st) == 0) {
+            input_dev = st.st_dev;
+            input_ino = st.st_ino;
+            input_known = 1;
+        }
+        /* Says that this supervisor samples, so the harness can tell "not waiting" from "cannot tell". */
+        if (input_sampled() && frame_out('s', "input busy 0", 12, RING_CAP))
+            input_waiting = 0;
+        next_sample = now_ms() + SAMPLE_MS;
     }
     /* A terminal is one stream: the command's stderr is its stdout, so stderr ends at once. */
     if (frame_mode && tty_rows > 0) {
@@ -2630,6 +2862,21 @@ int main(int argc, char **argv)
             timeout = left < 0 ? 0 : (int)left;
             if (relay_full && timeout > RELAY_WAIT_MS)
                 timeout = RELAY_WAIT_MS;
+        }
+        if (frame_mode && !no_children && input_sampled()) {
+            long long left = next_sample - now_ms();
+            if (left <= 0) {
+                sample_input();
+                flush_out(); /* a record a poll for POLLOUT above did not expect yet */
+                left = SAMPLE_MS;
+                if (ring_len > 0 && at_out < 0) {
+                    at_out = nfds;
+                    pfds[nfds].fd = out_fd();
+                    pfds[nfds++].events = POLLOUT;
+                }
+            }
+            if (timeout < 0 || timeout > left)
+                timeout = (int)left;
         }
         flush_status();
         int r = poll(pfds, (nfds_t)nfds, timeout);

@@ -47,16 +47,14 @@ INPUT_CHECKS = frozenset(
     if each.clause.startswith("R-input-") and name != "input-off-by-default"
 )
 TERMINAL_CHECKS = frozenset(name for name, each in CHECKS.items() if each.clause.startswith("R-term-"))
-WAITING_CHECKS = frozenset(name for name, each in CHECKS.items() if each.clause == "R-input-waiting")
 #: Where the kit reports them ``not_applicable`` (the backend refuses ``open_stdin`` or ``terminal``,
 #: reason ``interactive_unsupported``, or its reads say ``waiting_for_input=None``); tests expect
-#: exactly that, so a backend that starts taking them is noticed. Docker and SSH give no terminal yet
-#: and cannot tell a task waiting for input (issue 17: the supervisor's pty and its sampler in frame
-#: mode come next). The bwrap example refuses open input for good: bwrap's own process holds the
-#: shell's stdin, so a command that closed its stdin could not be told (see its README).
+#: exactly that, so a backend that starts taking them is noticed. The bwrap example refuses open input
+#: for good: bwrap's own process holds the shell's stdin, so a command that closed its stdin could not
+#: be told (see its README).
 INPUT_NOT_YET: dict[str, frozenset[str]] = {
-    "docker": WAITING_CHECKS,
-    "ssh": WAITING_CHECKS,
+    "docker": frozenset(),
+    "ssh": frozenset(),
     "bwrap": INPUT_CHECKS | TERMINAL_CHECKS,
 }
 

@@ -140,6 +140,20 @@ def test_execfail_record() -> None:
 
 def test_input_records_start_unknown() -> None:
     seen = SupervisorRecords()
+    assert (seen.input_drained, seen.input_broken, seen.input_waiting) == (0, None, None)
+
+
+def test_input_waiting_is_the_last_sample() -> None:
+    seen = SupervisorRecords()
+    seen.apply("started 7")
+    seen.apply("input busy 0")
+    assert seen.input_waiting == (False, 0)
+    seen.apply("input waiting 0")
+    assert seen.input_waiting == (True, 0)
+    seen.apply("input busy 5000000000")
+    assert seen.input_waiting == (False, 5_000_000_000)
+    seen.apply("input waiting 5000000002")
+    assert seen.input_waiting == (True, 5_000_000_002)
     assert (seen.input_drained, seen.input_broken) == (0, None)
 
 
@@ -173,14 +187,21 @@ def test_input_broken_keeps_the_errno() -> None:
         "input broken",
         "input broken pipe",
         "input broken -32",
+        "input waiting",
+        "input waiting x",
+        "input waiting -1",
+        "input busy",
+        "input busy +2",
+        "input busy 1_000",
     ],
 )
 def test_unreadable_input_records_change_nothing(record: str, caplog: pytest.LogCaptureFixture) -> None:
     seen = SupervisorRecords()
     seen.apply("input drained 4")
+    seen.apply("input busy 4")
     with caplog.at_level("WARNING", logger="dsh_bash"):
         seen.apply(record)
-    assert (seen.input_drained, seen.input_broken) == (4, None)
+    assert (seen.input_drained, seen.input_broken, seen.input_waiting) == (4, None, (False, 4))
     assert "unreadable record" in caplog.text, record
 
 
@@ -189,5 +210,5 @@ def test_an_unknown_input_record_is_ignored(caplog: pytest.LogCaptureFixture) ->
     with caplog.at_level("WARNING", logger="dsh_bash"):
         seen.apply("input paused 3")  # a later version's: not this version's business
         seen.apply("input")
-    assert (seen.input_drained, seen.input_broken) == (0, None)
+    assert (seen.input_drained, seen.input_broken, seen.input_waiting) == (0, None, None)
     assert caplog.text == ""

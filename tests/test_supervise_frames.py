@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import anyio
 import pytest
 from test_supervise import (
     BASH,
@@ -39,8 +40,17 @@ from test_supervise import (
     assert_set_for_the_command_alone,
 )
 
+from dsh_bash import BashExecSpec, BashInfrastructureError
 from dsh_bash._native import supervisor_binary, supervisor_problem
-from dsh_bash.backend import FrameDecoder, encode_frame
+from dsh_bash.backend import (
+    FramedCommand,
+    FrameDecoder,
+    Launch,
+    OutputStream,
+    SpillBudget,
+    SpillFile,
+    encode_frame,
+)
 
 SH = (BASH, "--noprofile", "--norc", "-c")
 
@@ -121,7 +131,20 @@ class Framed:
     @property
     def input_records(self) -> list[str]:
         """The `input drained N` / `input broken ERRNO` records so far (protocol 5)."""
-        return [str(r) for kind, r in self.events if kind == "s" and str(r).startswith("input ")]
+        return [
+            str(r)
+            for kind, r in self.events
+            if kind == "s" and str(r).startswith(("input drained ", "input broken "))
+        ]
+
+    @property
+    def waiting_records(self) -> list[str]:
+        """The `input waiting N` / `input busy N` records so far (the supervisor's samples)."""
+        return [
+            str(r)
+            for kind, r in self.events
+            if kind == "s" and str(r).startswith(("input waiting ", "input busy "))
+        ]
 
     def drained(self) -> list[int]:
         return [int(r.split()[2]) for r in self.input_records if r.startswith("input drained ")]
@@ -246,6 +269,8 @@ def _kinds(events: list[Event]) -> list[str]:
     """The events with consecutive output chunks of one stream merged: ['s:started', 'o', 's:exit 0']."""
     kinds: list[str] = []
     for kind, value in events:
+        if kind == "s" and str(value).startswith(("input waiting ", "input busy ")):
+            continue  # the input sampler's: when they come depends on the timing of its looks
         name = kind if isinstance(value, bytes) else f"{kind}:{value}"  # output: its stream alone
         if name.startswith("s:started "):
             name = "s:started"
@@ -1208,3 +1233,183 @@ def test_tty_exec_failure(runs: list[Framed]) -> None:
         ("eof", "stderr"),
         ("eof", "stdout"),
     ]
+
+
+# ---- a reader waiting for input: `input waiting N` / `input busy N` ---------------------------------
+
+
+def test_reader_of_the_stdin_pipe_is_seen_waiting(runs: list[Framed]) -> None:
+    run = Framed([*SH, 'read -r x; echo "got $x"; sleep 1; read -r y; echo "got $y"'])
+    runs.append(run)
+    run.started_pid()
+    run.expect("input waiting ", timeout=1.5)
+    run.read_for(0.5)  # edge-triggered: a wait that goes on is said once
+    assert run.waiting_records == ["input busy 0", "input waiting 0"]
+    run.send(b"i", b"a\n")
+    run.expect("input busy ", timeout=1.5)  # it reads, then sleeps
+    run.read_until(lambda: run.waiting_records[-1:] == ["input waiting 2"], 3.0)  # and reads again
+    run.send(b"i", b"b\n")
+    run.finish()
+    assert run.stdout == b"got a\ngot b\n"
+    assert run.waiting_records[:4] == ["input busy 0", "input waiting 0", "input busy 2", "input waiting 2"]
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        "sleep 3",
+        "sleep 3 | cat",  # cat reads, but another pipe
+        "read x </dev/null; sleep 3",
+    ],
+)
+def test_no_reader_of_the_input_is_never_waiting(runs: list[Framed], script: str) -> None:
+    run = Framed([*SH, script])
+    runs.append(run)
+    run.started_pid()
+    run.read_for(1.2)
+    assert run.waiting_records == ["input busy 0"]
+
+
+@pytest.mark.skipif(shutil.which("python3") is None, reason="no python3")
+def test_python_input_is_seen_waiting(runs: list[Framed]) -> None:
+    run = Framed(["python3", "-c", "print(input())"])
+    runs.append(run)
+    run.expect("input waiting 0", timeout=2.0)
+    run.send(b"i", b"hello\n")
+    run.finish()
+    assert run.stdout == b"hello\n"
+
+
+def test_closed_input_is_not_sampled(runs: list[Framed]) -> None:
+    # The reader ends its wait at the close (EOF), but the input is closed: no `input busy` follows.
+    run = Framed([*SH, "read -r x; sleep 1"])
+    runs.append(run)
+    run.expect("input waiting 0", timeout=2.0)
+    run.send(b"c")
+    run.finish()
+    assert run.waiting_records == ["input busy 0", "input waiting 0"]
+
+
+def test_reader_of_the_terminal_is_seen_waiting(runs: list[Framed]) -> None:
+    run = Framed([*SH, 'read -r x; echo "got $x"'], options=["--tty", "24x80"])
+    runs.append(run)
+    run.expect("input waiting 0", timeout=2.0)
+    assert run.waiting_records == ["input busy 0", "input waiting 0"]
+    run.send(b"i", b"a\n")
+    run.finish()
+    assert "got a" in _lines(run.stdout)
+
+
+def test_reader_of_dev_tty_is_seen_waiting(runs: list[Framed]) -> None:
+    # Its stdin is not the terminal any more; the fd it reads was opened anew on /dev/tty.
+    run = Framed(
+        [*SH, 'exec </dev/null; read -r -u 3 x 3</dev/tty; echo "got $x"'], options=["--tty", "24x80"]
+    )
+    runs.append(run)
+    run.expect("input waiting 0", timeout=2.0)
+    run.send(b"i", b"a\n")
+    run.finish()
+    assert "got a" in _lines(run.stdout)
+
+
+def test_terminal_without_a_reader_is_not_waiting(runs: list[Framed]) -> None:
+    run = Framed([*SH, "sleep 3"], options=["--tty", "24x80"])
+    runs.append(run)
+    run.started_pid()
+    run.read_for(1.2)
+    assert run.waiting_records == ["input busy 0"]
+
+
+class _PipedCommand(FramedCommand):
+    """A FramedCommand over a real supervisor's stdin and stdout pipes (as a transport relays them)."""
+
+    def __init__(self, launch: Launch, process: subprocess.Popen[bytes]) -> None:
+        super().__init__(launch, fallback=_NoFallback(), registry=set(), where="in a test")
+        self._process = process
+
+    async def pump_output(self) -> None:
+        assert self._process.stdout is not None
+        fd = self._process.stdout.fileno()
+        while data := await anyio.to_thread.run_sync(os.read, fd, 1 << 16, abandon_on_cancel=True):
+            self.feed(data)
+        self.stream_ended()
+
+    async def _send_frame(self, frame: bytes, *, urgent: bool) -> bool:
+        assert self._process.stdin is not None
+        try:
+            self._process.stdin.write(frame)
+            self._process.stdin.flush()
+        except BrokenPipeError:
+            return False  # the supervisor is done (the command may end before the close frame)
+        return True
+
+    async def _lost(self) -> BashInfrastructureError:
+        return BashInfrastructureError("the test's supervisor went away")
+
+
+class _NoFallback:
+    async def signal_all(self, sig: int) -> None:
+        raise AssertionError("the supervisor's stream is there: no fallback")
+
+    async def remaining(self) -> list[str]:
+        raise AssertionError("the supervisor's stream is there: no fallback")
+
+
+def _no_spill() -> SpillFile:
+    raise AssertionError("the test's output is small: nothing spills")
+
+
+def test_framed_command_samples_from_the_records() -> None:
+    streams = [
+        OutputStream(name, max_bytes=1 << 20, max_spill_bytes=0, budget=SpillBudget(0), open_spill=_no_spill)
+        for name in ("stdout", "stderr")
+    ]
+    script = 'read -r x; echo "$x"; read -r y; echo "$y"'
+    spec = BashExecSpec(
+        command=script, workdir="/", timeout_ms=10_000, owner=None, user=None, open_stdin=True
+    )
+    launch = Launch(spec, {}, "dshtestmark", streams[0], streams[1], background=True)
+    process = subprocess.Popen(
+        [SUPERVISE, "--frame", "--", *SH, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    command = _PipedCommand(launch, process)
+
+    async def until_waiting() -> None:
+        with anyio.fail_after(5):
+            while not await command.sample_input_waiting():  # noqa: ASYNC110 (the executor polls so)
+                await anyio.sleep(0.05)
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            # No record yet: this supervisor may be one that cannot tell.
+            assert await command.sample_input_waiting() is None
+            tg.start_soon(command.pump_output)
+            await until_waiting()
+            await command.send_input(b"a\n")
+            # The last record (`input waiting 0`) is older than this write: it counts for nothing.
+            assert await command.sample_input_waiting() is False
+            await until_waiting()  # `input waiting 2`: the second read
+            await command.send_input(b"b\n")
+            await command.end_input()
+            assert (await command.wait()).code == 0
+
+    try:
+        anyio.run(main)
+    finally:
+        process.kill()
+        process.wait()
+    assert streams[0].collected().data == b"a\nb\n"
+
+
+def test_a_reader_that_reads_again_at_once_waits_anew(runs: list[Framed]) -> None:
+    # It takes the line and waits again within one look: the count says it is a new wait.
+    run = Framed([*SH, 'while read -r x; do echo "$x"; done'])
+    runs.append(run)
+    run.expect("input waiting 0", timeout=2.0)
+    run.send(b"i", b"a\n")
+    run.expect("input waiting 2", timeout=2.0)
+    run.send(b"i", b"bc\n")
+    run.expect("input waiting 5", timeout=2.0)
+    run.send(b"c")
+    run.finish()
+    assert run.stdout == b"a\nbc\n"

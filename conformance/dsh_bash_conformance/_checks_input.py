@@ -431,8 +431,9 @@ async def _looks_consume_nothing(
     kind="contract",
     clause="R-input-waiting",
     rule="A read reports `waiting_for_input` within 1 s after a process of the task blocked reading its "
-    "open input (pipe or terminal) with nothing to read, and no longer once input was written; "
-    "`waiting_for_input(id)` agrees with each read, is False right after a write and consumes nothing.",
+    "open input (pipe or terminal, also through /dev/tty) with nothing to read, and no longer once input "
+    "was written; `waiting_for_input(id)` agrees with each read, is False right after a write and consumes "
+    "nothing.",
 )
 async def waiting_reported(ctx: CheckContext) -> None:
     async with ctx.executor() as ex:
@@ -441,17 +442,24 @@ async def waiting_reported(ctx: CheckContext) -> None:
             partial(ex.waiting_for_input, BashTaskId("kit-no-such-task")),
             "waiting_for_input of an unknown id",
         )
-        reader = 'read -r x; echo "got $x"; sleep 30'
-        readers = [("`read` on open stdin", await _start_open(ctx, ex, reader))]
-        try:
-            on_terminal = await ex.start(
-                ex.resolve(BashExecRequest(command=reader, terminal=TerminalSize(rows=24, cols=80)))
-            )
-        except BashInfrastructureError as exc:
-            if exc.reason != "interactive_unsupported":
-                raise
-        else:
-            readers.append(("`read` on a terminal", on_terminal))
+        readers = [("`read` on open stdin", await _start_open(ctx, ex, 'read -r x; echo "got $x"; sleep 30'))]
+        on_terminal = {
+            "`read` on a terminal": 'read -r x; echo "got $x"; sleep 30',
+            # As ssh and sudo ask for a password: from /dev/tty, whatever stdin is.
+            "`read` from /dev/tty, stdin elsewhere": (
+                'exec 3</dev/tty </dev/null; read -r -u 3 x; echo "got $x"; sleep 30'
+            ),
+        }
+        for name, command in on_terminal.items():
+            try:
+                task = await ex.start(
+                    ex.resolve(BashExecRequest(command=command, terminal=TerminalSize(rows=24, cols=80)))
+                )
+            except BashInfrastructureError as exc:
+                if exc.reason != "interactive_unsupported":
+                    raise
+                break
+            readers.append((name, task))
         for what, task in readers:
             after = await _waiting_seen(ctx, ex, task, 1 + ctx.allowance_s)
             ctx.expect(
