@@ -1,4 +1,5 @@
-"""SSH faults: the connection cut mid-command and mid-task, three ways; the server restarted.
+"""SSH faults: the connection cut mid-command, mid-task and under an interactive task, three ways
+(the server restarted among them).
 
 Written against behaviour only: the caller is told the truth,
 the executor reconnects for the next command, and no process of a cut command is left running.
@@ -8,10 +9,13 @@ See docs/faults.md for each outcome.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import anyio
@@ -19,7 +23,14 @@ import pytest
 from fault_support import GRACE_MS, eventually_gone, restart_sshd, session_sshds, wait_for_processes
 from ssh_support import SshServer
 
-from dsh_bash import BashExecRequest, BashInfrastructureError
+from dsh_bash import (
+    BashExecRequest,
+    BashExecutor,
+    BashInfrastructureError,
+    BashTask,
+    TaskInputError,
+    TerminalSize,
+)
 
 pytestmark = [pytest.mark.faults, pytest.mark.ssh, pytest.mark.anyio]
 
@@ -120,6 +131,114 @@ async def test_a_detached_tasks_status_file_is_resumed_after_a_cut(
         assert (await ex.read_output(task.id)).delta == "before\nafter\n"
     assert not [r.getMessage() for r in caplog.records if "do not verify" in r.getMessage()]
     assert await eventually_gone(marker, 5) == []
+
+
+# -- an interactive task under a cut ----------------------------------------------------------------------
+
+Mode = Literal["pipe", "terminal"]
+
+
+def _answering(marker: str, mode: Mode, notes: Path) -> BashExecRequest:
+    # Each line is answered, then noted in a file this test reads (the SSH host is this host): once
+    # the note is there, the answer was written before it and is on its way to the executor.
+    script = f'while IFS= read -r x; do echo "got $x"; echo "$x" >> {shlex.quote(str(notes))}; done'
+    command = f"bash -c {shlex.quote(script)} {marker}-i"
+    if mode == "terminal":
+        return BashExecRequest(command=command, terminal=TerminalSize(rows=24, cols=80))
+    return BashExecRequest(command=command, open_stdin=True)
+
+
+async def _read_until(ex: BashExecutor, task: BashTask, want: str) -> str:
+    seen = ""
+    while want not in seen:
+        seen += (await ex.read_output(task.id)).delta
+        await anyio.sleep(0.05)
+    return seen
+
+
+async def _noted(notes: Path, want: str) -> None:
+    while True:
+        if notes.exists() and want in notes.read_text():
+            return
+        await anyio.sleep(0.05)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["pipe", "terminal"])
+@pytest.mark.parametrize("cut", ["tcp-reset", "session-killed", "server-restarted"])
+async def test_an_interactive_task_under_a_cut_ends_lost_once(
+    ssh_server: SshServer, marker: str, cut: Cut, mode: Mode
+) -> None:
+    """An attached task (open input over its channel, or a terminal) cannot outlive its channel: the
+    cut ends it ``killed``/``lost`` exactly once, never a forged exit; input calls are refused as
+    ``task_ended`` at once; what arrived before the cut stays readable; nothing of it is left."""
+    strike = _cutter(ssh_server, cut)
+    notes = Path(tempfile.gettempdir()) / f"{marker}.notes"
+    done: list[BashTask] = []
+    try:
+        async with ssh_server.executor(grace_ms=GRACE_MS) as ex:
+            ex.on_task_done(done.append)
+            task = await ex.start(ex.resolve(_answering(marker, mode, notes)))
+            await wait_for_processes(f"{marker}-i")
+            with anyio.fail_after(15):
+                await ex.write_input(task.id, "one\n", owner=None)
+                await _read_until(ex, task, "got one")
+                # Answered, left unread: it must still be readable once the task ended.
+                await ex.write_input(task.id, "two\n", owner=None)
+                await _noted(notes, "two")
+            await anyio.sleep(1)  # the answer crosses the loopback connection
+            await anyio.to_thread.run_sync(strike)
+            cut_at = time.monotonic()
+            # Racing the end: queued (to be lost with the channel) or refused, never a hang.
+            with anyio.fail_after(5):
+                try:
+                    await ex.write_input(task.id, "cut\n", owner=None)
+                except TaskInputError as exc:
+                    assert exc.reason in {"task_ended", "input_broken"}, exc
+            with anyio.fail_after(20):
+                await task.wait()
+            print(f"{cut}/{mode}: the task ended {time.monotonic() - cut_at:.1f}s after the cut")
+            assert (task.status, task.end_cause, task.exit_code, task.signal) == (
+                "killed",
+                "lost",
+                None,
+                None,
+            ), task
+            assert done == [task]
+            with anyio.fail_after(5):
+                rest = (await ex.read_output(task.id)).delta
+                assert "got two" in rest, rest
+                assert "got one" not in rest, rest  # read before: reads consume
+                assert (await ex.read_output(task.id)).delta == ""
+            refusals: list[str] = []
+            with anyio.fail_after(5):
+                with pytest.raises(TaskInputError) as raised:
+                    await ex.write_input(task.id, "three\n", owner=None)
+                refusals.append(raised.value.reason)
+                with pytest.raises(TaskInputError) as raised:
+                    await ex.close_input(task.id, owner=None)
+                refusals.append(raised.value.reason)
+                with pytest.raises(TaskInputError) as raised:
+                    await ex.resize_terminal(task.id, TerminalSize(rows=30, cols=100), owner=None)
+                refusals.append(raised.value.reason)
+            assert refusals[:2] == ["task_ended", "task_ended"], refusals
+            # A task without a terminal may be told either: both are true of it.
+            assert refusals[2] in ({"task_ended"} if mode == "terminal" else {"task_ended", "not_terminal"})
+            # The remote end went with the channel (its supervisor kills all when its stdin closes).
+            assert await eventually_gone(marker, 5) == []
+            assert notes.read_text() == "one\ntwo\n"  # nothing written after the cut arrived
+            with anyio.fail_after(20):  # and the executor reconnects for the next command
+                assert (await ex.exec("echo back")).stdout.text == "back\n"
+            closing = time.monotonic()
+            with anyio.fail_after(10):
+                await ex.aclose()
+            took = time.monotonic() - closing
+            # Nothing ran any more: the base bound (2 graces and 0.5 s), and slack for a loaded host.
+            assert took < 2 * GRACE_MS / 1000 + 2, took
+        assert done == [task]
+        assert await eventually_gone(marker, 5) == []
+    finally:
+        notes.unlink(missing_ok=True)
 
 
 # -- a server without an SFTP subsystem --------------------------------------------------------------
