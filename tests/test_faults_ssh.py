@@ -21,11 +21,11 @@ from typing import Any, Literal
 import anyio
 import pytest
 from fault_support import GRACE_MS, eventually_gone, restart_sshd, session_sshds, wait_for_processes
+from interactive_support import read_until
 from ssh_support import SshServer
 
 from dsh_bash import (
     BashExecRequest,
-    BashExecutor,
     BashInfrastructureError,
     BashTask,
     TaskInputError,
@@ -148,14 +148,6 @@ def _answering(marker: str, mode: Mode, notes: Path) -> BashExecRequest:
     return BashExecRequest(command=command, open_stdin=True)
 
 
-async def _read_until(ex: BashExecutor, task: BashTask, want: str) -> str:
-    seen = ""
-    while want not in seen:
-        seen += (await ex.read_output(task.id)).delta
-        await anyio.sleep(0.05)
-    return seen
-
-
 async def _noted(notes: Path, want: str) -> None:
     while True:
         if notes.exists() and want in notes.read_text():
@@ -182,7 +174,7 @@ async def test_an_interactive_task_under_a_cut_ends_lost_once(
             await wait_for_processes(f"{marker}-i")
             with anyio.fail_after(15):
                 await ex.write_input(task.id, "one\n", owner=None)
-                await _read_until(ex, task, "got one")
+                await read_until(ex, task, "got one")
                 # Answered, left unread: it must still be readable once the task ended.
                 await ex.write_input(task.id, "two\n", owner=None)
                 await _noted(notes, "two")

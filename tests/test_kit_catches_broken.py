@@ -130,7 +130,7 @@ CAUGHT_BY: list[Row] = [
     Row("terminal-kill-leaves-nothing", bb.TerminalKillsForegroundOnly),
     Row("waiting-reported", bb.NeverWaiting),
     Row("waiting-not-reported", bb.WaitingWhenSleeping),
-    Row("waiting-reported", bb.WaitLookConsumes, "failed", 30.0, ("does the look consume output?",)),
+    Row("waiting-reported", bb.WaitLookConsumes, "failed", 30.0, ("do they consume output?",)),
     Row("waiting-reported", bb.WaitLookFromLastRead, "failed", 30.0, ("right after write_input was True",)),
     Row("read-returns-at-once", bb.LongPollingReads),
     Row("read-lossy-exact", bb.NeverLossy),

@@ -414,16 +414,9 @@ async def _looks_consume_nothing(
     while time.monotonic() - started < 1:
         ex.waiting_for_input(task.id)
         await anyio.sleep(0.02)
-    seen = ""
-    deadline = time.monotonic() + 2 + ctx.allowance_s
-    while want not in seen:
-        if time.monotonic() > deadline:
-            ctx.fail(
-                f"{what}: after a second of waiting_for_input looks the reads gave {seen!r}, expected "
-                f"{want!r} (does the look consume output?)"
-            )
-        seen += (await ex.read_output(task.id)).delta
-        await anyio.sleep(0.02)
+    await _read_until(
+        ctx, ex, task, want, f"{what}, after a second of waiting_for_input looks (do they consume output?)"
+    )
 
 
 @check(
