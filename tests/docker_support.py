@@ -190,9 +190,17 @@ def remove_session_containers() -> list[str]:
     removed = []
     try:
         for container in client.containers.list(all=True, filters={"label": f"{SESSION_LABEL}={SESSION_ID}"}):
-            with contextlib.suppress(docker.errors.NotFound):
+            try:
                 container.remove(force=True)
-                removed.append(str(container.short_id))
+            except docker.errors.NotFound:
+                continue
+            except docker.errors.APIError as exc:
+                # An executor's aclose gave up waiting for the engine's answer (bounded; the engine
+                # finishes the removal it asked for): that removal is still under way.
+                if exc.status_code == 409 and "in progress" in str(exc):
+                    continue
+                raise
+            removed.append(str(container.short_id))
     finally:
         client.close()
     return removed
