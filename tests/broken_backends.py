@@ -1517,6 +1517,20 @@ class UsableAfterClose(LocalBashExecutor):
             super()._ensure_open()
 
 
+class ResizeIgnoredAfterClose(LocalBashExecutor):
+    """Breaks: calls after the executor closed raise ExecutorClosedError.
+
+    Every call is refused but a terminal's resize, which does nothing once the executor is not open.
+    """
+
+    async def resize_terminal(
+        self, task_id: BashTaskId, size: TerminalSize, *, owner: OwnerToken | None
+    ) -> None:
+        if self._state != "open":
+            return
+        await super().resize_terminal(task_id, size, owner=owner)
+
+
 class ExecutorClosed(RuntimeError):
     """The backend's own "closed" error (it should be dsh_bash.ExecutorClosedError)."""
 

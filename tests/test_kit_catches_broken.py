@@ -166,6 +166,7 @@ CAUGHT_BY: list[Row] = [
     Row("listener-silent-after-aclose", bb.NotifiesDuringClose),
     # -- lifecycle -------------------------------------------------------------------------------------
     Row("closed-executor-refuses-calls", bb.UsableAfterClose),
+    Row("closed-executor-refuses-calls", bb.ResizeIgnoredAfterClose),
     Row("closed-error-is-infrastructure-error", bb.OwnClosedError),
     Row("aclose-idempotent-from-any-task", bb.ConcurrentAcloseRaises),
     Row("aclose-bounded", bb.SerialClose),

@@ -18,6 +18,7 @@ from dsh_bash import (
     BashTaskId,
     DshBashError,
     ExecutorClosedError,
+    TerminalSize,
     UnknownTaskError,
 )
 
@@ -59,6 +60,11 @@ async def _all_refused(
     )
     await expect_raises(
         ExecutorClosedError, partial(ex.close_input, task_id, owner=None), f"close_input {when}"
+    )
+    await expect_raises(
+        ExecutorClosedError,
+        partial(ex.resize_terminal, task_id, TerminalSize(rows=30, cols=100), owner=None),
+        f"resize_terminal {when}",
     )
 
 
