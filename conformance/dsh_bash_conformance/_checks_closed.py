@@ -33,6 +33,7 @@ from ._support import (
     loop,
     sh,
     spawn,
+    started,
     wait_task,
 )
 
@@ -164,12 +165,12 @@ async def aclose_bounded(ctx: CheckContext) -> None:
         for mark in marks[:5]:
             await ex.start(ex.resolve(BashExecRequest(command=f"{loop(mark, trap_term=True)} & wait")))
         await ex.exec(f"{loop(marks[5], trap_term=True)} >/dev/null 2>&1 &")
-        await anyio.sleep(0.2)
         for mark in marks:
-            await alive(ctx, mark, "before aclose, a TERM-ignoring process")
-        started = time.monotonic()
+            await started(ctx, mark, "before aclose, a TERM-ignoring process")
+        await anyio.sleep(0.2)  # past the trap: a SIGTERM that kills them would hide a serial close
+        closing_at = time.monotonic()
         await ex.aclose()
-        took = elapsed(started)
+        took = elapsed(closing_at)
     # Five TERM-ignoring tasks and a leftover, killed one after the other, would take 6 graces.
     bound = 2 * grace_s + ctx.allowance_s
     ctx.expect(took <= bound, f"aclose with TERM-ignoring processes took {took:.2f} s (bound {bound:.2f} s)")
@@ -192,7 +193,7 @@ async def aclose_spares_others(ctx: CheckContext) -> None:
         closer = ctx.executor()
         async with closer:
             await closer.exec(f"{loop(doomed)} >/dev/null 2>&1 &")
-            await alive(ctx, doomed, "the closing executor's leftover")
+            await started(ctx, doomed, "the closing executor's leftover")
         await gone(ctx, doomed, 0.5, "after aclose, its own leftover")
         await anyio.sleep(0.1)
         ctx.expect(task.end_cause is None, f"another executor's aclose ended this task: {task!r}")

@@ -23,7 +23,7 @@ from dsh_bash import (
 )
 
 from ._kit import CheckContext, check
-from ._support import alive, expect_raises, expect_raises_sync, gone, loop, read_to_end, wait_task
+from ._support import expect_raises, expect_raises_sync, gone, loop, read_to_end, started, wait_task
 
 
 async def _start_open(ctx: CheckContext, ex: BashExecutor, command: str, **fields: Any) -> BashTask:
@@ -366,11 +366,8 @@ async def terminal_kill_leaves_nothing(ctx: CheckContext) -> None:
             body = loop(mark, trap_term=True, prelude="trap '' HUP")
             hiding = f"setsid {body} >/dev/null 2>&1 &"
             tasks.append(await _start_terminal(ctx, ex, f"{hiding} {loop(mark, trap_term=True)}"))
-        deadline = time.monotonic() + 2 + ctx.allowance_s
         for mark in marks:
-            while not await ctx.processes(mark) and time.monotonic() < deadline:  # noqa: ASYNC110 - processes are polled
-                await anyio.sleep(0.05)
-            await alive(ctx, mark, "a terminal task's processes")
+            await started(ctx, mark, "a terminal task's processes", 2 + ctx.allowance_s)
         await ex.kill(tasks[0].id)
         await wait_task(tasks[0], 2 * 0.3 + 2 + ctx.allowance_s, "a killed terminal task")
         await gone(ctx, marks[0], 2 * 0.3 + 2 + ctx.allowance_s, "after kill of a terminal task")

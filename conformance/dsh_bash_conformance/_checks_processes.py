@@ -21,6 +21,7 @@ from ._support import (
     show,
     show_task,
     spawn,
+    started,
     touch,
     wait_files,
     wait_task,
@@ -299,8 +300,8 @@ async def aclose_kills_leftovers(ctx: CheckContext) -> None:
             ex.resolve(BashExecRequest(command=f"{loop(bg, trap_term=True)} >/dev/null 2>&1 & echo started"))
         )
         await wait_task(task, ctx.allowance_s)
-        await alive(ctx, fg, "the foreground command's server")
-        await alive(ctx, bg, "the background task's server")
+        await started(ctx, fg, "the foreground command's server")
+        await started(ctx, bg, "the background task's server")
         await ex.aclose()
     await gone(ctx, fg, 0.25, "right after aclose, the server a finished foreground command left")
     await gone(ctx, bg, 0.25, "right after aclose, the server a finished background task left")

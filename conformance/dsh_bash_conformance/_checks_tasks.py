@@ -20,7 +20,6 @@ from dsh_bash import (
 
 from ._kit import CheckContext, check
 from ._support import (
-    alive,
     elapsed,
     expect_raises,
     gone,
@@ -28,6 +27,7 @@ from ._support import (
     read_to_end,
     repeat,
     show_task,
+    started,
     wait_task,
 )
 
@@ -189,7 +189,7 @@ async def kill_ended(ctx: CheckContext) -> None:
             _final(task) == ("completed", "exited", 0, None),
             f"the task should have completed with exit 0: {show_task(task)}",
         )
-        await alive(ctx, mark, "the server the task left behind")
+        await started(ctx, mark, "the server the task left behind")
         result = await ex.kill(task.id)
         ctx.expect(result is False, f"kill of an ended task returned {result!r}, expected False")
         ctx.expect(

@@ -231,6 +231,18 @@ async def alive(ctx: CheckContext, mark: str, what: str) -> None:
     ctx.expect(found, f"{what}: no live process carries {mark}")
 
 
+async def started(ctx: CheckContext, mark: str, what: str, within_s: float | None = None) -> None:
+    """A process carrying ``mark`` must show up within ``within_s`` (default: the allowance).
+
+    For a process just sent to the background (``cmd &``): the shell that forked it may have exited
+    before the child exec'd and took ``mark`` into its command line, so a look at once could miss it.
+    """
+    deadline = time.monotonic() + (ctx.allowance_s if within_s is None else within_s)
+    while not await ctx.processes(mark) and time.monotonic() < deadline:  # noqa: ASYNC110 - processes are polled
+        await anyio.sleep(0.02)
+    await alive(ctx, mark, what)
+
+
 def differing_chars(a: str, b: str) -> int:
     """Positions at which two strings differ, counting the extra length of the longer one."""
     return sum(x != y for x, y in zip(a, b, strict=False)) + abs(len(a) - len(b))
