@@ -41,6 +41,9 @@ _SIDE_PAUSE_S = 0.002
 #: What one read of the side pipe feeds before it awaits the spill files' room.
 _SIDE_FEED = 256 * 1024
 
+#: What is kept of a stream's first bytes until its first frame, to report a stream that has none.
+_UNFRAMED_KEPT = 4096
+
 #: The command's stdin goes to the supervisor in frames of at most this size, so that a kill request
 #: waits behind one chunk at most.
 STDIN_FRAME_BYTES = 64 * 1024
@@ -70,6 +73,9 @@ class FramedCommand(CommandProcess):
         self._discard = False
         #: Why the stream cannot be read any further (it broke the framing), or None.
         self._broken: str | None = None
+        #: The stream's first bytes, kept until a frame header was read (``_UNFRAMED_KEPT`` at most).
+        self._stream_head = bytearray()
+        self._unframed = False  # the stream broke before its first frame: the head is kept whole
         self._abandoned = False
         #: Bytes of open input (``send_input``) sent to the supervisor so far.
         self._input_sent = 0
@@ -88,12 +94,34 @@ class FramedCommand(CommandProcess):
 
     def feed(self, data: bytes | memoryview) -> None:
         """Bytes the supervisor wrote, in any split."""
+        decoder = self._decoder
+        if not decoder.framed and len(self._stream_head) < _UNFRAMED_KEPT:
+            self._stream_head += data[: _UNFRAMED_KEPT - len(self._stream_head)]
         if self._broken is not None:
             return
         try:
-            self._decoder.feed(data)
+            decoder.feed(data)
         except FrameError as exc:
-            self._break(f"the supervisor's stream broke its framing: {exc}")
+            if decoder.framed:
+                self._break(f"the supervisor's stream broke its framing: {exc}")
+                return
+            # No frame at all: what came is the transport's own words (an engine that could not
+            # start the exec writes why on its stream), not a supervisor's stream gone wrong. The
+            # rest of them is kept as it comes.
+            self._unframed = True
+            self._break(f"the stream began with no frame but {bytes(self._stream_head)!r}", quiet=True)
+            return
+        if decoder.framed and self._stream_head:
+            self._stream_head = bytearray()
+
+    @property
+    def unframed_output(self) -> str | None:
+        """What the stream carried instead of frames, when it broke before its first one (a
+        transport's own message, such as an engine's "unable to find user"), else None: for the
+        start failure's message."""
+        if not self._unframed:
+            return None
+        return bytes(self._stream_head).decode("utf-8", "replace").strip()
 
     def stream_ended(self) -> None:
         """The supervisor's stream ended (it exited, was killed, or the transport dropped)."""
@@ -247,9 +275,9 @@ class FramedCommand(CommandProcess):
             os.close(self._side_fd)
             self._side_fd = -1
 
-    def _break(self, why: str) -> None:
+    def _break(self, why: str, *, quiet: bool = False) -> None:
         self._broken = why
-        log.warning("command %s: %s", self._launch.marker, why)
+        log.log(logging.INFO if quiet else logging.WARNING, "command %s: %s", self._launch.marker, why)
         self._stream_broken()
 
     # -- the supervisor's frames ---------------------------------------------------------------------

@@ -65,7 +65,7 @@ class FrameDecoder:
     with another frame's). End-of-file frames call ``on_eof`` with ``"stdout"`` or ``"stderr"``.
     """
 
-    __slots__ = ("_buffer", "_kind", "_left", "_on_eof", "_on_status", "_sinks", "_status_part")
+    __slots__ = ("_buffer", "_kind", "_left", "_on_eof", "_on_status", "_sinks", "_status_part", "framed")
 
     def __init__(
         self,
@@ -82,6 +82,9 @@ class FrameDecoder:
         self._kind = b""  # the frame whose payload is being read, while _left > 0
         self._left = 0
         self._status_part = b""
+        #: A valid frame header was read: the stream holds frames (until then, it may be a
+        #: transport's own words, such as a container engine's refusal to start the exec).
+        self.framed = False
 
     def feed(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
@@ -111,6 +114,7 @@ class FrameDecoder:
             raise FrameError(f"unknown frame type {kind!r}")
         if length > MAX_FRAME_PAYLOAD:
             raise FrameError(f"a frame of {length} bytes (at most {MAX_FRAME_PAYLOAD})")
+        self.framed = True
         if length == 0:
             if kind == b"s":
                 self._status_done()

@@ -103,6 +103,18 @@ def test_a_stream_that_is_not_a_supervisor_s_is_refused(data: bytes, words: str)
         sink.decoder.feed(data)
 
 
+def test_framed_says_whether_a_frame_header_was_read() -> None:
+    sink = _Collect()
+    sink.decoder.feed(STREAM[:3])  # part of the first header only
+    assert not sink.decoder.framed
+    sink.decoder.feed(STREAM[3:])
+    assert sink.decoder.framed
+    text = _Collect()
+    with pytest.raises(FrameError):
+        text.decoder.feed(b"unable to find user x\n")
+    assert not text.decoder.framed
+
+
 def test_encode_frame() -> None:
     assert encode_frame(b"i", b"abc") == b"i\0\0\0\x03abc"
     assert encode_frame(b"K") == b"K\0\0\0\0"

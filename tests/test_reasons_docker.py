@@ -1,13 +1,14 @@
 """The Docker backend names why it failed: ``BashInfrastructureError.reason``, against the real engine.
 
 Each test reaches one cause for real (a missing workdir, an image without bash, a container removed
-under a command...) and asserts the reason the backend gives it; the message is for people and is
-not looked at.
+under a command...) and asserts the reason the backend gives it; the message is for people, and is
+looked at only where it must carry the engine's own words.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 import tempfile
 import threading
@@ -177,7 +178,7 @@ async def test_user_unknown_in_image_and_container_mode(
 
 @pytest.mark.parametrize("mode", ["image", "container"])
 async def test_a_spec_user_switches_the_exec_user(
-    docker_test_image: str, docker_session_container: str, mode: str
+    docker_test_image: str, docker_session_container: str, mode: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     executor = _image(docker_test_image) if mode == "image" else _container(docker_session_container)
     async with executor as ex:
@@ -193,11 +194,18 @@ async def test_a_spec_user_switches_the_exec_user(
         await task.wait()
         assert (await ex.read_output(task.id)).delta == "4242\n"
         assert (await ex.exec("id -u")).stdout.text == configured
+        caplog.set_level(logging.INFO)
         for verb in ("run", "start"):
             spec = ex.resolve(BashExecRequest(command="true", user="nonexistent"))
             with pytest.raises(BashInfrastructureError) as refused:
                 await (ex.run(spec) if verb == "run" else ex.start(spec))
             assert refused.value.reason == "user_unknown", (verb, refused.value)
+            # The engine's own words, which come on the exec's stream where frames were expected.
+            assert "unable to find user nonexistent" in str(refused.value), (verb, refused.value)
+        assert (await ex.exec("printf ok")).stdout.text == "ok"
+    # A refused user is no broken stream, and no process of it can run: nothing to warn about.
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not warnings, warnings
 
 
 def _left_by(client: docker.DockerClient, executor: DockerBashExecutor) -> list[str]:

@@ -10,6 +10,7 @@ test_supervise.py, which also skips this module when the binary is missing.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import resource
 import select
@@ -1359,11 +1360,16 @@ def _no_spill() -> SpillFile:
     raise AssertionError("the test's output is small: nothing spills")
 
 
-def test_framed_command_samples_from_the_records() -> None:
-    streams = [
+def _small_streams() -> list[OutputStream]:
+    """A command's stdout and stderr, kept in memory (1 MiB each), never spilled."""
+    return [
         OutputStream(name, max_bytes=1 << 20, max_spill_bytes=0, budget=SpillBudget(0), open_spill=_no_spill)
         for name in ("stdout", "stderr")
     ]
+
+
+def test_framed_command_samples_from_the_records() -> None:
+    streams = _small_streams()
     script = 'read -r x; echo "$x"; read -r y; echo "$y"'
     spec = BashExecSpec(
         command=script, workdir="/", timeout_ms=10_000, owner=None, user=None, open_stdin=True
@@ -1399,6 +1405,53 @@ def test_framed_command_samples_from_the_records() -> None:
         process.kill()
         process.wait()
     assert streams[0].collected().data == b"a\nb\n"
+
+
+class _FedCommand(FramedCommand):
+    """A FramedCommand fed by the test itself: no supervisor behind it."""
+
+    def __init__(self) -> None:
+        streams = _small_streams()
+        spec = BashExecSpec(command="true", workdir="/", timeout_ms=10_000, owner=None, user=None)
+        launch = Launch(spec, {}, "dshtestmark", streams[0], streams[1], background=False)
+        super().__init__(launch, fallback=_NoFallback(), registry=set(), where="in a test")
+        self.streams = streams
+
+    async def pump_output(self) -> None:
+        raise AssertionError("the test feeds it")
+
+    async def _send_frame(self, frame: bytes, *, urgent: bool) -> bool:
+        return False
+
+    async def _lost(self) -> BashInfrastructureError:
+        return BashInfrastructureError("the test's stream ended")
+
+
+def test_a_stream_of_text_and_no_frame_is_reported_as_such(caplog: pytest.LogCaptureFixture) -> None:
+    # A container engine that cannot start the exec (an unknown user) writes why on the exec's stream.
+    caplog.set_level(logging.INFO, logger="dsh_bash")
+    command = _FedCommand()
+    command.feed(b"unable to find user nobody2: ")
+    command.feed(b"no matching entries in passwd file\r\n")
+    command.feed(encode_frame(b"o", b"never read"))
+    command.stream_ended()
+    said = command.unframed_output
+    assert said is not None and said.startswith(
+        "unable to find user nobody2: no matching entries in passwd file\r\n"
+    ), said
+    assert command.streams[0].collected().data == b""
+    assert [r.levelno for r in caplog.records] == [logging.INFO], caplog.records
+
+
+def test_a_frame_then_garbage_is_a_broken_stream(caplog: pytest.LogCaptureFixture) -> None:
+    command = _FedCommand()
+    command.feed(encode_frame(b"o", b"hi") + b"unable to find user")
+    command.feed(encode_frame(b"o", b" there"))
+    assert command.unframed_output is None
+    assert command.streams[0].collected().data == b"hi"
+    assert any(
+        r.levelno == logging.WARNING and "broke its framing" in r.getMessage() for r in caplog.records
+    ), caplog.records
 
 
 def test_a_reader_that_reads_again_at_once_waits_anew(runs: list[Framed]) -> None:

@@ -182,7 +182,9 @@ class FramedDockerProcess(FramedCommand):
         failure = self.start_failure()
         if failure is not None:
             raise failure
-        detail = bytes(self._head + self._supervisor_said).decode("utf-8", "replace").strip("\0 \n")
+        said = bytes(self._head + self._supervisor_said).decode("utf-8", "replace").strip("\0 \n")
+        # An engine that could not start the exec (an unknown user) says why where frames were due.
+        detail = "; ".join(part for part in (self.unframed_output, said) if part)
         exit_code = (await self._engine.exec_inspect(self._exec_id)).get("ExitCode")
         reason: InfraReason = "unclassified"
         if exit_code in (126, 127):  # the engine could not start the supervisor itself

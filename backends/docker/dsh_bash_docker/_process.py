@@ -237,6 +237,8 @@ class ContainerMarked:
         self._host_since = host_since if exact else None
         #: The command's start on the container's clock, from its boot script (None until then).
         self.start: CommandStart | None = None
+        #: The container has no such user (found once, it stays so for this command: it never ran).
+        self._no_such_user = False
 
     def _args(self, mode: Literal["signal", "list"], sig: int) -> tuple[str, ...]:
         return kill_args(mode, sig, self._marker, exact=self._exact, start=self.start)
@@ -261,23 +263,25 @@ class ContainerMarked:
                 return
             if exc.status is not None:
                 raise
+            if await self._user_unknown(exc):
+                return
             if self._host_sees_processes():
                 log.warning("%s; signalling %s from the host instead", exc, self._marker)
                 await self._host_signal(sig)
-            elif await self._user_unknown(exc):
-                return
             elif not await self._kill_container():
                 raise
 
     async def _user_unknown(self, exc: EngineError) -> bool:
         """Whether the kill could not start because its user is not the container's: then no
         process of that user runs there (a command as that user was refused the same way), and
-        killing the whole container for it would be wrong."""
-        return (
-            exc.reason == "start_failed"
-            and bool(self._user)
-            and await diagnose_refusal(self._engine, self._container(), self._user) == "user_unknown"
-        )
+        neither a search of the host nor killing the whole container is called for."""
+        if not self._no_such_user:
+            self._no_such_user = (
+                exc.reason == "start_failed"
+                and bool(self._user)
+                and await diagnose_refusal(self._engine, self._container(), self._user) == "user_unknown"
+            )
+        return self._no_such_user
 
     async def remaining(self) -> list[str]:
         try:
@@ -289,9 +293,11 @@ class ContainerMarked:
                 return []
             if exc.status is not None:
                 raise
+            if await self._user_unknown(exc):
+                return []
             if self._host_sees_processes():
                 return [str(entry.pid) for entry in await self._host_entries()]
-            if await self._user_unknown(exc) or await self._kill_container():
+            if await self._kill_container():
                 return []
             raise
         return sorted(set(out.decode().split()))
