@@ -140,7 +140,13 @@ def load_executor(source: Mapping[str, Any] | str | os.PathLike[str], /, **overr
         origin[name] = "override"
     backend = fields.pop("backend", None)
     if not isinstance(backend, str) or not backend:
-        raise ConfigError(f"{where}: field 'backend': required, a backend name or 'module:attr'")
+        nested = [name for name, value in fields.items() if isinstance(value, Mapping) and "backend" in value]
+        hint = (
+            f" (found in the table {nested[0]!r}: the fields go at the top level of the file, in no table)"
+            if backend is None and nested
+            else ""
+        )
+        raise ConfigError(f"{where}: field 'backend': required, a backend name or 'module:attr'{hint}")
     factory = backend_factory(backend)
     try:
         executor = factory(**fields)

@@ -84,6 +84,7 @@ def test_module_attr_backend() -> None:
     ("source", "expected"),
     [
         ({}, "backend"),
+        ({"executor": {"backend": "local"}}, "found in the table 'executor': the fields go at the top level"),
         ({"backend": "nope"}, "'nope' is not registered"),
         ({"backend": "docker"}, "exactly one of 'image'"),
         ({"backend": "docker", "container": "c", "network": "bridge"}, "network only apply"),
