@@ -75,7 +75,6 @@ class FramedCommand(CommandProcess):
         self._broken: str | None = None
         #: The stream's first bytes, kept until a frame header was read (``_UNFRAMED_KEPT`` at most).
         self._stream_head = bytearray()
-        self._unframed = False  # the stream broke before its first frame: the head is kept whole
         self._abandoned = False
         #: Bytes of open input (``send_input``) sent to the supervisor so far.
         self._input_sent = 0
@@ -108,7 +107,6 @@ class FramedCommand(CommandProcess):
             # No frame at all: what came is the transport's own words (an engine that could not
             # start the exec writes why on its stream), not a supervisor's stream gone wrong. The
             # rest of them is kept as it comes.
-            self._unframed = True
             self._break(f"the stream began with no frame but {bytes(self._stream_head)!r}", quiet=True)
             return
         if decoder.framed and self._stream_head:
@@ -119,7 +117,7 @@ class FramedCommand(CommandProcess):
         """What the stream carried instead of frames, when it broke before its first one (a
         transport's own message, such as an engine's "unable to find user"), else None: for the
         start failure's message."""
-        if not self._unframed:
+        if self._broken is None or self._decoder.framed:
             return None
         return bytes(self._stream_head).decode("utf-8", "replace").strip()
 
