@@ -6,6 +6,7 @@ import re
 import secrets
 import shlex
 import statistics
+import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -32,6 +33,7 @@ __all__ = [
     "CheckResult",
     "KitReport",
     "KitTarget",
+    "LatencyCache",
     "NotApplicable",
     "check",
     "run_kit",
@@ -63,6 +65,35 @@ _LATENCY_MAX_AGE_S = 15.0
 _KIT_DIR = str(Path(__file__).resolve().parent)
 
 
+class LatencyCache:
+    """The latency last measured for a target, reused by the checks that follow within its lifetime.
+
+    A measurement costs about five round trips through a fresh executor (a container, in Docker's
+    image mode): measuring before every check would double the kit's run time there. A check that
+    fails forgets it (:meth:`forget`), so that the next one measures afresh. Thread-safe: runs on one
+    target may overlap.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._value: float | None = None
+        self._taken_at = 0.0
+
+    def fresh(self) -> float | None:
+        with self._lock:
+            if self._value is None or time.monotonic() - self._taken_at > _LATENCY_MAX_AGE_S:
+                return None
+            return self._value
+
+    def update(self, value: float) -> None:
+        with self._lock:
+            self._value, self._taken_at = value, time.monotonic()
+
+    def forget(self) -> None:
+        with self._lock:
+            self._value = None
+
+
 @dataclass(frozen=True)
 class KitTarget:
     """A backend under test.
@@ -83,6 +114,10 @@ class KitTarget:
     #: Each allowance is ``ALLOWANCE_BASE_S + allowance_factor * latency``, the latency being what the
     #: kit measured for this target right before the check (see :meth:`CheckContext.allowance_s`).
     allowance_factor: float = 10.0
+    #: The latency last measured for this target: every run on the same target object reuses it for
+    #: up to ``_LATENCY_MAX_AGE_S`` (a measurement costs five round trips through a fresh executor),
+    #: so a test suite that runs one check per :func:`run_kit` call keeps one target per backend.
+    latency: LatencyCache = field(default_factory=LatencyCache, compare=False, repr=False)
 
 
 class CheckFailed(Exception):
@@ -411,29 +446,9 @@ def _failed(exc: CheckFailed) -> tuple[CheckOutcome, str]:
     return "failed", f"{exc}" + (f" [{where}]" if where else "")
 
 
-class _LatencyCache:
-    """The latency last measured in a run, reused by the checks that follow within its lifetime.
-
-    A measurement costs about five round trips through a fresh executor (a container, in Docker's
-    image mode): measuring before every check would double the kit's run time there.
-    """
-
-    def __init__(self) -> None:
-        self.value: float | None = None
-        self.taken_at = 0.0
-
-    def fresh(self) -> float | None:
-        if self.value is None or time.monotonic() - self.taken_at > _LATENCY_MAX_AGE_S:
-            return None
-        return self.value
-
-    def update(self, value: float) -> None:
-        self.value, self.taken_at = value, time.monotonic()
-
-
-def _run_one(target: KitTarget, current: Check, latency: _LatencyCache | None = None) -> CheckResult:
+def _run_one(target: KitTarget, current: Check) -> CheckResult:
     ctx = CheckContext(target, current)
-    cache = latency if latency is not None else _LatencyCache()
+    cache = target.latency
 
     async def body() -> None:
         known = cache.fresh()
@@ -518,11 +533,10 @@ def run_kit(
         if unknown:
             raise ValueError(f"unknown check name(s): {', '.join(unknown)}")
     report = KitReport(target=target.name)
-    latency = _LatencyCache()
     for name in names:
-        result = _run_one(target, CHECKS[name], latency)
+        result = _run_one(target, CHECKS[name])
         if result.outcome not in ("passed", "not_applicable"):
-            latency.value = None  # the next check measures afresh
+            target.latency.forget()  # the next check measures afresh
         report.results.append(result)
         if on_result is not None:
             on_result(result)
