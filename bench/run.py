@@ -5,7 +5,7 @@
 
 Builds the Docker test image the way the tests do (``tests/docker_support.py``) and starts a
 throwaway sshd on a loopback port (``tests/ssh_support.py``, needs root; set
-``DSH_BASH_TEST_SSH_USER`` to choose the login). Every compared figure is measured side by side with
+``DSH_TEST_SSH_USER`` to choose the login). Every compared figure is measured side by side with
 its baseline in the same run, alternating, as medians; the ratio is what is compared, absolute
 figures are context. Writes ``results.md`` (machine + table), ``results.json`` (every raw figure)
 and ``results.png`` (the chart) into ``--out`` (default: this directory). ``--quick`` is a smoke run:

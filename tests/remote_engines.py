@@ -22,13 +22,16 @@ depends on how that engine was started and which goes away whenever the main doc
 ``fault_support.SecondEngine`` is a private dockerd too, one a test may restart; it keeps the host's
 network namespace and so needs a bridge interface of its own instead of ``--bridge=none``.
 
-``ssh_engine`` is the main engine reached through the session's test sshd (``ssh_support``): root
-logs in with its key and runs ``docker system dial-stdio``, which talks to this machine's default
-engine. Debian's sshd gives root's sessions ``/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:
-/sbin:/bin`` (its compiled-in superuser PATH; root's ``.bashrc`` here only prepends to it, printing
-nothing), so ``docker`` (``/usr/local/bin/docker`` or docker.io's ``/usr/bin/docker``) is found
-without any SetEnv; the fixture checks a ``/_ping`` through that path before handing it out, and
-fails (not skips) with what ssh printed when it does not answer.
+``ssh_engine`` is the main engine reached through the session's test sshd (``ssh_support``): the
+login :data:`DOCKER_LOGIN`, a member of the ``docker`` group (which may use the engine's socket),
+logs in with the root key and runs ``docker system dial-stdio``, which talks to this machine's
+default engine. Not root: bash runs the login's ``~/.bashrc`` for every SSH command, every engine
+connection is one, and root's here (pyenv's init) costs about 150 ms of CPU each time, which made
+this transport the costliest row of the suite; this login's rc file is empty. Debian's sshd gives
+its sessions ``/usr/local/bin:/usr/bin:/bin:/usr/games``, so ``docker`` (``/usr/local/bin/docker``
+or docker.io's ``/usr/bin/docker``) is found without any SetEnv; the fixture checks a ``/_ping``
+through that path before handing it out, and fails (not skips) with what ssh printed when it does
+not answer.
 
 When something they need is missing (root, dockerd, openssl, unshare, the docker CLI) or the engine
 does not start, the fixtures skip with a reason starting ``backend unavailable:`` (a failure in CI,
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import grp
 import os
 import secrets
 import shlex
@@ -55,9 +59,10 @@ from pathlib import Path
 
 import pytest
 from docker_support import IDLE_COMMAND, SESSION_ID, SESSION_LABEL
-from ssh_support import SshServer
+from ssh_support import SshServer, ensure_user
 
 __all__ = [
+    "DOCKER_LOGIN",
     "PING_REQUEST",
     "SshEngine",
     "TlsEngine",
@@ -70,6 +75,8 @@ __all__ = [
 ]
 
 BACKEND_UNAVAILABLE = "backend unavailable:"
+#: The login ``ssh_engine`` uses: in group ``docker``, an empty ``.bashrc`` (one for every worker).
+DOCKER_LOGIN = "dshdocker"
 
 #: An HTTP request to the engine API's health check; the answer's body is ``OK``.
 PING_REQUEST = b"GET /_ping HTTP/1.1\r\nHost: docker\r\nConnection: close\r\n\r\n"
@@ -143,11 +150,11 @@ class TlsEngine:
 
 @dataclass(frozen=True)
 class SshEngine:
-    """The main engine, reached over SSH as root on the session's test sshd.
+    """The main engine, reached over SSH as :data:`DOCKER_LOGIN` on the session's test sshd.
 
-    ``client_key`` is root's private key there, ``known_hosts`` holds the server's host key; ``image``
-    and ``container`` (an idle container of it) are on the main engine, which the remote
-    ``docker system dial-stdio`` talks to.
+    ``client_key`` is that login's private key there (the server's root key), ``known_hosts`` holds
+    the server's host key; ``image`` and ``container`` (an idle container of it) are on the main
+    engine, which the remote ``docker system dial-stdio`` talks to.
     """
 
     url: str
@@ -622,21 +629,31 @@ def tls_engine(docker_test_image: str) -> Iterator[TlsEngine]:
 
 @pytest.fixture(scope="session")
 def ssh_engine(ssh_server: SshServer, docker_test_image: str, docker_session_container: str) -> SshEngine:
-    """The main engine over SSH: ``ssh://root@127.0.0.1:PORT`` on the session's test sshd, with its
-    root key and known_hosts; ``image`` and ``container`` are the main engine's session ones.
+    """The main engine over SSH: ``ssh://dshdocker@127.0.0.1:PORT`` on the session's test sshd (the
+    login made when missing, in group ``docker``, with an empty ``.bashrc``), with the server's root
+    key and known_hosts; ``image`` and ``container`` are the main engine's session ones.
 
-    Checked before it is handed out: root's login there runs ``docker system dial-stdio`` and a
+    Checked before it is handed out: the login there runs ``docker system dial-stdio`` and a
     ``/_ping`` through it answers ``OK``; if not, the fixture fails with what ssh printed.
     """
+    if shutil.which("ssh") is None:
+        pytest.skip(_unavailable("ssh not found (apt-get install openssh-client)"))
+    try:
+        grp.getgrnam("docker")
+    except KeyError:
+        pytest.skip(_unavailable("no group 'docker' here, whose members may use the engine's socket"))
+    home = ensure_user(DOCKER_LOGIN, groups=("docker",))
+    (home / ".bashrc").write_text("")
+    authorized = ssh_server.directory / f"authorized_keys.{DOCKER_LOGIN}"
+    authorized.write_text(Path(f"{ssh_server.root_key}.pub").read_text())
+    authorized.chmod(0o644)
     engine = SshEngine(
-        url=f"ssh://root@{ssh_server.host}:{ssh_server.port}",
+        url=f"ssh://{DOCKER_LOGIN}@{ssh_server.host}:{ssh_server.port}",
         client_key=ssh_server.root_key,
         known_hosts=ssh_server.known_hosts,
         image=docker_test_image,
         container=docker_session_container,
     )
-    if shutil.which("ssh") is None:
-        pytest.skip(_unavailable("ssh not found (apt-get install openssh-client)"))
     result = _dial_stdio_ping(engine)
     if not result.stdout.endswith(b"\r\n\r\nOK"):
         pytest.fail(

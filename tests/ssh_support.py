@@ -10,6 +10,7 @@ fixture skips with a reason starting ``backend unavailable:`` (which CI turns in
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pwd
 import shlex
@@ -34,6 +35,7 @@ __all__ = [
     "SSHD",
     "TEST_USER",
     "SshServer",
+    "ensure_user",
     "keygen",
     "ssh_server",
     "ssh_target",
@@ -42,8 +44,13 @@ __all__ = [
 ]
 
 SSHD = "/usr/sbin/sshd"
-#: Overridable so that two checkouts can run their SSH tests at once without sharing a .bashrc.
-TEST_USER = os.environ.get("DSH_BASH_TEST_SSH_USER", "dshtest")
+#: The login of the SSH tests. The tests rewrite its ``.bashrc`` (:meth:`SshServer.plant`), so no two
+#: runs may share one: each pytest-xdist worker logs in as a user of its own (``dshtest-gw0``, ...),
+#: and ``DSH_TEST_SSH_USER`` names another base, for two checkouts testing at once. (Not a
+#: ``DSH_BASH_`` name: every such variable is read as an executor's config field.)
+TEST_USER = os.environ.get("DSH_TEST_SSH_USER", "dshtest") + (
+    f"-{os.environ['PYTEST_XDIST_WORKER']}" if os.environ.get("PYTEST_XDIST_WORKER") else ""
+)
 BACKEND_UNAVAILABLE = "backend unavailable:"
 #: What the test user's .bashrc always does: rc files may print anything, on both streams.
 RC_NOISE = 'echo "dshtest .bashrc noise"; echo "dshtest .bashrc noise on stderr" >&2\n'
@@ -125,14 +132,25 @@ def _unavailable() -> str | None:
     return None
 
 
-def _ensure_user() -> Path:
-    try:
-        pwd.getpwnam(TEST_USER)
-    except KeyError:
-        subprocess.run(["useradd", "-m", "-s", "/bin/bash", TEST_USER], check=True)
-    # With UsePAM no, a '!' password field counts as locked: '*' only disables password logins.
-    subprocess.run(["usermod", "-p", "*", TEST_USER], check=True)
-    home = Path(pwd.getpwnam(TEST_USER).pw_dir)
+#: Held while a user is added or changed: useradd and usermod fail at once ("cannot lock
+#: /etc/passwd") when another worker's call holds the password file.
+_USERS_LOCK = Path(tempfile.gettempdir(), "dsh-bash-test-users.lock")
+
+
+def ensure_user(name: str, *, groups: tuple[str, ...] = ()) -> Path:
+    """The home of login ``name`` (created when missing, with bash and these supplementary groups),
+    which key logins may use: with UsePAM no, a '!' password field counts as locked, '*' only
+    disables password logins."""
+    with open(_USERS_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            subprocess.run(["useradd", "-m", "-s", "/bin/bash", name], check=True)
+        subprocess.run(
+            ["usermod", "-p", "*", *(["-aG", ",".join(groups)] if groups else []), name], check=True
+        )
+    home = Path(pwd.getpwnam(name).pw_dir)
     home.mkdir(parents=True, exist_ok=True)
     return home
 
@@ -146,7 +164,7 @@ def keygen(path: Path) -> None:
 def start_server(extra_config: str = "", *, sftp: bool = True) -> SshServer:
     """Start a test sshd; ``extra_config`` lines are appended to its config (the security suite's
     ``SetEnv``, say; the session server passes none); ``sftp=False`` leaves out the SFTP subsystem."""
-    home = _ensure_user()
+    home = ensure_user(TEST_USER)
     directory = Path(tempfile.mkdtemp(prefix="dsh-bash-sshd-"))
     directory.chmod(0o755)  # sshd reads authorized keys as the logging-in user
     for name in ("hostkey", "userkey", "rootkey"):

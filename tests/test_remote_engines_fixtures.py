@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from remote_engines import PING_REQUEST, SshEngine, TlsEngine, http_ping, tls_cli_environment
+from remote_engines import DOCKER_LOGIN, PING_REQUEST, SshEngine, TlsEngine, http_ping, tls_cli_environment
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(120)]
 
@@ -126,7 +126,7 @@ def test_ssh_engine_dial_stdio_answers_ping(ssh_engine: SshEngine) -> None:
         [
             "ssh", "-i", ssh_engine.client_key, "-o", f"UserKnownHostsFile={ssh_engine.known_hosts}",
             "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes",
-            "-p", ssh_engine.url.rpartition(":")[2], "root@127.0.0.1",
+            "-p", ssh_engine.url.rpartition(":")[2], f"{DOCKER_LOGIN}@127.0.0.1",
             "docker", "system", "dial-stdio",
         ],
         stdin=subprocess.PIPE,
@@ -140,7 +140,7 @@ def test_ssh_engine_dial_stdio_answers_ping(ssh_engine: SshEngine) -> None:
 
 @pytest.mark.ssh
 def test_ssh_engine_image_and_container_are_on_the_main_engine(ssh_engine: SshEngine) -> None:
-    assert ssh_engine.url.startswith("ssh://root@127.0.0.1:")
+    assert ssh_engine.url.startswith(f"ssh://{DOCKER_LOGIN}@127.0.0.1:")
     running = subprocess.run(
         ["docker", "inspect", "--format", "{{.State.Running}} {{.Config.Image}}", ssh_engine.container],
         check=False,
