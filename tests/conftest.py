@@ -10,9 +10,13 @@ skipped module (``pytest.skip(..., allow_module_level=True)``) is listed at the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
 import os
-from collections.abc import Generator
+import shutil
+import tempfile
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import pluggy
@@ -58,6 +62,85 @@ def _exception_handler(self: TestRunner, loop: asyncio.AbstractEventLoop, contex
 
 
 TestRunner._exception_handler = _exception_handler  # type: ignore[method-assign]
+
+
+#: Modules the quick check (``bin/test --quick``, marker ``quick``) leaves out although they need no
+#: Docker engine or SSH server: each repeats what the quick check runs, on another target or through
+#: another door (tests/README.md, "The quick check").
+QUICK_LEAVES_OUT = {
+    "test_example_bwrap.py": "the whole kit again, on the example backend through bwrap",
+    "test_inspect_provider.py": "inspect_ai's own self-check and an offline eval, through the provider",
+    "test_cli_catches_broken.py": "the broken-backend table again, through `dsh-bash conformance`",
+}
+#: The markers of tests that need more than this machine's Python and bash.
+_NOT_QUICK_MARKERS = ("docker", "ssh", "faults")
+
+
+def _is_quick(item: pytest.Item) -> bool:
+    if any(item.get_closest_marker(name) for name in _NOT_QUICK_MARKERS):
+        return False
+    if item.path.name in QUICK_LEAVES_OUT:
+        return False
+    # The local kit on trio: the asyncio rows run every check; trio changes the event loop only.
+    callspec = getattr(item, "callspec", None)
+    return not (
+        item.path.name == "test_conformance_local.py"
+        and callspec is not None
+        and callspec.params.get("anyio_backend") == "trio"
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _is_quick(item):
+            item.add_marker(pytest.mark.quick)
+
+
+# -- tests that run alone ----------------------------------------------------------------------------
+#
+# bin/test runs the suite in pytest-xdist workers. A test marked ``serial`` holds a bound that the
+# load of other tests stretches (a timeout that must arrive on time beside 300 processes with large
+# environments, say): it waits until the tests running on other workers end, and none starts until
+# it is done. Two flock()ed files in a directory the controller makes for the run (named in the
+# environment, which the workers inherit) do it: every test takes the gate, then a shared lock on
+# ``running``, and lets the gate go; a serial test keeps the gate (no test starts behind it) and waits
+# for an exclusive lock on ``running``. Taken outside pytest-timeout's timer (``tryfirst``), so a wait
+# for a turn is not counted against a test's own limit.
+
+#: The directory of this run's lock files (set by the controller, inherited by its workers).
+_LOCK_DIR_VARIABLE = "DSH_TEST_LOCK_DIR"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER") is None and _LOCK_DIR_VARIABLE not in os.environ:
+        directory = tempfile.mkdtemp(prefix="dsh-bash-test-locks-")
+        os.environ[_LOCK_DIR_VARIABLE] = directory
+        config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
+
+
+@contextlib.contextmanager
+def _turn(alone: bool) -> Iterator[None]:
+    directory = os.environ.get(_LOCK_DIR_VARIABLE)
+    if directory is None or not os.path.isdir(directory):
+        yield
+        return
+    with (
+        open(os.path.join(directory, "gate"), "a") as gate,
+        open(os.path.join(directory, "running"), "a") as running,
+    ):
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(running, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            if not alone:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        yield  # closing the files lets both locks go
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    with _turn(alone=item.get_closest_marker("serial") is not None):
+        yield
 
 
 def _backend_skip(report: pytest.TestReport | pytest.CollectReport) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from dsh_bash_conformance import CHECKS, CheckOutcome, KitTarget
@@ -65,10 +66,131 @@ def expected_outcome(backend: str, name: str) -> CheckOutcome:
     return "not_applicable" if name in INPUT_NOT_YET[backend] else "passed"
 
 
+_TARGETS: dict[tuple[Hashable, ...], KitTarget] = {}
+
+
+def reused_target(key: tuple[Hashable, ...], make: Callable[[], KitTarget]) -> KitTarget:
+    """The target made for ``key`` earlier in this process, else ``make()``'s.
+
+    The test modules run one check per :func:`run_kit` call; one target per backend and mode lets the
+    latency the kit measured before a check (``KitTarget.latency``) serve the checks after it for as
+    long as it is fresh, instead of five round trips through a fresh executor before every check.
+    """
+    target = _TARGETS.get(key)
+    if target is None:
+        target = _TARGETS[key] = make()
+    return target
+
+
 def local_target(anyio_backend: str) -> KitTarget:
     """The local backend: commands are subprocesses of this process; ambient env is ``os.environ``."""
 
     def make_executor(**overrides: Any) -> LocalBashExecutor:
         return LocalBashExecutor(LocalConfig(**overrides))
 
-    return KitTarget(name=f"local[{anyio_backend}]", make_executor=make_executor, anyio_backend=anyio_backend)
+    def make() -> KitTarget:
+        return KitTarget(
+            name=f"local[{anyio_backend}]", make_executor=make_executor, anyio_backend=anyio_backend
+        )
+
+    return reused_target(("local", anyio_backend), make)
+
+
+# -- which checks run where -----------------------------------------------------------------------
+#
+# Every backend and mode runs the whole kit once in CI (local on asyncio and trio, bwrap, Docker image and
+# container mode on the busybox image, SSH on this host and, through the CLI, SSH in a container). The
+# combinations that repeat a backend and mode with one thing changed run the checks that thing can break,
+# and no others: tests/README.md, "The kit matrix", says what each row costs and why these.
+
+#: Docker on an engine "on another machine" (``tcp://`` with TLS, ``ssh://`` through ``docker system
+#: dial-stdio``): what changes is the transport to the engine, and that nothing of the engine's host is
+#: read (no side pipe for output, no signal from this host's ``/proc``: every kill goes through the engine).
+REMOTE_ENGINE_CHECKS: tuple[str, ...] = (
+    # outcomes come back as the supervisor's frames over the transport's stream
+    "exit-code-reported",
+    "timeout-classified",
+    "abort-classified",
+    "self-kill-reported-as-signal",
+    "forged-outcome-ignored",
+    # bytes both ways over the engine's stream: stdin, its end (a TLS or SSH half-close), all output
+    "stdin-delivered",
+    "stdin-empty-by-default",
+    "output-bytes-exact",
+    "streams-separate-exact",
+    "flood-bounded-and-timed-out",
+    "spill-cap-inclusive",
+    "read-lossy-exact",
+    "long-command-runs",
+    "bounded-drain",
+    # input, resize and the waiting sampler's reports, as frames
+    "input-reaches-task",
+    "input-eof-after-close",
+    "terminal-resize",
+    "terminal-ctrl-c",
+    "waiting-reported",
+    # kills through the engine alone
+    "kill-running-task",
+    "kill-escalates-after-grace",
+    "timeout-kills-children",
+    "escapee-killed-on-kill",
+    "non-dumpable-escapee-killed",
+    "setsid-chain-killed",
+    "kill-ended-task-kills-leftovers",
+    # connections: many at once, cancelled mid-request, an engine that refuses, closing under commands
+    "concurrent-runs",
+    "cancel-at-any-moment-leaves-nothing",
+    "cancel-kills-before-propagating",
+    "infra-error-reasons",
+    "nothing-left-by-failed-open",
+    "aclose-bounded",
+    "aclose-during-run-raises-closed",
+    "aclose-kills-leftovers",
+    "aclose-removes-spill-files",
+)
+
+#: Docker on the Debian image (GNU coreutils, util-linux, procps, a real ``/etc/passwd``) after the
+#: busybox one: what changes is the userland the backend's scripts and the kit's commands meet.
+DEBIAN_CHECKS: tuple[str, ...] = (
+    # the container's users, environment, rc files and directories
+    "command-user",
+    "env-default-scrub",
+    "env-ambient-passes-through",
+    "env-allow-readmits",
+    "env-spec-wins",
+    "no-rc-files",
+    "workdir-and-cwd-used",
+    "unusable-workdir-refused",
+    "infra-error-reasons",
+    "nothing-left-by-failed-open",
+    # spill files made, written and removed by the container's own tools
+    "spill-cap-inclusive",
+    "spill-total-cap",
+    "spill-file-private",
+    "spill-names-unpredictable",
+    "aclose-removes-spill-files",
+    "truncation-keeps-tail",
+    # terminals and input under GNU stty, tty and a glibc reader
+    "terminal-size",
+    "terminal-resize",
+    "terminal-ctrl-c",
+    "terminal-output-incremental",
+    "terminal-kill-leaves-nothing",
+    "waiting-reported",
+    "waiting-not-reported",
+    "input-eof-after-close",
+    # processes that util-linux's setsid and GNU tools make, and the kills that must find them
+    "own-session-and-group",
+    "kill-kills-whole-group",
+    "timeout-kills-children",
+    "escapee-killed-on-kill",
+    "escapee-killed-on-aclose",
+    "setsid-chain-killed",
+    "non-dumpable-escapee-killed",
+    "escapee-rewriting-environment-killed",
+    "escapee-without-environment-killed",
+    # bytes and the command line through a real userland
+    "invalid-utf8-replaced",
+    "utf8-split-never-mangled",
+    "long-command-runs",
+)

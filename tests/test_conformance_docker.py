@@ -4,19 +4,28 @@ Targets: image mode (each executor creates its own container) on asyncio and tri
 mode (executors attach to an existing container) on asyncio, with the busybox test image
 (``docker_test_image``); and image and container mode on asyncio again with the Debian test image
 (``docker_debian_image``: coreutils, GNU grep, procps, python3; ``tests/debian_image.py``), whose
-test ids start with ``debian-``. Without a Docker engine every test skips with ``backend
-unavailable: ...`` (a failure in CI); so do the Debian rows when the Debian image is missing and
-cannot be built here (no ``mmdebstrap``, not root).
+test ids start with ``debian-``: the whole kit on busybox in both modes, on trio the checks of the
+backend's own async I/O (``TRIO_CHECKS``), on Debian those the userland can change
+(``kit_targets.DEBIAN_CHECKS``; ``DSH_TEST_DEBIAN_KIT=all`` runs the whole kit there too). Without a
+Docker engine every test skips with ``backend unavailable: ...`` (a failure in CI); so do the Debian
+rows when the Debian image is missing and cannot be built here (no ``mmdebstrap``, not root).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import pytest
 from docker_support import DockerMode, docker_target
 from dsh_bash_conformance import CHECKS, run_kit
-from kit_targets import MARKER_CONTAINMENT_FAILS, MARKER_CONTAINMENT_RACES, expected_outcome
+from kit_targets import (
+    DEBIAN_CHECKS,
+    MARKER_CONTAINMENT_FAILS,
+    MARKER_CONTAINMENT_RACES,
+    expected_outcome,
+    reused_target,
+)
 
 pytestmark = [pytest.mark.kit, pytest.mark.docker]
 
@@ -53,13 +62,15 @@ _CONTAINER_FIXTURE = {"busybox": "docker_session_container", "debian": "docker_d
 #: The Debian image builds once (28-43 s here) in the first test that needs it when
 #: ``.ci/run`` has not built it beforehand: the Debian rows allow for that on top of the suite's 120 s.
 _DEBIAN_TIMEOUT_S = 120 + 300
+_DEBIAN = list(CHECKS) if os.environ.get("DSH_TEST_DEBIAN_KIT") == "all" else list(DEBIAN_CHECKS)
 CASES: list[tuple[str, DockerMode, str, ImageKind]] = [
     *((name, "image", "asyncio", "busybox") for name in CHECKS),
     *((name, "container", "asyncio", "busybox") for name in CHECKS),
     *((name, "image", "trio", "busybox") for name in TRIO_CHECKS),
-    # The whole kit on a real Debian userland (asyncio only: trio changes nothing the image reaches).
-    *((name, "image", "asyncio", "debian") for name in CHECKS),
-    *((name, "container", "asyncio", "debian") for name in CHECKS),
+    # On a real Debian userland, the checks the userland can change (asyncio only: trio changes nothing
+    # the image reaches); DSH_TEST_DEBIAN_KIT=all runs the whole kit there.
+    *((name, "image", "asyncio", "debian") for name in _DEBIAN),
+    *((name, "container", "asyncio", "debian") for name in _DEBIAN),
 ]
 
 
@@ -68,8 +79,10 @@ def _case_id(name: str, mode: str, backend: str, image: ImageKind) -> str:
     return f"{mode}-{backend}-{name}" if image == "busybox" else f"{image}-{mode}-{backend}-{name}"
 
 
-def test_trio_subset_names_real_checks() -> None:
+def test_subsets_name_real_checks() -> None:
     assert set(TRIO_CHECKS) <= set(CHECKS)
+    assert set(DEBIAN_CHECKS) <= set(CHECKS)
+    assert len(set(DEBIAN_CHECKS)) == len(DEBIAN_CHECKS)
 
 
 @pytest.mark.parametrize(
@@ -85,7 +98,10 @@ def test_check(
 ) -> None:
     tag: str = request.getfixturevalue(_IMAGE_FIXTURE[image])
     container = request.getfixturevalue(_CONTAINER_FIXTURE[image]) if mode == "container" else None
-    target = docker_target(mode, anyio_backend, tag, container)
+    target = reused_target(
+        ("docker", mode, anyio_backend, tag, container),
+        lambda: docker_target(mode, anyio_backend, tag, container),
+    )
     report = run_kit(target, only=[name])
     [result] = report.results
     print(f"{target.name} {result.name} ({result.kind}) {result.outcome} in {result.duration_s:.2f}s")
@@ -107,7 +123,10 @@ CONTAINMENT_CHECKS = [
 def test_marker_containment_fails(name: str, docker_test_image: str) -> None:
     """With ``containment = "marker"`` (the backend before dsh-supervise), the checks fail that the
     supervisor made pass: each of them was a real escape or forgery on this backend."""
-    target = docker_target("image", "asyncio", docker_test_image, containment="marker")
+    target = reused_target(
+        ("docker-marker", docker_test_image),
+        lambda: docker_target("image", "asyncio", docker_test_image, containment="marker"),
+    )
     [result] = run_kit(target, only=[name]).results
     print(f"{target.name} {result.name} {result.outcome}: {result.message}")
     if name in MARKER_CONTAINMENT_RACES["docker"]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from dsh_bash_conformance import CHECKS, run_kit
-from kit_targets import MARKER_CONTAINMENT_FAILS, MARKER_CONTAINMENT_RACES, expected_outcome
+from kit_targets import MARKER_CONTAINMENT_FAILS, MARKER_CONTAINMENT_RACES, expected_outcome, reused_target
 from ssh_support import SshServer, ssh_target
 
 pytestmark = [pytest.mark.kit, pytest.mark.ssh]
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.kit, pytest.mark.ssh]
 
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_check(name: str, ssh_server: SshServer) -> None:
-    target = ssh_target(ssh_server, "asyncio")
+    target = reused_target(("ssh", ssh_server.port), lambda: ssh_target(ssh_server, "asyncio"))
     report = run_kit(target, only=[name])
     [result] = report.results
     print(f"{target.name} {result.name} ({result.kind}) {result.outcome} in {result.duration_s:.2f}s")

@@ -1,10 +1,11 @@
 """The Docker backend against engines "on other machines": ``tcp://`` with TLS, and ``ssh://``.
 
 Both are real and on loopback (``tests/remote_engines.py``): a second dockerd that listens only on
-TLS with certificates the fixture made (client certificate required), and ``ssh://root@127.0.0.1``
-through the test sshd, whose ``docker system dial-stdio`` reaches this machine's engine. The whole
-kit passes over each, in image and container mode. Neither is taken for a local engine: nothing is
-read from this host's ``/proc`` for them, although here it could be.
+TLS with certificates the fixture made (client certificate required), and ``ssh://dshdocker@127.0.0.1``
+through the test sshd, whose ``docker system dial-stdio`` reaches this machine's engine. Neither is
+taken for a local engine: nothing is read from this host's ``/proc`` for them, although here it
+could be. Over each, the kit's checks that a transport can break
+(``kit_targets.REMOTE_ENGINE_CHECKS``; ``DSH_TEST_REMOTE_KIT=all``: the whole kit in both modes).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 from docker_support import DockerMode, docker_target
 from dsh_bash_conformance import CHECKS, run_kit
 from dsh_bash_docker import DockerBashExecutor, DockerConfig
-from kit_targets import expected_outcome
+from kit_targets import REMOTE_ENGINE_CHECKS, expected_outcome, reused_target
 from remote_engines import SshEngine, TlsEngine
 from ssh_support import TEST_USER
 
@@ -33,18 +34,26 @@ def anyio_backend() -> str:
 
 
 RemoteKind = str  # "tls" or "ssh"
-#: The whole kit over each transport, in one mode each: TLS in image mode (the container's create and
-#: removal go over it too), ssh:// in container mode. The mode and the transport are independent, and
-#: every row of the full matrix (both modes over both, 356 rows, 22 minutes here) passed when this was
-#: built; DSH_TEST_REMOTE_KIT=all runs it.
+#: Over each transport, in one mode each (TLS in image mode: the container's create and removal go
+#: over it too; ssh:// in container mode), the checks a transport and a host whose /proc is not read
+#: can break (``kit_targets.REMOTE_ENGINE_CHECKS``); the whole kit runs on the local engine in both
+#: modes. The mode and the transport are independent, and every row of the full matrix (both modes
+#: over both, the whole kit) passed when this was built; DSH_TEST_REMOTE_KIT=all runs it.
+_FULL_MATRIX = os.environ.get("DSH_TEST_REMOTE_KIT") == "all"
 _MODES: dict[RemoteKind, tuple[DockerMode, ...]] = (
     {"tls": ("image", "container"), "ssh": ("image", "container")}
-    if os.environ.get("DSH_TEST_REMOTE_KIT") == "all"
+    if _FULL_MATRIX
     else {"tls": ("image",), "ssh": ("container",)}
 )
+_CHECKS = list(CHECKS) if _FULL_MATRIX else list(REMOTE_ENGINE_CHECKS)
 CASES: list[tuple[str, DockerMode, RemoteKind]] = [
-    (name, mode, kind) for kind in ("tls", "ssh") for mode in _MODES[kind] for name in CHECKS
+    (name, mode, kind) for kind in ("tls", "ssh") for mode in _MODES[kind] for name in _CHECKS
 ]
+
+
+def test_the_remote_subset_names_real_checks() -> None:
+    assert set(REMOTE_ENGINE_CHECKS) <= set(CHECKS)
+    assert len(set(REMOTE_ENGINE_CHECKS)) == len(REMOTE_ENGINE_CHECKS)
 
 
 def tls_connection(engine: TlsEngine) -> dict[str, Any]:
@@ -82,14 +91,17 @@ def _remote(
 @pytest.mark.parametrize(("name", "mode", "kind"), CASES, ids=[f"{k}-{m}-{n}" for n, m, k in CASES])
 def test_check(name: str, mode: DockerMode, kind: RemoteKind, request: pytest.FixtureRequest) -> None:
     engine, connection, start_container = _remote(kind, request)
-    target = docker_target(
-        mode,
-        "asyncio",
-        engine.image,
-        engine.container if mode == "container" else None,
-        connection=connection,
-        start_container=start_container,
-        name=f"docker-{kind}",
+    target = reused_target(
+        ("docker-remote", kind, mode, engine.url),
+        lambda: docker_target(
+            mode,
+            "asyncio",
+            engine.image,
+            engine.container if mode == "container" else None,
+            connection=connection,
+            start_container=start_container,
+            name=f"docker-{kind}",
+        ),
     )
     [result] = run_kit(target, only=[name]).results
     print(f"{target.name} {result.name} ({result.kind}) {result.outcome} in {result.duration_s:.2f}s")

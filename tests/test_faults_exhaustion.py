@@ -199,6 +199,7 @@ LARGE_ENV_LEFTOVERS = (
 )
 
 
+@pytest.mark.serial  # the scan of 300 x 1.4 MB environments is the load: no other test beside it
 @pytest.mark.anyio
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
