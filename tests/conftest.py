@@ -10,17 +10,16 @@ skipped module (``pytest.skip(..., allow_module_level=True)``) is listed at the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import fcntl
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from typing import Any
 
 import pluggy
 import pytest
+import turns
 from anyio._backends._asyncio import TestRunner
 
 #: Docker, SSH (host sshd and containerized sshd), fault-suite and remote-engine (TLS, SSH) fixtures
@@ -99,47 +98,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # -- tests that run alone ----------------------------------------------------------------------------
 #
 # bin/test runs the suite in pytest-xdist workers. A test marked ``serial`` holds a bound that the
-# load of other tests stretches (a timeout that must arrive on time beside 300 processes with large
-# environments, say): it waits until the tests running on other workers end, and none starts until
-# it is done. Two flock()ed files in a directory the controller makes for the run (named in the
-# environment, which the workers inherit) do it: every test takes the gate, then a shared lock on
-# ``running``, and lets the gate go; a serial test keeps the gate (no test starts behind it) and waits
-# for an exclusive lock on ``running``. Taken outside pytest-timeout's timer (``tryfirst``), so a wait
-# for a turn is not counted against a test's own limit.
-
-#: The directory of this run's lock files (set by the controller, inherited by its workers).
-_LOCK_DIR_VARIABLE = "DSH_TEST_LOCK_DIR"
+# load of other tests stretches: it runs while no other test does (tests/turns.py). The controller
+# makes the run's lock directory and names it in the environment, which its workers inherit. Turns
+# are taken outside pytest-timeout's timer (``tryfirst``): a wait for a turn is not counted against a
+# test's own limit.
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if os.environ.get("PYTEST_XDIST_WORKER") is None and _LOCK_DIR_VARIABLE not in os.environ:
+    if os.environ.get("PYTEST_XDIST_WORKER") is None and turns.LOCK_DIR_VARIABLE not in os.environ:
         directory = tempfile.mkdtemp(prefix="dsh-bash-test-locks-")
-        os.environ[_LOCK_DIR_VARIABLE] = directory
+        os.environ[turns.LOCK_DIR_VARIABLE] = directory
         config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
-
-
-@contextlib.contextmanager
-def _turn(alone: bool) -> Iterator[None]:
-    directory = os.environ.get(_LOCK_DIR_VARIABLE)
-    if directory is None or not os.path.isdir(directory):
-        yield
-        return
-    with (
-        open(os.path.join(directory, "gate"), "a") as gate,
-        open(os.path.join(directory, "running"), "a") as running,
-    ):
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(running, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        finally:
-            if not alone:
-                fcntl.flock(gate, fcntl.LOCK_UN)
-        yield  # closing the files lets both locks go
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
-    with _turn(alone=item.get_closest_marker("serial") is not None):
+    directory = os.environ.get(turns.LOCK_DIR_VARIABLE)
+    with turns.turn(directory, alone=item.get_closest_marker("serial") is not None):
         yield
 
 
