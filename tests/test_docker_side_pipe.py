@@ -8,6 +8,7 @@ bytes, spill files, timeouts, kills, close, and outcomes nobody can forge.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -25,7 +26,12 @@ pytestmark = [pytest.mark.docker, pytest.mark.anyio, pytest.mark.timeout(60)]
 SIDE_LOG = "through the supervisor's side pipe"
 #: `seq 1 N` with N large enough to pass the 1 MiB switch point several times over.
 LINES = 1_000_000
-EXPECTED = "".join(f"{n}\n" for n in range(1, LINES + 1)).encode()
+
+
+@functools.cache
+def expected() -> bytes:
+    """What ``seq 1 LINES`` prints (made when a test needs it, not at every collection)."""
+    return "".join(f"{n}\n" for n in range(1, LINES + 1)).encode()
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -54,12 +60,12 @@ async def test_large_output_exact_on_either_path(
     async with DockerBashExecutor(_config(docker_test_image, direct_output=direct)) as ex:
         result = await ex.exec(f"seq 1 {LINES}; echo done >&2; exit 4", timeout_ms=30_000)
         assert result.exit_code == 4 and not result.timed_out
-        assert result.stdout.total_bytes == len(EXPECTED)
-        assert result.stdout.data == EXPECTED[-len(result.stdout.data) :]
+        assert result.stdout.total_bytes == len(expected())
+        assert result.stdout.data == expected()[-len(result.stdout.data) :]
         assert result.stderr.data == b"done\n"
         assert result.stdout.spill_path is not None
         digest = await ex.exec(f"md5sum < {result.stdout.spill_path}")
-        assert digest.stdout.text.split()[0] == hashlib.md5(EXPECTED).hexdigest()
+        assert digest.stdout.text.split()[0] == hashlib.md5(expected()).hexdigest()
         assert _switched(caplog) == (1 if direct else 0)
         # Small output stays on the engine's stream: no exec inspect for it.
         assert (await ex.exec("echo small")).stdout.text == "small\n"
