@@ -10,6 +10,7 @@ skipped module (``pytest.skip(..., allow_module_level=True)``) is listed at the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -111,11 +112,34 @@ def pytest_configure(config: pytest.Config) -> None:
         config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
 
 
+#: A turn alone kept from one serial test for the next one on this worker: the other workers drain
+#: once for a run of serial tests, not before each of them.
+_kept_turn: contextlib.ExitStack | None = None
+
+
+def _serial(item: pytest.Item | None) -> bool:
+    return item is not None and item.get_closest_marker("serial") is not None
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
-    directory = os.environ.get(turns.LOCK_DIR_VARIABLE)
-    with turns.turn(directory, alone=item.get_closest_marker("serial") is not None):
+    global _kept_turn
+    held, _kept_turn = _kept_turn, None
+    if held is None:
+        held = contextlib.ExitStack()
+        held.enter_context(turns.turn(os.environ.get(turns.LOCK_DIR_VARIABLE), alone=_serial(item)))
+    try:
         yield
+    finally:
+        if _serial(item) and _serial(nextitem):
+            _kept_turn = held
+        else:
+            held.close()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _kept_turn is not None:
+        _kept_turn.close()
 
 
 def _backend_skip(report: pytest.TestReport | pytest.CollectReport) -> str | None:
