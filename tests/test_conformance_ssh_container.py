@@ -222,8 +222,12 @@ def test_cli_catches_a_kill_that_misses_processes_on_the_remote_host(
     }, report["results"]
     for name in ESCAPEE_CHECKS:
         message = results[name]["message"]
-        assert re.search(r"processes \[\d+(, \d+)*\] carrying kitmark-", message), (name, message)
-        assert "kit cleanup killed" in message, (name, message)
+        # The remote finder saw the survivors: the check names them, or (when this backend's
+        # slower kill, a script over SSH, let the task outlive its wait bound first, as under
+        # load) the cleanup counts them; either number came from the SSH host's /proc.
+        if "did not finish within" not in message:
+            assert re.search(r"processes \[\d+(, \d+)*\] carrying kitmark-", message), (name, message)
+        assert re.search(r"kit cleanup killed [1-9]\d* leftover", message), (name, message)
     # Only "beyond" checks failed: the contract holds and the run passes.
     assert (code, report["contract_ok"]) == (0, True), err
     assert _marked_in_container(sshd_container, "kitmark-") == []

@@ -5,9 +5,13 @@ Pure: nothing here talks to an engine (tests/test_docker_remote.py does, over TL
 
 from __future__ import annotations
 
+from typing import Any
+
+import anyio
 import pytest
 from dsh_bash_docker import DockerConfig
 from dsh_bash_docker._config import memory_bytes
+from dsh_bash_docker._engine import EngineClient
 from dsh_bash_docker._transport import Endpoint, TlsFiles
 from pydantic import ValidationError
 
@@ -114,3 +118,34 @@ def test_memory_sizes_read_as_the_docker_cli_reads_them(value: str | int, expect
 def test_a_bad_memory_size_is_named(value: str | int) -> None:
     with pytest.raises(ValidationError, match="mem_limit"):
         DockerConfig(image="i", mem_limit=value)
+
+
+class _LateExit(EngineClient):
+    """An engine that records the exec's exit only at the ``recorded_at``-th inspect, as a loaded
+    engine does when the exec's stream ended before containerd's exit event reached it."""
+
+    def __init__(self, recorded_at: int) -> None:
+        super().__init__(Endpoint.parse(None))
+        self.recorded_at = recorded_at
+        self.inspected = 0
+
+    async def exec_inspect(self, exec_id: str) -> dict[str, Any]:
+        self.inspected += 1
+        if self.inspected < self.recorded_at:
+            return {"ID": exec_id, "Running": True, "ExitCode": None}
+        return {"ID": exec_id, "Running": False, "ExitCode": 3}
+
+
+@pytest.mark.anyio
+async def test_an_exit_recorded_after_the_stream_ended_is_waited_for() -> None:
+    engine = _LateExit(recorded_at=4)
+    assert await engine.exec_exit_code("e") == 3
+    assert engine.inspected == 4
+
+
+@pytest.mark.anyio
+async def test_an_exit_never_recorded_is_none_within_the_bound() -> None:
+    engine = _LateExit(recorded_at=10**9)
+    with anyio.fail_after(2):
+        assert await engine.exec_exit_code("e", within_s=0.3) is None
+    assert engine.inspected > 1

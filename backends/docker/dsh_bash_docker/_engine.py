@@ -31,6 +31,8 @@ __all__ = ["Endpoint", "EngineClient", "EngineError", "ExecStream"]
 
 API_VERSION = "v1.41"
 _READ_SIZE = 256 * 1024
+#: How long :meth:`EngineClient.exec_exit_code` waits for the engine to record an ended exec's exit.
+EXIT_CODE_WAIT_S = 5.0
 _FRAME = struct.Struct(">BxxxI")
 
 
@@ -325,6 +327,26 @@ class EngineClient:
     async def exec_inspect(self, exec_id: str) -> dict[str, Any]:
         result: dict[str, Any] = await self.request("GET", f"/exec/{exec_id}/json")
         return result
+
+    async def exec_exit_code(self, exec_id: str, *, within_s: float = EXIT_CODE_WAIT_S) -> int | None:
+        """The exit code of an exec whose stream ended; None when the engine has not recorded one
+        within ``within_s``.
+
+        The engine ends an exec's stream when the process's output ends, and records the exit
+        when containerd's exit event reaches it, later: on a loaded engine an inspect right after
+        the stream ended can still read ``Running`` and no ``ExitCode``. So it asks again, with
+        growing pauses, until the exit is in.
+        """
+        pause = 0.01
+        with anyio.move_on_after(within_s):
+            while True:
+                info = await self.exec_inspect(exec_id)
+                code = info.get("ExitCode")
+                if not info.get("Running") and isinstance(code, int):
+                    return code
+                await anyio.sleep(pause)
+                pause = min(pause * 2, 0.2)
+        return None
 
     async def container_inspect(self, container: str) -> dict[str, Any]:
         result: dict[str, Any] = await self.request("GET", f"/containers/{quote(container, safe='')}/json")

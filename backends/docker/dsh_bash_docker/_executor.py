@@ -532,7 +532,10 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
                 ) from None
             if code != 0:
                 raise BashInfrastructureError(
-                    f"cannot store the long command: {err.decode(errors='replace')}", reason="start_failed"
+                    "cannot store the long command: the writer exited with "
+                    + ("no status the engine recorded" if code == -1 else f"status {code}")
+                    + f": {err.decode(errors='replace').strip() or 'no message'}",
+                    reason="start_failed",
                 )
             script_path = writer[1] if spec.user is None else out.decode("utf-8", "surrogateescape").strip()
             command = ""

@@ -185,7 +185,7 @@ class FramedDockerProcess(FramedCommand):
         said = bytes(self._head + self._supervisor_said).decode("utf-8", "replace").strip("\0 \n")
         # An engine that could not start the exec (an unknown user) says why where frames were due.
         detail = "; ".join(part for part in (self.unframed_output, said) if part)
-        exit_code = (await self._engine.exec_inspect(self._exec_id)).get("ExitCode")
+        exit_code = await self._engine.exec_exit_code(self._exec_id, within_s=_REPORT_BOUND_S)
         reason: InfraReason = "unclassified"
         if exit_code in (126, 127):  # the engine could not start the supervisor itself
             if self._records.child is None and not await self._supervisor_present():

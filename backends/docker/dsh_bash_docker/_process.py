@@ -107,8 +107,7 @@ async def run_script(
         await stream.pump(out.extend, err.extend)
     finally:
         await stream.aclose()
-    info = await engine.exec_inspect(exec_id)
-    code = info.get("ExitCode")
+    code = await engine.exec_exit_code(exec_id)
     began = out.startswith(_BEGIN)
     if code in _REFUSED_EXIT_CODES and not began:
         # The runtime could not start the process at all (no bash, an unknown user, the pids limit).
@@ -116,7 +115,7 @@ async def run_script(
         raise EngineError(
             f"cannot start a process in container {container[:12]}: {detail}", reason="start_failed"
         )
-    return (code if isinstance(code, int) else -1), bytes(out[len(_BEGIN) :] if began else out), bytes(err)
+    return (-1 if code is None else code), bytes(out[len(_BEGIN) :] if began else out), bytes(err)
 
 
 async def diagnose_refusal(
@@ -377,7 +376,7 @@ class DockerProcess(CommandProcess):
             report = bytes(head[len(BOOT_FAIL) :]).split(b"\0", 1)[0].decode("utf-8", "replace")
             raise boot_failure(report, workdir=self._launch.spec.workdir, where=where)
         detail = (bytes(head) + b"".join(early_err)).decode("utf-8", "replace").strip("\0 \n")
-        code = (await self._engine.exec_inspect(self._exec_id)).get("ExitCode")
+        code = await self._engine.exec_exit_code(self._exec_id, within_s=_REPORT_BOUND_S)
         reason: InfraReason = "unclassified"
         if code in _REFUSED_EXIT_CODES:  # bash never ran: the engine could not start it
             reason = await diagnose_refusal(self._engine, self._container, user, self._launch.env.get("PATH"))

@@ -36,7 +36,7 @@ class _ExecWriter:
     async def finish(self) -> None:
         await self._stream.close_stdin()
         await self._stream.pump(lambda _: None, self._errors.extend)  # until cat exits
-        code = (await self._engine.exec_inspect(self._exec_id)).get("ExitCode")
+        code = await self._engine.exec_exit_code(self._exec_id)
         if code != 0:
             detail = bytes(self._errors[-500:]).decode("utf-8", "replace").strip()
             raise OSError(f"the spill writer exited with status {code}: {detail or 'no message'}")
