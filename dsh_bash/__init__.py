@@ -6,8 +6,21 @@ budget config and :func:`load_executor`. What a backend author needs beyond that
 :mod:`dsh_bash.testing`.
 """
 
-from ._abort import AbortController, AbortSignal
-from ._config import DEFAULT_ENV_SCRUB, BudgetConfig, default_task_cap
+from ._abort import (
+    AbortController,
+    AbortSignal,
+)
+from ._bash_executor import (
+    MAX_INPUT_BYTES,
+    MAX_PENDING_INPUT,
+    BashExecutor,
+    TaskListener,
+)
+from ._config import (
+    DEFAULT_ENV_SCRUB,
+    BudgetConfig,
+    default_task_cap,
+)
 from ._errors import (
     INFRA_REASONS,
     INPUT_REFUSALS,
@@ -20,8 +33,13 @@ from ._errors import (
     TaskInputError,
     UnknownTaskError,
 )
-from ._executor import MAX_INPUT_BYTES, MAX_PENDING_INPUT, BashExecutor, TaskListener
-from ._registry import ENTRY_POINT_GROUP, ExecutorFactory, backend_factory, load_executor, registered_backends
+from ._registry import (
+    ENTRY_POINT_GROUP,
+    ExecutorFactory,
+    backend_factory,
+    load_executor,
+    registered_backends,
+)
 from ._types import (
     BashExecRequest,
     BashExecSpec,

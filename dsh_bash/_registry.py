@@ -13,10 +13,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ._backend import MARKER_VAR
+from ._bash_executor import BashExecutor
 from ._config import config_error_from
 from ._errors import ConfigError
-from ._executor import BashExecutor
+from ._protocol import MARKER_VAR
 
 __all__ = [
     "ENTRY_POINT_GROUP",

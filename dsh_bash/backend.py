@@ -1,63 +1,80 @@
-"""The public API for backend authors: everything a backend needs, and nothing a caller does.
+"""What a backend implements and builds on: the protocol between :class:`dsh_bash.BashExecutor` and
+a backend's own process, kill and spill mechanics.
 
 Callers use the flat :mod:`dsh_bash` namespace (requests, results, the abstract executor, errors,
-``load_executor``). A backend subclasses :class:`dsh_bash.BashExecutor` and brings only its own
-process, kill and spill mechanics; this module holds the pieces it builds them from:
+``load_executor``). A backend subclasses :class:`dsh_bash.BashExecutor` and implements its
+abstract methods with the pieces below; the kits beside this module hold the helpers for the two
+ways a backend usually reaches its commands: :mod:`dsh_bash.host` (processes of this Linux host),
+:mod:`dsh_bash.remote` (bash reached through an API or a channel) and :mod:`dsh_bash.supervisor`
+(the native supervisor both of them can run commands under). ``docs/writing-a-backend.md`` walks
+through writing one; ``docs/contract.md`` is what it must keep.
 
-- the launch and process protocol: :class:`Launch`, :class:`CommandProcess`, :class:`ExitStatus`,
-  :class:`Killable`, and an executor's leftovers under its supervisors
-  (:class:`SupervisedLeftovers` of :class:`SupervisedCommand`);
-- commands as processes of this Linux host (the local backend, and sandboxing backends that put a
-  launcher in front of its argv): :class:`HostBashExecutor`, :class:`HostConfig`,
-  :class:`HostProcess`, :func:`spawn_host_process`, :class:`HostSpillDir`, :data:`MAX_INLINE_COMMAND`;
-- killing: :func:`kill_sequence`, :func:`kill_abandoned_start`, :func:`signal_name`;
-- users: :func:`refuse_other_user` (for a backend that cannot switch users: ``spec.user`` refused);
-- markers and process scanning on a Linux host: :data:`MARKER_VAR`, :class:`ProcScanner`,
-  :class:`ProcScanError` (a /proc read that says nothing about the process), :class:`FdReserve`,
-  :func:`scan_processes`, :class:`ProcEntry`, :func:`read_proc_stat`, :class:`ProcStat`,
-  :func:`signal_marked` (pid-fd signalling), :func:`boot_ticks` and :func:`started_before` (a scan
-  for one command skips processes that started before it);
-- output accounting: :class:`OutputStream`, :class:`SpillFile`, :class:`SpillBudget`,
-  :data:`StreamName`, :func:`merge_streams`, :func:`prepay_spills` (a budget granted up front to
-  output files a capped writer on the far side fills);
-- the environment policy: :func:`build_command_env`, :func:`is_scrubbed`, :func:`dropped_names`,
-  :data:`MODEL_FRIENDLY_ENV`, :data:`RC_FILE_VARIABLES`;
-- bash reached remotely (through an API or a channel): the boot markers :data:`BOOT_OK`,
-  :data:`BOOT_FAIL` (:func:`boot_failure` reads its report), :data:`BOOT_AT` (the command's
-  :class:`CommandStart` on its host's clock; :func:`find_boot_ok`, :func:`boot_ok_undecided`),
-  :data:`EXIT_PREFIX`, the scripts
-  :data:`KILL` (arguments from :func:`kill_args`), :data:`SPILL_DIR`, :data:`SPILL_WRITER`, and
-  :class:`ExitTrailerFilter`, :class:`QueuedSpillFile`, :class:`SpillWriter`, :class:`CommandSpills`,
-  :func:`spill_file_path`,
-  :data:`SPILL_HIGH_WATER_BYTES`;
-- the native supervisor ``dsh-supervise`` (a per-command subreaper, shipped as package data, see
-  ``native/README.md``): :func:`supervisor_binary`, :func:`supervisor_problem`,
-  :func:`supervisor_payload` (what to install on a machine, :class:`SupervisorPayload`),
-  :func:`normalize_arch`, :data:`SUPERVISOR_PROTOCOL`; once a backend looked for it where its
-  commands run (:class:`SupervisorInstall`), :func:`choose_containment` applies the config's
-  setting; its framed channel for backends that reach a command through one stream pair:
-  :class:`FrameDecoder`, :func:`encode_frame`, :class:`FrameError`, :data:`FRAME_HEADER`,
-  :data:`MAX_FRAME_PAYLOAD`; its status records read by :class:`SupervisorRecords`; the signed
-  status file of a detached one, verified by :class:`SignedRecords` (with
-  :data:`SUPERVISOR_KEY_SIZE`); and :class:`FramedCommand`, the transport-independent half of a
-  command under it (output, outcome, kills, and the side pipe that moves its output past a costly
-  relay: :meth:`FramedCommand.request_side_pipe`), with :data:`STDIN_FRAME_BYTES`; a command for a
-  supervisor that takes it from its input (``--fork-server``, ``--frame --spec``): :func:`command_payload`;
-- configuration: :class:`dsh_bash.BudgetConfig` to subclass, :func:`config_error_from` to turn a
-  pydantic ``ValidationError`` into a :class:`dsh_bash.ConfigError` that names the field;
-- errors with a machine-readable reason: :data:`InfraReason`, :data:`INFRA_REASONS`;
-- telling the conformance kit where the commands run: :class:`ConformanceHooks` (optional
-  ``kit_*`` methods), :data:`FIND_PROCESSES`, :func:`parse_pids`, :func:`run_in_fresh_loop`,
-  :func:`find_host_processes`, :func:`plant_in_os_environ`.
+Launching and waiting:
 
-``docs/writing-a-backend.md`` walks through writing a backend with them; ``docs/contract.md`` is
-what the backend must keep. Names here are public and stable within a major version; modules whose
-names start with ``_`` are not, and no code outside :mod:`dsh_bash` may import them.
+- :class:`Launch`: one resolved command as the executor hands it to ``_spawn``: its spec, its
+  marker, its two :class:`OutputStream` s and its environment, already filtered by the env policy.
+- :class:`CommandProcess`: what ``_spawn`` returns, the running command: ``wait`` (an
+  :class:`ExitStatus`), ``terminate``/``kill`` of everything it started, stdin, release.
+- :class:`ExitStatus`: an exit code or a signal, as the backend observed it.
+- :data:`MAX_INLINE_COMMAND`: the longest command text a backend may pass as one argument;
+  longer ones go through a file (the contract's R-proc-any-command).
+- :func:`refuse_other_user`: raise the contract's error for a ``spec.user`` the backend cannot
+  switch to.
+
+Killing (every kill reaches processes that left the command's group):
+
+- :class:`Killable`: anything with ``terminate``/``kill``; :func:`kill_sequence` (TERM, grace,
+  KILL until gone) and :func:`kill_abandoned_start` (a start that was cancelled) drive it;
+  :func:`signal_name` names a signal number for messages.
+- :data:`MARKER_VAR`: the variable carrying the command's marker into its environment, by which
+  the ``marker`` containment finds processes that escaped.
+- :data:`Containment`, :data:`ContainmentSetting`, :class:`SupervisorInstall` and
+  :func:`choose_containment`: which containment a backend runs with (the supervisor's
+  ``subreaper``, or ``marker``), from its config and what it found where commands run.
+- :class:`SupervisedCommand` and :class:`SupervisedLeftovers`: an executor's running supervisors,
+  each able to kill its command's whole tree; what ``aclose`` kills when a command outlived it.
+
+Output:
+
+- :class:`OutputStream`: one stream of a command (``launch.stdout``, ``launch.stderr``); the
+  backend feeds it bytes and it does the accounting (window, spill, loss).
+- :class:`SpillFile`: the file a stream spills to, for a backend whose spill files live elsewhere
+  (its ``_open_spill``, which is told the :data:`StreamName`); :func:`prepay_spills` grants a
+  budget up front to files a capped writer on the far side fills.
+
+The environment policy (``docs/contract.md`` R-env):
+
+- :func:`is_scrubbed` and :func:`dropped_names`: whether a name, and which names of an
+  environment, the policy drops; :data:`MODEL_FRIENDLY_ENV` (what every command gets) and
+  :data:`RC_FILE_VARIABLES` (names that make bash read a file at startup).
+
+Errors and configuration:
+
+- :data:`InfraReason`: the machine-readable reason a :class:`dsh_bash.BashInfrastructureError`
+  carries; :data:`INFRA_REASONS` lists its values.
+- :func:`config_error_from`: a pydantic ``ValidationError`` as a :class:`dsh_bash.ConfigError`
+  naming the field (subclass :class:`dsh_bash.BudgetConfig` for the config model itself);
+  :data:`BUDGET_FIELDS`: the fields of it ``reconfigure`` may change.
+
+Telling the conformance kit where the commands run (all optional):
+
+- :class:`ConformanceHooks`: the ``kit_*`` methods a backend may implement;
+  :data:`FIND_PROCESSES` (a script printing the pids carrying a marker, for a backend to run where
+  its commands run), :func:`parse_pids` (its output), :func:`run_in_fresh_loop` (an async hook
+  called from the kit's synchronous side).
+
+Names here are public and stable within a major version; modules whose names start with ``_`` are
+not, and no code outside :mod:`dsh_bash` imports them.
 """
 
 from __future__ import annotations
 
-from ._backend import (
+from ._config import BUDGET_FIELDS, config_error_from
+from ._env import MODEL_FRIENDLY_ENV, RC_FILE_VARIABLES, dropped_names, is_scrubbed
+from ._errors import INFRA_REASONS, InfraReason
+from ._kit_hooks import FIND_PROCESSES, ConformanceHooks, parse_pids, run_in_fresh_loop
+from ._output import OutputStream, SpillFile, StreamName, prepay_spills
+from ._protocol import (
     MARKER_VAR,
     MAX_INLINE_COMMAND,
     CommandProcess,
@@ -75,168 +92,38 @@ from ._backend import (
     refuse_other_user,
     signal_name,
 )
-from ._config import BUDGET_FIELDS, config_error_from
-from ._env import MODEL_FRIENDLY_ENV, RC_FILE_VARIABLES, build_command_env, dropped_names, is_scrubbed
-from ._errors import INFRA_REASONS, InfraReason
-from ._forkserver import command_payload
-from ._framed import STDIN_FRAME_BYTES, FramedCommand
-from ._frames import (
-    FRAME_HEADER,
-    MAX_FRAME_PAYLOAD,
-    FrameDecoder,
-    FrameError,
-    SupervisorRecords,
-    encode_frame,
-)
-from ._hostexec import HostBashExecutor, HostConfig, host_support_problem
-from ._hostproc import HostProcess, StartHelper, WrapCommand, spawn_host_process
-from ._hostspill import HostSpillDir, HostSpillFile
-from ._kit_hooks import (
-    FIND_PROCESSES,
-    ConformanceHooks,
-    find_host_processes,
-    parse_pids,
-    plant_in_os_environ,
-    run_in_fresh_loop,
-)
-from ._native import PROTOCOL_VERSION as SUPERVISOR_PROTOCOL
-from ._native import (
-    SupervisorPayload,
-    normalize_arch,
-    supervisor_binary,
-    supervisor_payload,
-    supervisor_problem,
-)
-from ._output import OutputStream, SpillBudget, SpillFile, StreamName, merge_streams, prepay_spills
-from ._procscan import (
-    FdReserve,
-    InputIdentity,
-    ProcEntry,
-    ProcScanError,
-    ProcScanner,
-    ProcStat,
-    boot_ticks,
-    input_waiters,
-    read_proc_stat,
-    signal_marked,
-    started_before,
-)
-from ._procscan import scan as scan_processes
-from ._remote_bash import (
-    BOOT_AT,
-    BOOT_FAIL,
-    BOOT_OK,
-    EXIT_PREFIX,
-    KILL,
-    SPILL_DIR,
-    SPILL_HIGH_WATER_BYTES,
-    SPILL_WRITER,
-    CommandSpills,
-    CommandStart,
-    ExitTrailerFilter,
-    QueuedSpillFile,
-    SpillWriter,
-    boot_failure,
-    boot_ok_undecided,
-    find_boot_ok,
-    kill_args,
-    spill_file_path,
-)
-from ._signed import KEY_SIZE as SUPERVISOR_KEY_SIZE
-from ._signed import SignedRecords
 
 __all__ = [
-    "BOOT_AT",
-    "BOOT_FAIL",
-    "BOOT_OK",
     "BUDGET_FIELDS",
-    "EXIT_PREFIX",
     "FIND_PROCESSES",
-    "FRAME_HEADER",
     "INFRA_REASONS",
-    "KILL",
     "MARKER_VAR",
-    "MAX_FRAME_PAYLOAD",
     "MAX_INLINE_COMMAND",
     "MODEL_FRIENDLY_ENV",
     "RC_FILE_VARIABLES",
-    "SPILL_DIR",
-    "SPILL_HIGH_WATER_BYTES",
-    "SPILL_WRITER",
-    "STDIN_FRAME_BYTES",
-    "SUPERVISOR_KEY_SIZE",
-    "SUPERVISOR_PROTOCOL",
     "CommandProcess",
-    "CommandSpills",
-    "CommandStart",
     "ConformanceHooks",
     "Containment",
     "ContainmentSetting",
     "ExitStatus",
-    "ExitTrailerFilter",
-    "FdReserve",
-    "FrameDecoder",
-    "FrameError",
-    "FramedCommand",
-    "HostBashExecutor",
-    "HostConfig",
-    "HostProcess",
-    "HostSpillDir",
-    "HostSpillFile",
     "InfraReason",
-    "InputIdentity",
     "Killable",
     "Launch",
     "OutputStream",
-    "ProcEntry",
-    "ProcScanError",
-    "ProcScanner",
-    "ProcStat",
-    "QueuedSpillFile",
-    "SignedRecords",
-    "SpillBudget",
     "SpillFile",
-    "SpillWriter",
-    "StartHelper",
     "StreamName",
     "SupervisedCommand",
     "SupervisedLeftovers",
     "SupervisorInstall",
-    "SupervisorPayload",
-    "SupervisorRecords",
-    "WrapCommand",
-    "boot_failure",
-    "boot_ok_undecided",
-    "boot_ticks",
-    "build_command_env",
     "choose_containment",
-    "command_payload",
     "config_error_from",
     "dropped_names",
-    "encode_frame",
-    "find_boot_ok",
-    "find_host_processes",
-    "host_support_problem",
-    "input_waiters",
     "is_scrubbed",
     "kill_abandoned_start",
-    "kill_args",
     "kill_sequence",
-    "merge_streams",
-    "normalize_arch",
     "parse_pids",
-    "plant_in_os_environ",
     "prepay_spills",
-    "read_proc_stat",
     "refuse_other_user",
     "run_in_fresh_loop",
-    "scan_processes",
-    "signal_marked",
     "signal_name",
-    "spawn_host_process",
-    "spill_file_path",
-    "started_before",
-    "supervisor_binary",
-    "supervisor_payload",
-    "supervisor_problem",
 ]

@@ -55,26 +55,38 @@ from dsh_bash import (
     TaskListener,
     TerminalSize,
 )
-from dsh_bash._executor import _Command, _KillCause, _TaskInput
-from dsh_bash._output import _skip_continuation
-from dsh_bash._procscan import ProcScanner, read_proc_stat, signal_marked
+from dsh_bash._bash_executor import (
+    _Command,
+    _KillCause,
+    _TaskInput,
+)
+from dsh_bash._output import (
+    SpillBudget,
+    _skip_continuation,
+    merge_streams,
+)
 from dsh_bash.backend import (
-    KILL,
     MODEL_FRIENDLY_ENV,
     CommandProcess,
     ExitStatus,
-    ExitTrailerFilter,
-    HostProcess,
-    HostSpillFile,
     Killable,
     Launch,
     OutputStream,
-    SpillBudget,
     SpillFile,
     is_scrubbed,
-    kill_args,
     kill_sequence,
-    merge_streams,
+)
+from dsh_bash.host._host_process import HostProcess
+from dsh_bash.host._proc_scan import (
+    ProcScanner,
+    read_proc_stat,
+    signal_marked,
+)
+from dsh_bash.host._spill_dir import HostSpillFile
+from dsh_bash.remote import (
+    KILL,
+    ExitTrailerFilter,
+    kill_args,
 )
 
 log = logging.getLogger("dsh_bash.broken")

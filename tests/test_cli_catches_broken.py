@@ -22,7 +22,7 @@ from dsh_bash_conformance import CHECKS
 from test_kit_catches_broken import CAUGHT_BY
 
 from dsh_bash import BashExecutor
-from dsh_bash._procscan import scan
+from dsh_bash.host._proc_scan import scan
 
 pytestmark = pytest.mark.kit
 

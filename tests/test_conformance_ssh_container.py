@@ -31,7 +31,7 @@ from kit_targets import MARKER_CONTAINMENT_FAILS, MARKER_CONTAINMENT_RACES, expe
 from sshd_container import USER, SshdContainer
 
 from dsh_bash import BashExecRequest
-from dsh_bash.backend import find_host_processes
+from dsh_bash.host import find_host_processes
 
 pytestmark = [pytest.mark.kit, pytest.mark.ssh, pytest.mark.docker]
 

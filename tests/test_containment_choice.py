@@ -9,7 +9,8 @@ import pytest
 from dsh_bash_local import LocalBashExecutor, LocalConfig
 
 from dsh_bash import BashInfrastructureError
-from dsh_bash.backend import choose_containment, supervisor_binary
+from dsh_bash.backend import choose_containment
+from dsh_bash.supervisor import supervisor_binary
 
 pytestmark = pytest.mark.anyio
 

@@ -14,7 +14,7 @@ from dsh_bash_docker import MANAGED_LABEL, DockerBashExecutor, DockerConfig, swe
 from dsh_bash_docker._engine import Endpoint, EngineClient
 
 from dsh_bash import BashExecRequest, BashInfrastructureError
-from dsh_bash._procscan import scan
+from dsh_bash.host._proc_scan import scan
 
 pytestmark = [pytest.mark.docker, pytest.mark.anyio]
 

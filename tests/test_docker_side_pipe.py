@@ -19,7 +19,7 @@ from docker_support import SESSION_ID, SESSION_LABEL
 from dsh_bash_docker import DockerBashExecutor, DockerConfig
 
 from dsh_bash import BashExecRequest
-from dsh_bash._procscan import scan
+from dsh_bash.host._proc_scan import scan
 
 pytestmark = [pytest.mark.docker, pytest.mark.anyio, pytest.mark.timeout(60)]
 

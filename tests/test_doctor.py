@@ -18,7 +18,11 @@ from dsh_bash_cli._doctor import GENERIC_HINTS, Finding, hint, run_doctor
 from dsh_bash_local import LocalBashExecutor
 
 from dsh_bash import BashExecutor, BashInfrastructureError, InfraReason
-from dsh_bash.backend import INFRA_REASONS, CommandProcess, Launch
+from dsh_bash._errors import INFRA_REASONS
+from dsh_bash.backend import (
+    CommandProcess,
+    Launch,
+)
 
 OWN_HINT = "check endpoint in the config: the test backend's own words"
 

@@ -7,7 +7,11 @@ from types import MappingProxyType
 import pytest
 
 from dsh_bash import DEFAULT_ENV_SCRUB
-from dsh_bash.backend import MODEL_FRIENDLY_ENV, build_command_env, is_scrubbed
+from dsh_bash._env import build_command_env
+from dsh_bash.backend import (
+    MODEL_FRIENDLY_ENV,
+    is_scrubbed,
+)
 
 EXPECTED_MODEL_FRIENDLY = {
     "NO_COLOR": "1",

@@ -126,8 +126,12 @@ def test_descriptor_exhaustion_under_a_real_ulimit_leaves_nothing(containment: s
 SCAN_UNDER_EMFILE = r"""
 import errno, json, os, resource, signal, subprocess, sys
 import anyio
-from dsh_bash import _procscan
-from dsh_bash._procscan import ProcScanner, read_proc_stat, signal_marked
+from dsh_bash.host import _proc_scan as _procscan
+from dsh_bash.host._proc_scan import (
+    ProcScanner,
+    read_proc_stat,
+    signal_marked,
+)
 ProcScanError = getattr(_procscan, "ProcScanError", ())  # () before issue 15: nothing is caught
 
 def outcome(fn):

@@ -14,7 +14,7 @@ from dsh_bash_conformance import find_host_processes
 from fault_support import GRACE_MS, Backend, backend_params, eventually_gone, wait_for_processes
 
 from dsh_bash import BashExecRequest, BashTask, ExecutorClosedError
-from dsh_bash._backend import kill_sequence
+from dsh_bash._protocol import kill_sequence
 
 pytestmark = [pytest.mark.faults, pytest.mark.anyio]
 

@@ -1,4 +1,4 @@
-"""The framed channel's codec (dsh_bash.backend.FrameDecoder, encode_frame) and status records."""
+"""The framed channel's codec (dsh_bash.supervisor._frames: FrameDecoder, encode_frame) and status records."""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ import struct
 
 import pytest
 
-from dsh_bash.backend import (
-    MAX_FRAME_PAYLOAD,
-    ExitStatus,
-    FrameDecoder,
-    FrameError,
+from dsh_bash.backend import ExitStatus
+from dsh_bash.supervisor import (
     SupervisorRecords,
     encode_frame,
+)
+from dsh_bash.supervisor._frames import (
+    MAX_FRAME_PAYLOAD,
+    FrameDecoder,
+    FrameError,
 )
 
 

@@ -26,7 +26,10 @@ from dsh_bash import (
     TaskInputError,
     TerminalSize,
 )
-from dsh_bash.backend import InputIdentity, input_waiters
+from dsh_bash.host._proc_scan import (
+    InputIdentity,
+    input_waiters,
+)
 
 pytestmark = pytest.mark.anyio
 

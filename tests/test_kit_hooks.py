@@ -19,7 +19,8 @@ from dsh_bash_conformance import config_target
 from dsh_bash_local import LocalBashExecutor
 
 from dsh_bash import BashExecRequest, BashExecutor
-from dsh_bash.backend import ConformanceHooks, find_host_processes
+from dsh_bash.backend import ConformanceHooks
+from dsh_bash.host import find_host_processes
 
 pytestmark = pytest.mark.kit
 

@@ -31,12 +31,18 @@ PACKAGES = (
 )
 BACKENDS = ("dsh_bash_local", "dsh_bash_docker", "dsh_bash_ssh", "dsh_bash_bwrap")
 
+# dsh_bash's kits: subpackages on the seam (the host kit also on the supervisor kit).
+KITS = ("dsh_bash.host", "dsh_bash.remote", "dsh_bash.supervisor")
+
 # Imports every layer may make: each package its own private module and dsh_bash's public names; the
 # CLI everything's public names.
 ALLOWED = {
     "dsh_bash": ["from . import _inner"],
     **{name: ["from . import _inner", "import dsh_bash"] for name in PACKAGES[1:-1]},
     "dsh_bash_cli": ["from . import _inner", *(f"import {name}" for name in PACKAGES[:-1])],
+    "dsh_bash.host": ["from . import _inner", "import dsh_bash", "import dsh_bash.supervisor"],
+    "dsh_bash.remote": ["from . import _inner", "import dsh_bash"],
+    "dsh_bash.supervisor": ["from . import _inner", "import dsh_bash"],
 }
 
 
@@ -60,18 +66,31 @@ def _contracts() -> dict[str, Any]:
     return section
 
 
+def _seam_modules() -> list[str]:
+    [seam] = [c for c in _contracts()["contracts"] if c["id"] == "seam-alone"]
+    modules: list[str] = seam["source_modules"]
+    return modules
+
+
 def fake_tree(tmp_path: Path, extra: tuple[str, str] | None = None) -> tuple[Path, Path]:
-    """The packages, importing only what is allowed (plus ``extra``: package, import line); a config
-    with the real contracts minus their ignore_imports (they name imports the fake tree lacks)."""
+    """The packages (dsh_bash's kits and seam modules too), importing only what is allowed (plus
+    ``extra``: module, import line); a config with the real contracts minus their ignore_imports
+    (they name imports the fake tree lacks)."""
     tree = tmp_path / "tree"
-    for name in PACKAGES:
-        package = tree / name
+    files: dict[str, list[str]] = {}
+    for name in (*PACKAGES, *KITS):
+        package = tree.joinpath(*name.split("."))
         package.mkdir(parents=True)
-        lines = list(ALLOWED[name])
-        if extra is not None and extra[0] == name:
-            lines.append(extra[1])
-        (package / "__init__.py").write_text("\n".join(lines) + "\n")
+        files[name] = list(ALLOWED[name])
         (package / "_inner.py").write_text("")
+    for name in _seam_modules():
+        files.setdefault(name, [])
+    if extra is not None:
+        files[extra[0]].append(extra[1])
+    for name, lines in files.items():
+        path = tree.joinpath(*name.split("."))
+        target = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        target.write_text("\n".join(lines) + "\n")
     section = _contracts()
     out = ["[tool.importlinter]"]
     out += [f"{key} = {json.dumps(value)}" for key, value in section.items() if key != "contracts"]
@@ -81,6 +100,17 @@ def fake_tree(tmp_path: Path, extra: tuple[str, str] | None = None) -> tuple[Pat
     config = tmp_path / "contracts.toml"
     config.write_text("\n".join(out) + "\n")
     return tree, config
+
+
+def test_every_module_of_the_seam_is_held_to_it() -> None:
+    """A module added to dsh_bash outside its kits falls under the seam's contract: it must be listed."""
+    package = ROOT / "dsh_bash"
+    found = {"dsh_bash"}
+    for path in package.iterdir():
+        name = path.stem if path.suffix == ".py" else path.name
+        if (path.suffix == ".py" and name != "__init__") or (path / "__init__.py").is_file():
+            found.add(f"dsh_bash.{name}")
+    assert found - set(KITS) == set(_seam_modules())
 
 
 def test_the_real_tree_keeps_the_contracts() -> None:
@@ -113,6 +143,15 @@ def test_the_fake_tree_keeps_them_too(tmp_path: Path) -> None:
         ("dsh_bash_local", "import dsh_bash._inner", "private-stays-inside"),
         ("dsh_bash_cli", "import dsh_tool_bash._inner", "private-stays-inside"),
         ("dsh_bash_conformance", "from dsh_bash_local import _inner", "private-stays-inside"),
+        ("dsh_bash._bash_executor", "import dsh_bash.host", "seam-alone"),
+        ("dsh_bash", "from dsh_bash.supervisor import _inner", "seam-alone"),
+        ("dsh_bash.backend", "import dsh_bash.remote", "seam-alone"),
+        ("dsh_bash.supervisor", "import dsh_bash.host", "supervisor-kit-on-the-seam"),
+        ("dsh_bash.supervisor", "import dsh_bash.remote", "supervisor-kit-on-the-seam"),
+        ("dsh_bash.remote", "import dsh_bash.supervisor", "remote-kit-on-the-seam"),
+        ("dsh_bash.remote", "import dsh_bash.host", "remote-kit-on-the-seam"),
+        ("dsh_bash.host", "import dsh_bash.remote", "host-kit-on-the-seam"),
+        ("dsh_bash_local", "import dsh_bash.host._inner", "private-stays-inside"),
     ],
 )
 def test_a_forbidden_import_breaks_its_contract(

@@ -17,10 +17,18 @@ from collections.abc import Iterator
 
 import pytest
 
-from dsh_bash import _procscan
-from dsh_bash.backend import KILL, boot_ticks, find_boot_ok, kill_args, scan_processes
+from dsh_bash.host import _proc_scan as _procscan
+from dsh_bash.host import (
+    boot_ticks,
+    scan_processes,
+)
+from dsh_bash.remote import (
+    KILL,
+    find_boot_ok,
+    kill_args,
+)
 
-#: What a boot script does to report the command's start (see dsh_bash.backend.BOOT_AT): its own
+#: What a boot script does to report the command's start (see dsh_bash.remote.BOOT_AT): its own
 #: pid ($1) as the process that becomes the command by exec.
 REPORT_START = (
     r"""read -r up _ < /proc/uptime; printf '\0dsh-bash-boot-at:%s:%s\0\0dsh-bash-boot-ok\0' "$up" "$1" """

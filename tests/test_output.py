@@ -14,7 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsh_bash.backend import OutputStream, SpillBudget, merge_streams, prepay_spills
+from dsh_bash._output import (
+    SpillBudget,
+    merge_streams,
+)
+from dsh_bash.backend import (
+    OutputStream,
+    prepay_spills,
+)
 
 
 class FakeSpill:

@@ -11,7 +11,7 @@ import pytest
 from dsh_bash_local import LocalBashExecutor, LocalConfig
 
 from dsh_bash import AbortController, BashExecRequest, BashInfrastructureError, ExecutorClosedError
-from dsh_bash.backend import host_support_problem
+from dsh_bash.host._host_executor import host_support_problem
 
 pytestmark = pytest.mark.anyio
 

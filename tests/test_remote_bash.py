@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from dsh_bash._remote_bash import EXIT_PREFIX, ExitTrailerFilter
+from dsh_bash.remote._bash_protocol import (
+    EXIT_PREFIX,
+    ExitTrailerFilter,
+)
 
 NONCE = "0123456789abcdef"
 

@@ -2,7 +2,7 @@
 
 Spill names are random; to plant a link at the exact path a spill will take, the tests replace
 ``secrets.token_hex`` in the modules that name spill files (the local backend's ``_spill`` and the
-shared ``dsh_bash._remote_bash``) with a predictable source. A first run proves the name was indeed
+shared ``dsh_bash.remote._bash_protocol``) with a predictable source. A first run proves the name was indeed
 predicted (so the planted cases cannot pass by missing the path). The links are planted by a command
 of the same executor: the same user, inside the private directory, the strongest attacker there is.
 """
@@ -62,11 +62,12 @@ def _remove_victims() -> Iterator[None]:
 
 @pytest.fixture
 def tokens(monkeypatch: pytest.MonkeyPatch) -> Iterator[PredictableTokens]:
-    import dsh_bash._hostspill  # noqa: PLC0415
+    import dsh_bash.host._spill_dir  # noqa: PLC0415
+    import dsh_bash.remote._bash_protocol  # noqa: PLC0415
 
     source = PredictableTokens(12, [LEARN, PLANTED, LATER])
-    monkeypatch.setattr(dsh_bash._hostspill, "secrets", source)
-    monkeypatch.setattr(dsh_bash._remote_bash, "secrets", source)
+    monkeypatch.setattr(dsh_bash.host._spill_dir, "secrets", source)
+    monkeypatch.setattr(dsh_bash.remote._bash_protocol, "secrets", source)
     yield source
 
 

@@ -1,4 +1,4 @@
-"""The verifier of dsh-supervise --detach's signed status file (dsh_bash.backend.SignedRecords)."""
+"""The verifier of dsh-supervise --detach's signed status file (dsh_bash.supervisor.SignedRecords)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ import random
 
 import pytest
 
-from dsh_bash.backend import SUPERVISOR_KEY_SIZE, ExitStatus, SignedRecords, SupervisorRecords
+from dsh_bash.backend import ExitStatus
+from dsh_bash.supervisor import (
+    SUPERVISOR_KEY_SIZE,
+    SignedRecords,
+    SupervisorRecords,
+)
 
 KEY = bytes(range(32))
 RECORDS = ["supervisor 4242 987654", "started 4243", "exit 3", "signalled 2", "empty"]

@@ -18,7 +18,12 @@ from docker_support import SESSION_ID, SESSION_LABEL
 from dsh_bash_docker import DockerBashExecutor, DockerConfig
 from ssh_support import SshServer
 
-from dsh_bash._remote_bash import SPILL_HIGH_WATER_BYTES, CommandSpills, QueuedSpillFile, SpillWriter
+from dsh_bash.remote._bash_protocol import (
+    SPILL_HIGH_WATER_BYTES,
+    CommandSpills,
+    QueuedSpillFile,
+    SpillWriter,
+)
 
 if TYPE_CHECKING:
     from dsh_bash_ssh import SshBashExecutor

@@ -20,7 +20,7 @@ from dsh_bash_ssh import _scripts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsh_bash.backend import find_boot_ok
+from dsh_bash.remote import find_boot_ok
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 

@@ -24,7 +24,7 @@ import pytest
 from ssh_support import TEST_USER, SshServer
 
 from dsh_bash import BashExecRequest, BashInfrastructureError, BashTask
-from dsh_bash.backend import supervisor_binary
+from dsh_bash.supervisor import supervisor_binary
 
 if TYPE_CHECKING:
     from dsh_bash_ssh import SshBashExecutor

@@ -38,7 +38,11 @@ from test_supervise import (
 )
 
 from dsh_bash._native import supervisor_binary, supervisor_problem
-from dsh_bash.backend import ExitStatus, SignedRecords, SupervisorRecords
+from dsh_bash.backend import ExitStatus
+from dsh_bash.supervisor import (
+    SignedRecords,
+    SupervisorRecords,
+)
 
 SH = (BASH, "--noprofile", "--norc", "-c")
 LINE = re.compile(rb"(0|[1-9][0-9]*) ([\x20-\x7e]+) ([0-9a-f]{64})")

@@ -43,15 +43,17 @@ from test_supervise import (
 
 from dsh_bash import BashExecSpec, BashInfrastructureError
 from dsh_bash._native import supervisor_binary, supervisor_problem
+from dsh_bash._output import SpillBudget
 from dsh_bash.backend import (
-    FramedCommand,
-    FrameDecoder,
     Launch,
     OutputStream,
-    SpillBudget,
     SpillFile,
+)
+from dsh_bash.supervisor import (
+    FramedCommand,
     encode_frame,
 )
+from dsh_bash.supervisor._frames import FrameDecoder
 
 SH = (BASH, "--noprofile", "--norc", "-c")
 

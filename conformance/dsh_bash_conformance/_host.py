@@ -8,7 +8,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 
-from dsh_bash.backend import find_host_processes, plant_in_os_environ
+from dsh_bash.host import (
+    find_host_processes,
+    plant_in_os_environ,
+)
 
 __all__ = ["find_host_processes", "patch_os_environ"]
 

@@ -18,7 +18,6 @@ from dsh_bash.backend import (
     MAX_INLINE_COMMAND,
     RC_FILE_VARIABLES,
     CommandProcess,
-    CommandSpills,
     Containment,
     InfraReason,
     Killable,
@@ -26,14 +25,17 @@ from dsh_bash.backend import (
     SpillFile,
     SupervisedLeftovers,
     SupervisorInstall,
-    boot_ticks,
     choose_containment,
     dropped_names,
-    encode_frame,
     is_scrubbed,
     kill_abandoned_start,
+)
+from dsh_bash.host import boot_ticks
+from dsh_bash.remote import (
+    CommandSpills,
     spill_file_path,
 )
+from dsh_bash.supervisor import encode_frame
 
 from ._config import DockerConfig, memory_bytes
 from ._engine import Endpoint, EngineClient, EngineError, ExecStream

@@ -28,13 +28,15 @@ import anyio
 
 from dsh_bash import BashInfrastructureError
 from dsh_bash.backend import (
-    BOOT_FAIL,
-    BOOT_OK,
-    FramedCommand,
     InfraReason,
     Launch,
+)
+from dsh_bash.remote import (
+    BOOT_FAIL,
+    BOOT_OK,
     boot_failure,
 )
+from dsh_bash.supervisor import FramedCommand
 
 from ._engine import EngineClient, EngineError, ExecStream
 from ._process import ContainerMarked, StartHelper, diagnose_refusal, lost_in_container

@@ -16,19 +16,23 @@ import anyio.to_thread
 from dsh_bash import BashInfrastructureError
 from dsh_bash.backend import (
     CommandProcess,
-    CommandStart,
     ExitStatus,
-    ExitTrailerFilter,
     InfraReason,
     Launch,
+)
+from dsh_bash.host import (
     ProcEntry,
+    signal_marked,
+)
+from dsh_bash.host import scan_processes as scan
+from dsh_bash.remote import (
+    CommandStart,
+    ExitTrailerFilter,
     boot_failure,
     boot_ok_undecided,
     find_boot_ok,
     kill_args,
-    signal_marked,
 )
-from dsh_bash.backend import scan_processes as scan
 
 from ._engine import EngineClient, EngineError, ExecStream
 from ._scripts import BOOT_FAIL, KILL

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from dsh_bash.backend import BOOT_FAIL, BOOT_OK, EXIT_PREFIX, KILL, SPILL_DIR, SPILL_WRITER
+from dsh_bash.remote import (
+    BOOT_FAIL,
+    BOOT_OK,
+    EXIT_PREFIX,
+    KILL,
+    SPILL_DIR,
+    SPILL_WRITER,
+)
 
 __all__ = [
     "BOOT",
@@ -26,7 +33,7 @@ __all__ = [
 # only once every holder of the command's pipes is gone.
 #
 # A failure before the command starts is reported as BOOT_FAIL, its kind (an infrastructure error
-# reason, see dsh_bash.backend.boot_failure) and NUL.
+# reason, see dsh_bash.remote.boot_failure) and NUL.
 #
 # Names the policy scrubbed arrive in DSH_BASH_UNSET (names only). The command alone gets the
 # marker (from DSH_BASH_MARK_FOR), so kills by marker never hit the boot script or its relays.

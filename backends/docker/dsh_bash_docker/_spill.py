@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import anyio
 
-from dsh_bash.backend import QueuedSpillFile, SpillWriter
+from dsh_bash.remote import (
+    QueuedSpillFile,
+    SpillWriter,
+)
 
 from ._engine import EngineClient, ExecStream
 from ._process import SCRIPT_ENV, run_script

@@ -16,9 +16,9 @@ import logging
 import tarfile
 from urllib.parse import quote
 
-from dsh_bash.backend import (
+from dsh_bash.backend import SupervisorInstall
+from dsh_bash.supervisor import (
     SUPERVISOR_PROTOCOL,
-    SupervisorInstall,
     supervisor_payload,
 )
 

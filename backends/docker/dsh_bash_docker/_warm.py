@@ -26,7 +26,7 @@ from typing import Any
 import anyio
 
 from dsh_bash import BashInfrastructureError
-from dsh_bash.backend import command_payload
+from dsh_bash.supervisor import command_payload
 
 from ._engine import ExecStream
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsh_bash.backend import HostConfig
+from dsh_bash.host import HostConfig
 
 __all__ = ["LocalConfig"]
 

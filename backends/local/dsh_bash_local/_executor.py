@@ -1,12 +1,12 @@
 """The local backend: commands run as local subprocesses of this process.
 
-Its mechanics are :class:`dsh_bash.backend.HostBashExecutor`'s, shared with every backend whose
+Its mechanics are :class:`dsh_bash.host.HostBashExecutor`'s, shared with every backend whose
 commands are processes of this host; this backend adds only its config class.
 """
 
 from __future__ import annotations
 
-from dsh_bash.backend import HostBashExecutor
+from dsh_bash.host import HostBashExecutor
 
 from ._config import LocalConfig
 from ._hints import INFRA_HINTS

@@ -3,7 +3,7 @@
 When dsh-supervise is installed, a detached task runs under ``dsh-supervise --detach`` (BOOT execs
 it, see ``_scripts._DETACH_SUPERVISED``): its output goes to ``BASE.stdout``/``BASE.stderr`` in the
 private spill directory, its status records to ``BASE.status``, each signed with a key only the
-executor and the supervisor know (:class:`~dsh_bash.backend.SignedRecords`). The task's outcome is
+executor and the supervisor know (:class:`~dsh_bash.supervisor.SignedRecords`). The task's outcome is
 the verified ``exit``/``signal`` record (a self-kill is a signal), the end of its output the verified
 ``empty``; files or lines the task writes itself mean nothing. Kills go to the supervisor (SIGUSR1,
 SIGUSR2), which reaches every process of the task however it hides; a supervisor killed by the task
@@ -39,6 +39,8 @@ from dsh_bash.backend import (
     InfraReason,
     Launch,
     OutputStream,
+)
+from dsh_bash.supervisor import (
     SignedRecords,
     SupervisorRecords,
 )

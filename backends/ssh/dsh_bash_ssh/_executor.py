@@ -18,9 +18,7 @@ from dsh_bash.backend import (
     MARKER_VAR,
     MAX_INLINE_COMMAND,
     MODEL_FRIENDLY_ENV,
-    SUPERVISOR_KEY_SIZE,
     CommandProcess,
-    CommandSpills,
     Containment,
     InfraReason,
     Killable,
@@ -34,8 +32,12 @@ from dsh_bash.backend import (
     kill_abandoned_start,
     prepay_spills,
     refuse_other_user,
+)
+from dsh_bash.remote import (
+    CommandSpills,
     spill_file_path,
 )
+from dsh_bash.supervisor import SUPERVISOR_KEY_SIZE
 
 from ._config import SshConfig
 from ._connection import ChannelPool

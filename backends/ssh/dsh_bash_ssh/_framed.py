@@ -30,7 +30,8 @@ import anyio
 import asyncssh
 
 from dsh_bash import BashInfrastructureError
-from dsh_bash.backend import FramedCommand, Launch
+from dsh_bash.backend import Launch
+from dsh_bash.supervisor import FramedCommand
 
 from ._connection import ChannelPool
 from ._process import CommandSession, RemoteMarked, boot_verdict

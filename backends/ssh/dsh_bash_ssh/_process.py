@@ -14,10 +14,12 @@ import asyncssh
 from dsh_bash import BashInfrastructureError
 from dsh_bash.backend import (
     CommandProcess,
-    CommandStart,
     ExitStatus,
     InfraReason,
     Launch,
+)
+from dsh_bash.remote import (
+    CommandStart,
     boot_failure,
     find_boot_ok,
     kill_args,

@@ -9,7 +9,13 @@ from __future__ import annotations
 import functools
 import shlex
 
-from dsh_bash.backend import BOOT_FAIL, BOOT_OK, KILL, SPILL_DIR, SPILL_WRITER
+from dsh_bash.remote import (
+    BOOT_FAIL,
+    BOOT_OK,
+    KILL,
+    SPILL_DIR,
+    SPILL_WRITER,
+)
 
 __all__ = [
     "BOOT_FAIL",
@@ -118,7 +124,7 @@ exit 0
 # added (readonly variables included).
 #
 # A failure before the command starts is reported as BOOT_FAIL, its kind (an infrastructure error
-# reason, see dsh_bash.backend.boot_failure), optionally `:` and a detail, then NUL; exit 125.
+# reason, see dsh_bash.remote.boot_failure), optionally `:` and a detail, then NUL; exit 125.
 #
 # Then the script reports "started" on both streams (whatever came before is rc noise) and becomes
 # the command's shell (`exec`): the channel's process is a session leader under sshd, so the

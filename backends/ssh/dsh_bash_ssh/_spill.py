@@ -6,7 +6,10 @@ import asyncio
 
 import anyio
 
-from dsh_bash.backend import QueuedSpillFile, SpillWriter
+from dsh_bash.remote import (
+    QueuedSpillFile,
+    SpillWriter,
+)
 
 from ._connection import Channel, ChannelPool
 from ._scripts import SCRIPT_BEGIN, SPILL_WRITER

@@ -18,9 +18,9 @@ import secrets
 import asyncssh
 
 from dsh_bash import BashInfrastructureError
-from dsh_bash.backend import (
+from dsh_bash.backend import SupervisorInstall
+from dsh_bash.supervisor import (
     SUPERVISOR_PROTOCOL,
-    SupervisorInstall,
     supervisor_payload,
 )
 

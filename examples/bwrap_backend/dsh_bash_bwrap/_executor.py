@@ -12,7 +12,7 @@ Every command runs as::
 itself under a ``dsh-supervise`` forked by the executor's fork server (the ``subreaper`` containment).
 
 Pipes, stdin, timeouts, the kill sequence, finding escapees by their marker in ``/proc`` and spill
-files are all :class:`dsh_bash.backend.HostBashExecutor`'s (the base the local backend is built on
+files are all :class:`dsh_bash.host.HostBashExecutor`'s (the base the local backend is built on
 too), unchanged: this class wraps the argv through its ``_wrap_command`` hook and waits, in
 ``_spawn``, until the sandboxed shell runs. It imports nothing but the public ``dsh_bash`` and
 ``dsh_bash.backend`` APIs. Why each piece is there:
@@ -58,9 +58,11 @@ from dsh_bash.backend import (
     MARKER_VAR,
     CommandProcess,
     ExitStatus,
+    Launch,
+)
+from dsh_bash.host import (
     HostBashExecutor,
     HostConfig,
-    Launch,
     read_proc_stat,
 )
 

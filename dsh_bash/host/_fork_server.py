@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import anyio
 
+from ..supervisor import command_payload
+
 __all__ = ["SupervisorServer", "pidfd_exited", "received_fds"]
 
 #: How long closing waits for the server to exit once its socket is closed (it exits at once).
@@ -242,30 +244,6 @@ class SupervisorServer:
         os.close(self._pidfd)
         self._pidfd = None
         self._popen = None
-
-
-def command_payload(
-    argv: Sequence[str],
-    env: Mapping[str, str],
-    cwd: str,
-    status_in_program: int = -1,
-    terminal: tuple[int, int] | None = None,
-) -> bytes:
-    """A command for dsh-supervise as NUL-terminated strings: the directory, the fd the program gets
-    the status socket as (-1: none), the argument count, the arguments, then NAME=VALUE entries.
-    The payload of a ``--fork-server`` request, and of the ``x`` frame of ``--frame --spec``.
-
-    ``terminal`` (``x`` frames only): run the command on a pseudo-terminal of (rows, columns) that
-    the supervisor makes and owns; it goes as a field of its own after the status fd."""
-    fields = [
-        cwd,
-        str(status_in_program),
-        *([f"{terminal[0]} {terminal[1]}"] if terminal is not None else []),
-        str(len(argv)),
-        *argv,
-        *(f"{key}={value}" for key, value in env.items()),
-    ]
-    return ("\0".join(fields) + "\0").encode("utf-8", "surrogateescape")
 
 
 def _fd_array(*fds: int) -> bytes:

@@ -21,7 +21,14 @@ from typing import Any, ClassVar
 import anyio
 import anyio.lowlevel
 
-from ._backend import (
+from .._bash_executor import (
+    BashExecutor,
+    ConfigT_co,
+)
+from .._config import BudgetConfig
+from .._errors import BashInfrastructureError
+from .._output import SpillFile
+from .._protocol import (
     CommandProcess,
     Containment,
     ContainmentSetting,
@@ -31,15 +38,26 @@ from ._backend import (
     choose_containment,
     refuse_other_user,
 )
-from ._config import BudgetConfig
-from ._errors import BashInfrastructureError
-from ._executor import BashExecutor, ConfigT_co
-from ._forkserver import SupervisorServer, server_problem
-from ._hostproc import ChannelPool, SupervisedProcess, spawn_host_process, unknown_leftovers
-from ._hostspill import HostSpillDir
-from ._kit_hooks import find_host_processes, plant_in_os_environ
-from ._output import SpillFile
-from ._procscan import ProcScanError, ProcScanner, signal_marked
+from ._fork_server import (
+    SupervisorServer,
+    server_problem,
+)
+from ._host_process import (
+    ChannelPool,
+    SupervisedProcess,
+    spawn_host_process,
+    unknown_leftovers,
+)
+from ._kit_finders import (
+    find_host_processes,
+    plant_in_os_environ,
+)
+from ._proc_scan import (
+    ProcScanError,
+    ProcScanner,
+    signal_marked,
+)
+from ._spill_dir import HostSpillDir
 
 __all__ = ["Containment", "HostBashExecutor", "HostConfig", "host_support_problem"]
 
@@ -81,7 +99,7 @@ def host_support_problem() -> str | None:
 class _MarkedLeftovers:
     """Every live process on this host carrying one of the executor's markers.
 
-    Runs in the event loop (no worker thread: see ``_procscan``). A scan that fails (EMFILE, ENOMEM)
+    Runs in the event loop (no worker thread: see ``_proc_scan``). A scan that fails (EMFILE, ENOMEM)
     is logged and leaves the set "unknown": :meth:`remaining` says so, never "empty"."""
 
     def __init__(self, scanner: ProcScanner) -> None:
@@ -124,7 +142,7 @@ class _NoLeftovers:
 def _find_supervisor() -> tuple[str | None, str]:
     """The ``dsh-supervise`` binary for this machine, or None and why it cannot be used."""
     try:
-        from ._native import supervisor_binary, supervisor_problem  # noqa: PLC0415
+        from ..supervisor import supervisor_binary, supervisor_problem  # noqa: PLC0415
     except ImportError:
         return None, "this installation has no dsh-supervise module"
     path = supervisor_binary()

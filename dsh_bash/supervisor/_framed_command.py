@@ -24,10 +24,23 @@ from typing import Any, Literal
 import anyio
 import anyio.lowlevel
 
-from ._backend import CommandProcess, ExitStatus, Killable, Launch
-from ._errors import BashInfrastructureError, InfraReason
-from ._frames import FrameDecoder, FrameError, SupervisorRecords, encode_frame
-from ._types import TerminalSize
+from .._errors import (
+    BashInfrastructureError,
+    InfraReason,
+)
+from .._protocol import (
+    CommandProcess,
+    ExitStatus,
+    Killable,
+    Launch,
+)
+from .._types import TerminalSize
+from ._frames import (
+    FrameDecoder,
+    FrameError,
+    SupervisorRecords,
+    encode_frame,
+)
 
 __all__ = ["STDIN_FRAME_BYTES", "FramedCommand"]
 

@@ -28,7 +28,7 @@ from typing import TypeVar
 import anyio
 import anyio.lowlevel
 
-from ._backend import MARKER_VAR
+from .._protocol import MARKER_VAR
 
 __all__ = [
     "FdReserve",

@@ -19,7 +19,10 @@ from typing import Literal, Protocol
 
 import anyio
 
-from ._errors import INFRA_REASONS, BashInfrastructureError
+from .._errors import (
+    INFRA_REASONS,
+    BashInfrastructureError,
+)
 
 __all__ = [
     "BOOT_AT",

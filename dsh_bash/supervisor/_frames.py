@@ -14,7 +14,7 @@ A frame is a type byte, a 4-byte big-endian payload length, and the payload. Fro
 
 To the supervisor: ``i`` (bytes for the command's stdin), ``c`` (close the command's stdin), ``T``
 (SIGTERM to every process of the command), ``K`` (SIGKILL until none is left), ``P`` and ``G`` (the
-side pipe: :meth:`~dsh_bash.backend.FramedCommand.take_side_pipe`). End of file on the supervisor's
+side pipe: :meth:`~dsh_bash.supervisor.FramedCommand.take_side_pipe`). End of file on the supervisor's
 input means the harness is gone: it kills everything. ``empty`` is the last frame.
 """
 
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
-from ._backend import ExitStatus
+from .._protocol import ExitStatus
 
 __all__ = [
     "FRAME_HEADER",
@@ -32,6 +32,7 @@ __all__ = [
     "FrameDecoder",
     "FrameError",
     "SupervisorRecords",
+    "command_payload",
     "encode_frame",
 ]
 
@@ -144,7 +145,7 @@ class SupervisorRecords:
     """What the supervisor's status records said so far: one reading for every channel that carries them.
 
     ``apply`` takes one record (``"exit 3"``, ``"signal 15 core"``); the fields say what is known.
-    With ``--detach``, only records a :class:`~dsh_bash.backend.SignedRecords` verified belong here.
+    With ``--detach``, only records a :class:`~dsh_bash.supervisor.SignedRecords` verified belong here.
     A record this version cannot read is logged and ignored.
     """
 
@@ -250,3 +251,27 @@ def _count(word: str) -> int:
     if not (word.isascii() and word.isdigit()):
         raise ValueError(word)
     return int(word)
+
+
+def command_payload(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    cwd: str,
+    status_in_program: int = -1,
+    terminal: tuple[int, int] | None = None,
+) -> bytes:
+    """A command for dsh-supervise as NUL-terminated strings: the directory, the fd the program gets
+    the status socket as (-1: none), the argument count, the arguments, then NAME=VALUE entries.
+    The payload of a ``--fork-server`` request, and of the ``x`` frame of ``--frame --spec``.
+
+    ``terminal`` (``x`` frames only): run the command on a pseudo-terminal of (rows, columns) that
+    the supervisor makes and owns; it goes as a field of its own after the status fd."""
+    fields = [
+        cwd,
+        str(status_in_program),
+        *([f"{terminal[0]} {terminal[1]}"] if terminal is not None else []),
+        str(len(argv)),
+        *argv,
+        *(f"{key}={value}" for key, value in env.items()),
+    ]
+    return ("\0".join(fields) + "\0").encode("utf-8", "surrogateescape")

@@ -5,7 +5,7 @@ file, which the command (same user) can append to as well. Each line is ``SEQ RE
 counts from 0, MAC is the lowercase hex HMAC-SHA256, under a 32-byte key only the harness and the
 supervisor know, of the line's bytes before its last space (``f"{SEQ} {RECORD}"``).
 :class:`SignedRecords` takes the file's bytes as they are read and returns the records that verify,
-in order; feed them to a :class:`~dsh_bash.backend.SupervisorRecords`.
+in order; feed them to a :class:`~dsh_bash.supervisor.SupervisorRecords`.
 """
 
 from __future__ import annotations

@@ -25,13 +25,27 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from ._backend import MARKER_VAR, MAX_INLINE_COMMAND, UNKNOWN_PREFIX, CommandProcess, ExitStatus, Launch
-from ._errors import BashInfrastructureError, InfraReason
-from ._forkserver import SupervisorServer, pidfd_exited, received_fds
-from ._frames import SupervisorRecords
-from ._hostspill import HostSpillDir
-from ._output import OutputStream
-from ._procscan import (
+from .._errors import (
+    BashInfrastructureError,
+    InfraReason,
+)
+from .._output import OutputStream
+from .._protocol import (
+    MARKER_VAR,
+    MAX_INLINE_COMMAND,
+    UNKNOWN_PREFIX,
+    CommandProcess,
+    ExitStatus,
+    Launch,
+)
+from .._types import TerminalSize
+from ..supervisor import SupervisorRecords
+from ._fork_server import (
+    SupervisorServer,
+    pidfd_exited,
+    received_fds,
+)
+from ._proc_scan import (
     InputIdentity,
     ProcScanError,
     ProcScanner,
@@ -39,7 +53,7 @@ from ._procscan import (
     input_waiters,
     signal_marked,
 )
-from ._types import TerminalSize
+from ._spill_dir import HostSpillDir
 
 __all__ = [
     "ChannelPool",

@@ -19,7 +19,10 @@ import anyio
 
 from ._errors import BashInfrastructureError
 from ._output import OutputStream
-from ._types import BashExecSpec, TerminalSize
+from ._types import (
+    BashExecSpec,
+    TerminalSize,
+)
 
 __all__ = [
     "MARKER_VAR",

@@ -20,17 +20,12 @@ import anyio.lowlevel
 from pydantic import ValidationError
 from typing_extensions import TypeVar
 
-from ._backend import (
-    MARKER_VAR,
-    UNKNOWN_PREFIX,
-    CommandProcess,
-    ExitStatus,
-    Killable,
-    Launch,
-    kill_sequence,
-    signal_name,
+from ._config import (
+    BUDGET_FIELDS,
+    BudgetConfig,
+    config_error_from,
+    default_task_cap,
 )
-from ._config import BUDGET_FIELDS, BudgetConfig, config_error_from, default_task_cap
 from ._env import build_command_env
 from ._errors import (
     BashInfrastructureError,
@@ -41,7 +36,23 @@ from ._errors import (
     TaskInputError,
     UnknownTaskError,
 )
-from ._output import OutputStream, SpillBudget, SpillFile, StreamName, merge_streams
+from ._output import (
+    OutputStream,
+    SpillBudget,
+    SpillFile,
+    StreamName,
+    merge_streams,
+)
+from ._protocol import (
+    MARKER_VAR,
+    UNKNOWN_PREFIX,
+    CommandProcess,
+    ExitStatus,
+    Killable,
+    Launch,
+    kill_sequence,
+    signal_name,
+)
 from ._types import (
     BashExecRequest,
     BashExecSpec,

@@ -1,0 +1,44 @@
+"""The supervisor kit: ``dsh-supervise``, the native per-command subreaper, and its wire formats.
+
+Every backend can run its commands under the supervisor (``native/``: it stays the parent of
+everything a command starts, so that a kill reaches processes that left the group, and it reports
+the exit status in records nothing the command prints can forge). This package ships its binaries
+and speaks its protocols; the host kit starts it here, the Docker and SSH backends install it where
+their commands run. Imports only the seam; see ``README.md`` beside this file.
+
+- The binaries: :func:`supervisor_binary` (the path of this package's build for an architecture),
+  :func:`supervisor_problem` (why there is none), :func:`supervisor_payload` (what to install on a
+  machine of a given ``uname -m``: a :class:`SupervisorPayload`), :data:`SUPERVISOR_PROTOCOL`
+  (what ``dsh-supervise --version`` prints and a backend checks).
+- A command for the supervisor: :func:`command_payload` (argv, environment, directory, terminal:
+  the request of ``--fork-server`` and the ``x`` frame of ``--frame --spec``).
+- The framed channel of ``--frame``: :func:`encode_frame` (frames to the supervisor),
+  :class:`SupervisorRecords` (its status records, read), and :class:`FramedCommand`, the
+  transport-independent half of a command under it (output, outcome, kills, and the side pipe
+  that moves its output past a costly relay).
+- The detached mode's signed status file: :class:`SignedRecords` verifies it with a key of
+  :data:`SUPERVISOR_KEY_SIZE` bytes.
+"""
+
+from __future__ import annotations
+
+from .._native import PROTOCOL_VERSION as SUPERVISOR_PROTOCOL
+from .._native import SupervisorPayload, supervisor_binary, supervisor_payload, supervisor_problem
+from ._framed_command import FramedCommand
+from ._frames import SupervisorRecords, command_payload, encode_frame
+from ._signed_records import KEY_SIZE as SUPERVISOR_KEY_SIZE
+from ._signed_records import SignedRecords
+
+__all__ = [
+    "SUPERVISOR_KEY_SIZE",
+    "SUPERVISOR_PROTOCOL",
+    "FramedCommand",
+    "SignedRecords",
+    "SupervisorPayload",
+    "SupervisorRecords",
+    "command_payload",
+    "encode_frame",
+    "supervisor_binary",
+    "supervisor_payload",
+    "supervisor_problem",
+]
