@@ -118,7 +118,10 @@ def boot_ok_undecided(head: bytes | bytearray) -> bool:
 # reaches members that cleared their environment.
 KILL = r"""
 mode=$1 sig=$2 want=$3 exact=$4 since=${5:-0} own=${6:-0}
-declare -A groups=() markof=() iscand=()
+declare -A groups=() hit=() iscand=()
+# Any marker variable of a process counts, not only the first (getenv's): a decoy put before the
+# real one must not hide a process, as it does not from the host scan.
+ours() { { [ "$exact" = 1 ] && [ "$1" = "$want" ]; } || { [ "$exact" != 1 ] && [ "${1#"$want"}" != "$1" ]; }; }
 marked=() all_pid=() all_pgrp=() cand=()
 # For one command (an exact marker) whose start is known: a process that started before it cannot
 # have inherited its marker, so its environment (maybe megabytes: issue 15) is not read. Start
@@ -149,7 +152,7 @@ for d in /proc/[0-9]*; do
 done
 # The markers of the candidates in one pass of grep (-z: one NUL-terminated variable a line): bash
 # splitting each whole environment cost about 30 ms a process beside 1.4 MB environments (300 of
-# them: a 10 s scan, issue 15). The first marker of a process counts. A fixed string, not an
+# them: a 10 s scan, issue 15). A fixed string, not an
 # anchored pattern (busybox's -E took 60 times longer); a variable that only contains the text is
 # passed over here. Without a grep that does this (tried on a known text first), each environment
 # is split in bash.
@@ -162,28 +165,19 @@ if printf 'x\0DSH_BASH_MARK=a\0' | grep -z -q -F -e 'DSH_BASH_MARK=a' 2>/dev/nul
   [ "${#files[@]}" -gt 0 ] && while IFS= read -r -d '' rec; do
     f=${rec%%:*}; f=${f#/proc/}; f=${f%/environ}; line=${rec#*:}
     [ "${line#DSH_BASH_MARK=}" != "$line" ] || continue
-    [ -n "${markof[$f]+x}" ] || markof[$f]=${line#DSH_BASH_MARK=}
+    ours "${line#DSH_BASH_MARK=}" && hit[$f]=1
   done < <(grep -z -H -s -F -e 'DSH_BASH_MARK=' "${files[@]}" 2>/dev/null)
 fi
 for i in "${!all_pid[@]}"; do
   p=${all_pid[$i]}
-  if [ "$everyone" = 0 ]; then
-    [ -n "${markof[$p]+x}" ] || continue
-    env=("DSH_BASH_MARK=${markof[$p]}")
-  else
-    [ -n "${iscand[$p]+x}" ] || continue
+  if [ "$everyone" = 1 ] && [ -n "${iscand[$p]+x}" ]; then
     mapfile -d '' -t env 2>/dev/null < "/proc/$p/environ" || continue
+    for e in "${env[@]}"; do
+      case $e in DSH_BASH_MARK=*) ours "${e#DSH_BASH_MARK=}" && { hit[$p]=1; break; } ;; esac
+    done
   fi
-  for e in "${env[@]}"; do
-    case $e in
-      DSH_BASH_MARK=*)
-        v=${e#DSH_BASH_MARK=}
-        if { [ "$exact" = 1 ] && [ "$v" = "$want" ]; } || { [ "$exact" != 1 ] && [ "${v#"$want"}" != "$v" ]; }; then
-          marked+=("$p"); groups[${all_pgrp[$i]}]=1
-        fi
-        break ;;
-    esac
-  done
+  [ -n "${hit[$p]+x}" ] || continue
+  marked+=("$p"); groups[${all_pgrp[$i]}]=1
 done
 if [ "$mode" = list ]; then
   for i in "${!all_pid[@]}"; do
