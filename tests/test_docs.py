@@ -11,6 +11,7 @@ The checkers are plain functions over text, so the tests at the end prove each o
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -343,3 +344,26 @@ def test_contract_checker_catches(
 ) -> None:
     problems = contract_problems(contract, clauses, references)
     assert any(problem in p for p in problems), problems
+
+
+FACES = ("dsh_bash.backend", "dsh_bash.host", "dsh_bash.remote", "dsh_bash.supervisor")
+
+
+def undocumented_names(module_name: str) -> list[str]:
+    """The names in a module's ``__all__`` that its docstring never names (as ``:role:`Name``` or
+    ````Name````)."""
+    module = importlib.import_module(module_name)
+    doc = module.__doc__ or ""
+    return [name for name in module.__all__ if f"`{name}`" not in doc and f"`{name}``" not in doc]
+
+
+@pytest.mark.parametrize("module_name", FACES)
+def test_every_public_name_of_a_backend_face_is_documented_there(module_name: str) -> None:
+    """A backend author reads one page per face: each public name is on it, with what it is for."""
+    assert undocumented_names(module_name) == []
+
+
+def test_the_documentation_check_catches_a_name_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = importlib.import_module("dsh_bash.remote")
+    monkeypatch.setattr(module, "__all__", [*module.__all__, "UNDOCUMENTED_NAME"])
+    assert undocumented_names("dsh_bash.remote") == ["UNDOCUMENTED_NAME"]
