@@ -113,9 +113,10 @@ async def main_async(runs: int, binary: str) -> None:
 
 
 def main() -> int:
-    # dsh_bash._native alone (its parent package imports anyio): this script needs no install.
+    # dsh_bash.supervisor._native alone (its parent package imports anyio): this script needs no install.
     spec = importlib.util.spec_from_file_location(
-        "dsh_native", Path(__file__).resolve().parent.parent / "dsh_bash" / "_native" / "__init__.py"
+        "dsh_native",
+        Path(__file__).resolve().parent.parent / "dsh_bash" / "supervisor" / "_native" / "__init__.py",
     )
     assert spec is not None and spec.loader is not None
     native = importlib.util.module_from_spec(spec)

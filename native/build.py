@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Builds dsh-supervise (native/supervise.c) into static binaries: package data of dsh_bash._native.
+"""Builds dsh-supervise (native/supervise.c) into static binaries, package data of
+dsh_bash.supervisor._native.
 
     python native/build.py                 # every architecture (x86_64, aarch64) with zig cc
     python native/build.py --if-stale      # only what is missing or older than its sources
     python native/build.py --arch x86_64   # one architecture
-    python native/build.py --out DIR       # elsewhere than dsh_bash/_native
+    python native/build.py --out DIR       # elsewhere than dsh_bash/supervisor/_native
 
 With the ``ziglang`` package installed (PyPI; it is in the ``[test]`` extra) it cross-compiles static
 musl binaries for every architecture: ``python -m ziglang cc -target ARCH-linux-musl -static -Os -s``.
@@ -31,7 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "supervise.c"
 ROOT = HERE.parent
-DEFAULT_OUT = ROOT / "dsh_bash" / "_native"
+DEFAULT_OUT = ROOT / "dsh_bash" / "supervisor" / "_native"
 ARCHITECTURES = ("x86_64", "aarch64")
 NAME = "dsh-supervise"
 CFLAGS = ("-std=gnu11", "-Wall", "-Wextra", "-static", "-Os", "-s")

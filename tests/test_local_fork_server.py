@@ -18,7 +18,7 @@ import pytest
 from dsh_bash_local import LocalBashExecutor, LocalConfig
 
 from dsh_bash import BashExecRequest, BashInfrastructureError
-from dsh_bash._native import supervisor_binary, supervisor_problem
+from dsh_bash.supervisor._native import supervisor_binary, supervisor_problem
 
 pytestmark = pytest.mark.anyio
 

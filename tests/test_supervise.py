@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from dsh_bash._native import (
+from dsh_bash.supervisor._native import (
     ARCHITECTURES,
     PROTOCOL_VERSION,
     normalize_arch,
@@ -747,7 +747,7 @@ def test_binaries_are_up_to_date() -> None:
 
 
 def test_missing_binary_has_a_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import dsh_bash._native as native  # noqa: PLC0415
+    import dsh_bash.supervisor._native as native  # noqa: PLC0415
 
     monkeypatch.setattr(native, "_DIR", tmp_path)
     assert native.supervisor_binary("x86_64") is None

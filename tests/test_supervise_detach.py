@@ -37,12 +37,12 @@ from test_supervise import (
     assert_set_for_the_command_alone,
 )
 
-from dsh_bash._native import supervisor_binary, supervisor_problem
 from dsh_bash.backend import ExitStatus
 from dsh_bash.supervisor import (
     SignedRecords,
     SupervisorRecords,
 )
+from dsh_bash.supervisor._native import supervisor_binary, supervisor_problem
 
 SH = (BASH, "--noprofile", "--norc", "-c")
 LINE = re.compile(rb"(0|[1-9][0-9]*) ([\x20-\x7e]+) ([0-9a-f]{64})")

@@ -42,7 +42,6 @@ from test_supervise import (
 )
 
 from dsh_bash import BashExecSpec, BashInfrastructureError
-from dsh_bash._native import supervisor_binary, supervisor_problem
 from dsh_bash._output import SpillBudget
 from dsh_bash.backend import (
     Launch,
@@ -54,6 +53,7 @@ from dsh_bash.supervisor import (
     encode_frame,
 )
 from dsh_bash.supervisor._frames import FrameDecoder
+from dsh_bash.supervisor._native import supervisor_binary, supervisor_problem
 
 SH = (BASH, "--noprofile", "--norc", "-c")
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from dsh_bash._native import supervisor_binary, supervisor_problem
+from dsh_bash.supervisor._native import supervisor_binary, supervisor_problem
 
 _override = os.environ.get("DSH_TEST_SUPERVISE_BINARY")
 BINARY = _override or supervisor_binary()

@@ -22,10 +22,10 @@ their commands run. Imports only the seam; see ``README.md`` beside this file.
 
 from __future__ import annotations
 
-from .._native import PROTOCOL_VERSION as SUPERVISOR_PROTOCOL
-from .._native import SupervisorPayload, supervisor_binary, supervisor_payload, supervisor_problem
 from ._framed_command import FramedCommand
 from ._frames import SupervisorRecords, command_payload, encode_frame
+from ._native import PROTOCOL_VERSION as SUPERVISOR_PROTOCOL
+from ._native import SupervisorPayload, supervisor_binary, supervisor_payload, supervisor_problem
 from ._signed_records import KEY_SIZE as SUPERVISOR_KEY_SIZE
 from ._signed_records import SignedRecords
 
