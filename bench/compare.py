@@ -2,8 +2,9 @@
 
 For a change that must not cost anything (moves, renames, a split of the supervisor's source), the
 baseline is the code before it. Both trees run the same probe in fresh interpreters, alternating
-(before, after, before, ...) so that the machine's drift hits both; each probe reports medians, and
-the table gives the ratio after/before of the medians of those. Absolute times are context only.
+(before, after, after, before, ...) so that the machine's drift and the order hit both alike; each
+probe reports medians, and the table gives the ratio after/before of the medians of those. Absolute
+times are context only; ``--before HEAD`` (the checkout against itself) shows the noise.
 
     python bench/compare.py --before REV [--rounds 6] [--calls 60] [--docker-image TAG]
 
@@ -133,8 +134,10 @@ def main() -> None:
         rows = []
         for backend in backends:
             runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
-            for _ in range(args.rounds):
-                for side, tree in sides.items():
+            for round_number in range(args.rounds):
+                # ABBA: whoever goes first in a round (a warmer cache, a quieter moment) alternates too.
+                order = list(sides.items())
+                for side, tree in order if round_number % 2 == 0 else reversed(order):
                     runs[side].append(probe(tree, backend, args.calls, context))
             for measure in MEASURES:
                 medians = {side: statistics.median(r[measure] for r in runs[side]) for side in sides}
