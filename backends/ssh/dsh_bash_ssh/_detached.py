@@ -26,7 +26,8 @@ import logging
 import secrets
 import signal
 from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import anyio
 import anyio.lowlevel
@@ -185,6 +186,8 @@ class Follower:
         self._sftp: asyncssh.SFTPClient | None = None
         self._closed = False
         self._punch_works = True
+        self._markers = _FileEnding()
+        self._signed = _SignedEnding(pool.where)
         self.directory = ""
 
     async def probe(self) -> bool:
@@ -237,14 +240,10 @@ class Follower:
         reported done); what cannot be removed now is left to the loop. ``on_removed[path]`` is
         called once ``path`` is confirmed removed."""
         self._on_removed.update(on_removed)
+        paths = list(paths)
         try:
             with anyio.move_on_after(_REMOVE_NOW_BOUND_S):
-                sftp = await self._ensure_sftp()
-                while paths:
-                    with contextlib.suppress(asyncssh.SFTPNoSuchFile):
-                        await sftp.remove(paths[0])
-                    self._removed(paths[0])
-                    paths = paths[1:]
+                await self._remove(await self._ensure_sftp(), paths)
         except (asyncssh.Error, OSError, BashInfrastructureError, _NoSftp) as exc:
             log.debug("removing %s now failed (%s): left to the follower", paths, exc)
         if paths:
@@ -343,17 +342,27 @@ class Follower:
         active = False
         if self._to_remove:
             paths, self._to_remove = self._to_remove, []
-            while paths:
-                with contextlib.suppress(asyncssh.SFTPNoSuchFile):
-                    await sftp.remove(paths[0])
-                self._removed(paths[0])
-                paths = paths[1:]
+            await self._remove(sftp, paths)
             active = True
         if not self._tasks:
             return active
-        sizes: dict[str, int] = {}
-        ends: dict[str, int] = {}
-        eofs: set[str] = set()
+        listing = await self._list(sftp)
+        for followed in list(self._tasks.values()):
+            if await self._follow(sftp, followed, listing):
+                active = True
+        return active
+
+    async def _remove(self, sftp: asyncssh.SFTPClient, paths: list[str]) -> None:
+        """Remove ``paths`` in turn, each taken off the list once gone: on an error, the list holds
+        what is left to remove."""
+        while paths:
+            with contextlib.suppress(asyncssh.SFTPNoSuchFile):
+                await sftp.remove(paths[0])
+            self._removed(paths[0])
+            del paths[0]
+
+    async def _list(self, sftp: asyncssh.SFTPClient) -> _Listing:
+        listing = _Listing()
         for entry in await sftp.readdir(self.directory):
             filename = entry.filename
             assert isinstance(filename, str)
@@ -361,131 +370,45 @@ class Follower:
             if name not in self._tasks:
                 continue
             if suffix in STREAMS or suffix == "status":
-                sizes[filename] = entry.attrs.size or 0
+                listing.sizes[filename] = entry.attrs.size or 0
             elif suffix.startswith("exit-") and suffix[5:].isdigit():
-                ends[name] = int(suffix[5:])
+                listing.exits[name] = int(suffix[5:])
             elif suffix == "eof":
-                eofs.add(name)
-        for name, followed in list(self._tasks.items()):
-            if followed.supervised:
-                # The task can create any file here: only the signed records say how it ended.
-                if await self._follow_supervised(sftp, followed, sizes):
-                    active = True
-                continue
-            at_eof = name in eofs
-            if at_eof and not followed.exit.is_set() and name not in ends:
-                # A listing spanning several requests may show a file created during it (the eof
-                # file) and miss an older one (the exit file): look again next tick.
-                followed.unexplained_eofs += 1
-                if followed.unexplained_eofs < _EOF_WITHOUT_EXIT_TICKS:
-                    at_eof = False
-            for stream in STREAMS:
-                size = sizes.get(f"{name}.{stream}", 0)
-                grew = size > followed.offsets[stream] or at_eof
-                if grew and await self._read(sftp, followed, stream, size, to_end=at_eof):
-                    active = True
-            status = ends.get(name)
-            if status is not None and not followed.exit.is_set():
-                # The task script's `$?` in an exit file (the marker fallback): a signal reads as 128+n.
-                followed.status = ExitStatus(code=status, exit_code_only=True)
-                followed.exit.set()
-                active = True
-            if at_eof:
-                if not followed.exit.is_set():  # an eof file without exit file: never written so
-                    followed.fail("the task's supervisor ended without an exit status", "command_lost")
-                followed.eof.set()
-                self._tasks.pop(name, None)
-                active = True
-        return active
+                listing.eofs.add(name)
+        return listing
 
-    async def _follow_supervised(
-        self, sftp: asyncssh.SFTPClient, followed: _Followed, sizes: dict[str, int]
-    ) -> bool:
-        """One task under dsh-supervise --detach: its status file's new records, then its output."""
-        active = False
-        records = followed.records
-        signed = followed.signed
-        assert signed is not None
-        gone = False
-        now = anyio.current_time()
-        if records.supervisor_pid is not None and not records.empty and now >= followed.next_check:
-            followed.next_check = now + _LIVENESS_S
-            # Looked at before the status file is read: a supervisor that exited wrote its last
-            # record before, so a file read after this shows it.
-            gone = not await _supervisor_alive(sftp, records)
-        size = sizes.get(f"{followed.name}.status", 0)
-        complete = True
-        if size > signed.fed or gone:
-            complete = await self._read_status(sftp, followed, size, to_end=gone)
+    async def _follow(self, sftp: asyncssh.SFTPClient, followed: _Followed, listing: _Listing) -> bool:
+        """One task: how far it got (its ending's look), the output it wrote, its exit status, and
+        its end once its output is complete. True if anything happened."""
+        ending = self._signed if followed.supervised else self._markers
+        progress = await ending.look(sftp, followed, listing)
+        active = progress.active
+        if ending.status_first and self._publish(followed, progress.status):
             active = True
-        if records.supervisor_pid is not None:
-            followed.supervisor_known.set()
-        if records.command_exit is not None and not followed.exit.is_set():
-            followed.status = records.command_exit
-            followed.exit.set()
-            active = True
-        at_eof = records.empty or (gone and complete)
         for stream in STREAMS:
-            size = sizes.get(f"{followed.name}.{stream}", 0)
-            grew = size > followed.offsets[stream] or at_eof
-            if grew and await self._read(sftp, followed, stream, size, to_end=at_eof):
+            size = listing.sizes.get(f"{followed.name}.{stream}", 0)
+            grew = size > followed.offsets[stream] or progress.at_eof
+            if grew and await self._read(sftp, followed, stream, size, to_end=progress.at_eof):
                 active = True
             if followed.caps is not None:
                 self._maybe_punch(followed, stream)
         self._raise_caps(followed)
-        if at_eof:
-            if not records.empty:
-                followed.supervisor_gone = True
-                log.warning(
-                    "the supervisor of background task %s on %s ended without its last record "
-                    "(killed by the task itself?)",
-                    followed.launch.marker,
-                    self._pool.where,
-                )
-                if not followed.exit.is_set():
-                    followed.fail(
-                        f"the background task's supervisor on {self._pool.where} ended before it "
-                        "reported how the command ended (killed by the task itself?); "
-                        "its exit status is lost",
-                        "command_lost",
-                    )
-            followed.supervisor_known.set()
+        if not ending.status_first and self._publish(followed, progress.status):
+            active = True
+        if progress.at_eof:
+            ending.ended(followed)
             followed.eof.set()
             self._tasks.pop(followed.name, None)
             active = True
         return active
 
-    async def _read_status(
-        self, sftp: asyncssh.SFTPClient, followed: _Followed, size: int, *, to_end: bool
-    ) -> bool:
-        """Feed what the status file gained to its verifier (at most _STATUS_CHUNK a tick); True when
-        everything up to ``size`` (with ``to_end``: the file's size now) was read."""
-        signed = followed.signed
-        assert signed is not None
-        handle = followed.files.get("status")
-        if handle is None:
-            try:
-                handle = followed.files["status"] = await sftp.open(f"{followed.base}.status", "rb")
-            except asyncssh.SFTPNoSuchFile:
-                return True  # removed (by the task): no record will ever come from it
-        if to_end:
-            size = (await handle.stat()).size or 0
-        want = min(size - signed.fed, _STATUS_CHUNK)
-        if want > 0:
-            data = await handle.read(want, signed.fed)
-            assert isinstance(data, bytes)  # opened in binary mode
-            forged = signed.forged
-            for record in signed.feed(data):
-                followed.records.apply(record)
-            if signed.forged > forged and not followed.warned_forged:
-                followed.warned_forged = True
-                log.warning(
-                    "background task %s on %s: its status file holds lines that do not verify "
-                    "(written by the task?); they are ignored",
-                    followed.launch.marker,
-                    self._pool.where,
-                )
-        return signed.fed >= size
+    @staticmethod
+    def _publish(followed: _Followed, status: ExitStatus | None) -> bool:
+        if status is None or followed.exit.is_set():
+            return False
+        followed.status = status
+        followed.exit.set()
+        return True
 
     async def _read(
         self, sftp: asyncssh.SFTPClient, followed: _Followed, stream: str, size: int, *, to_end: bool
@@ -608,6 +531,152 @@ class Follower:
         finally:
             followed.punching.discard(stream)
             self._wake.set()  # a capped writer may go on now: look soon
+
+
+@dataclass(slots=True)
+class _Listing:
+    """One listing of the spill directory, for the followed tasks' files."""
+
+    #: Sizes of the output and status files, by file name.
+    sizes: dict[str, int] = field(default_factory=dict)
+    #: The marker fallback's end files, by task name: the status in BASE.exit-STATUS's name, and the
+    #: tasks that have a BASE.eof.
+    exits: dict[str, int] = field(default_factory=dict)
+    eofs: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class _Progress:
+    """How far a task got, as its ending told at one tick."""
+
+    #: Something was read (the tick that follows comes fast).
+    active: bool
+    #: Its output is complete: read each file to its end, then the task is done.
+    at_eof: bool
+    status: ExitStatus | None
+
+
+class _Ending(Protocol):
+    """How the follower learns a task's exit status and the end of its output."""
+
+    #: Whether the status is published before the tick's output is read, or after it. Each mode
+    #: keeps the order it always had, which is not indifferent: when that read fails and the host
+    #: stays out of reach until the follower gives up, a status published first is what the task
+    #: reports; else the task reports the lost connection.
+    status_first: bool
+
+    async def look(self, sftp: asyncssh.SFTPClient, followed: _Followed, listing: _Listing) -> _Progress: ...
+
+    def ended(self, followed: _Followed) -> None:
+        """The output is complete: explain an end without status."""
+
+
+class _FileEnding:
+    """The marker fallback: BASE.exit-STATUS and BASE.eof, written by the task script (or by the
+    task itself: nothing tells them apart)."""
+
+    status_first = False
+
+    async def look(self, sftp: asyncssh.SFTPClient, followed: _Followed, listing: _Listing) -> _Progress:
+        code = listing.exits.get(followed.name)
+        at_eof = followed.name in listing.eofs
+        if at_eof and not followed.exit.is_set() and code is None:
+            # A listing spanning several requests may show a file created during it (the eof
+            # file) and miss an older one (the exit file): look again next tick.
+            followed.unexplained_eofs += 1
+            if followed.unexplained_eofs < _EOF_WITHOUT_EXIT_TICKS:
+                at_eof = False
+        # The task script's `$?`: a signal reads as 128+n.
+        status = None if code is None else ExitStatus(code=code, exit_code_only=True)
+        return _Progress(active=False, at_eof=at_eof, status=status)
+
+    def ended(self, followed: _Followed) -> None:
+        if not followed.exit.is_set():  # an eof file without exit file: never written so
+            followed.fail("the task's supervisor ended without an exit status", "command_lost")
+
+
+class _SignedEnding:
+    """Under dsh-supervise --detach: the verified records of BASE.status (the task can create any
+    file in the directory, so nothing else counts), and whether the supervisor still lives (one the
+    task killed writes no last record)."""
+
+    status_first = True
+
+    def __init__(self, where: str) -> None:
+        self._where = where
+
+    async def look(self, sftp: asyncssh.SFTPClient, followed: _Followed, listing: _Listing) -> _Progress:
+        records = followed.records
+        signed = followed.signed
+        assert signed is not None
+        gone = False
+        now = anyio.current_time()
+        if records.supervisor_pid is not None and not records.empty and now >= followed.next_check:
+            followed.next_check = now + _LIVENESS_S
+            # Looked at before the status file is read: a supervisor that exited wrote its last
+            # record before, so a file read after this shows it.
+            gone = not await _supervisor_alive(sftp, records)
+        size = listing.sizes.get(f"{followed.name}.status", 0)
+        complete = True
+        active = False
+        if size > signed.fed or gone:
+            complete = await self._read_status(sftp, followed, size, to_end=gone)
+            active = True
+        if records.supervisor_pid is not None:
+            followed.supervisor_known.set()
+        return _Progress(
+            active=active, at_eof=records.empty or (gone and complete), status=records.command_exit
+        )
+
+    async def _read_status(
+        self, sftp: asyncssh.SFTPClient, followed: _Followed, size: int, *, to_end: bool
+    ) -> bool:
+        """Feed what the status file gained to its verifier (at most _STATUS_CHUNK a tick); True when
+        everything up to ``size`` (with ``to_end``: the file's size now) was read."""
+        signed = followed.signed
+        assert signed is not None
+        handle = followed.files.get("status")
+        if handle is None:
+            try:
+                handle = followed.files["status"] = await sftp.open(f"{followed.base}.status", "rb")
+            except asyncssh.SFTPNoSuchFile:
+                return True  # removed (by the task): no record will ever come from it
+        if to_end:
+            size = (await handle.stat()).size or 0
+        want = min(size - signed.fed, _STATUS_CHUNK)
+        if want > 0:
+            data = await handle.read(want, signed.fed)
+            assert isinstance(data, bytes)  # opened in binary mode
+            forged = signed.forged
+            for record in signed.feed(data):
+                followed.records.apply(record)
+            if signed.forged > forged and not followed.warned_forged:
+                followed.warned_forged = True
+                log.warning(
+                    "background task %s on %s: its status file holds lines that do not verify "
+                    "(written by the task?); they are ignored",
+                    followed.launch.marker,
+                    self._where,
+                )
+        return signed.fed >= size
+
+    def ended(self, followed: _Followed) -> None:
+        if not followed.records.empty:
+            followed.supervisor_gone = True
+            log.warning(
+                "the supervisor of background task %s on %s ended without its last record "
+                "(killed by the task itself?)",
+                followed.launch.marker,
+                self._where,
+            )
+            if not followed.exit.is_set():
+                followed.fail(
+                    f"the background task's supervisor on {self._where} ended before it "
+                    "reported how the command ended (killed by the task itself?); "
+                    "its exit status is lost",
+                    "command_lost",
+                )
+        followed.supervisor_known.set()
 
 
 class _NoSftp(Exception):
