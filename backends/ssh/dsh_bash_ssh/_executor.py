@@ -401,12 +401,9 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         the data, and the supervisor it becomes reads ``key`` right after it; the channel's output
         after BOOT's verdict can only be the supervisor's complaint (kept in ``stray_stderr``).
         """
-        spec = launch.spec
         marker = launch.marker
         marked = self._marked(marker)
         backlogged = partial(self._spills.backlogged, marker)
-        session: CommandSession | None = None
-        header = plan.header
         framed: FramedSshProcess | None = None
         if plan.supervisor is not None and key is None:
             framed = FramedSshProcess(
@@ -418,81 +415,127 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                 registry=self._supervised,
             )
         feed = framed.feed if framed is not None else (_discard if key is not None else None)
+        session: CommandSession | None = None
         try:
+            header = plan.header
             if warm:
-                session = await self._warm.take()
-                if launch.background or not self._warm.spares:
-                    self._warm.warm()  # the next command's
-                # Else once this foreground command ended (on_release): a login shell starting
-                # beside a short command slows it down, and a spare is still waiting.
+                session = await self._take_spare(launch)
             if session is not None:
-                session.adopt(launch, backlogged, feed)
-                assert session.chan is not None
-                try:
-                    session.chan.write(plan.warm_request())
-                except OSError as exc:  # closing already: the request was not sent
-                    raise _SpareDied(f"the warm channel on {self._pool.where} closed ({exc})") from None
+                self._send_warm_request(session, launch, plan, backlogged, feed)
                 header = None  # the request carried it
             else:
                 session = await self._pool.open_session(
                     plan.line, partial(CommandSession, launch, backlogged, feed)
                 )
-            process: SshProcess | FramedSshProcess
-            if framed is not None:
-                framed.attach(session)
-                process = framed
-            else:
-                process = SshProcess(
-                    pool=self._pool,
-                    session=session,
-                    launch=launch,
-                    marked=marked,
-                    on_release=on_release,
-                    wait_writable=partial(self._spills.wait_writable, marker),
-                )
-            # asyncssh buffers writes: the header, stdin and EOF are queued at once, sent as the
-            # channel's window allows. Without stdin data the command's stdin is /dev/null: no EOF.
-            # Under the supervisor, BOOT reads the header before the supervisor takes the channel;
-            # stdin then goes in frames (FramedSshProcess.pump_output).
-            chan = session.chan
-            assert chan is not None
-            try:
-                if header is not None:
-                    chan.write(header)
-                if spec.stdin is not None and framed is None:
-                    data = spec.stdin.encode() if isinstance(spec.stdin, str) else bytes(spec.stdin)
-                    if key is not None:
-                        chan.write(b"%d\0" % len(data))
-                    chan.write(data)
-                    if key is None:
-                        chan.write_eof()
-                if key is not None:
-                    chan.write(key)
-                    chan.write_eof()
-            except OSError as exc:
-                # The channel closed before all of it went (asyncssh: "Channel not open for
-                # sending"): BOOT ended early, and its verdict (a missing workdir, say) or the
-                # channel's end, which the preamble reads, says why; not this write.
-                log.debug("start of %s: the channel closed under its input: %s", launch.marker, exc)
+            process = self._process_on(session, launch, marked, framed, on_release)
+            self._write_input(session, launch, header, framed=framed is not None, key=key)
             await process.read_preamble()
             marked.start = session.command_start
         except BaseException as exc:
-            with anyio.CancelScope(shield=True):
-                if framed is not None:
-                    framed.abandon()
-                if session is not None:
-                    session.stop_feeding()
-                    session.close()
-                try:
-                    await kill_abandoned_start(marked, self._config.grace_ms / 1000)
-                except Exception as kill_exc:  # the connection may be what failed
-                    log.warning("cleaning up after a failed start of %s failed: %s", launch.marker, kill_exc)
+            await self._abandon_start(launch, marked, session, framed)
             if isinstance(exc, BashInfrastructureError) and session is not None and session.died_unused:
                 raise _SpareDied(f"the warm channel on {self._pool.where} died unused ({exc})") from exc
             raise
         if framed is not None:
             framed.running()
         return process, session
+
+    async def _take_spare(self, launch: Launch) -> CommandSession | None:
+        """The warm channel, if one is logged in."""
+        session = await self._warm.take()
+        if launch.background or not self._warm.spares:
+            self._warm.warm()  # the next command's
+        # Else once this foreground command ended (on_release): a login shell starting
+        # beside a short command slows it down, and a spare is still waiting.
+        return session
+
+    def _send_warm_request(
+        self,
+        session: CommandSession,
+        launch: Launch,
+        plan: _Boot,
+        backlogged: Callable[[], bool],
+        feed: Callable[[bytes], None] | None,
+    ) -> None:
+        session.adopt(launch, backlogged, feed)
+        assert session.chan is not None
+        try:
+            session.chan.write(plan.warm_request())
+        except OSError as exc:  # closing already: the request was not sent
+            raise _SpareDied(f"the warm channel on {self._pool.where} closed ({exc})") from None
+
+    def _process_on(
+        self,
+        session: CommandSession,
+        launch: Launch,
+        marked: RemoteMarked,
+        framed: FramedSshProcess | None,
+        on_release: Callable[[], Awaitable[None]],
+    ) -> SshProcess | FramedSshProcess:
+        if framed is not None:
+            framed.attach(session)
+            return framed
+        return SshProcess(
+            pool=self._pool,
+            session=session,
+            launch=launch,
+            marked=marked,
+            on_release=on_release,
+            wait_writable=partial(self._spills.wait_writable, launch.marker),
+        )
+
+    @staticmethod
+    def _write_input(
+        session: CommandSession, launch: Launch, header: bytes | None, *, framed: bool, key: bytes | None
+    ) -> None:
+        """BOOT's input: the header, then the command's stdin data, or (a detached task under the
+        supervisor) its length, the data and ``key``.
+
+        asyncssh buffers writes: all of it is queued at once, sent as the channel's window allows.
+        Without stdin data the command's stdin is /dev/null: no EOF. A framed command's stdin goes
+        in frames once the supervisor took the channel (FramedSshProcess.pump_output).
+        """
+        chan = session.chan
+        assert chan is not None
+        stdin = launch.spec.stdin
+        try:
+            if header is not None:
+                chan.write(header)
+            if stdin is not None and not framed:
+                data = stdin.encode() if isinstance(stdin, str) else bytes(stdin)
+                if key is not None:
+                    chan.write(b"%d\0" % len(data))
+                chan.write(data)
+                if key is None:
+                    chan.write_eof()
+            if key is not None:
+                chan.write(key)
+                chan.write_eof()
+        except OSError as exc:
+            # The channel closed before all of it went (asyncssh: "Channel not open for
+            # sending"): BOOT ended early, and its verdict (a missing workdir, say) or the
+            # channel's end, which the preamble reads, says why; not this write.
+            log.debug("start of %s: the channel closed under its input: %s", launch.marker, exc)
+
+    async def _abandon_start(
+        self,
+        launch: Launch,
+        marked: RemoteMarked,
+        session: CommandSession | None,
+        framed: FramedSshProcess | None = None,
+    ) -> None:
+        """Close what a start given up half-way opened and kill by marker what it may have started;
+        shielded, as the start may be given up because it was cancelled."""
+        with anyio.CancelScope(shield=True):
+            if framed is not None:
+                framed.abandon()
+            if session is not None:
+                session.stop_feeding()
+                session.close()
+            try:
+                await kill_abandoned_start(marked, self._config.grace_ms / 1000)
+            except Exception as exc:  # the connection may be what failed
+                log.warning("cleaning up after a failed start of %s failed: %s", launch.marker, exc)
 
     async def _spawn_detached(
         self, launch: Launch, nonce: str, plan: _Boot, *, warm: bool, cap: int | None = None
@@ -546,13 +589,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                 reason = "connection_lost"
         else:
             what = f"exit status {session.exit.code}"
-        with anyio.CancelScope(shield=True):
-            session.stop_feeding()
-            session.close()
-            try:
-                await kill_abandoned_start(self._marked(launch.marker), self._config.grace_ms / 1000)
-            except Exception as exc:  # the connection may be what failed
-                log.warning("cleaning up after a failed start of %s failed: %s", launch.marker, exc)
+        await self._abandon_start(launch, self._marked(launch.marker), session)
         raise BashInfrastructureError(
             f"dsh-supervise did not start the background task on {self._pool.where} ({what}): "
             f"{said or 'no output'}",
