@@ -794,116 +794,203 @@ async def spawn_host_process(
     ``channels`` (with ``supervisor``): where a command's status socket and pipes are made ahead of
     time, while the previous command starts.
     """
-    spec = launch.spec
-    script: tuple[HostSpillDir, str] | None = None
-    encoded = spec.command.encode("utf-8", "surrogateescape")
-    if len(encoded) > MAX_INLINE_COMMAND:
-        script_file = spill_dir.new_file("sh")
-        script_file.write(encoded)
-        script_file.close()
-        script = (spill_dir, os.path.basename(script_file.path))
-        argv = [bash, "--noprofile", "--norc", script_file.path]
-    else:
-        argv = [bash, "--noprofile", "--norc", "-c", spec.command]
-
-    opened: list[int] = []
+    argv, script = _bash_argv(launch.spec.command, bash, spill_dir)
     try:
-        host_workdir = spec.workdir
         nested = supervisor is not None and inner_supervisor is not None
         if nested:
-            # The marker reaches the shell alone (--setenv): neither the launcher nor the supervisor
-            # inside carries it, so whoever looks for the command's processes by it finds the shell.
-            marking = f"{MARKER_VAR}={launch.marker}"
-            argv = [
-                str(inner_supervisor),
-                "--setenv",
-                marking,
-                "--status-fd",
-                str(_INNER_STATUS_FD),
-                "--",
-                *argv,
-            ]
-        if wrap is not None:
-            argv, host_workdir = wrap(argv, launch)
-        problem = _workdir_problem(host_workdir)
-        if problem is not None:
-            what, why = problem
-            raise BashInfrastructureError(f"workdir {spec.workdir!r} {what}", reason=why)
+            argv = _under_inner_supervisor(argv, str(inner_supervisor), launch.marker)
+        argv, host_workdir = _wrapped(argv, launch, wrap)
         if supervisor is not None:
-            # A server a command killed takes the request with it: the command never ran, so it
-            # may be asked again of a new server, once.
-            for attempt in (1, 2):
-                process = await _spawn_supervised(
-                    launch,
-                    argv,
-                    host_workdir,
-                    supervisor,
-                    bash=bash,
-                    script=script,
-                    scanner=scanner,
-                    start_helper=start_helper,
-                    nested=nested,
-                    channels=channels,
-                )
-                if process is not None:
-                    return process
-                if attempt == 1:
-                    log.warning("dsh-supervise's fork server is gone (killed?): starting another")
-            raise BashInfrastructureError(
-                "the command's supervisor (dsh-supervise) ended before the command started",
-                reason="start_failed",
+            return await _spawn_under_fork_server(
+                launch,
+                argv,
+                host_workdir,
+                supervisor,
+                bash=bash,
+                script=script,
+                scanner=scanner,
+                start_helper=start_helper,
+                nested=nested,
+                channels=channels,
             )
-        if spec.terminal is not None:
+        return _spawn_marked(
+            launch, argv, host_workdir, bash=bash, scanner=scanner, start_helper=start_helper, script=script
+        )
+    except BaseException:
+        # A process that holds the script removes it at release; a start that failed leaves no file.
+        if script is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(script[1], dir_fd=spill_dir.fd)
+        raise
+
+
+def _bash_argv(
+    command: str, bash: str, spill_dir: HostSpillDir
+) -> tuple[list[str], tuple[HostSpillDir, str] | None]:
+    """The argv that runs ``command`` in ``bash``, and the script file it reads it from, if any.
+
+    A command longer than ``MAX_INLINE_COMMAND`` goes through a file in the spill directory: execve
+    refuses a single argument that long."""
+    encoded = command.encode("utf-8", "surrogateescape")
+    if len(encoded) <= MAX_INLINE_COMMAND:
+        return [bash, "--noprofile", "--norc", "-c", command], None
+    script_file = spill_dir.new_file("sh")
+    script_file.write(encoded)
+    script_file.close()
+    script = (spill_dir, os.path.basename(script_file.path))
+    return [bash, "--noprofile", "--norc", script_file.path], script
+
+
+def _under_inner_supervisor(argv: list[str], inner_supervisor: str, marker: str) -> list[str]:
+    """``argv`` run by the supervisor that goes inside the launcher's sandbox."""
+    # The marker reaches the shell alone (--setenv): neither the launcher nor the supervisor
+    # inside carries it, so whoever looks for the command's processes by it finds the shell.
+    marking = f"{MARKER_VAR}={marker}"
+    return [inner_supervisor, "--setenv", marking, "--status-fd", str(_INNER_STATUS_FD), "--", *argv]
+
+
+def _wrapped(argv: list[str], launch: Launch, wrap: WrapCommand | None) -> tuple[list[str], str]:
+    """``argv`` behind ``wrap``'s launcher, and the host directory it starts in; raises
+    BashInfrastructureError (with the workdir's reason) when that directory is not usable."""
+    host_workdir = launch.spec.workdir
+    if wrap is not None:
+        argv, host_workdir = wrap(argv, launch)
+    problem = _workdir_problem(host_workdir)
+    if problem is not None:
+        what, why = problem
+        raise BashInfrastructureError(f"workdir {launch.spec.workdir!r} {what}", reason=why)
+    return argv, host_workdir
+
+
+async def _spawn_under_fork_server(
+    launch: Launch,
+    argv: list[str],
+    host_workdir: str,
+    server: SupervisorServer,
+    *,
+    bash: str,
+    script: tuple[HostSpillDir, str] | None,
+    scanner: ProcScanner,
+    start_helper: StartHelper,
+    nested: bool,
+    channels: ChannelPool | None,
+) -> SupervisedProcess:
+    """Start the command under a supervisor of its own, forked by ``server``."""
+    # A server a command killed takes the request with it: the command never ran, so it
+    # may be asked again of a new server, once.
+    for attempt in (1, 2):
+        process = await _spawn_supervised(
+            launch,
+            argv,
+            host_workdir,
+            server,
+            bash=bash,
+            script=script,
+            scanner=scanner,
+            start_helper=start_helper,
+            nested=nested,
+            channels=channels,
+        )
+        if process is not None:
+            return process
+        if attempt == 1:
+            log.warning("dsh-supervise's fork server is gone (killed?): starting another")
+    raise BashInfrastructureError(
+        "the command's supervisor (dsh-supervise) ended before the command started",
+        reason="start_failed",
+    )
+
+
+def _spawn_marked(
+    launch: Launch,
+    argv: list[str],
+    host_workdir: str,
+    *,
+    bash: str,
+    scanner: ProcScanner,
+    start_helper: StartHelper,
+    script: tuple[HostSpillDir, str] | None,
+) -> HostProcess:
+    """Start the command as our own child (no supervisor: its processes are found by the marker in
+    their environment), on a terminal or on pipes. A descriptor made on the way is closed if a later
+    step fails."""
+    opened: list[int] = []
+    try:
+        if launch.spec.terminal is not None:
             return _spawn_on_terminal(
                 launch,
                 argv,
                 host_workdir,
-                spec.terminal,
+                launch.spec.terminal,
                 bash=bash,
                 scanner=scanner,
                 start_helper=start_helper,
                 script=script,
                 opened=opened,
             )
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        opened += [out_r, out_w]
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        opened += [err_r, err_w]
-        stdin: Any = subprocess.DEVNULL
-        in_w: int | None = None
-        if spec.stdin is not None or spec.open_stdin:
-            in_r, in_w = os.pipe2(os.O_CLOEXEC)
-            opened += [in_r, in_w]
-            stdin = in_r
-        popen = _popen(launch, argv, host_workdir, bash, stdin=stdin, stdout=out_w, stderr=err_w)
-        # The child holds its own copies now; ours must go, or EOF would never come.
-        for fd in (out_w, err_w) + ((stdin,) if in_w is not None else ()):
-            os.close(fd)
-            opened.remove(fd)
-        for fd in (out_r, err_r) + ((in_w,) if in_w is not None else ()):
-            _set_nonblocking(fd)
-        opened.clear()
-        plain = HostProcess(
-            popen,
+        return _spawn_on_pipes(
             launch,
-            stdout_fd=out_r,
-            stderr_fd=err_r,
-            stdin_fd=in_w,
+            argv,
+            host_workdir,
+            bash=bash,
             scanner=scanner,
             start_helper=start_helper,
             script=script,
+            opened=opened,
         )
-        if spec.open_stdin and in_w is not None:
-            plain._input_identity = InputIdentity.of_fd(in_w, terminal=False)
-        return plain
     except BaseException:
         for fd in opened:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        if script is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(script[1], dir_fd=spill_dir.fd)
         raise
+
+
+def _spawn_on_pipes(
+    launch: Launch,
+    argv: list[str],
+    host_workdir: str,
+    *,
+    bash: str,
+    scanner: ProcScanner,
+    start_helper: StartHelper,
+    script: tuple[HostSpillDir, str] | None,
+    opened: list[int],
+) -> HostProcess:
+    """Start the command with its stdout and stderr on pipes, and its stdin on a pipe when the spec
+    gives input (else /dev/null). Ours are non-blocking. Descriptors go in ``opened`` until they are
+    handed over."""
+    spec = launch.spec
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    opened += [out_r, out_w]
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    opened += [err_r, err_w]
+    stdin: Any = subprocess.DEVNULL
+    in_w: int | None = None
+    if spec.stdin is not None or spec.open_stdin:
+        in_r, in_w = os.pipe2(os.O_CLOEXEC)
+        opened += [in_r, in_w]
+        stdin = in_r
+    popen = _popen(launch, argv, host_workdir, bash, stdin=stdin, stdout=out_w, stderr=err_w)
+    # The child holds its own copies now; ours must go, or EOF would never come.
+    for fd in (out_w, err_w) + ((stdin,) if in_w is not None else ()):
+        os.close(fd)
+        opened.remove(fd)
+    for fd in (out_r, err_r) + ((in_w,) if in_w is not None else ()):
+        _set_nonblocking(fd)
+    opened.clear()
+    process = HostProcess(
+        popen,
+        launch,
+        stdout_fd=out_r,
+        stderr_fd=err_r,
+        stdin_fd=in_w,
+        scanner=scanner,
+        start_helper=start_helper,
+        script=script,
+    )
+    if spec.open_stdin and in_w is not None:
+        process._input_identity = InputIdentity.of_fd(in_w, terminal=False)
+    return process
 
 
 def _popen(
