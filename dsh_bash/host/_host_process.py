@@ -38,7 +38,7 @@ from .._protocol import (
     ExitStatus,
     Launch,
 )
-from .._types import TerminalSize
+from .._types import BashExecSpec, TerminalSize
 from ..supervisor import SupervisorRecords
 from ._fork_server import (
     SupervisorServer,
@@ -1095,6 +1095,47 @@ def _spawn_on_terminal(
     return process
 
 
+@dataclass(frozen=True, slots=True)
+class _SupervisedStdio:
+    """A supervised command's stdin, stdout and stderr as the request gives them, and our ends."""
+
+    command_in: int
+    command_out: int
+    command_err: int
+    read_out: int  # read as the task's stdout
+    write_in: int | None  # written as its input
+    identity: InputIdentity | None  # set for open input or a terminal
+
+
+def _supervised_stdio(
+    spec: BashExecSpec,
+    plumbing: CommandChannels,
+    server: SupervisorServer,
+    *,
+    ours: list[int],
+    theirs: list[int],
+) -> _SupervisedStdio:
+    """The command's stdio from ``plumbing``'s pipes, a terminal or an input pipe; what it opens goes
+    in ``ours`` (kept) or ``theirs`` (closed once the request went)."""
+    if spec.terminal is not None:
+        # The terminal's slave side is the command's stdin, stdout and stderr (the supervisor
+        # makes it the controlling terminal); ours is the master, read as stdout and written as
+        # input. The stdout pipe goes unused, the stderr pipe ends at once.
+        terminal = _open_terminal(spec.terminal, ours)
+        ours.remove(terminal.slave)  # goes with the request
+        theirs.append(terminal.slave)
+        slave = terminal.slave
+        return _SupervisedStdio(slave, slave, slave, terminal.master, terminal.writer, terminal.identity)
+    if spec.stdin is not None or spec.open_stdin:
+        in_r, in_w = os.pipe2(os.O_CLOEXEC)
+        _set_nonblocking(in_w)
+        identity = InputIdentity.of_fd(in_w, terminal=False) if spec.open_stdin else None
+        ours.append(in_w)
+        theirs.append(in_r)
+        return _SupervisedStdio(in_r, plumbing.out_w, plumbing.err_w, plumbing.out_r, in_w, identity)
+    return _SupervisedStdio(server.null, plumbing.out_w, plumbing.err_w, plumbing.out_r, None, None)
+
+
 async def _spawn_supervised(
     launch: Launch,
     argv: list[str],
@@ -1109,35 +1150,14 @@ async def _spawn_supervised(
     channels: ChannelPool | None,
 ) -> SupervisedProcess | None:
     """One request to the fork server; None when the server died before a supervisor took it."""
-    spec = launch.spec
     plumbing = channels.take() if channels is not None else None
     if plumbing is None:
         plumbing = CommandChannels.open()
     theirs = [plumbing.status_theirs, plumbing.out_w, plumbing.err_w]
     ours = [plumbing.out_r, plumbing.err_r]
     status = plumbing.status
-    out_r, command_out, command_err = plumbing.out_r, plumbing.out_w, plumbing.err_w
     try:
-        in_w: int | None = None
-        identity: InputIdentity | None = None
-        if spec.terminal is not None:
-            # The terminal's slave side is the command's stdin, stdout and stderr (the supervisor
-            # makes it the controlling terminal); ours is the master, read as stdout and written as
-            # input. The stdout pipe goes unused, the stderr pipe ends at once.
-            terminal = _open_terminal(spec.terminal, ours)
-            ours.remove(terminal.slave)  # goes with the request
-            theirs.append(terminal.slave)
-            identity, in_w, out_r = terminal.identity, terminal.writer, terminal.master
-            in_r = command_out = command_err = terminal.slave
-        elif spec.stdin is not None or spec.open_stdin:
-            in_r, in_w = os.pipe2(os.O_CLOEXEC)
-            _set_nonblocking(in_w)
-            if spec.open_stdin:
-                identity = InputIdentity.of_fd(in_w, terminal=False)
-            ours.append(in_w)
-            theirs.append(in_r)
-        else:
-            in_r = server.null
+        stdio = _supervised_stdio(launch.spec, plumbing, server, ours=ours, theirs=theirs)
         env = launch.env
         if nested:
             env = {name: value for name, value in env.items() if name != MARKER_VAR}
@@ -1146,9 +1166,9 @@ async def _spawn_supervised(
             env,
             host_workdir,
             status=plumbing.status_theirs,
-            stdin=in_r,
-            stdout=command_out,
-            stderr=command_err,
+            stdin=stdio.command_in,
+            stdout=stdio.command_out,
+            stderr=stdio.command_err,
             status_in_program=_INNER_STATUS_FD if nested else -1,
         )
     except BaseException:
@@ -1163,15 +1183,15 @@ async def _spawn_supervised(
     if channels is not None:
         # While the supervisor starts this command: the next one finds its plumbing ready.
         channels.refill()
-    if out_r != plumbing.out_r:
+    if stdio.read_out != plumbing.out_r:
         os.close(plumbing.out_r)
     err_r = plumbing.err_r
     process = SupervisedProcess(
         launch,
         status=status,
-        stdout_fd=out_r,
+        stdout_fd=stdio.read_out,
         stderr_fd=err_r,
-        stdin_fd=in_w,
+        stdin_fd=stdio.write_in,
         scanner=scanner,
         start_helper=start_helper,
         script=None,  # not before it started: a retry still needs the file
@@ -1179,12 +1199,20 @@ async def _spawn_supervised(
         nudge=server.nudge,
         nested=nested,
     )
-    process._input_identity = identity
+    process._input_identity = stdio.identity
     if not launch.background:
         # A foreground command's start is confirmed by its wait(), whose errors run() raises as
         # they are: meanwhile the executor sets up its reading, while the supervisor starts it.
         process._script = script
         return process
+    return await _confirmed_start(process, server, script)
+
+
+async def _confirmed_start(
+    process: SupervisedProcess, server: SupervisorServer, script: tuple[HostSpillDir, str] | None
+) -> SupervisedProcess | None:
+    """``process`` once its command runs (a background command's start is confirmed before it is
+    returned); None when the server died before a supervisor took the request."""
     try:
         await process.started()
     except BashInfrastructureError:
