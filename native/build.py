@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Builds dsh-supervise (native/supervise.c) into static binaries, package data of
-dsh_bash.supervisor._native.
+"""Builds dsh-supervise (every native/*.c, with the headers beside them) into static binaries, package
+data of dsh_bash.supervisor._native.
 
     python native/build.py                 # every architecture (x86_64, aarch64) with zig cc
     python native/build.py --if-stale      # only what is missing or older than its sources
@@ -30,13 +30,22 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "supervise.c"
 ROOT = HERE.parent
 DEFAULT_OUT = ROOT / "dsh_bash" / "supervisor" / "_native"
 ARCHITECTURES = ("x86_64", "aarch64")
 NAME = "dsh-supervise"
 CFLAGS = ("-std=gnu11", "-Wall", "-Wextra", "-static", "-Os", "-s")
 _ALIASES = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}
+
+
+def sources() -> list[Path]:
+    """The C files compiled into dsh-supervise: every one in native/, in one compiler run."""
+    return sorted(HERE.glob("*.c"))
+
+
+def inputs() -> list[Path]:
+    """What a binary is built from: the C files, their headers and this script."""
+    return [*sources(), *sorted(HERE.glob("*.h")), Path(__file__).resolve()]
 
 
 def host_arch() -> str | None:
@@ -49,13 +58,13 @@ def output_path(arch: str, out_dir: Path = DEFAULT_OUT) -> Path:
 
 
 def is_stale(arch: str, out_dir: Path = DEFAULT_OUT) -> bool:
-    """True when the binary for ARCH is missing or older than supervise.c or this script."""
+    """True when the binary for ARCH is missing or older than a C file, a header or this script."""
     target = output_path(arch, out_dir)
     try:
         built = target.stat().st_mtime
     except OSError:
         return True
-    return any(source.stat().st_mtime > built for source in (SOURCE, Path(__file__).resolve()))
+    return any(source.stat().st_mtime > built for source in inputs())
 
 
 def have_ziglang() -> bool:
@@ -128,7 +137,7 @@ def build(
         log(f"{NAME}: building {target} ({'zig cc' if use_zig else command[0]})")
         try:
             done = subprocess.run(
-                [*command, "-o", str(partial), str(SOURCE)],
+                [*command, "-o", str(partial), *(str(source) for source in sources())],
                 env=env,
                 capture_output=True,
                 text=True,
