@@ -725,14 +725,71 @@ def test_source_is_warnings_clean(tmp_path: Path) -> None:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no host C compiler")
+    sources = sorted(str(path) for path in (ROOT / "native").glob("*.c"))
     done = subprocess.run(
-        [cc, "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", str(ROOT / "native/supervise.c")],
+        [cc, "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", *sources],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
     assert done.returncode == 0, done.stderr
+
+
+def top_level_blocks(source: str) -> list[tuple[int, int]]:
+    """(first line, line count) of each top-level brace block of a C source (functions, tables):
+    braces in strings, character constants and comments do not count."""
+    blocks: list[tuple[int, int]] = []
+    depth, line, start = 0, 1, 0
+    index, end = 0, len(source)
+    while index < end:
+        char = source[index]
+        if source.startswith("/*", index):
+            close = source.index("*/", index + 2) + 2
+            line += source.count("\n", index, close)
+            index = close
+            continue
+        if source.startswith("//", index):
+            index = source.find("\n", index)
+            index = end if index < 0 else index
+            continue
+        if char in "\"'":
+            index += 1
+            while source[index] != char:
+                index += 2 if source[index] == "\\" else 1
+        elif char == "\n":
+            line += 1
+        elif char == "{":
+            depth += 1
+            start = line if depth == 1 else start
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                blocks.append((start, line - start + 1))
+        index += 1
+    return blocks
+
+
+def test_the_block_counter_counts() -> None:
+    source = (
+        'int f(void)\n{\n    char *s = "}{";\n    /* } */\n    return 0; // {\n}\n'
+        "int g(void) { return '}'; }\n"
+    )
+    assert top_level_blocks(source) == [(2, 5), (7, 1)]
+
+
+def test_native_sources_stay_small() -> None:
+    """No file of native/ over 900 lines, no function over 150 (issue 28): the supervisor stays
+    readable file by file."""
+    sizes = {path.name: path.read_text().count("\n") for path in (ROOT / "native").glob("*.[ch]")}
+    assert {name: lines for name, lines in sizes.items() if lines > 900} == {}
+    long_blocks = {
+        f"{path.name}:{first}": lines
+        for path in (ROOT / "native").glob("*.c")
+        for first, lines in top_level_blocks(path.read_text())
+        if lines > 150
+    }
+    assert long_blocks == {}
 
 
 def test_binaries_are_up_to_date() -> None:
