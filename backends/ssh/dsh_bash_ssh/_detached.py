@@ -342,7 +342,11 @@ class Follower:
         active = False
         if self._to_remove:
             paths, self._to_remove = self._to_remove, []
-            await self._remove(sftp, paths)
+            try:
+                await self._remove(sftp, paths)
+            finally:
+                # What an error left (a lost connection) is tried again on the next pass.
+                self._to_remove[:0] = paths
             active = True
         if not self._tasks:
             return active
