@@ -352,9 +352,12 @@ def test_dropped_records_are_reported(tasks: list[Detached], tmp_path: Path) -> 
     # 10 bytes past the file's end: the next record is written short, and those after it not at all.
     # The supervisor ignores SIGXFSZ, drops them and reuses their SEQ; once the limit is back, the
     # next record says how many were lost, glued to the partial one, and verifies. (The kill requests
-    # are there for records to drop: `signalled N`.)
+    # are there for records to drop: `signalled N`.) The supervisor writes `started` while the command
+    # already runs: the command waits for it, or a loaded machine lets it measure the file before
+    # and set a limit below the file's size (no partial line then).
     script = (
         "trap '' TERM; "  # the kill requests' TERM passes reach the command too
+        "until grep -q ' started ' \"$STATUS\"; do sleep 0.01; done; "
         'size=$(stat -c %s "$STATUS"); prlimit --pid $PPID --fsize=$((size + 10)):unlimited; '
         "kill -USR1 $PPID; sleep 0.3; kill -USR1 $PPID; sleep 0.3; "
         "prlimit --pid $PPID --fsize=unlimited:unlimited; exit 4"
