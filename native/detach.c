@@ -337,6 +337,7 @@ int run_detached(struct options *o)
     settle_stdio(0, -1);
     report_start(0, err);
     struct mode m = {.control_fd = -1,
+                     .grace_ms = o->grace_ms,
                      .ending = detached_ending,
                      .add_polls = relay_polls,
                      .kill_asked = drop_output};

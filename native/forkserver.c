@@ -325,6 +325,6 @@ int run_fork_server(struct options *o)
     int err = spawn_command(&l);
     settle_stdio(0, -1);
     report_start(0, err);
-    struct mode m = {.control_fd = -1};
+    struct mode m = {.control_fd = -1, .grace_ms = -1};
     return supervise(&m);
 }

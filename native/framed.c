@@ -624,6 +624,7 @@ int run_framed(struct options *o)
         frame_out('e', NULL, 0, RING_CAP);
     }
     struct mode m = {.control_fd = -1,
+                     .grace_ms = o->grace_ms,
                      .program_ended = drain_ready,
                      .children_gone = frame_children_gone,
                      .ending = frame_ending,

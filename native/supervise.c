@@ -104,6 +104,12 @@ static int parse_valued(int argc, char **argv, int *i, struct options *o, int *s
         o->cap_bytes = strtoll(v, &end, 10);
         if (errno != 0 || end == v || *end != '\0' || o->cap_bytes < 2 * 4096)
             die("--cap-bytes wants a number of bytes, at least 8192");
+    } else if (strcmp(a, "--grace-ms") == 0) {
+        char *end;
+        errno = 0;
+        o->grace_ms = strtoll(v, &end, 10);
+        if (errno != 0 || end == v || *end != '\0' || o->grace_ms < 0 || o->grace_ms > 86400000)
+            die("--grace-ms wants a number of milliseconds, from 0 to 86400000");
     } else if (strcmp(a, "--cap-file") == 0) {
         o->cap_path = v;
     } else if (strcmp(a, "--setenv") == 0) {
@@ -184,6 +190,8 @@ static void check_options(const struct command_line *c, const struct options *o,
         die("--status-file, --stdin-file, --stdout-file and --stderr-file go with --detach only");
     if (o->cap_bytes >= 0 && (!c->detach || o->stdio_paths[1] == NULL || o->stdio_paths[2] == NULL))
         die("--cap-bytes goes with --detach, --stdout-file and --stderr-file");
+    if (c->server && o->grace_ms >= 0)
+        die("--grace-ms goes with a PROGRAM: --fork-server's requests carry no grace");
     if (o->cap_path != NULL && o->cap_bytes < 0)
         die("--cap-file goes with --cap-bytes");
 }
@@ -231,7 +239,8 @@ int main(int argc, char **argv)
      * --detach key) or open its fds through /proc, nor ptrace it. */
     if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
         die("prctl(PR_SET_DUMPABLE): %s", strerror(errno));
-    struct options o = {.status_fd = -1, .control_fd = -1, .cap_bytes = -1, .argc = argc, .argv = argv};
+    struct options o = {
+        .status_fd = -1, .control_fd = -1, .cap_bytes = -1, .grace_ms = -1, .argc = argc, .argv = argv};
     struct command_line c = {0, 0, 0, 1};
     /* --setenv: indexes into argv, copied once the options are known. */
     int *setenv_args = calloc((size_t)argc, sizeof *setenv_args);

@@ -19,7 +19,8 @@
  *
  * Kill requests: SIGUSR1 or byte 'T' on the control fd sends SIGTERM (then SIGCONT) to every live
  * descendant; SIGUSR2 or byte 'K' sends SIGKILL to every descendant and repeats scan+kill passes
- * until a scan finds none alive. EOF on the control fd (or SIGUSR2 from --die-with-parent) means the
+ * until a scan finds none alive. With --grace-ms N (version 6), the first SIGTERM request is followed,
+ * N ms later, by the SIGKILL of a 'K' request, unless one came first. EOF on the control fd (or SIGUSR2 from --die-with-parent) means the
  * harness is gone: kill everything and exit once empty.
  *
  * PROGRAM is started by posix_spawnp (a clone sharing memory until the exec): default dispositions,
@@ -269,19 +270,31 @@ struct killing {
     int active; /* SIGKILL passes go on until one finds nothing alive */
     int pause_ms;
     long long next_pass;
+    long long escalate_at; /* --grace-ms: when the SIGKILL a SIGTERM request calls for is due; -1: none */
 };
 
 /* Serves the kill requests that came, and the next SIGKILL pass when the clock says it is due (however
- * busy SIGCHLD keeps the loop). 1: go round again at once, to reap what died before waiting. */
-static int serve_kills(struct killing *k)
+ * busy SIGCHLD keeps the loop). With --grace-ms, a SIGTERM request is a whole kill sequence: its SIGKILL
+ * follows by this process's own clock, so a harness whose requests travel slowly (a new SSH session
+ * each, on a loaded host) cannot stretch the grace; the harness's own SIGKILL, when it comes, finds
+ * the work done. 1: go round again at once, to reap what died before waiting. */
+static int serve_kills(struct killing *k, const struct mode *m)
 {
     int alive;
     if (want_term) {
         want_term = 0;
         record("signalled %d", kill_pass(SIGTERM, &alive));
+        if (m->grace_ms >= 0 && k->escalate_at < 0)
+            k->escalate_at = now_ms() + m->grace_ms;
+    }
+    if (k->escalate_at >= 0 && now_ms() >= k->escalate_at && !want_kill) {
+        want_kill = 1; /* the grace is over: as if SIGKILL had been asked for */
+        if (m->kill_asked != NULL)
+            m->kill_asked();
     }
     if (want_kill) {
         want_kill = 0;
+        k->escalate_at = -1;
         record("signalled %d", kill_pass(SIGKILL, &alive));
         k->active = alive > 0;
         k->pause_ms = PASS_MIN_MS;
@@ -339,7 +352,7 @@ static void read_control(int *control_fd)
 int supervise(const struct mode *m)
 {
     struct pollfd pfds[8];
-    struct killing k = {0, PASS_MIN_MS, 0};
+    struct killing k = {0, PASS_MIN_MS, 0, -1};
     int control_fd = m->control_fd, no_children = 0;
     for (;;) {
         if (!no_children && reap(m)) {
@@ -360,8 +373,9 @@ int supervise(const struct mode *m)
             if (end == END_AGAIN)
                 continue;
             want_term = want_kill = k.active = 0; /* `empty` is due: no request is served any more */
+            k.escalate_at = -1;
         }
-        if (serve_kills(&k))
+        if (serve_kills(&k, m))
             continue;
         int nfds = 0, at_control = -1, timeout = -1;
         pfds[nfds].fd = sig_fd;
@@ -371,8 +385,11 @@ int supervise(const struct mode *m)
             pfds[nfds].fd = control_fd;
             pfds[nfds++].events = POLLIN;
         }
-        if (k.active) {
-            long long left = k.next_pass - now_ms();
+        if (k.active || k.escalate_at >= 0) {
+            long long due = k.active ? k.next_pass : k.escalate_at;
+            if (k.active && k.escalate_at >= 0 && k.escalate_at < due)
+                due = k.escalate_at;
+            long long left = due - now_ms();
             timeout = left < 0 ? 0 : (int)left;
         }
         if (m->add_polls != NULL && (nfds = m->add_polls(pfds, nfds, no_children, &timeout)) < 0)
@@ -410,6 +427,6 @@ int run_plain(struct options *o)
     int err = spawn_command(&l);
     settle_stdio(0, o->control_fd);
     report_start(0, err);
-    struct mode m = {.control_fd = o->control_fd};
+    struct mode m = {.control_fd = o->control_fd, .grace_ms = o->grace_ms};
     return supervise(&m);
 }

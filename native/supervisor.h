@@ -14,6 +14,7 @@ struct options {
     unsigned short tty_rows, tty_cols;        /* --frame --tty; 0: no terminal */
     char *status_path, *stdio_paths[3];       /* --detach */
     long long cap_bytes;                      /* --detach --cap-bytes; -1: none */
+    long long grace_ms;                       /* --grace-ms; -1: SIGKILL only when asked */
     char *cap_path;
     char **program;                           /* copied out of the argument area */
     char **setenv_names, **setenv_values;
@@ -26,6 +27,7 @@ struct options {
 enum { END_EXIT, END_AGAIN, END_SERVE };
 struct mode {
     int control_fd; /* plain mode's --control-fd, else -1 */
+    long long grace_ms; /* --grace-ms: a SIGTERM request is followed by SIGKILL after it; -1: never */
     /* The PROGRAM process was reaped; its exit record comes next. */
     void (*program_ended)(void);
     /* No child is left, said once. */

@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -353,6 +354,45 @@ async def test_killing_a_detached_task_kills_a_hidden_escapee(ssh_server: SshSer
             assert await _gone(hidden, 2.0) == []
     finally:
         _kill(hidden)
+
+
+def _supervisor_of(pid: int) -> int:
+    """The dsh-supervise that a host process runs under (its nearest ancestor of that name)."""
+    while pid > 1:
+        if Path(f"/proc/{pid}/comm").read_text().startswith("dsh-supervise"):
+            return pid
+        pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    raise AssertionError("no dsh-supervise above the task")
+
+
+@pytest.mark.parametrize("detached", [True, False], ids=["detached", "foreground"])
+async def test_the_supervisor_follows_a_sigterm_request_with_sigkill_after_the_grace(
+    ssh_server: SshServer, detached: bool
+) -> None:
+    """The executor's grace goes to the supervisor (--grace-ms): a SIGTERM request alone ends in
+    SIGKILL on the host's clock, so the harness's own SIGKILL, a new session that a loaded host may
+    start seconds late, cannot stretch the grace. Asked here by hand, without any SIGKILL request."""
+    stubborn = "sleep 999.4375"
+    grace_ms = 700
+    try:
+        async with ssh_server.executor(grace_ms=grace_ms) as ex, anyio.create_task_group() as group:
+            command = f"trap '' TERM; {stubborn}; :"
+            if detached:
+                await ex.start(ex.resolve(BashExecRequest(command=command)))
+            else:
+                group.start_soon(ex.exec, command)
+            deadline = time.monotonic() + 10
+            while not (found := _host_processes(stubborn)):
+                assert time.monotonic() < deadline, "the task never started"
+                await anyio.sleep(0.02)
+            supervisor = _supervisor_of(int(found[0]))
+            os.kill(supervisor, signal.SIGUSR1)
+            asked = time.monotonic()
+            left = await _gone(stubborn, grace_ms / 1000 + 5.0)
+            assert left == [], "no SIGKILL followed the SIGTERM request"
+            assert time.monotonic() - asked >= grace_ms / 1000 * 0.9, "SIGKILL came before the grace"
+    finally:
+        _kill(stubborn)
 
 
 async def test_a_detached_task_reports_its_own_signal_and_its_stdin(ssh_server: SshServer) -> None:

@@ -428,6 +428,35 @@ def test_sigusr1_terminates_but_a_trapping_process_survives_until_sigusr2(
     assert _marked(marker) == []
 
 
+@pytest.mark.parametrize("grace_ms", [None, 300])
+def test_grace_ms_turns_a_sigterm_request_into_the_whole_sequence(
+    runs: list[Supervised], marker: str, grace_ms: int | None
+) -> None:
+    """--grace-ms: a SIGTERM request alone is followed by SIGKILL once the grace is over, by the
+    supervisor's own clock (an SSH harness's SIGKILL request may come seconds late on a loaded host);
+    without it, a SIGTERM-proof member lives until SIGKILL is asked for."""
+    script = '( trap "" TERM; exec -a "$M-trap" sleep 600 & ); sleep 0.3; exit 0'
+    options = [] if grace_ms is None else ["--grace-ms", str(grace_ms)]
+    run = Supervised([BASH, "--noprofile", "--norc", "-c", script], options=options, marker=marker)
+    runs.append(run)
+    run.started_pid()
+    assert run.next_record() == "exit 0"
+    os.kill(run.process.pid, signal.SIGUSR1)
+    asked = time.monotonic()
+    assert run.expect("signalled ") == "signalled 1"
+    if grace_ms is None:
+        time.sleep(1.0)
+        assert len(_marked(marker)) == 1, "SIGKILL came though nobody asked for it"
+        os.kill(run.process.pid, signal.SIGUSR2)
+    assert run.expect("signalled ") == "signalled 1"
+    if grace_ms is not None:
+        # Never before the grace (the supervisor's clock started once it read the request: later).
+        assert time.monotonic() - asked >= grace_ms / 1000
+    assert run.next_record() == "empty"
+    assert run.process.wait(10) == 0
+    assert _marked(marker) == []
+
+
 def test_control_fd_requests_and_eof(runs: list[Supervised], marker: str) -> None:
     script = '( trap "" TERM; exec -a "$M-a" sleep 600 & ); ( exec -a "$M-b" sleep 600 & ); sleep 0.3; exit 0'
     run = Supervised([BASH, "--noprofile", "--norc", "-c", script], control=True, marker=marker)
@@ -679,6 +708,10 @@ def test_setenv_usage_errors(tmp_path: Path, args: list[str]) -> None:
         ["--status-fd", "999", "--", "true"],
         ["--status-fd", "x", "--", "true"],
         ["--bogus", "--", "true"],
+        ["--grace-ms", "-1", "--", "true"],
+        ["--grace-ms", "1.5", "--", "true"],
+        ["--grace-ms", "86400001", "--", "true"],
+        ["--fork-server", "--grace-ms", "100"],
     ],
 )
 def test_usage_errors_exit_125(args: list[str]) -> None:
@@ -689,7 +722,7 @@ def test_usage_errors_exit_125(args: list[str]) -> None:
 
 def test_version() -> None:
     done = subprocess.run([SUPERVISE, "--version"], capture_output=True, text=True, timeout=10, check=True)
-    assert done.stdout == "dsh-supervise 5\n"
+    assert done.stdout == "dsh-supervise 6\n"
     assert done.stdout == f"dsh-supervise {PROTOCOL_VERSION}\n"  # what the backends expect of it
 
 

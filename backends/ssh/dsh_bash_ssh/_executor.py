@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractContextManager
@@ -56,6 +57,8 @@ __all__ = ["SshBashExecutor"]
 log = logging.getLogger("dsh_bash.ssh")
 
 _SPILL_FLUSH_BOUND_S = 30.0
+#: How long a refused start's reason may trail its exit status on the channel.
+_REASON_BOUND_S = 2.0
 #: How long a detached task's dsh-supervise may take to detach once BOOT said it runs.
 _DETACH_BOUND_S = 30.0
 #: Variables of the setup script's own shell, not of the login.
@@ -264,8 +267,10 @@ class SshBashExecutor(BashExecutor[SshConfig]):
 
         environment = tuple(f"{name}={value}" for name, value in env.items())
         supervisor = self._supervisor
+        # Rounded up: the supervisor's SIGKILL never comes before the grace is over.
+        grace_ms = math.ceil(self._config.grace_ms)
         inline = args(spec.command, bool(secret))
-        line = boot_line(*inline, supervisor=supervisor)
+        line = boot_line(*inline, supervisor=supervisor, grace_ms=grace_ms)
         # One execve argument is limited to 128 KiB: a cold channel's whole line, and the command
         # text the command's own bash gets.
         if spec.command and len(line.encode("utf-8", "surrogateescape")) <= MAX_INLINE_COMMAND:
@@ -277,16 +282,18 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                 environment=environment,
                 long_command=None,
                 supervisor=supervisor,
+                grace_ms=grace_ms,
             )
         stored = args("", True)
         return _Boot(
             args=stored,
-            line=boot_line(*stored, supervisor=supervisor),
+            line=boot_line(*stored, supervisor=supervisor, grace_ms=grace_ms),
             header=header(spec.command),
             script=f"{self._spill_dir}/{nonce}.cmd",
             environment=environment,
             long_command=spec.command,
             supervisor=supervisor,
+            grace_ms=grace_ms,
         )
 
     def _supports_open_stdin(self) -> bool:
@@ -581,6 +588,11 @@ class SshBashExecutor(BashExecutor[SshConfig]):
             await session.ended.wait()
         if session.exit is not None and session.exit.code == 0:
             return
+        if session.exit is not None:
+            # sshd may send the exit status before the last of stderr (the reason): its EOF comes
+            # only after both streams are drained.
+            with anyio.move_on_after(_REASON_BOUND_S):
+                await session.eof.wait()
         said = bytes(session.stray_stderr).decode("utf-8", "replace").strip()
         reason: InfraReason = "start_failed"
         if session.exit is None:
@@ -696,11 +708,15 @@ class _Boot:
     #: dsh-supervise's path on the host, when the command runs under it (the cold line and the
     #: warm request end in the same exec of it: boot_script).
     supervisor: str | None = None
+    #: The executor's grace: the supervisor follows a SIGTERM request with SIGKILL by itself.
+    grace_ms: int | None = None
 
     def warm_request(self) -> bytes:
         # No header (the environment is in the arguments) and no kept names: WAITER's bash has an
         # empty environment, so each value comes from here.
-        return boot_request((*self.args[:7], "0", "", *self.environment), self.long_command, self.supervisor)
+        return boot_request(
+            (*self.args[:7], "0", "", *self.environment), self.long_command, self.supervisor, self.grace_ms
+        )
 
 
 class _SpareDied(BashInfrastructureError):

@@ -251,7 +251,7 @@ _dsh_cap=()
 [[ $_dsh_mode == bg:* ]] && _dsh_cap=(--cap-bytes "${_dsh_mode#bg:}" --cap-file "$_dsh_base.cap")
 builtin printf '\0dsh-bash-boot-ok\0'
 builtin printf '\0dsh-bash-stderr-ok\0' >&2
-exec SUPERVISOR --detach --status-file "$_dsh_base.status" "${_dsh_in[@]}" --stdout-file "$_dsh_base.stdout" \
+exec SUPERVISOR GRACE--detach --status-file "$_dsh_base.status" "${_dsh_in[@]}" --stdout-file "$_dsh_base.stdout" \
   --stderr-file "$_dsh_base.stderr" "${_dsh_cap[@]}" --setenv "DSH_BASH_MARK=$_dsh_mark" -- bash --noprofile --norc "${_dsh_run[@]}"
 """
 # Plain `exec` from here: no function is defined (see above), and `builtin exec <file` would undo
@@ -280,7 +280,7 @@ builtin export DSH_BASH_MARK=$_dsh_mark
 # A terminal task's mode is "fg" and its terminal's size ("fg30x100"): the supervisor makes and owns
 # that pty.
 _RUN_SUPERVISED = (
-    '_dsh_tty=${_dsh_mode#fg}; exec SUPERVISOR --frame ${_dsh_tty:+--tty "$_dsh_tty"} '
+    '_dsh_tty=${_dsh_mode#fg}; exec SUPERVISOR GRACE--frame ${_dsh_tty:+--tty "$_dsh_tty"} '
     '--setenv "DSH_BASH_MARK=$_dsh_mark" -- bash --noprofile --norc COMMAND\n'
 )
 # Before the verdict, so that a supervisor removed since the executor opened (by a command of the
@@ -360,11 +360,15 @@ def boot_script(
     stdin: bool,
     warm: bool = False,
     supervisor: str | None = None,
+    grace_ms: int | None = None,
 ) -> str:
     """BOOT with just the sections a command of this shape runs; ``warm``: for a warm channel's
     WAITER, whose bash started with an empty environment (so there is nothing to un-export);
     ``supervisor``: the path of dsh-supervise on the host, for the command to run under (``--frame``
-    in the foreground, ``--detach`` for a detached task)."""
+    in the foreground, ``--detach`` for a detached task); ``grace_ms``: its ``--grace-ms``, so that
+    a SIGTERM request is followed by SIGKILL on the host's own clock (a request travels in a new
+    session, which a loaded host may start seconds late)."""
+    grace = "" if grace_ms is None else f"--grace-ms {int(grace_ms)} "
     parts = [_PRELUDE]
     if header:
         parts.append(_READ_HEADER)
@@ -374,7 +378,9 @@ def boot_script(
     if long:
         parts.append(_STORE_LONG_COMMAND)
     if detached and supervisor is not None:
-        parts.append(_DETACH_SUPERVISED.replace("SUPERVISOR", _ascii_quote(supervisor)))
+        parts.append(
+            _DETACH_SUPERVISED.replace("SUPERVISOR", _ascii_quote(supervisor)).replace("GRACE", grace)
+        )
     elif detached:
         parts.append(_DETACH)
     elif supervisor is not None:
@@ -382,7 +388,11 @@ def boot_script(
         parts.append(_STARTED.replace("builtin export DSH_BASH_MARK=$_dsh_mark\n", ""))
         run = '"$_dsh_script"' if long else '-c "$_dsh_command"'
         # ASCII-quoted: a warm request is ASCII, and every shell that runs BOOT is a bash.
-        parts.append(_RUN_SUPERVISED.replace("SUPERVISOR", _ascii_quote(supervisor)).replace("COMMAND", run))
+        parts.append(
+            _RUN_SUPERVISED.replace("SUPERVISOR", _ascii_quote(supervisor))
+            .replace("GRACE", grace)
+            .replace("COMMAND", run)
+        )
     else:
         parts.append(_STARTED)
         if not stdin:
@@ -392,19 +402,22 @@ def boot_script(
 
 
 @functools.cache
-def _quoted_boot(detached: bool, header: bool, long: bool, stdin: bool, supervisor: str | None) -> str:
+def _quoted_boot(shape: tuple[bool, bool, bool, bool], supervisor: str | None, grace_ms: int | None) -> str:
+    detached, header, long, stdin = shape
     return shlex.quote(
-        boot_script(detached=detached, header=header, long=long, stdin=stdin, supervisor=supervisor)
+        boot_script(
+            detached=detached, header=header, long=long, stdin=stdin, supervisor=supervisor, grace_ms=grace_ms
+        )
     )
 
 
-def boot_line(*args: str, supervisor: str | None = None) -> str:
+def boot_line(*args: str, supervisor: str | None = None, grace_ms: int | None = None) -> str:
     """The command line running BOOT with ``args`` (see BOOT's arguments above). Any POSIX login
     shell parses it: BOOT runs in the login shell itself when that is a bash with compgen whose rc
     files defined no function, else in a clean bash. ``supervisor``: see :func:`boot_script`."""
     quoted = " ".join(shlex.quote(arg) for arg in args)
     return (
-        f"_dsh_b={_quoted_boot(*_shape(args), supervisor)}; set -- {quoted}; "
+        f"_dsh_b={_quoted_boot(_shape(args), supervisor, grace_ms)}; set -- {quoted}; "
         'if [ -n "${BASH_VERSION-}" ] && compgen -v BASH_VERSION >/dev/null 2>&1 '
         '&& ! compgen -A function >/dev/null 2>&1; then eval "$_dsh_b"; '
         'else BASH_ENV= ENV= exec bash --noprofile --norc -c "$_dsh_b" dsh-bash "$@"; fi'
@@ -449,7 +462,12 @@ def warm_line() -> str:
     )
 
 
-def boot_request(args: tuple[str, ...], long_command: str | None, supervisor: str | None = None) -> bytes:
+def boot_request(
+    args: tuple[str, ...],
+    long_command: str | None,
+    supervisor: str | None = None,
+    grace_ms: int | None = None,
+) -> bytes:
     """What a warm channel's WAITER reads to run BOOT with ``args`` (see BOOT's arguments above; the
     header flag "0", every variable of the command's environment as a NAME=VALUE entry) and the
     long command, when ``args`` has none. ``supervisor``: see :func:`boot_script`."""
@@ -459,7 +477,13 @@ def boot_request(args: tuple[str, ...], long_command: str | None, supervisor: st
     detached, header, long, stdin = _shape(args)
     assert not header and long == (long_command is not None)
     script += boot_script(
-        detached=detached, header=False, long=long, stdin=stdin, warm=True, supervisor=supervisor
+        detached=detached,
+        header=False,
+        long=long,
+        stdin=stdin,
+        warm=True,
+        supervisor=supervisor,
+        grace_ms=grace_ms,
     )
     body = script.encode("ascii")
     return b"%0*d" % (_LENGTH_DIGITS, len(body)) + body
