@@ -921,13 +921,23 @@ class DetachedSupervisors:
         return [task for task, alive in zip(reachable, answers, strict=True) if alive], unknown
 
     async def signal_all(self, sig: int) -> None:
+        request = "USR2" if sig == signal.SIGKILL else "USR1"
         try:
-            _, unknown = await self._ask("USR2" if sig == signal.SIGKILL else "USR1")
+            _, unknown = await self._ask(request)
+            if not unknown:
+                return
+            # Just started: the follower reads their first records at its next tick. One bounded
+            # wait for them all, one script for those it brought: a wait and a script per task made
+            # a hundred tasks' close outlast its bound on a loaded host.
+            with anyio.move_on_after(_SUPERVISOR_PID_BOUND_S):
+                for task in unknown:
+                    await task._followed.supervisor_known.wait()
+            known = [task for task in unknown if task._reachable]
+            if known:
+                await _ask_supervisors(self._pool, known, request)
         except BashInfrastructureError as exc:
             log.debug("signalling the supervisors of background tasks failed: %s", exc)
-            return  # the executor's marker fallback comes next
-        for task in unknown:  # just started: each waits (bounded) for its supervisor's pid
-            await task.signal_all(sig)
+        # What is still unknown (or unreached) is the executor's marker fallback's, which comes next.
 
     async def remaining(self) -> list[str]:
         alive, unknown = await self._ask("0")
