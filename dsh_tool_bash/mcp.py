@@ -5,7 +5,7 @@ opened yourself, use :class:`BashMcpServer` (``serve_stdio`` or ``serve_http``).
 module imports the MCP SDK; ``import dsh_tool_bash`` alone does not.
 """
 
-from ._mcp import (
+from ._mcp_server import (
     DATA_META_KEY,
     DEFAULT_MAX_SESSIONS,
     TOKEN_ENV,

@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import pytest
 from dsh_bash_docker import DockerConfig
-from dsh_bash_docker._config import memory_bytes
+from dsh_bash_docker._docker_config import memory_bytes
 from dsh_bash_docker._engine import EngineClient
 from dsh_bash_docker._transport import Endpoint, TlsFiles
 from pydantic import ValidationError

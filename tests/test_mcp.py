@@ -23,7 +23,7 @@ from mcp import Client, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp_types import CallToolResult, LoggingMessageNotificationParams, TextContent
 
-from dsh_tool_bash._mcp import DATA_META_KEY, _FdLines, parse_http_address
+from dsh_tool_bash._mcp_server import DATA_META_KEY, _FdLines, parse_http_address
 
 pytestmark = pytest.mark.anyio
 

@@ -28,7 +28,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp_types import CallToolResult, TextContent
 
-from dsh_tool_bash._mcp import DATA_META_KEY
+from dsh_tool_bash._mcp_server import DATA_META_KEY
 
 pytestmark = pytest.mark.anyio
 

@@ -172,7 +172,7 @@ async def test_planted_link_at_a_detached_task_file_is_refused(
 ) -> None:
     """SSH background tasks write BASE.stdout/BASE.stderr in the spill directory (BASE from an
     8-byte nonce): a link planted there makes the start fail, and nothing is written through it."""
-    import dsh_bash_ssh._executor as ssh_executor  # noqa: PLC0415
+    import dsh_bash_ssh._ssh_executor as ssh_executor  # noqa: PLC0415
 
     nonce = "c" * 16
     async with make_executor(request, "ssh", max_output_bytes=MAX_OUTPUT) as ex:
@@ -193,7 +193,7 @@ async def test_planted_link_at_a_detached_task_cap_file_is_never_followed(
     """An SSH background task's supervisor reads its raised output caps from BASE.cap, which the
     executor writes under a fresh name (O_EXCL) and renames into place: a link planted at BASE.cap is
     replaced, never written through, and the supervisor never reads through it."""
-    import dsh_bash_ssh._executor as ssh_executor  # noqa: PLC0415
+    import dsh_bash_ssh._ssh_executor as ssh_executor  # noqa: PLC0415
 
     nonce = "d" * 16
     size = 1 << 20  # past half of the first grant (256 KiB): the caps are raised

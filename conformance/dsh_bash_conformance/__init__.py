@@ -16,8 +16,7 @@ overruns (:class:`Abandoned`), as the kit runs each check; ``dsh-bash doctor`` u
 import importlib
 
 from ._config_target import ConfigTarget, config_target, find_namespaced_processes
-from ._host import find_host_processes, patch_os_environ
-from ._kit import (
+from ._harness import (
     CHECKS,
     Check,
     CheckContext,
@@ -32,6 +31,7 @@ from ._kit import (
     check,
     run_kit,
 )
+from ._host import find_host_processes, patch_os_environ
 from ._watchdog import Abandoned, call_watched, watched
 
 # Importing the check modules registers their checks, in this order.

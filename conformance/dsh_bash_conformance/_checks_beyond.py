@@ -6,7 +6,7 @@ import anyio
 
 from dsh_bash import AbortController, BashExecRequest
 
-from ._kit import CheckContext, check
+from ._harness import CheckContext, check
 from ._support import alive, escapee, gone, show, touch, wait_files, wait_task
 
 GRACE_S = 0.3

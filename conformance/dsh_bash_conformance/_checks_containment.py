@@ -30,7 +30,7 @@ import anyio
 
 from dsh_bash import BashExecRequest
 
-from ._kit import CheckContext, check
+from ._harness import CheckContext, check
 from ._support import show, show_task, wait_files, wait_task
 
 GRACE_S = 0.3  # the kit's default grace_ms, in seconds

@@ -12,7 +12,7 @@ import anyio.to_thread
 
 from dsh_bash import BashExecRequest, BashExecutor, BashRunResult
 
-from ._kit import CheckContext, check
+from ._harness import CheckContext, check
 from ._support import Box, read_to_end, show, spawn, wait_task
 
 # Every exported variable as NAME=VALUE, NUL-terminated (values may hold newlines), with builtins only.

@@ -22,7 +22,7 @@ from dsh_bash import (
     UnknownTaskError,
 )
 
-from ._kit import CheckContext, check
+from ._harness import CheckContext, check
 from ._support import expect_raises, expect_raises_sync, gone, loop, read_to_end, started, wait_task
 
 

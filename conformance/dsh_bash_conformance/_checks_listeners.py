@@ -8,7 +8,7 @@ import anyio
 
 from dsh_bash import BashExecRequest, BashExecutor, BashTask, BashTaskId
 
-from ._kit import CheckContext, check
+from ._harness import CheckContext, check
 from ._support import loop, read_to_end, repeat, sh, show_task, wait_task
 
 GRACE_S = 0.3

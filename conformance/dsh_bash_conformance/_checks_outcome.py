@@ -21,7 +21,7 @@ from dsh_bash import (
     OwnerToken,
 )
 
-from ._kit import CheckContext, CheckFailed, check
+from ._harness import CheckContext, CheckFailed, check
 from ._support import (
     elapsed,
     expect_raises,

@@ -10,7 +10,7 @@ import anyio
 
 from dsh_bash import BashExecRequest, BashExecutor, CollectedOutput
 
-from ._kit import CheckContext, check
+from ._harness import CheckContext, check
 from ._support import differing_chars, elapsed, exists, read_to_end, repeat, sh, show, wait_task
 
 

@@ -9,7 +9,7 @@ import anyio
 
 from dsh_bash import BashExecRequest, BashRunResult
 
-from ._kit import CheckContext, check
+from ._harness import CheckContext, check
 from ._support import (
     Box,
     alive,

@@ -8,7 +8,7 @@ import anyio
 
 from dsh_bash import BashExecRequest, BashExecutor, BashTask
 
-from ._kit import CheckContext, check
+from ._harness import CheckContext, check
 from ._support import elapsed, read_to_end, repeat, sh, wait_task
 
 

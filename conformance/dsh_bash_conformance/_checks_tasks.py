@@ -18,7 +18,7 @@ from dsh_bash import (
     UnknownTaskError,
 )
 
-from ._kit import CheckContext, check
+from ._harness import CheckContext, check
 from ._support import (
     elapsed,
     expect_raises,

@@ -32,8 +32,8 @@ from typing import Any
 
 from dsh_bash import BashExecutor, load_executor
 
+from ._harness import KitTarget
 from ._host import find_host_processes, patch_os_environ
-from ._kit import KitTarget
 
 __all__ = ["ConfigTarget", "config_target", "find_namespaced_processes"]
 

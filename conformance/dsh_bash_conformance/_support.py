@@ -13,7 +13,7 @@ import anyio.abc
 
 from dsh_bash import BashExecutor, BashRunResult, BashTask, BashTaskId
 
-from ._kit import CheckContext, CheckFailed
+from ._harness import CheckContext, CheckFailed
 
 T = TypeVar("T")
 

@@ -33,7 +33,7 @@ from dsh_bash import ConfigError
 if TYPE_CHECKING:
     import asyncssh
 
-    from ._config import DockerConfig
+    from ._docker_config import DockerConfig
 
 __all__ = ["Endpoint", "EngineNetwork", "EngineStream", "TlsFiles"]
 

@@ -1,6 +1,6 @@
 """dsh_bash_local: the executor contract on local subprocesses."""
 
-from ._config import LocalConfig
-from ._executor import LocalBashExecutor
+from ._local_config import LocalConfig
+from ._local_executor import LocalBashExecutor
 
 __all__ = ["LocalBashExecutor", "LocalConfig"]

@@ -17,8 +17,8 @@ from asyncssh.sftp import start_sftp_client as _start_sftp_client
 from dsh_bash import BashInfrastructureError
 from dsh_bash.backend import InfraReason
 
-from ._config import SshConfig
 from ._scripts import SCRIPT_BEGIN, SFTP_SERVER, cmdline
+from ._ssh_config import SshConfig
 
 __all__ = ["Channel", "ChannelPool", "RequestRefused", "ScriptResult", "SlotSession"]
 

@@ -20,7 +20,7 @@ from urllib.parse import quote
 from dsh_bash import BashInfrastructureError
 from dsh_bash.backend import FIND_PROCESSES, parse_pids, run_in_fresh_loop
 
-from ._config import DockerConfig
+from ._docker_config import DockerConfig
 from ._engine import Endpoint, EngineClient, EngineError
 from ._process import run_script
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import anyio
 
-from dsh_bash import BashExecutor, BashInfrastructureError
+from dsh_bash import BashExecSpec, BashExecutor, BashInfrastructureError
 from dsh_bash.backend import (
     MARKER_VAR,
     MAX_INLINE_COMMAND,
@@ -37,11 +37,11 @@ from dsh_bash.remote import (
 )
 from dsh_bash.supervisor import encode_frame
 
-from ._config import DockerConfig, memory_bytes
+from ._docker_config import DockerConfig, memory_bytes
+from ._docker_kit_hooks import find_container_processes, find_open_leftovers, kit_notes, plant_in_environment
 from ._engine import Endpoint, EngineClient, EngineError, ExecStream
-from ._framed import FramedDockerProcess, SidePipes, SupervisorMissing
+from ._framed_exec import FramedDockerProcess, SidePipes, SupervisorMissing
 from ._hints import INFRA_HINTS
-from ._kit import find_container_processes, find_open_leftovers, kit_notes, plant_in_environment
 from ._process import ContainerMarked, DockerProcess, diagnose_refusal, run_script, start_script
 from ._scripts import BOOT, BOOT_SUPERVISED, SPILL_DIR, SPILL_WRITER
 from ._spill import DockerSpillFile
@@ -488,60 +488,15 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
 
     async def _spawn_in(self, container: str, launch: Launch) -> CommandProcess:
         spec = launch.spec
-        env = dict(launch.env)
-        marker = env.pop(MARKER_VAR)
         supervisor = self._supervisor
-        # The boot script itself must not read an rc file: explicit values travel under other names.
-        for name in RC_FILE_VARIABLES:
-            if name in env:
-                env[f"DSH_BASH_RC_{name}"] = env[name]
-            env[name] = ""
-        unset = {name for name in self._ambient if name not in launch.env} | (
-            RC_FILE_VARIABLES - set(launch.env)
-        )
-        env["DSH_BASH_UNSET"] = " ".join(sorted(unset))
-        env["DSH_BASH_MARK_FOR"] = marker
-        # Without the supervisor, the exit status travels as a trailer carrying this nonce; the
-        # supervisor's frames need none.
-        nonce = "" if supervisor is not None else secrets.token_hex(8)
-        if supervisor is None:
-            env["DSH_BASH_NONCE"] = nonce
-        command = spec.command
+        env, nonce = self._boot_env(launch)
         # The command's user: the spec's, else the configured one (the engine switches per exec).
         user = spec.user if spec.user is not None else self.config.user
         script_path = ""
-        if len(command.encode("utf-8", "surrogateescape")) > MAX_INLINE_COMMAND:
-            if spec.user is None:
-                writer: tuple[str, ...] = (SPILL_WRITER, spill_file_path(self._spill_dir, "sh"))
-            else:
-                # Another user cannot enter the private spill directory: a file of its own.
-                writer = (_USER_SCRIPT_WRITER,)
-            try:
-                code, out, err = await run_script(
-                    self._engine,
-                    container,
-                    user,
-                    *writer,  # SPILL_WRITER refuses any existing path, planted links included
-                    stdin=command.encode("utf-8", "surrogateescape"),
-                )
-            except EngineError as exc:
-                if exc.status is not None or exc.reason != "start_failed":
-                    raise
-                # The engine could not start bash as the spec's user at all: tell why.
-                raise BashInfrastructureError(
-                    f"cannot start a command as {user!r}: {exc}",
-                    reason=await diagnose_refusal(self._engine, container, user),
-                ) from None
-            if code != 0:
-                raise BashInfrastructureError(
-                    "cannot store the long command: the writer exited with "
-                    + ("no status the engine recorded" if code == -1 else f"status {code}")
-                    + f": {err.decode(errors='replace').strip() or 'no message'}",
-                    reason="start_failed",
-                )
-            script_path = writer[1] if spec.user is None else out.decode("utf-8", "surrogateescape").strip()
-            command = ""
-        env["DSH_BASH_COMMAND"] = command
+        if len(spec.command.encode("utf-8", "surrogateescape")) > MAX_INLINE_COMMAND:
+            script_path = await self._store_long_command(container, user, spec)
+        env["DSH_BASH_COMMAND"] = "" if script_path else spec.command
+        marker = env["DSH_BASH_MARK_FOR"]
 
         async def on_release() -> None:
             await self._spills.wait_complete(marker)
@@ -562,19 +517,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         )
         boot = ["bash", "--noprofile", "--norc", "-c", BOOT_SUPERVISED if supervisor else BOOT]
         boot += ["dsh-bash", spec.workdir, script_path]
-        terminal = None if spec.terminal is None else (spec.terminal.rows, spec.terminal.cols)
-        taken = (
-            await self._take_spare(container, user, boot, env, terminal) if supervisor is not None else None
-        )
-        if taken is not None:
-            exec_id, stream = taken
-        else:
-            tty = [] if terminal is None else ["--tty", f"{terminal[0]}x{terminal[1]}"]
-            argv = [supervisor, "--frame", *tty, "--", *boot] if supervisor is not None else boot
-            exec_id = await self._engine.exec_create(
-                container, argv, env=env, stdin=supervisor is not None or spec.stdin is not None, user=user
-            )
-            stream = await self._engine.exec_start(exec_id)
+        exec_id, stream = await self._start_exec(container, user, boot, env, spec)
         # What both kinds of process need: the exec, its stream, and the marker kill as the last resort.
         parts: dict[str, Any] = {
             "engine": self._engine,
@@ -607,6 +550,74 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         if isinstance(process, FramedDockerProcess):
             process.start_reading()
         return process
+
+    def _boot_env(self, launch: Launch) -> tuple[dict[str, str], str]:
+        """The exec's environment for BOOT (all but the command's text) and the trailer's nonce ("" under
+        the supervisor, whose frames need none)."""
+        env = dict(launch.env)
+        marker = env.pop(MARKER_VAR)
+        # The boot script itself must not read an rc file: explicit values travel under other names.
+        for name in RC_FILE_VARIABLES:
+            if name in env:
+                env[f"DSH_BASH_RC_{name}"] = env[name]
+            env[name] = ""
+        unset = {name for name in self._ambient if name not in launch.env} | (
+            RC_FILE_VARIABLES - set(launch.env)
+        )
+        env["DSH_BASH_UNSET"] = " ".join(sorted(unset))
+        env["DSH_BASH_MARK_FOR"] = marker
+        # Without the supervisor, the exit status travels as a trailer carrying this nonce.
+        nonce = "" if self._supervisor is not None else secrets.token_hex(8)
+        if self._supervisor is None:
+            env["DSH_BASH_NONCE"] = nonce
+        return env, nonce
+
+    async def _store_long_command(self, container: str, user: str | None, spec: BashExecSpec) -> str:
+        """Write a command too long for an exec's environment into a file BOOT runs; its path."""
+        if spec.user is None:
+            writer: tuple[str, ...] = (SPILL_WRITER, spill_file_path(self._spill_dir, "sh"))
+        else:
+            # Another user cannot enter the private spill directory: a file of its own.
+            writer = (_USER_SCRIPT_WRITER,)
+        try:
+            code, out, err = await run_script(
+                self._engine,
+                container,
+                user,
+                *writer,  # SPILL_WRITER refuses any existing path, planted links included
+                stdin=spec.command.encode("utf-8", "surrogateescape"),
+            )
+        except EngineError as exc:
+            if exc.status is not None or exc.reason != "start_failed":
+                raise
+            # The engine could not start bash as the spec's user at all: tell why.
+            raise BashInfrastructureError(
+                f"cannot start a command as {user!r}: {exc}",
+                reason=await diagnose_refusal(self._engine, container, user),
+            ) from None
+        if code != 0:
+            raise BashInfrastructureError(
+                "cannot store the long command: the writer exited with "
+                + ("no status the engine recorded" if code == -1 else f"status {code}")
+                + f": {err.decode(errors='replace').strip() or 'no message'}",
+                reason="start_failed",
+            )
+        return writer[1] if spec.user is None else out.decode("utf-8", "surrogateescape").strip()
+
+    async def _start_exec(
+        self, container: str, user: str | None, boot: list[str], env: dict[str, str], spec: BashExecSpec
+    ) -> tuple[str, ExecStream]:
+        """The exec that runs ``boot``: a warm one taken, else a fresh one started."""
+        supervisor = self._supervisor
+        terminal = None if spec.terminal is None else (spec.terminal.rows, spec.terminal.cols)
+        if supervisor is not None and (taken := await self._take_spare(container, user, boot, env, terminal)):
+            return taken
+        tty = [] if terminal is None else ["--tty", f"{terminal[0]}x{terminal[1]}"]
+        argv = [supervisor, "--frame", *tty, "--", *boot] if supervisor is not None else boot
+        exec_id = await self._engine.exec_create(
+            container, argv, env=env, stdin=supervisor is not None or spec.stdin is not None, user=user
+        )
+        return exec_id, await self._engine.exec_start(exec_id)
 
     async def _take_spare(
         self,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dsh_bash.host import HostBashExecutor
 
-from ._config import LocalConfig
 from ._hints import INFRA_HINTS
+from ._local_config import LocalConfig
 
 __all__ = ["LocalBashExecutor"]
 

@@ -40,15 +40,15 @@ from dsh_bash.remote import (
 )
 from dsh_bash.supervisor import SUPERVISOR_KEY_SIZE
 
-from ._config import SshConfig
 from ._connection import ChannelPool
 from ._detached import DetachedProcess, DetachedSpill, DetachedSupervisors, Follower
-from ._framed import FramedSshProcess
+from ._framed_channel import FramedSshProcess
 from ._hints import INFRA_HINTS
-from ._kit import find_open_leftovers, find_remote_processes, kit_notes, plant_in_bashrc
 from ._process import CommandSession, RemoteMarked, SshProcess, SupervisorMissing
 from ._scripts import SETUP, SETUP_END, SETUP_HOME, boot_line, boot_request
 from ._spill import SshSpillFile
+from ._ssh_config import SshConfig
+from ._ssh_kit_hooks import find_open_leftovers, find_remote_processes, kit_notes, plant_in_bashrc
 from ._supervisor import install_supervisor
 from ._warm import WarmChannel
 

@@ -30,8 +30,8 @@ from typing import Any
 from dsh_bash import BashInfrastructureError
 from dsh_bash.backend import FIND_PROCESSES, parse_pids, run_in_fresh_loop
 
-from ._config import SshConfig
 from ._connection import ChannelPool, ScriptResult
+from ._ssh_config import SshConfig
 
 __all__ = [
     "BEGIN",

@@ -408,7 +408,7 @@ def _where(tb: traceback.StackSummary) -> str:
     kit_frames = [
         frame
         for frame in tb
-        if frame.filename.startswith(_KIT_DIR) and not frame.filename.endswith("_kit.py")
+        if frame.filename.startswith(_KIT_DIR) and not frame.filename.endswith("_harness.py")
     ]
     checks = [frame for frame in kit_frames if Path(frame.filename).name.startswith("_checks_")]
     frames = checks or kit_frames
