@@ -177,9 +177,12 @@ int spawn_command(const struct launch *l)
      * /dev/tty), as a login shell does. Opening it anew does that: the child leads a new session by
      * now (setsid runs before the file actions in glibc and musl), and a session leader without one
      * acquires the first terminal it opens without O_NOCTTY. A terminal that is already another
-     * session's is not taken (the open just succeeds). */
-    if (l->own_terminal && isatty(0) &&
-        posix_spawn_file_actions_addopen(&actions, 0, "/proc/self/fd/0", O_RDWR, 0) != 0)
+     * session's is not taken (the open just succeeds). By its name: glibc's addopen closes the target
+     * fd before it opens the path, so "/proc/self/fd/0" would name nothing by then (musl opens first,
+     * which hid this from the static builds). Without a name (no /dev/pts here) it stays fd 0 as is. */
+    char terminal[256];
+    if (l->own_terminal && isatty(0) && ttyname_r(0, terminal, sizeof terminal) == 0 &&
+        posix_spawn_file_actions_addopen(&actions, 0, terminal, O_RDWR, 0) != 0)
         die("posix_spawn file actions: out of memory");
     /* The terminal of frame mode: opened the same way, it becomes the session's controlling terminal
      * and the child's process group its foreground group. Only the child ever opens the slave: once

@@ -769,6 +769,42 @@ def test_source_is_warnings_clean(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
 
 
+@pytest.fixture(scope="module")
+def glibc_binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """dsh-supervise built by the host's cc against glibc (the build.py fallback without ziglang)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no host C compiler")
+    out = tmp_path_factory.mktemp("glibc") / "dsh-supervise"
+    sources = sorted(str(path) for path in (ROOT / "native").glob("*.c"))
+    subprocess.run([cc, "-std=gnu11", "-Os", "-o", str(out), *sources], check=True, timeout=120)
+    return out
+
+
+@pytest.mark.parametrize("build", ["static-musl", "host-glibc"])
+def test_a_terminal_on_stdin_becomes_the_commands_controlling_terminal(
+    build: str, request: pytest.FixtureRequest
+) -> None:
+    """Plain mode, stdin a terminal: the command opens /dev/tty. glibc's posix_spawn addopen closes fd 0
+    before it opens the path, so reopening "/proc/self/fd/0" failed every such command with ENOENT
+    (issue 29: every terminal task of a cc-built helper), which musl's order hid."""
+    binary = SUPERVISE if build == "static-musl" else str(request.getfixturevalue("glibc_binary"))
+    master, slave = os.openpty()
+    try:
+        done = subprocess.run(
+            [binary, "--", BASH, "--noprofile", "--norc", "-c", "exec 3</dev/tty && echo has-ctty"],
+            stdin=slave,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    finally:
+        os.close(slave)
+        os.close(master)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "has-ctty\n", "")
+
+
 def top_level_blocks(source: str) -> list[tuple[int, int]]:
     """(first line, line count) of each top-level brace block of a C source (functions, tables):
     braces in strings, character constants and comments do not count."""
