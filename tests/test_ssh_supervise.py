@@ -372,7 +372,8 @@ async def test_the_supervisor_follows_a_sigterm_request_with_sigkill_after_the_g
     """The executor's grace goes to the supervisor (--grace-ms): a SIGTERM request alone ends in
     SIGKILL on the host's clock, so the harness's own SIGKILL, a new session that a loaded host may
     start seconds late, cannot stretch the grace. Asked here by hand, without any SIGKILL request."""
-    stubborn = "sleep 999.4375"
+    # Its own number per case: the two cases may run at once in two workers.
+    stubborn = f"sleep 999.{4375 if detached else 4376}"
     grace_ms = 700
     try:
         async with ssh_server.executor(grace_ms=grace_ms) as ex, anyio.create_task_group() as group:
