@@ -139,12 +139,18 @@ def _with_spec(launch: Launch, **changes: Any) -> Launch:
 
 
 def _plain_spawn(
-    ex: LocalBashExecutor, launch: Launch, *, new_session: bool = True, idle_stdin: int | None = None
+    ex: LocalBashExecutor,
+    launch: Launch,
+    *,
+    new_session: bool = True,
+    idle_stdin: int | None = None,
+    end_of_options: bool = True,
 ) -> HostProcess:
-    """A hand-rolled spawn: ``bash --noprofile --norc -c COMMAND``, the command always in argv.
+    """A hand-rolled spawn: ``bash --noprofile --norc -c -- COMMAND``, the command always in argv.
 
     ``new_session`` is ``start_new_session``; ``idle_stdin`` is the fd a command without
     ``spec.stdin`` reads (``/dev/null`` when None). A given ``spec.stdin`` is written and closed.
+    ``end_of_options`` False leaves out the ``--``.
     """
     bash = ex._bash
     if bash is None:
@@ -159,7 +165,7 @@ def _plain_spawn(
     child_ends = [out_w, err_w] + ([stdin] if in_w is not None else [])
     try:
         popen = subprocess.Popen(
-            [bash, "--noprofile", "--norc", "-c", spec.command],
+            [bash, "--noprofile", "--norc", "-c", *(["--"] if end_of_options else []), spec.command],
             stdin=stdin,
             stdout=out_w,
             stderr=err_w,
@@ -644,6 +650,16 @@ class PassesBashEnv(LocalBashExecutor):
         if bash_env is not None:
             launch.env["BASH_ENV"] = bash_env
         return await super()._spawn(launch)
+
+
+class CommandTakenForOptions(LocalBashExecutor):
+    """Breaks: a command that begins with ``-`` runs as a command.
+
+    ``bash -c COMMAND`` without ``--``: ``-x`` is read as bash's option, and ``-c`` lacks its argument.
+    """
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        return _plain_spawn(self, launch, end_of_options=False)
 
 
 class NoNewSession(LocalBashExecutor):

@@ -88,6 +88,7 @@ CAUGHT_BY: list[Row] = [
     Row("stdin-empty-by-default", bb.StdinPipeNeverClosed),
     Row("stdin-delivered", bb.StdinSingleWrite),
     Row("no-rc-files", bb.PassesBashEnv),
+    Row("command-beginning-with-dash-runs", bb.CommandTakenForOptions),
     Row("own-session-and-group", bb.NoNewSession),
     Row("kill-kills-whole-group", bb.KillsOnlyLeader),
     Row("kill-escalates-after-grace", bb.SigkillWithoutSigterm),

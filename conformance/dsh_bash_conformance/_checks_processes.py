@@ -95,6 +95,25 @@ async def stdin_delivered(ctx: CheckContext) -> None:
 
 
 @check(
+    "command-beginning-with-dash-runs",
+    kind="contract",
+    clause="R-proc-command-verbatim",
+    rule="A command that begins with `-` runs as a command, never as bash's own options.",
+)
+async def command_beginning_with_dash(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        for command in ("-x", "--version"):
+            result = await ex.exec(command)
+            ctx.expect(
+                result.exit_code == 127 and f"{command}: command not found" in result.stderr.text,
+                f"{command!r} did not run as a command (bash took it for its options?): {show(result)}",
+            )
+        task = await ex.start(ex.resolve(BashExecRequest(command="-x")))
+        await wait_task(task, ctx.allowance_s)
+        ctx.expect(task.exit_code == 127, f"a background '-x' did not run as a command: {show_task(task)}")
+
+
+@check(
     "no-rc-files",
     kind="contract",
     clause="R-proc-fresh-bash",

@@ -154,7 +154,7 @@ def _find_supervisor() -> tuple[str | None, str]:
 
 
 class HostBashExecutor(BashExecutor[ConfigT_co]):
-    """Runs each command as ``bash --noprofile --norc -c COMMAND`` in a new session on this host."""
+    """Runs each command as ``bash --noprofile --norc -c -- COMMAND`` in a new session on this host."""
 
     #: For a sandboxing subclass whose launcher (``_wrap_command``) would hide how the command's bash
     #: ended (bwrap reports a signal death as ``128+n``): with the ``subreaper`` containment, the argv
@@ -291,7 +291,7 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
     def _wrap_command(self, argv: list[str], launch: Launch) -> tuple[list[str], str]:
         """Hook for subclasses: the argv to exec for ``launch`` and the host directory to start it in.
 
-        ``argv`` starts the command's bash (``bash --noprofile --norc -c COMMAND``, or a script
+        ``argv`` starts the command's bash (``bash --noprofile --norc -c -- COMMAND``, or a script
         file in the spill directory for a long command). A sandboxing subclass wraps it in its
         launcher and maps the spec's workdir to the host directory that is checked (an unusable
         one raises BashInfrastructureError) and used as the launcher's working directory. It runs

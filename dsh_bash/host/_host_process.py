@@ -833,7 +833,7 @@ def _bash_argv(
     refuses a single argument that long."""
     encoded = command.encode("utf-8", "surrogateescape")
     if len(encoded) <= MAX_INLINE_COMMAND:
-        return [bash, "--noprofile", "--norc", "-c", command], None
+        return [bash, "--noprofile", "--norc", "-c", "--", command], None
     script_file = spill_dir.new_file("sh")
     script_file.write(encoded)
     script_file.close()

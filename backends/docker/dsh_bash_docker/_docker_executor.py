@@ -92,7 +92,7 @@ async def sweep_orphaned_containers(config: DockerConfig | None = None) -> list[
 
 
 class DockerBashExecutor(BashExecutor[DockerConfig]):
-    """Runs each command as ``bash --noprofile --norc -c COMMAND`` exec'd in a container."""
+    """Runs each command as ``bash --noprofile --norc -c -- COMMAND`` exec'd in a container."""
 
     config_class = DockerConfig
     infra_hints = INFRA_HINTS  # what dsh-bash doctor says to do, by error reason (_hints.py)

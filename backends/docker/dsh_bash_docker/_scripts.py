@@ -76,7 +76,7 @@ exec 2>/dev/null
 if [ -n "$2" ]; then
   DSH_BASH_MARK=$mark setsid bash --noprofile --norc "$2" >&5 2>&6 5>&- 6>&-
 else
-  DSH_BASH_MARK=$mark setsid bash --noprofile --norc -c "$command" >&5 2>&6 5>&- 6>&-
+  DSH_BASH_MARK=$mark setsid bash --noprofile --norc -c -- "$command" >&5 2>&6 5>&- 6>&-
 fi
 status=$?
 exec 5>&- 6>&- 0</dev/null
@@ -95,7 +95,7 @@ BOOT_SUPERVISED = (
 if [ -n "$2" ]; then
   DSH_BASH_MARK=$mark exec bash --noprofile --norc "$2"
 else
-  DSH_BASH_MARK=$mark exec bash --noprofile --norc -c "$command"
+  DSH_BASH_MARK=$mark exec bash --noprofile --norc -c -- "$command"
 fi
 """
 )

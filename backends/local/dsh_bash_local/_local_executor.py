@@ -15,7 +15,7 @@ __all__ = ["LocalBashExecutor"]
 
 
 class LocalBashExecutor(HostBashExecutor[LocalConfig]):
-    """Runs each command as ``bash --noprofile --norc -c COMMAND`` in a new session on this host."""
+    """Runs each command as ``bash --noprofile --norc -c -- COMMAND`` in a new session on this host."""
 
     config_class = LocalConfig
     infra_hints = INFRA_HINTS  # what dsh-bash doctor says to do, by error reason (_hints.py)

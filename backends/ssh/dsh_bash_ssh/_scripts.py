@@ -234,7 +234,7 @@ for _dsh_e in stdout stderr status in; do
     builtin printf '\0dsh-bash-boot-fail:start_failed:cannot create the task files\0'; builtin exit 125
   fi
 done
-_dsh_in=() _dsh_run=(-c "$_dsh_command")
+_dsh_in=() _dsh_run=(-c -- "$_dsh_command")
 [[ -n $_dsh_script ]] && _dsh_run=("$_dsh_script")
 if [[ $_dsh_input == 1 ]]; then
   _dsh_len=
@@ -289,7 +289,7 @@ _CHECK_SUPERVISOR = r"""[[ -x SUPERVISOR ]] ||
   { builtin printf '\0dsh-bash-boot-fail:supervisor_missing\0'; builtin exit 125; }
 """
 _NO_STDIN = "exec </dev/null\n"
-_RUN_INLINE = 'exec bash --noprofile --norc -c "$_dsh_command"\n'
+_RUN_INLINE = 'exec bash --noprofile --norc -c -- "$_dsh_command"\n'
 _RUN_STORED = 'exec bash --noprofile --norc "$_dsh_script"\n'
 
 # A detached background task's supervisor, started by BOOT (mode "bg") with `setsid -f`, stdio on
@@ -386,7 +386,7 @@ def boot_script(
     elif supervisor is not None:
         parts.append(_CHECK_SUPERVISOR.replace("SUPERVISOR", _ascii_quote(supervisor)))
         parts.append(_STARTED.replace("builtin export DSH_BASH_MARK=$_dsh_mark\n", ""))
-        run = '"$_dsh_script"' if long else '-c "$_dsh_command"'
+        run = '"$_dsh_script"' if long else '-c -- "$_dsh_command"'
         # ASCII-quoted: a warm request is ASCII, and every shell that runs BOOT is a bash.
         parts.append(
             _RUN_SUPERVISED.replace("SUPERVISOR", _ascii_quote(supervisor))

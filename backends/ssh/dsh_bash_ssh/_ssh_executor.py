@@ -83,7 +83,7 @@ def parse_setup(out: bytes) -> tuple[dict[str, str], str, str, str]:
 
 
 class SshBashExecutor(BashExecutor[SshConfig]):
-    """Runs each command as ``bash --noprofile --norc -c COMMAND`` on an SSH host. asyncio only."""
+    """Runs each command as ``bash --noprofile --norc -c -- COMMAND`` on an SSH host. asyncio only."""
 
     config_class = SshConfig
     infra_hints = INFRA_HINTS  # what dsh-bash doctor says to do, by error reason (_hints.py)

@@ -270,8 +270,8 @@ class BwrapBashExecutor(HostBashExecutor[BwrapConfig]):
 
     def _wrap_command(self, argv: list[str], launch: Launch) -> tuple[list[str], str]:
         script = self._scripts.get(launch.marker)
-        if script is not None and len(argv) >= 2 and argv[-2] == "-c":
-            argv = [*argv[:-2], script]  # bash --noprofile --norc SCRIPT
+        if script is not None and len(argv) >= 3 and argv[-3:-1] == ["-c", "--"]:
+            argv = [*argv[:-3], script]  # bash --noprofile --norc SCRIPT
         workdir = launch.spec.workdir
         return self._sandbox_argv(argv, workdir), self._host_path(workdir)
 
