@@ -244,7 +244,7 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         A bad field raises :class:`ConfigError` naming it.
         """
         try:
-            config = cls.config_class(**fields)
+            config = cls.config_class.model_validate(fields)
         except ValidationError as exc:
             raise config_error_from(exc, f"{cls.__name__} config") from None
         return cls(cast(ConfigT_co, config))

@@ -8,6 +8,9 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+# BaseModel's metaclass, whose public name pydantic does not give: subclassed below, never called.
+from pydantic._internal._model_construction import ModelMetaclass
+
 from ._errors import ConfigError
 
 __all__ = ["DEFAULT_ENV_SCRUB", "BudgetConfig", "config_error_from"]
@@ -55,8 +58,23 @@ def default_task_cap() -> int:
     return max(16, min(_TASK_CAP_CEILING, (soft - _FDS_RESERVED) // _FDS_PER_TASK))
 
 
-class BudgetConfig(BaseModel):
-    """Shared budgets (all positive and finite; ``timeout_ms <= max_timeout_ms``) and env policy."""
+class _RaisesConfigError(ModelMetaclass):
+    """Construction (``LocalConfig(grace_ms=0)``) raises :class:`ConfigError` naming the field
+    (R-config-budgets), never pydantic's own error. By the metaclass, not ``__init__``: pydantic runs
+    a custom ``__init__`` inside ``model_validate`` too, and would wrap the ConfigError in its own."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except ValidationError as exc:
+            raise config_error_from(exc, cls.__name__) from None
+
+
+class BudgetConfig(BaseModel, metaclass=_RaisesConfigError):
+    """Shared budgets (all positive and finite; ``timeout_ms <= max_timeout_ms``) and env policy.
+
+    A bad value raises :class:`ConfigError` naming the field, from the constructor as from
+    :meth:`with_changes`; ``model_validate`` keeps pydantic's ``ValidationError``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
