@@ -54,6 +54,9 @@ from ._types import (
     TerminalSize,
 )
 
+#: The release (the package's version: pyproject.toml reads it from here).
+__version__ = "0.1.0"
+
 __all__ = [
     "DEFAULT_ENV_SCRUB",
     "ENTRY_POINT_GROUP",
@@ -86,6 +89,7 @@ __all__ = [
     "TaskListener",
     "TerminalSize",
     "UnknownTaskError",
+    "__version__",
     "backend_factory",
     "default_task_cap",
     "load_executor",

@@ -6,6 +6,7 @@ Exit status convention under test: the command's own exit code; 128+n when kille
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 from dsh_bash_cli import main
+
+import dsh_bash
 
 try:
     import dsh_bash_local  # noqa: F401
@@ -171,6 +174,13 @@ def test_help_exits_0(run_cli: Runner) -> None:
     result = run_cli("run", "--help")
     assert result.code == 0
     assert "--timeout-ms" in result.out
+
+
+def test_version_is_the_installed_distributions(run_cli: Runner) -> None:
+    """``--version`` prints ``dsh_bash.__version__``, which pyproject.toml reads as the package's version."""
+    result = run_cli("--version")
+    assert (result.code, result.out, result.err) == (0, f"dsh-bash {dsh_bash.__version__}\n", "")
+    assert importlib.metadata.version("dsh-bash") == dsh_bash.__version__
 
 
 def test_python_dash_m_runs_the_command_line() -> None:

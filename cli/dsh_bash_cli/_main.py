@@ -89,6 +89,25 @@ class _CliError(Exception):
 # -- argument parsing --------------------------------------------------------------------------------
 
 
+
+class _PrintVersion(argparse.Action):
+    """``--version``: imports dsh_bash only when asked (the command line's start-up stays light)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help=str(kwargs.get("help", "")))
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        from dsh_bash import __version__
+
+        print(f"{PROG} {__version__}")
+        parser.exit()
+
 def _positive(unit: str) -> Callable[[str], float]:
     """An argparse type: a finite number above zero, of ``unit`` (named in the error)."""
 
@@ -113,6 +132,7 @@ def _build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="An async shell executor for AI agents: commands that never hang, leak or lose output.",
     )
+    parser.add_argument("--version", action=_PrintVersion, help="print the version and exit")
     commands = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
 
     run = commands.add_parser(
