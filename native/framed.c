@@ -597,13 +597,19 @@ int run_framed(struct options *o)
      * the child dup2()s its own ends onto 0-2 and inherits none of the others. */
     int stdio_pipe[3][2] = {{-1, -1}, {-1, -1}, {-1, -1}};
     char slave[64];
+    if (o->stdin_null && tty_rows > 0)
+        die("--stdin-null goes with no terminal (the --spec payload asked for one)");
     int pty_err = 0; /* a terminal was asked for and could not be made: this errno */
     if (tty_rows > 0) {
         pty_err = pty_open(o->tty_rows, o->tty_cols, slave, sizeof slave, &stdin_fd, &streams[0].fd);
     } else {
-        for (int k = 0; k < 3; k++)
+        for (int k = o->stdin_null ? 1 : 0; k < 3; k++)
             if (pipe2(stdio_pipe[k], O_CLOEXEC) < 0)
                 die("pipe2: %s", strerror(errno));
+        /* --stdin-null (version 6): a command given no input reads /dev/null, as the harness's contract
+         * says, not an empty pipe; 'i' and 'c' frames then have nothing to write to. */
+        if (o->stdin_null && (stdio_pipe[0][0] = open("/dev/null", O_RDONLY | O_CLOEXEC)) < 0)
+            die("cannot open /dev/null: %s", strerror(errno));
     }
     struct launch l = {o->program,
                        command_environment(environ, o),

@@ -3,8 +3,8 @@
  *
  *   dsh-supervise [--status-fd N] [--control-fd N] [--die-with-parent] [--allow-no-subreaper]
  *                 [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]
- *   dsh-supervise --frame [--tty ROWSxCOLS] [--allow-no-subreaper] [--setenv NAME=VALUE]...
- *                 -- PROGRAM [ARGS...]
+ *   dsh-supervise --frame [--tty ROWSxCOLS | --stdin-null] [--allow-no-subreaper] [--grace-ms N]
+ *                 [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]
  *   dsh-supervise --frame --spec [--allow-no-subreaper]
  *   dsh-supervise --detach --status-file PATH [--stdin-file PATH] [--stdout-file PATH]
  *                 [--stderr-file PATH] [--cap-bytes N [--cap-file PATH]] [--allow-no-subreaper]
@@ -142,6 +142,8 @@ static void parse_options(int argc, char **argv, struct command_line *c, struct 
             c->frame = 1;
         } else if (strcmp(a, "--spec") == 0) {
             o->spec = 1;
+        } else if (strcmp(a, "--stdin-null") == 0) {
+            o->stdin_null = 1;
         } else if (strcmp(a, "--detach") == 0) {
             c->detach = 1;
         } else if (strcmp(a, "--fork-server") == 0) {
@@ -174,6 +176,8 @@ static void check_options(const struct command_line *c, const struct options *o,
     if (o->spec && (!c->frame || has_program || o->setenv_count > 0 || o->tty_rows > 0))
         die("--spec goes with --frame, and takes the PROGRAM, its --setenv entries and its terminal (no --tty) "
             "from fd 0");
+    if (o->stdin_null && (!c->frame || o->tty_rows > 0))
+        die("--stdin-null goes with --frame and no --tty: the command's stdin is /dev/null, not a pipe");
     if (o->tty_rows > 0 && !c->frame)
         die("--tty goes with --frame: the supervisor holds the terminal's master and relays it");
     if (!has_program && !c->server && !o->spec)

@@ -11,6 +11,7 @@ struct options {
     int status_fd, control_fd; /* plain mode; -1 when not given */
     int die_with_parent, allow_no_subreaper;
     int spec;                                 /* --frame --spec */
+    int stdin_null;                           /* --frame --stdin-null */
     unsigned short tty_rows, tty_cols;        /* --frame --tty; 0: no terminal */
     char *status_path, *stdio_paths[3];       /* --detach */
     long long cap_bytes;                      /* --detach --cap-bytes; -1: none */

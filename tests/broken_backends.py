@@ -652,6 +652,21 @@ class PassesBashEnv(LocalBashExecutor):
         return await super()._spawn(launch)
 
 
+class EmptyPipeStdin(LocalBashExecutor):
+    """Breaks: stdin is empty (``/dev/null``) unless given.
+
+    Without ``spec.stdin``, fd 0 is a pipe closed at once: empty, but not /dev/null.
+    """
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        read_end, write_end = os.pipe()
+        os.close(write_end)
+        try:
+            return _plain_spawn(self, launch, idle_stdin=read_end)
+        finally:
+            os.close(read_end)
+
+
 class CommandTakenForOptions(LocalBashExecutor):
     """Breaks: a command that begins with ``-`` runs as a command.
 

@@ -86,6 +86,7 @@ CAUGHT_BY: list[Row] = [
     Row("aclose-during-run-raises-closed", bb.CloseKillReportedAsResult),
     # -- processes ------------------------------------------------------------------------------------
     Row("stdin-empty-by-default", bb.StdinPipeNeverClosed),
+    Row("stdin-empty-by-default", bb.EmptyPipeStdin),
     Row("stdin-delivered", bb.StdinSingleWrite),
     Row("no-rc-files", bb.PassesBashEnv),
     Row("command-beginning-with-dash-runs", bb.CommandTakenForOptions),

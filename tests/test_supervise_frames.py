@@ -442,6 +442,18 @@ def test_stdin_frames_reach_the_command(runs: list[Framed]) -> None:
     assert run.records[1:] == ["exit 0", "empty"]
 
 
+def test_stdin_null_gives_the_command_dev_null_and_ignores_input_frames(runs: list[Framed]) -> None:
+    """--stdin-null (version 6): a command that gets no input reads /dev/null, not an empty pipe (the
+    contract's R-proc-stdin-empty); input frames have nothing to write to and are dropped."""
+    run = Framed(["bash", "-c", 'readlink /proc/$$/fd/0; cat; echo "cat=$?"'], options=["--stdin-null"])
+    runs.append(run)
+    run.started_pid()
+    run.send(b"i", b"dropped\n")
+    run.finish()
+    assert bytes(run.stdout) == b"/dev/null\ncat=0\n"
+    assert run.records[1:] == ["exit 0", "empty"]
+
+
 def test_stdin_stays_open_without_a_close_frame(runs: list[Framed]) -> None:
     run = Framed(["cat"])
     runs.append(run)
@@ -1044,6 +1056,8 @@ def test_spec_refuses_an_unsound_terminal_field(runs: list[Framed], field: bytes
         ["--frame", "--tty", "24x70000"],
         ["--frame", "--spec", "--tty", "24x80"],
         ["--tty", "24x80"],
+        ["--frame", "--tty", "24x80", "--stdin-null"],
+        ["--stdin-null"],
     ],
 )
 def test_tty_option_usage_errors(args: list[str]) -> None:

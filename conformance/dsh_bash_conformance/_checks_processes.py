@@ -51,10 +51,21 @@ async def stdin_empty(ctx: CheckContext) -> None:
             f"with no stdin, `cat` should end at once and `read` hit end of file: {show(result)}",
         )
         ctx.expect(took < allow, f"reading an empty stdin took {took:.2f} s (bound {allow:.2f} s)")
-        task = await ex.start(ex.resolve(BashExecRequest(command="cat; printf 'cat=%s' $?")))
+        # Empty is not enough: /dev/null itself, as the contract says (a program asking `[ -p /dev/stdin ]`
+        # must see the same on every backend, not an empty pipe on some).
+        result = await ex.exec(_STDIN_IS)
+        ctx.expect(result.stdout.text == "/dev/null", f"with no stdin, fd 0 is not /dev/null: {show(result)}")
+        task = await ex.start(ex.resolve(BashExecRequest(command=f"cat; printf 'cat=%s ' $?; {_STDIN_IS}")))
         await wait_task(task, allow, "a background `cat` with no stdin")
         delta = await read_to_end(ctx, ex, task.id)
-        ctx.expect(delta == "cat=0", f"background `cat` with no stdin printed {delta!r}, expected 'cat=0'")
+        ctx.expect(
+            delta == "cat=0 /dev/null",
+            f"background `cat` with no stdin printed {delta!r}, expected 'cat=0 /dev/null' (fd 0 /dev/null)",
+        )
+
+
+#: What the command's shell has as fd 0 (a pipe reads "pipe:[N]").
+_STDIN_IS = "printf %s \"$(readlink /proc/$$/fd/0)\""
 
 
 @check(

@@ -566,6 +566,9 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         )
         env["DSH_BASH_UNSET"] = " ".join(sorted(unset))
         env["DSH_BASH_MARK_FOR"] = marker
+        spec = launch.spec
+        if spec.stdin is None and not spec.open_stdin:
+            env["DSH_BASH_STDIN"] = "none"  # /dev/null, not the supervisor's pipe
         # Without the supervisor, the exit status travels as a trailer carrying this nonce.
         nonce = "" if self._supervisor is not None else secrets.token_hex(8)
         if self._supervisor is None:

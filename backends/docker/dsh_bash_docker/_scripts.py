@@ -40,8 +40,8 @@ __all__ = [
 # `setsid` from a background child (never a group leader) starts the new session without forking.
 BOOT_CHECKS = r"""
 unset -v $DSH_BASH_UNSET DSH_BASH_UNSET
-nonce=$DSH_BASH_NONCE mark=$DSH_BASH_MARK_FOR command=$DSH_BASH_COMMAND
-unset -v DSH_BASH_NONCE DSH_BASH_MARK_FOR DSH_BASH_COMMAND
+nonce=$DSH_BASH_NONCE mark=$DSH_BASH_MARK_FOR command=$DSH_BASH_COMMAND stdin=$DSH_BASH_STDIN
+unset -v DSH_BASH_NONCE DSH_BASH_MARK_FOR DSH_BASH_COMMAND DSH_BASH_STDIN
 if [ -n "${DSH_BASH_RC_BASH_ENV+x}" ]; then export BASH_ENV=$DSH_BASH_RC_BASH_ENV; unset -v DSH_BASH_RC_BASH_ENV; fi
 if [ -n "${DSH_BASH_RC_ENV+x}" ]; then export ENV=$DSH_BASH_RC_ENV; unset -v DSH_BASH_RC_ENV; fi
 if [ ! -e "$1" ]; then printf '\0dsh-bash-boot-fail:workdir_missing\0'; exit 125; fi
@@ -89,9 +89,12 @@ wait "$out" "$err" 2>/dev/null || while kill -0 "$out" 2>/dev/null || kill -0 "$
 # Under dsh-supervise --frame ($1, $2 and the environment as for BOOT): the supervisor already made
 # the new session, relays the command's output in frames only it can write, and reports the wait
 # status it observed, so the boot script checks, reports "started", and becomes the command's bash.
+# The supervisor gives every command a stdin pipe (input may come in frames); one given no stdin gets
+# /dev/null instead, as the contract says (DSH_BASH_STDIN=none).
 BOOT_SUPERVISED = (
     BOOT_CHECKS
     + r"""printf '\0dsh-bash-boot-ok\0'
+if [ "$stdin" = none ]; then exec </dev/null; fi
 if [ -n "$2" ]; then
   DSH_BASH_MARK=$mark exec bash --noprofile --norc "$2"
 else

@@ -278,9 +278,10 @@ builtin export DSH_BASH_MARK=$_dsh_mark
 # The supervisor gives the command a stdin pipe of its own, closed when the harness says so: no
 # /dev/null here.
 # A terminal task's mode is "fg" and its terminal's size ("fg30x100"): the supervisor makes and owns
-# that pty.
+# that pty. A command that gets no input at all (BOOT's $7 "0": neither stdin data nor open input)
+# reads /dev/null (--stdin-null), as without the supervisor, not an empty pipe.
 _RUN_SUPERVISED = (
-    '_dsh_tty=${_dsh_mode#fg}; exec SUPERVISOR GRACE--frame ${_dsh_tty:+--tty "$_dsh_tty"} '
+    '_dsh_tty=${_dsh_mode#fg}; exec SUPERVISOR GRACESTDIN--frame ${_dsh_tty:+--tty "$_dsh_tty"} '
     '--setenv "DSH_BASH_MARK=$_dsh_mark" -- bash --noprofile --norc COMMAND\n'
 )
 # Before the verdict, so that a supervisor removed since the executor opened (by a command of the
@@ -390,7 +391,7 @@ def boot_script(
         # ASCII-quoted: a warm request is ASCII, and every shell that runs BOOT is a bash.
         parts.append(
             _RUN_SUPERVISED.replace("SUPERVISOR", _ascii_quote(supervisor))
-            .replace("GRACE", grace)
+            .replace("GRACESTDIN", grace + ("" if stdin else "--stdin-null "))
             .replace("COMMAND", run)
         )
     else:

@@ -251,7 +251,8 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                 command,
                 spec.workdir,
                 marker,
-                "0" if spec.stdin is None else "1",
+                # Input comes (data or open input; only data for a detached task): else /dev/null.
+                "0" if spec.stdin is None and not spec.open_stdin else "1",
                 "1" if header else "0",
                 " ".join(keep),
                 *public,
