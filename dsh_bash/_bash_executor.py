@@ -53,6 +53,7 @@ from ._protocol import (
     kill_sequence,
     signal_name,
 )
+from ._task_input import MAX_INPUT_BYTES, MAX_PENDING_INPUT, TaskInput, input_bytes
 from ._types import (
     BashExecRequest,
     BashExecSpec,
@@ -64,7 +65,6 @@ from ._types import (
     EndCause,
     OwnerToken,
     TerminalSize,
-    _encodable,
 )
 
 __all__ = ["MAX_INPUT_BYTES", "MAX_PENDING_INPUT", "BashExecutor", "ConfigT_co", "TaskListener"]
@@ -79,40 +79,6 @@ _State = Literal["new", "open", "closing", "closed"]
 #: How long releasing what a failed ``_open`` acquired may take (removing a container, a spill
 #: directory over SSH) before ``__aenter__`` raises the open's error anyway.
 _OPEN_RELEASE_BOUND_S = 10.0
-#: The most one ``write_input`` takes (bytes, after encoding).
-MAX_INPUT_BYTES = 1_048_576
-#: The most input that may wait for a task's command to read it: what the executor queued plus what
-#: the backend holds (``CommandProcess.input_pending``). A write beyond it is refused (``input_full``):
-#: a command that never reads its stdin must not make the harness, or a supervisor, hold without bound.
-MAX_PENDING_INPUT = 1_048_576
-#: Input goes to the backend in pieces of at most this, so that a close or a kill never waits behind
-#: one large write.
-_INPUT_CHUNK = 65_536
-#: How often a task with open input is looked at for a process blocked reading it.
-_WAIT_SAMPLE_S = 0.2
-_InputState = Literal["open", "closing", "closed", "broken"]
-
-
-class _TaskInput:
-    """The open stdin of one background task: queued bytes, their order, and whether more may come."""
-
-    __slots__ = ("in_flight", "queue", "scope", "state", "waiting", "wake", "writes")
-
-    def __init__(self, first: bytes) -> None:
-        self.queue = bytearray(first)
-        #: How many writes were queued: a wait seen before the latest write is not reported.
-        self.writes = 0
-        #: The latest verdict of the waiting-for-input watch (None: the backend cannot tell).
-        self.waiting: bool | None = False
-        self.in_flight = 0
-        self.state: _InputState = "open"
-        self.wake = anyio.Event()
-        #: The pump's scope: finalize cancels it before the backend releases the command.
-        self.scope = anyio.CancelScope()
-
-    def broken(self) -> None:
-        self.state = "broken"
-        self.queue.clear()
 
 
 class _Command:
@@ -161,7 +127,7 @@ class _Command:
         self.output_done = anyio.Event()
         self.watch_scope = anyio.CancelScope()
         self.tg: anyio.abc.TaskGroup | None = None
-        self.input: _TaskInput | None = None
+        self.input: TaskInput | None = None
 
     @property
     def spec(self) -> BashExecSpec:
@@ -537,8 +503,8 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         self._tg.start_soon(self._run_background, command)
         if spec.open_stdin:
             stdin = spec.stdin
-            command.input = _TaskInput(stdin.encode() if isinstance(stdin, str) else stdin or b"")
-            self._start_helper(self._pump_input, command)
+            command.input = TaskInput(stdin.encode() if isinstance(stdin, str) else stdin or b"")
+            self._start_helper(command.input.pump, command.process, command.launch.marker)
         return command.task
 
     async def write_input(self, task_id: BashTaskId, data: str | bytes, *, owner: OwnerToken | None) -> None:
@@ -548,24 +514,9 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         Raises :class:`TaskInputError` (nothing sent) when the task cannot take it, ``ValueError``
         for more than :data:`MAX_INPUT_BYTES` or text without a UTF-8 form.
         """
-        payload = _input_bytes(data)
+        payload = input_bytes(data)
         command, feed = self._input_of(task_id, owner, "write to")
-        if feed.state in {"closing", "closed"}:
-            raise TaskInputError(f"the input of task {task_id} was closed", reason="input_closed")
-        if feed.state == "broken":
-            raise TaskInputError(f"task {task_id} closed its input", reason="input_broken")
-        pending = len(feed.queue) + feed.in_flight + command.process.input_pending()
-        if pending + len(payload) > MAX_PENDING_INPUT:
-            raise TaskInputError(
-                f"task {task_id} has {pending} bytes of input it has not read yet; {len(payload)} more "
-                f"would pass the {MAX_PENDING_INPUT} bytes that may wait (nothing was sent)",
-                reason="input_full",
-            )
-        feed.queue += payload
-        feed.writes += 1
-        if feed.waiting:
-            feed.waiting = False  # it has something to read now
-        feed.wake.set()
+        feed.write(payload, command.process, task_id)
 
     async def close_input(self, task_id: BashTaskId, *, owner: OwnerToken | None) -> bool:
         """Close the stdin of a task started with ``open_stdin``: it reads end of file once it read
@@ -577,11 +528,7 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
                 "for end of file at a line start, or kill it",
                 reason="terminal_no_close",
             )
-        if feed.state != "open":
-            return False
-        feed.state = "closing"
-        feed.wake.set()
-        return True
+        return feed.close()
 
     async def resize_terminal(
         self, task_id: BashTaskId, size: TerminalSize, *, owner: OwnerToken | None
@@ -594,7 +541,7 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
 
     def _input_of(
         self, task_id: BashTaskId, owner: OwnerToken | None, what: str, *, terminal: bool = False
-    ) -> tuple[_Command, _TaskInput]:
+    ) -> tuple[_Command, TaskInput]:
         """The task's open input, or the refusal (checked in this order: owner, end, input or terminal)."""
         self._ensure_open()
         command = self._command_for(task_id)
@@ -616,67 +563,6 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             raise TaskInputError(message, reason=refusal)
         assert command.input is not None
         return command, command.input
-
-    async def _pump_input(self, command: _Command) -> None:
-        """Hand a task's queued input to its process, in order, then the close, and watch meanwhile for
-        a process waiting for it; ends with the task (``_finalize`` cancels ``feed.scope``)."""
-        feed = command.input
-        assert feed is not None
-        with feed.scope:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._watch_waiting, command, feed)
-                await self._feed_input(command, feed)
-                tg.cancel_scope.cancel()  # closed or broken: nobody can wait for it any more
-
-    async def _watch_waiting(self, command: _Command, feed: _TaskInput) -> None:
-        process = command.process
-        #: ``feed.writes`` when the previous look saw a process waiting; None when it saw none.
-        previous: int | None = None
-        while True:
-            if feed.queue or feed.in_flight or process.input_pending():
-                previous, feed.waiting = None, False  # there is input on its way
-            else:
-                writes = feed.writes
-                try:
-                    seen = await process.sample_input_waiting()
-                except Exception:
-                    log.exception("looking for a reader of command %s's input failed", command.launch.marker)
-                    seen = None
-                if seen is None:
-                    # Cannot tell (yet: a supervisor's first report may still be on its way).
-                    previous, feed.waiting = None, None
-                elif seen:
-                    feed.waiting = previous is not None and previous == writes == feed.writes
-                    previous = writes
-                else:
-                    previous, feed.waiting = None, False
-            await anyio.sleep(_WAIT_SAMPLE_S)
-
-    async def _feed_input(self, command: _Command, feed: _TaskInput) -> None:
-        """The queue, in order, then the close; returns once closed or broken."""
-        process = command.process
-        try:
-            while True:
-                if feed.queue:
-                    chunk = bytes(feed.queue[:_INPUT_CHUNK])
-                    del feed.queue[:_INPUT_CHUNK]
-                    feed.in_flight = len(chunk)
-                    try:
-                        await process.send_input(chunk)
-                    finally:
-                        feed.in_flight = 0
-                elif feed.state == "closing":
-                    await process.end_input()
-                    feed.state = "closed"
-                    return
-                else:
-                    feed.wake = anyio.Event()
-                    await feed.wake.wait()
-        except BrokenPipeError:
-            feed.broken()
-        except Exception:
-            log.exception("writing the input of command %s failed", command.launch.marker)
-            feed.broken()
 
     def owner_of(self, task_id: BashTaskId) -> OwnerToken | None:
         self._ensure_open()
@@ -979,11 +865,7 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         command.finalized = True
         command.finishing = True
         if command.input is not None:
-            # No input hook runs once the backend releases the command.
-            command.input.scope.cancel()
-            if command.input.state != "broken":
-                command.input.state = "closed"
-            command.input.queue.clear()
+            command.input.end()  # no input hook runs once the backend releases the command
         # Streams first: closing them ends their spill files, which a backend's release may wait on.
         command.launch.stdout.close()
         command.launch.stderr.close()
@@ -1044,18 +926,3 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             stdout=launch.stdout.collected(),
             stderr=launch.stderr.collected(),
         )
-
-
-def _input_bytes(data: object) -> bytes:
-    if isinstance(data, str):
-        _encodable(data, "input")  # refuses a lone surrogate, naming it
-        payload = data.encode("utf-8")
-    elif isinstance(data, bytes | bytearray | memoryview):
-        payload = bytes(data)
-    else:
-        raise TypeError(f"input must be str or bytes, got {type(data).__name__}")
-    if len(payload) > MAX_INPUT_BYTES:
-        raise ValueError(
-            f"input of {len(payload)} bytes is more than one write takes ({MAX_INPUT_BYTES}); split it"
-        )
-    return payload

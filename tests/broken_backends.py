@@ -58,13 +58,13 @@ from dsh_bash import (
 from dsh_bash._bash_executor import (
     _Command,
     _KillCause,
-    _TaskInput,
 )
 from dsh_bash._output import (
     SpillBudget,
     _skip_continuation,
     merge_streams,
 )
+from dsh_bash._task_input import TaskInput
 from dsh_bash.backend import (
     MODEL_FRIENDLY_ENV,
     CommandProcess,
@@ -1884,7 +1884,7 @@ class InputIgnoresOwner(LocalBashExecutor):
 
     def _input_of(
         self, task_id: BashTaskId, owner: OwnerToken | None, what: str, *, terminal: bool = False
-    ) -> tuple[_Command, _TaskInput]:
+    ) -> tuple[_Command, TaskInput]:
         task = self._command_for(task_id).task
         return super()._input_of(task_id, None if task is None else task.owner, what, terminal=terminal)
 
