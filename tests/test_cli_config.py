@@ -42,9 +42,13 @@ def _console_script() -> str:
     return found
 
 
-def dsh(*args: str, cwd: Path | None = None, timeout: float = 120) -> Outcome:
-    """Run ``dsh-bash ARGS...`` with ``tests/`` importable and no ``DSH_BASH_*`` overrides around."""
+def dsh(
+    *args: str, cwd: Path | None = None, timeout: float = 120, environment: dict[str, str] | None = None
+) -> Outcome:
+    """Run ``dsh-bash ARGS...`` with ``tests/`` importable and no ``DSH_BASH_*`` overrides around but
+    ``environment``'s."""
     env = {name: value for name, value in os.environ.items() if not name.startswith("DSH_BASH_")}
+    env.update(environment or {})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
     done = subprocess.run(
         [_console_script(), *args],
@@ -266,6 +270,22 @@ def test_conformance_list() -> None:
 
 
 # -- doctor -----------------------------------------------------------------------------------------
+
+
+def test_without_a_file_dsh_bash_variables_still_apply() -> None:
+    """Issue 29: ``DSH_BASH_TIMEOUT_MS=300 dsh-bash run 'sleep 2'`` ignored the variable without --config."""
+    result = dsh("run", "sleep 2", environment={"DSH_BASH_TIMEOUT_MS": "300"})
+    assert (result.code, result.out) == (124, ""), result
+    assert "timed out after 300ms" in result.err
+    bad = dsh("run", "true", environment={"DSH_BASH_GRACE_MS": "0"})
+    assert bad.code == 2 and "grace_ms" in bad.err and "DSH_BASH_GRACE_MS" in bad.err, bad
+
+
+def test_doctor_without_a_file_checks_the_local_backend() -> None:
+    result = dsh("doctor")
+    assert result.code == 0, result
+    assert _lines(result)[0].split()[:2] == ["ok", "config"] and "LocalBashExecutor" in _lines(result)[0]
+    assert result.out.endswith("dsh-bash doctor: all ok\n")
 
 
 def test_doctor_local_ok(local_toml: str, tmp_path: Path) -> None:

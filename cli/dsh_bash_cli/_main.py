@@ -3,9 +3,10 @@
 Subcommands:
 
 ``dsh-bash run [--config FILE] [--cwd DIR] [--timeout-ms N] -- COMMAND``
-    Run one command on the local backend (or, with ``--config``, on the backend the file describes,
-    loaded with ``load_executor``; ``--cwd`` and ``--timeout-ms`` then override its ``cwd`` and
-    ``timeout_ms``), the way an agent's tool call would. The command's stdout
+    Run one command on the local backend (or, with ``--config``, on the backend the file describes),
+    loaded with ``load_executor`` either way, so ``DSH_BASH_<FIELD>`` variables apply with or without
+    a file; ``--cwd`` and ``--timeout-ms`` override ``cwd`` and ``timeout_ms``. The way an agent's
+    tool call would. The command's stdout
     text goes to stdout and its stderr text to stderr, byte for byte as the executor collected them
     (UTF-8, invalid bytes replaced). Then, on stderr, one notice per event: ``dsh-bash: timed out
     after Nms``, and ``dsh-bash: stdout truncated; full output: PATH`` (or ``(unavailable)``) for
@@ -31,10 +32,10 @@ Subcommands:
     passed ("beyond" checks never fail the run), 1 otherwise, 2 for unknown check names and bad
     configuration. ``--list`` lists the checks (name, kind, clause, rule) and needs no configuration.
 
-``dsh-bash doctor --config FILE [--timeout S]``
-    Check that the configured backend can run commands (``dsh_bash_cli._doctor``): one ``ok``/``FAIL``
-    line per step, with a fix for each failure. Exit status 0 when all are ok, 1 when one failed,
-    2 when the configuration does not load.
+``dsh-bash doctor [--config FILE] [--timeout S]``
+    Check that the configured backend (without ``--config``: the local one) can run commands
+    (``dsh_bash_cli._doctor``): one ``ok``/``FAIL`` line per step, with a fix for each failure.
+    Exit status 0 when all are ok, 1 when one failed, 2 when the configuration does not load.
 
 ``dsh-bash mcp --config FILE [--http [HOST:]PORT] [--max-running N] [--no-background] [...]``
     Serve the bash tools over the Model Context Protocol (``dsh_tool_bash.mcp``, extra ``mcp``):
@@ -89,7 +90,6 @@ class _CliError(Exception):
 # -- argument parsing --------------------------------------------------------------------------------
 
 
-
 class _PrintVersion(argparse.Action):
     """``--version``: imports dsh_bash only when asked (the command line's start-up stays light)."""
 
@@ -107,6 +107,7 @@ class _PrintVersion(argparse.Action):
 
         print(f"{PROG} {__version__}")
         parser.exit()
+
 
 def _positive(unit: str) -> Callable[[str], float]:
     """An argparse type: a finite number above zero, of ``unit`` (named in the error)."""
@@ -198,33 +199,17 @@ def _keep_spill(spill_path: str | None, name: str, keep_dir: list[str]) -> str |
     return target
 
 
-async def _run_local(
-    command: str, cwd: str | None, timeout_ms: float | None
-) -> tuple[BashRunResult, dict[str, str | None]]:
-    try:
-        from dsh_bash_local import LocalBashExecutor, LocalConfig
-    except ImportError as exc:
-        raise _CliError(f"the local backend (dsh_bash_local) cannot be imported: {one_line(exc)}") from exc
-
-    fields: dict[str, object] = {}
-    if cwd is not None:
-        fields["cwd"] = cwd
-    if timeout_ms is not None:
-        # An explicit timeout on the command line is the user's decision: the model-facing cap
-        # (max_timeout_ms) is raised to it rather than silently clamping it.
-        fields["timeout_ms"] = timeout_ms
-        default_max = LocalConfig.model_fields["max_timeout_ms"].default
-        if isinstance(default_max, int | float) and timeout_ms > default_max:
-            fields["max_timeout_ms"] = timeout_ms
-    return await _exec_keeping_spills(LocalBashExecutor.from_fields(**fields), command)
+#: The backend without ``--config``: the local one, by reference (no entry-point scan at start-up),
+#: loaded as a file would be, so ``DSH_BASH_<FIELD>`` variables apply the same way.
+LOCAL_SOURCE: dict[str, object] = {"backend": "dsh_bash_local:LocalBashExecutor.from_fields"}
 
 
 async def _run_configured(
-    config_file: str, command: str, cwd: str | None, timeout_ms: float | None
+    source: str | dict[str, object], command: str, cwd: str | None, timeout_ms: float | None
 ) -> tuple[BashRunResult, dict[str, str | None]]:
     from dsh_bash import load_executor
 
-    executor = load_executor(config_file, **({"cwd": cwd} if cwd is not None else {}))
+    executor = load_executor(source, **({"cwd": cwd} if cwd is not None else {}))
     if timeout_ms is not None:
         # As without --config: an explicit timeout raises the configured cap rather than being clamped.
         cap = max(timeout_ms, executor.config.max_timeout_ms)
@@ -268,15 +253,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     command = " ".join(args.command)
     cwd: str | None = args.cwd
-    if args.config is not None:
-        # The directory is where the backend's commands run, which need not be this host.
-        result, kept = anyio.run(_run_configured, args.config, command, cwd, args.timeout_ms)
-    else:
-        if cwd is not None:
-            cwd = os.path.abspath(cwd)
-            if not os.path.isdir(cwd):
-                raise _CliError(f"--cwd {args.cwd}: not a directory")
-        result, kept = anyio.run(_run_local, command, cwd, args.timeout_ms)
+    if args.config is None and cwd is not None:
+        # Only here: with a file, the directory is where the backend's commands run (not this host).
+        cwd = os.path.abspath(cwd)
+        if not os.path.isdir(cwd):
+            raise _CliError(f"--cwd {args.cwd}: not a directory")
+    source = LOCAL_SOURCE if args.config is None else args.config
+    result, kept = anyio.run(_run_configured, source, command, cwd, args.timeout_ms)
 
     write(sys.stdout, result.stdout.text)
     sys.stdout.flush()
@@ -451,7 +434,9 @@ def _add_doctor_parser(commands: argparse._SubParsersAction[argparse.ArgumentPar
         ),
     )
     doctor.add_argument(
-        "--config", metavar="FILE", required=True, help="the backend's TOML or YAML configuration"
+        "--config",
+        metavar="FILE",
+        help="the backend's TOML or YAML configuration (default: the local backend, DSH_BASH_* applied)",
     )
     doctor.add_argument(
         "--timeout",
@@ -480,7 +465,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
                 write(sys.stdout, f"{'':<14} fix: {finding.fix}\n")
         sys.stdout.flush()
 
-    all_ok = run_doctor(args.config, timeout_s=args.timeout, report=report)
+    source = LOCAL_SOURCE if args.config is None else args.config
+    all_ok = run_doctor(source, timeout_s=args.timeout, report=report)
     if config_failed:
         return EXIT_USAGE
     if all_ok:
