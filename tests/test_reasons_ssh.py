@@ -100,6 +100,20 @@ async def test_host_unreachable(ssh_server: SshServer) -> None:
         assert await _reason_of_open(ssh_server, port=port, connect_timeout_ms=5000) == "host_unreachable"
 
 
+async def test_a_server_that_never_answers_names_the_setting_that_waits(ssh_server: SshServer) -> None:
+    """Issue 29: a listener that accepts and never speaks SSH ended in an empty 'TimeoutError:'."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()  # the kernel accepts; nobody ever answers
+        port = sock.getsockname()[1]
+        with pytest.raises(BashInfrastructureError) as raised:
+            async with ssh_server.executor(port=port, connect_timeout_ms=500):
+                pass
+    assert raised.value.reason == "host_unreachable"
+    message = str(raised.value)
+    assert f"127.0.0.1:{port} within 0.5 s" in message and "connect_timeout_ms" in message, message
+
+
 def _cutter(server: SshServer, cut: str) -> Callable[[], None]:
     def reset_tcp() -> None:
         # SOCK_DESTROY on this host's client sockets to the server's port (loopback only).

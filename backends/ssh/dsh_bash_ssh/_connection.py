@@ -179,7 +179,18 @@ class ChannelPool:
             ) from None
         except asyncssh.DisconnectError as exc:
             raise BashInfrastructureError(f"SSH connection to {self.where} failed: {exc.reason}") from None
-        except (OSError, TimeoutError) as exc:  # DNS, refused, unreachable, timed out
+        except TimeoutError:
+            # asyncssh's connect_timeout covers the TCP connect, the handshake and the login; its
+            # own message is empty.
+            seconds = config.connect_timeout_ms / 1000
+            raise BashInfrastructureError(
+                f"no SSH session with {config.host}:{config.port} within {seconds:g} s "
+                f"(connect_timeout_ms={config.connect_timeout_ms:g}): the host accepted no connection "
+                "or the server never finished the SSH handshake and login (packets dropped, a stuck or "
+                "overloaded sshd); raise connect_timeout_ms for a slow link",
+                reason="host_unreachable",
+            ) from None
+        except OSError as exc:  # DNS, refused, unreachable
             raise BashInfrastructureError(
                 f"cannot reach SSH host {config.host}:{config.port}: {type(exc).__name__}: {exc}",
                 reason="host_unreachable",
