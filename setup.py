@@ -2,11 +2,11 @@
 
 Everything else about the package is in pyproject.toml. A wheel or a regular install gets static
 binaries for x86_64 and aarch64 when the ``ziglang`` package is importable in the build environment
-(``pip wheel --no-build-isolation .`` in an environment that has it), else one for the host's
+(a build requirement in pyproject.toml, so every isolated build has it), else one for the host's
 architecture built with the host's ``cc``, else none: dsh_bash.supervisor.supervisor_problem() then
 says so at run time. Set DSH_BASH_REQUIRE_NATIVE=1 to make a build without every binary fail instead (for
 release wheels). Editable installs skip this step: bin/test and bin/dsh-bash build the binaries of a
-source checkout themselves whenever they are missing or older than their sources.
+source checkout themselves whenever they are missing or stale (native/build.py --if-stale).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 data of dsh_bash.supervisor._native.
 
     python native/build.py                 # every architecture (x86_64, aarch64) with zig cc
-    python native/build.py --if-stale      # only what is missing or older than its sources
+    python native/build.py --if-stale      # only what is missing, or built another way or from other sources
     python native/build.py --arch x86_64   # one architecture
     python native/build.py --out DIR       # elsewhere than dsh_bash/supervisor/_native
 
@@ -20,6 +20,7 @@ Exit status: 0 when every requested binary is there and up to date, 1 when one c
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import os
 import platform
@@ -57,14 +58,34 @@ def output_path(arch: str, out_dir: Path = DEFAULT_OUT) -> Path:
     return out_dir / f"{NAME}-{arch}"
 
 
+def stamp_path(arch: str, out_dir: Path = DEFAULT_OUT) -> Path:
+    """Beside the binary: how it was built (the toolchain and a digest of its inputs)."""
+    return out_dir / f".{NAME}-{arch}.stamp"
+
+
+def build_stamp(use_zig: bool) -> str:
+    """The toolchain (zig, or the host compiler that the fallback runs) and the sha256 of every input:
+    a binary built another way, or from other sources, does not match it, whatever the files' times."""
+    digest = hashlib.sha256()
+    for path in inputs():
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    if use_zig:
+        toolchain = "zig cc (ziglang), static musl"
+    else:
+        toolchain = f"host cc {os.environ.get('CC') or shutil.which('cc') or shutil.which('gcc')}"
+    return f"{toolchain}\nsources sha256 {digest.hexdigest()}\n"
+
+
 def is_stale(arch: str, out_dir: Path = DEFAULT_OUT) -> bool:
-    """True when the binary for ARCH is missing or older than a C file, a header or this script."""
-    target = output_path(arch, out_dir)
+    """True when the binary for ARCH is missing, or was not built by this toolchain from these sources
+    (its stamp differs: say the host's cc built it and ziglang was installed since)."""
+    if not output_path(arch, out_dir).is_file():
+        return True
     try:
-        built = target.stat().st_mtime
+        stamp = stamp_path(arch, out_dir).read_text()
     except OSError:
         return True
-    return any(source.stat().st_mtime > built for source in inputs())
+    return stamp != build_stamp(have_ziglang())
 
 
 def have_ziglang() -> bool:
@@ -155,6 +176,7 @@ def build(
             log(done.stderr.rstrip())  # warnings: the source is meant to have none
         partial.chmod(0o755)
         os.replace(partial, target)
+        stamp_path(arch, out_dir).write_text(build_stamp(use_zig))
     return problems
 
 
@@ -168,7 +190,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory ({DEFAULT_OUT})")
     parser.add_argument(
-        "--if-stale", action="store_true", help="build only binaries missing or older than their sources"
+        "--if-stale",
+        action="store_true",
+        help="build only binaries that are missing, or whose stamp names another toolchain or other sources",
     )
     args = parser.parse_args(argv)
     arches: Sequence[str] = args.arch or default_arches()

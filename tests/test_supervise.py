@@ -872,6 +872,32 @@ def test_binaries_are_up_to_date() -> None:
     assert build.output_path(host) == BINARY
 
 
+def test_a_binary_built_another_way_or_from_other_sources_is_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 29: a binary the host's cc built stayed after ziglang was installed (its time was newer than
+    its sources). The stamp beside it names the toolchain and the sources' digest; any difference is stale."""
+    spec = importlib.util.spec_from_file_location("dsh_native_build_stamp", ROOT / "native" / "build.py")
+    assert spec is not None and spec.loader is not None
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    source = tmp_path / "a.c"
+    source.write_text("int main(void) { return 0; }\n")
+    monkeypatch.setattr(build, "inputs", lambda: [source])
+    out = tmp_path / "out"
+    out.mkdir()
+    build.output_path("x86_64", out).write_bytes(b"binary")
+    assert build.is_stale("x86_64", out), "no stamp: how it was built is not known"
+    zig = build.have_ziglang()
+    build.stamp_path("x86_64", out).write_text(build.build_stamp(zig))
+    assert not build.is_stale("x86_64", out)
+    build.stamp_path("x86_64", out).write_text(build.build_stamp(not zig))
+    assert build.is_stale("x86_64", out), "built by the other toolchain"
+    build.stamp_path("x86_64", out).write_text(build.build_stamp(zig))
+    source.write_text("int main(void) { return 1; }\n")
+    assert build.is_stale("x86_64", out), "built from other sources"
+
+
 def test_missing_binary_has_a_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import dsh_bash.supervisor._native as native  # noqa: PLC0415
 
