@@ -11,8 +11,6 @@ from ._abort import (
     AbortSignal,
 )
 from ._bash_executor import (
-    MAX_INPUT_BYTES,
-    MAX_PENDING_INPUT,
     BashExecutor,
     TaskListener,
 )
@@ -40,6 +38,7 @@ from ._registry import (
     load_executor,
     registered_backends,
 )
+from ._task_input import MAX_INPUT_BYTES, MAX_PENDING_INPUT
 from ._types import (
     BashExecRequest,
     BashExecSpec,

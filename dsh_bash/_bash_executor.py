@@ -53,7 +53,7 @@ from ._protocol import (
     kill_sequence,
     signal_name,
 )
-from ._task_input import MAX_INPUT_BYTES, MAX_PENDING_INPUT, TaskInput, input_bytes
+from ._task_input import TaskInput, input_bytes
 from ._types import (
     BashExecRequest,
     BashExecSpec,
@@ -67,7 +67,7 @@ from ._types import (
     TerminalSize,
 )
 
-__all__ = ["MAX_INPUT_BYTES", "MAX_PENDING_INPUT", "BashExecutor", "ConfigT_co", "TaskListener"]
+__all__ = ["BashExecutor", "ConfigT_co", "TaskListener"]
 
 log = logging.getLogger("dsh_bash")
 
@@ -512,7 +512,7 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         for the command to read it. Writes to one task reach it in the order they were made.
 
         Raises :class:`TaskInputError` (nothing sent) when the task cannot take it, ``ValueError``
-        for more than :data:`MAX_INPUT_BYTES` or text without a UTF-8 form.
+        for more than :data:`~dsh_bash.MAX_INPUT_BYTES` or text without a UTF-8 form.
         """
         payload = input_bytes(data)
         command, feed = self._input_of(task_id, owner, "write to")

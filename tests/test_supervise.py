@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -861,11 +862,17 @@ def test_native_sources_stay_small() -> None:
     assert long_blocks == {}
 
 
-def test_binaries_are_up_to_date() -> None:
+def _build_script() -> Any:
+    """native/build.py as a module (it is a script, not part of a package)."""
     spec = importlib.util.spec_from_file_location("dsh_native_build", ROOT / "native" / "build.py")
     assert spec is not None and spec.loader is not None
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
+    return build
+
+
+def test_binaries_are_up_to_date() -> None:
+    build = _build_script()
     host = normalize_arch(os.uname().machine)
     assert host is not None
     assert not build.is_stale(host), f"dsh-supervise-{host} is older than its sources: run native/build.py"
@@ -877,10 +884,7 @@ def test_a_binary_built_another_way_or_from_other_sources_is_stale(
 ) -> None:
     """Issue 29: a binary the host's cc built stayed after ziglang was installed (its time was newer than
     its sources). The stamp beside it names the toolchain and the sources' digest; any difference is stale."""
-    spec = importlib.util.spec_from_file_location("dsh_native_build_stamp", ROOT / "native" / "build.py")
-    assert spec is not None and spec.loader is not None
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
+    build = _build_script()
     source = tmp_path / "a.c"
     source.write_text("int main(void) { return 0; }\n")
     monkeypatch.setattr(build, "inputs", lambda: [source])
