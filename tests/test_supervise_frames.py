@@ -445,7 +445,11 @@ def test_stdin_frames_reach_the_command(runs: list[Framed]) -> None:
 def test_stdin_null_gives_the_command_dev_null_and_ignores_input_frames(runs: list[Framed]) -> None:
     """--stdin-null (version 6): a command that gets no input reads /dev/null, not an empty pipe (the
     contract's R-proc-stdin-empty); input frames have nothing to write to and are dropped."""
-    run = Framed(["bash", "-c", 'readlink /proc/$$/fd/0; cat; echo "cat=$?"'], options=["--stdin-null"])
+    # The sleep keeps the supervisor there to take the frame (it exits with the command: a write after
+    # that is EPIPE, which a rehearsal saw).
+    run = Framed(
+        ["bash", "-c", 'readlink /proc/$$/fd/0; cat; echo "cat=$?"; sleep 2'], options=["--stdin-null"]
+    )
     runs.append(run)
     run.started_pid()
     run.send(b"i", b"dropped\n")
