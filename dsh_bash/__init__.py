@@ -49,6 +49,7 @@ from ._types import (
     BashTaskStatus,
     CollectedOutput,
     EndCause,
+    OutputTap,
     OwnerToken,
     TerminalSize,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "ExecutorFactory",
     "InfraReason",
     "InputRefusal",
+    "OutputTap",
     "OwnerToken",
     "TaskInputError",
     "TaskListener",

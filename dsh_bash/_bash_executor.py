@@ -470,6 +470,7 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             env=request.env,
             open_stdin=request.open_stdin or request.terminal is not None,
             terminal=request.terminal,
+            on_output=request.on_output,
         )
 
     async def exec(self, command: str, **request_fields: Any) -> BashRunResult:
@@ -704,6 +705,7 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
                 max_spill_bytes=config.max_spill_bytes,
                 budget=self._spill_budget,
                 open_spill=partial(self._open_spill, marker, name),
+                tap=spec.on_output,
             )
             for name in ("stdout", "stderr")
         ]

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Literal, Protocol
 
-from ._types import CollectedOutput
+from ._types import CollectedOutput, OutputTap
 
 __all__ = ["PREPAID_SLACK", "OutputStream", "SpillBudget", "SpillFile", "merge_streams", "prepay_spills"]
 
@@ -134,6 +134,7 @@ class OutputStream:
         "_spill_reserved",
         "_spill_state",
         "_tail",
+        "_tap",
         "closed",
         "max_bytes",
         "max_spill_bytes",
@@ -149,6 +150,7 @@ class OutputStream:
         max_spill_bytes: int,
         budget: SpillBudget,
         open_spill: Callable[[], SpillFile],
+        tap: OutputTap | None = None,
     ) -> None:
         self.name: StreamName = name
         self.max_bytes = max_bytes
@@ -169,6 +171,8 @@ class OutputStream:
         # the character's continuation bytes, this many more may still have to be skipped.
         self._skip_left = 0
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        #: The spec's ``on_output``: every chunk fed goes to it too (R-output-tap).
+        self._tap = tap
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -178,6 +182,8 @@ class OutputStream:
         if not size:
             return
         self.total_bytes += size
+        if self._tap is not None:
+            self._to_tap(data)
         if self._spill_state == "active":
             if self._spill_failed():
                 # The writer gave up behind the scenes: stop queueing into it and free its budget.
@@ -195,6 +201,22 @@ class OutputStream:
             excess = len(tail) - self.max_bytes
             if excess > 0:
                 del tail[:excess]
+
+    @property
+    def tapped(self) -> bool:
+        """Whether a caller takes every byte as it comes (``on_output``): a backend must then feed
+        the real bytes of the whole stream, never skip what the kept tail would drop anyway."""
+        return self._tap is not None
+
+    def _to_tap(self, data: bytes | bytearray | memoryview) -> None:
+        tap = self._tap
+        assert tap is not None
+        try:
+            tap(self.name, bytes(data))
+        except Exception:
+            # The caller's bug must not break the backend's reader, nor the result: it gets no more.
+            self._tap = None
+            log.exception("the on_output tap raised; it gets no more %s output", self.name)
 
     def close(self) -> None:
         """The stream ended (EOF, or the drain bound passed): no more chunks will come."""

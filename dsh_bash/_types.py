@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal, NewType
 
 import anyio
@@ -32,6 +32,7 @@ __all__ = [
     "BashTaskStatus",
     "CollectedOutput",
     "EndCause",
+    "OutputTap",
     "OwnerToken",
     "TerminalSize",
 ]
@@ -41,6 +42,11 @@ OwnerToken = NewType("OwnerToken", str)
 
 BashTaskStatus = Literal["running", "completed", "killed"]
 EndCause = Literal["exited", "signaled", "killed", "aborted", "closed", "lost"]
+
+#: ``on_output(stream, data)``: every chunk of a command's output as the executor receives it
+#: (``R-output-tap``). Called in the event loop's thread from the backend's reader: it must return at
+#: once (queue the bytes; never block, never await).
+OutputTap = Callable[[Literal["stdout", "stderr"], bytes], None]
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: Linux's MAX_ARG_STRLEN (32 pages): execve refuses any single environment string (NAME=VALUE and
@@ -195,6 +201,9 @@ class BashExecRequest(_CommandChecks):
     #: Run the background task on a pseudo-terminal of this size (its controlling terminal, its stdin,
     #: stdout and stderr; input open as with ``open_stdin``). None: pipes, as always.
     terminal: TerminalSize | None = None
+    #: Called with every chunk of stdout and stderr as it arrives, beyond what the result keeps
+    #: (``R-output-tap``): for a caller that shows output live. None: only the result.
+    on_output: OutputTap | None = None
 
     @field_validator("timeout_ms", mode="before")
     @classmethod
@@ -219,6 +228,8 @@ class BashExecSpec(_CommandChecks):
     #: As on the request. A spec with a terminal has ``open_stdin`` too (``resolve`` sets it): a
     #: terminal's input is always open.
     terminal: TerminalSize | None = None
+    #: As on the request.
+    on_output: OutputTap | None = None
 
     @model_validator(mode="after")
     def _terminal_input_open(self) -> BashExecSpec:

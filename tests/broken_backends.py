@@ -1196,6 +1196,67 @@ class DropsSpillPaths(_StreamBreaker):
     stream_class = _NoSpillPathStream
 
 
+class _HeldTap:
+    """A tap in front of the caller's that holds every chunk until it is released."""
+
+    def __init__(self, tap: Callable[[Any, bytes], None]) -> None:
+        self.tap = tap
+        self.held: list[tuple[Any, bytes]] = []
+
+    def __call__(self, stream: Any, data: bytes) -> None:
+        self.held.append((stream, data))
+
+    def release(self) -> None:
+        for stream, data in self.held:
+            self.tap(stream, data)
+        self.held.clear()
+
+
+class _TapAtEndStream(OutputStream):
+    __slots__ = ()
+
+    def close(self) -> None:
+        if isinstance(self._tap, _HeldTap):
+            self._tap.release()
+        super().close()
+
+
+class TapDeliveredAtEnd(_StreamBreaker):
+    """Breaks: a run's `on_output` gets each chunk as it arrives.
+
+    Every chunk reaches the tap, exactly, but only when the stream ends.
+    """
+
+    stream_class = _TapAtEndStream
+
+    def _break_stream(self, stream: OutputStream) -> None:
+        if stream._tap is not None:
+            stream._tap = _HeldTap(stream._tap)
+        super()._break_stream(stream)
+
+
+class _TapPlaceholderStream(OutputStream):
+    __slots__ = ()
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        # What the kept tail would drop goes in as zeros (counted, never fetched), as a follower that
+        # skips to the tail would: the tail and the counts stay right, the tap's bytes do not.
+        excess = len(data) - self.max_bytes
+        if excess > 0:
+            super().feed(bytes(excess))
+            data = bytes(data)[excess:]
+        super().feed(data)
+
+
+class TapGetsPlaceholders(_StreamBreaker):
+    """Breaks: a background task's `on_output` gets every byte exactly.
+
+    What the kept tail would drop reaches the tap as zeros.
+    """
+
+    stream_class = _TapPlaceholderStream
+
+
 class _TruncatesAtLimitStream(OutputStream):
     __slots__ = ()
 

@@ -141,6 +141,8 @@ CAUGHT_BY: list[Row] = [
     # -- output -----------------------------------------------------------------------------------------
     Row("streams-separate-exact", bb.StderrIntoStdout),
     Row("truncation-keeps-tail", bb.KeepsHead),
+    Row("output-tap-live-exact", bb.TapDeliveredAtEnd),
+    Row("output-tap-task", bb.TapGetsPlaceholders),
     Row("truncation-keeps-tail", bb.DropsSpillPaths),
     Row("flood-bounded-and-timed-out", bb.CountsOnlyKeptBytes),
     Row("flood-bounded-and-timed-out", bb.NeverLossy),

@@ -801,3 +801,57 @@ def test_prepaid_spills_are_granted_at_once_grow_and_come_back_once_gone() -> No
         "stdout", max_bytes=1000, max_spill_bytes=1 << 20, budget=small, open_spill=_LaterGoneSpill
     )
     assert prepay_spills([lone]) == 0 and small.used == 0
+
+
+# -- the on_output tap (R-output-tap) -------------------------------------------------------------
+
+
+def test_tap_gets_every_chunk_as_its_own_bytes_beyond_the_tail() -> None:
+    got: list[tuple[str, bytes]] = []
+    stream = OutputStream(
+        "stderr",
+        max_bytes=10,
+        max_spill_bytes=20,
+        budget=SpillBudget(10**12),
+        open_spill=SpillFactory(),
+        tap=lambda name, data: got.append((name, data)),
+    )
+    buffer = bytearray(ASCII[:7])
+    stream.feed(memoryview(buffer))
+    buffer[:] = b"reused!"  # a backend may reuse its read buffer: the tap's chunk must be a copy
+    feed_in_chunks(stream, ASCII, 9)
+    assert stream.tapped
+    assert got[0] == ("stderr", ASCII[:7])
+    assert all(type(data) is bytes and name == "stderr" for name, data in got)
+    assert b"".join(data for _, data in got) == ASCII[:7] + ASCII
+    assert stream.collected().total_bytes == 107
+
+
+def test_a_tap_that_raises_is_logged_and_dropped_while_the_stream_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    calls: list[bytes] = []
+
+    def tap(name: str, data: bytes) -> None:
+        calls.append(data)
+        raise RuntimeError("caller's bug")
+
+    stream = OutputStream(
+        "stdout",
+        max_bytes=10,
+        max_spill_bytes=100,
+        budget=SpillBudget(10**12),
+        open_spill=SpillFactory(),
+        tap=tap,
+    )
+    with caplog.at_level(logging.ERROR, logger="dsh_bash"):
+        feed_in_chunks(stream, ASCII[:30], 10)
+    assert calls == [ASCII[:10]]
+    assert not stream.tapped
+    assert "on_output tap raised" in caplog.text
+    assert stream.collected().total_bytes == 30 and stream.collected().text == ASCII[20:30].decode()
+
+
+def test_an_untapped_stream_says_so() -> None:
+    stream, _ = make_stream(max_bytes=10)
+    assert not stream.tapped

@@ -389,3 +389,115 @@ async def aclose_removes_spills(ctx: CheckContext) -> None:
         ctx.expect(await exists(ex, path), f"the spill file {path} does not exist")
     async with ctx.executor() as probe:
         ctx.expect(not await exists(probe, path), f"the spill file {path} outlived its executor's aclose")
+
+
+class _TapRecorder:
+    """An ``on_output`` tap that records each chunk with the moment it came."""
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[float, str, bytes]] = []
+
+    def __call__(self, stream: str, data: bytes) -> None:
+        self.chunks.append((time.monotonic(), stream, data))
+
+    def joined(self, stream: str) -> bytes:
+        return b"".join(data for _, name, data in self.chunks if name == stream)
+
+    def first(self, stream: str) -> float | None:
+        return next((at for at, name, _ in self.chunks if name == stream), None)
+
+    def odd_chunks(self) -> list[str]:
+        return [
+            f"{name!r}: {type(data).__name__}"
+            for _, name, data in self.chunks
+            if name not in ("stdout", "stderr") or type(data) is not bytes
+        ]
+
+
+def _expect_tapped(ctx: CheckContext, tap: _TapRecorder, want: dict[str, bytes], what: str) -> None:
+    odd = tap.odd_chunks()
+    ctx.expect(not odd, f"{what}: the tap got chunks that are not (stdout|stderr, bytes): {odd[:3]}")
+    for name, full in want.items():
+        got = tap.joined(name)
+        ctx.expect(
+            got == full,
+            f"{what}: the tap's {name} chunks joined are {len(got)} bytes, not the whole stream's "
+            f"{len(full)}" + ("" if len(got) != len(full) else " (same length, other bytes)"),
+        )
+
+
+# Output that outgrows the kept tail and the spill cap: the tap must still get every byte of it.
+_TAP_BULK = 150_000
+
+
+@check(
+    "output-tap-live-exact",
+    kind="contract",
+    clause="R-output-tap",
+    rule="A run's `on_output` gets each stream's chunks as they arrive, every byte exactly (beyond the "
+    "kept tail and the spill cap), and nothing after `run` returned.",
+)
+async def output_tap_run(ctx: CheckContext) -> None:
+    async with ctx.executor(max_output_bytes=1000, max_spill_bytes=10_000) as ex:
+        tap = _TapRecorder()
+        command = (
+            "printf 'first\\n'; sleep 1; printf 'e1' >&2; "
+            f"head -c {_TAP_BULK} /dev/zero | tr '\\0' x; printf 'é' >&2; printf last"
+        )
+        started = time.monotonic()
+        result = await ex.exec(command, on_output=tap)
+        returned = time.monotonic()
+        calls_at_return = len(tap.chunks)
+        stdout_full = b"first\n" + b"x" * _TAP_BULK + b"last"
+        _expect_tapped(ctx, tap, {"stdout": stdout_full, "stderr": "e1é".encode()}, "a run")
+        ctx.expect(
+            result.stdout.total_bytes == len(stdout_full) and result.stdout.truncated,
+            f"the run's stdout should count {len(stdout_full)} bytes, truncated: {_show(result.stdout)}",
+        )
+        first = tap.first("stdout")
+        # 'first' was written a second before the command went on: a live tap has it well before the end.
+        ctx.expect(
+            first is not None and returned - first >= 0.5,
+            "the tap got the run's first stdout chunk "
+            + ("never" if first is None else f"{first - started:.2f} s after the start and only ")
+            + f"{returned - (first or returned):.2f} s before run returned (the command slept 1 s after "
+            "writing it): output must reach the tap as it arrives, not at the end",
+        )
+        await anyio.sleep(0.2)
+        ctx.expect(
+            len(tap.chunks) == calls_at_return,
+            f"the tap was called {len(tap.chunks) - calls_at_return} more times after run returned",
+        )
+
+
+@check(
+    "output-tap-task",
+    kind="contract",
+    clause="R-output-tap",
+    rule="A background task's `on_output` gets each stream's chunks as they arrive, every byte exactly, "
+    "all before `wait()` returns and before the task's listeners are called.",
+)
+async def output_tap_task(ctx: CheckContext) -> None:
+    async with ctx.executor(max_output_bytes=1000, max_spill_bytes=10_000) as ex:
+        tap = _TapRecorder()
+        calls_at_listener: list[int] = []
+        ex.on_task_done(lambda task: calls_at_listener.append(len(tap.chunks)))
+        command = f"printf 'a'; sleep 1; printf 'b' >&2; head -c {_TAP_BULK} /dev/zero | tr '\\0' y"
+        task = await ex.start(ex.resolve(BashExecRequest(command=command, on_output=tap)))
+        await wait_task(task, 10 + ctx.allowance_s)
+        ended = time.monotonic()
+        calls_at_wait = len(tap.chunks)
+        _expect_tapped(ctx, tap, {"stdout": b"a" + b"y" * _TAP_BULK, "stderr": b"b"}, "a background task")
+        first = tap.first("stdout")
+        ctx.expect(
+            first is not None and ended - first >= 0.5,
+            "the tap got the task's first stdout chunk "
+            + ("never" if first is None else f"only {ended - first:.2f} s before wait() returned")
+            + " (the command slept 1 s after writing it): output must reach the tap as it arrives",
+        )
+        await anyio.sleep(0.2)
+        ctx.expect(
+            calls_at_listener == [len(tap.chunks)] and len(tap.chunks) == calls_at_wait,
+            f"the tap had {calls_at_listener} calls when the listener ran, {calls_at_wait} when wait() "
+            f"returned and {len(tap.chunks)} later: every chunk must come before both",
+        )

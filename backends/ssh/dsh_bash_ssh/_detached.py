@@ -429,7 +429,8 @@ class Follower:
         if size <= offset:
             return False
         target = followed.launch.stdout if stream == "stdout" else followed.launch.stderr
-        skip = max(0, size - offset - target.max_bytes)
+        # What the kept tail would drop is not fetched, unless a tap takes every byte (R-output-tap).
+        skip = 0 if target.tapped else max(0, size - offset - target.max_bytes)
         data = bytearray()
         while offset + skip + len(data) < size:
             chunk = await handle.read(
