@@ -47,7 +47,7 @@ def _console_script() -> str:
 
 
 @pytest.fixture(params=["process", "in-process"])
-def run_cli(request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]) -> Runner:
+def run_cli(request: pytest.FixtureRequest, capfd: pytest.CaptureFixture[str]) -> Runner:
     """Run ``dsh-bash ARGS...`` one way or the other; return exit status, stdout and stderr."""
     if request.param == "process":
 
@@ -64,9 +64,10 @@ def run_cli(request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]) 
         return run_process
 
     def run_in_process(*args: str) -> Outcome:
-        capsys.readouterr()
+        # capfd: the command's output goes to file descriptors 1 and 2, not through sys.stdout.
+        capfd.readouterr()
         code = main(list(args))
-        captured = capsys.readouterr()
+        captured = capfd.readouterr()
         return Outcome(code, captured.out, captured.err)
 
     return run_in_process
@@ -115,11 +116,11 @@ def test_timeout_above_the_default_cap_is_honoured(run_cli: Runner) -> None:
     assert result == Outcome(0, "ok\n", "")
 
 
-def test_truncated_output_names_a_kept_spill_file(run_cli: Runner) -> None:
+def test_output_beyond_the_kept_tail_is_passed_through_and_names_a_kept_spill_file(run_cli: Runner) -> None:
     result = run_cli("run", "head -c 200000 /dev/zero | tr '\\0' a; echo oops >&2")
     assert result.code == 0
-    assert result.out == "a" * 64_000  # the tail, max_output_bytes by default
-    prefix = "oops\ndsh-bash: stdout truncated; full output: "
+    assert result.out == "a" * 200_000  # every byte passed through, not only the kept tail
+    prefix = "oops\ndsh-bash: stdout: 200000 bytes, more than the executor keeps (64000); full output: "
     assert result.err.startswith(prefix)
     assert result.err.endswith("\n")
     path = Path(result.err.removeprefix(prefix).rstrip("\n"))

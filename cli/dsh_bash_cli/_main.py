@@ -2,28 +2,29 @@
 
 Subcommands:
 
-``dsh-bash run [--config FILE] [--cwd DIR] [--timeout-ms N] -- COMMAND``
+``dsh-bash run [--config FILE] [--cwd DIR] [--timeout-ms N] [--json] -- COMMAND``
     Run one command on the local backend (or, with ``--config``, on the backend the file describes),
     loaded with ``load_executor`` either way, so ``DSH_BASH_<FIELD>`` variables apply with or without
-    a file; ``--cwd`` and ``--timeout-ms`` override ``cwd`` and ``timeout_ms``. The way an agent's
-    tool call would. The command's stdout
-    text goes to stdout and its stderr text to stderr, byte for byte as the executor collected them
-    (UTF-8, invalid bytes replaced). Then, on stderr, one notice per event: ``dsh-bash: timed out
-    after Nms``, and ``dsh-bash: stdout truncated; full output: PATH`` (or ``(unavailable)``) for
-    each truncated stream. The exit status is:
+    a file; ``--cwd`` and ``--timeout-ms`` override ``cwd`` and ``timeout_ms``. Its stdout and stderr
+    are passed through as they come, its stdin forwarded when it is not a terminal (``_run``); then,
+    on stderr, one notice per event: ``dsh-bash: timed out after Nms``, and for a stream longer than
+    the executor keeps, ``dsh-bash: stdout: N bytes, more than the executor keeps (M); full output:
+    PATH`` (or ``(unavailable)``). ``--json`` prints the whole result as JSON instead. The exit
+    status is:
 
-    - ``124`` when the executor's timeout killed the command (as GNU ``timeout`` does), whatever
-      the command's own status was;
+    - ``124`` when the timeout killed the command (as GNU ``timeout`` does), whatever the command's
+      own status was;
     - ``128 + n`` when the command was killed by signal ``n``;
+    - ``141`` when stdout's reader went away (the command is killed);
     - otherwise the command's exit code;
-    - ``2`` for bad arguments and configuration or infrastructure errors (one ``dsh-bash: error:``
-      line on stderr), ``130`` when interrupted with Ctrl-C.
+    - ``2`` for bad arguments and configuration or infrastructure errors, and for a stdout or stderr
+      that cannot be written (one ``dsh-bash: error:`` line on stderr), ``130`` when interrupted
+      with Ctrl-C.
 
-    A truncated stream's spill file belongs to the executor, which deletes it when it closes; the
-    CLI keeps it by linking (or copying) it into a directory of its own under the temporary
-    directory before the executor closes, and prints that path. Those files are not cleaned up. A
-    backend whose spill files live elsewhere (in a container, on an SSH host) reports
-    ``(unavailable)``: its spill files go when the executor closes.
+    A spill file belongs to the executor, which deletes it when it closes; the CLI keeps it by
+    linking (or copying) it into a directory of its own under the temporary directory before the
+    executor closes, and prints that path. Those files are not cleaned up. A backend whose spill
+    files live elsewhere (in a container, on an SSH host) reports ``(unavailable)``.
 
 ``dsh-bash conformance --config FILE [--check NAME ...] [--json] [--anyio-backend B] [--check-timeout S]``
     Run the conformance kit against the configured backend (``dsh_bash_conformance.config_target``):
@@ -64,8 +65,6 @@ from ._text import one_line, write
 # pay for the kit, the tools, the registry or the backends it does not use.
 if TYPE_CHECKING:
     from dsh_bash_conformance import CheckResult
-
-    from dsh_bash import BashExecutor, BashRunResult
 
     from ._doctor import Finding
 
@@ -158,6 +157,11 @@ def _build_parser() -> argparse.ArgumentParser:
         type=_timeout_ms,
         help="kill the command after N milliseconds (default: 120000)",
     )
+    run.add_argument(
+        "--json",
+        action="store_true",
+        help="run to the end, then print the whole result as JSON instead of passing output through",
+    )
     run.add_argument("command", nargs="+", metavar="COMMAND", help="the bash command line")
     run.set_defaults(handler=_cmd_run)
     _add_conformance_parser(commands)
@@ -179,77 +183,17 @@ def _error(message: str) -> int:
 # -- run ----------------------------------------------------------------------------------------------
 
 
-def _keep_spill(spill_path: str | None, name: str, keep_dir: list[str]) -> str | None:
-    """Preserve a spill file beyond the executor's close; return its new path, or None if it is gone."""
-    import shutil
-    import tempfile
-
-    if spill_path is None:
-        return None
-    try:
-        if not keep_dir:
-            keep_dir.append(tempfile.mkdtemp(prefix=f"{PROG}-output-"))
-        target = os.path.join(keep_dir[0], name)
-        try:
-            os.link(spill_path, target, follow_symlinks=False)
-        except OSError:  # another filesystem, or links not allowed: copy
-            shutil.copyfile(spill_path, target, follow_symlinks=False)
-    except OSError:
-        return None
-    return target
-
-
 #: The backend without ``--config``: the local one, by reference (no entry-point scan at start-up),
 #: loaded as a file would be, so ``DSH_BASH_<FIELD>`` variables apply the same way.
 LOCAL_SOURCE: dict[str, object] = {"backend": "dsh_bash_local:LocalBashExecutor.from_fields"}
 
 
-async def _run_configured(
-    source: str | dict[str, object], command: str, cwd: str | None, timeout_ms: float | None
-) -> tuple[BashRunResult, dict[str, str | None]]:
-    from dsh_bash import load_executor
-
-    executor = load_executor(source, **({"cwd": cwd} if cwd is not None else {}))
-    if timeout_ms is not None:
-        # As without --config: an explicit timeout raises the configured cap rather than being clamped.
-        cap = max(timeout_ms, executor.config.max_timeout_ms)
-        executor.reconfigure(timeout_ms=timeout_ms, max_timeout_ms=cap)
-    return await _exec_keeping_spills(executor, command)
-
-
-async def _exec_keeping_spills(
-    executor: BashExecutor, command: str
-) -> tuple[BashRunResult, dict[str, str | None]]:
-    import anyio.to_thread
-
-    kept: dict[str, str | None] = {}
-    keep_dir: list[str] = []
-    async with executor:
-        result = await executor.exec(command)
-        # The executor deletes its spill files when it closes: keep them for the user first.
-        for name, output in (("stdout", result.stdout), ("stderr", result.stderr)):
-            if output.truncated:
-                kept[name] = await anyio.to_thread.run_sync(_keep_spill, output.spill_path, name, keep_dir)
-    return result, kept
-
-
-def _exit_status(result: BashRunResult) -> int:
-    import signal
-
-    if result.timed_out:
-        return EXIT_TIMED_OUT
-    if result.signal is not None:
-        try:
-            return 128 + int(signal.Signals[result.signal])
-        except KeyError:
-            return 128
-    if result.exit_code is not None:
-        return result.exit_code
-    return 1
-
-
 def _cmd_run(args: argparse.Namespace) -> int:
     import anyio
+
+    from dsh_bash import load_executor
+
+    from . import _run
 
     command = " ".join(args.command)
     cwd: str | None = args.cwd
@@ -259,25 +203,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if not os.path.isdir(cwd):
             raise _CliError(f"--cwd {args.cwd}: not a directory")
     source = LOCAL_SOURCE if args.config is None else args.config
-    result, kept = anyio.run(_run_configured, source, command, cwd, args.timeout_ms)
-
-    write(sys.stdout, result.stdout.text)
-    sys.stdout.flush()
-    write(sys.stderr, result.stderr.text)
-
-    notices: list[str] = []
-    if result.timed_out:
-        notices.append(f"{PROG}: timed out after {round(result.timeout_ms)}ms")
-    for name, output in (("stdout", result.stdout), ("stderr", result.stderr)):
-        if output.truncated:
-            path = kept.get(name)
-            notices.append(f"{PROG}: {name} truncated; full output: {path or '(unavailable)'}")
-    if notices:
-        # Each notice on a line of its own, even after stderr text without a final newline.
-        separator = "\n" if result.stderr.text and not result.stderr.text.endswith("\n") else ""
-        write(sys.stderr, separator + "".join(f"{line}\n" for line in notices))
-    sys.stderr.flush()
-    return _exit_status(result)
+    executor = load_executor(source, **({"cwd": cwd} if cwd is not None else {}))
+    if args.timeout_ms is not None:
+        # As without --config: an explicit timeout raises the configured cap rather than being clamped.
+        cap = max(args.timeout_ms, executor.config.max_timeout_ms)
+        executor.reconfigure(timeout_ms=args.timeout_ms, max_timeout_ms=cap)
+    try:
+        if args.json:
+            return anyio.run(_run.run_json, executor, command)
+        return _run.finish_streamed(anyio.run(_run.run_streaming, executor, command))
+    except _run.RunFailed as exc:
+        raise _CliError(str(exc)) from exc
 
 
 # -- conformance --------------------------------------------------------------------------------------
@@ -604,6 +540,9 @@ def console() -> NoReturn:
     """
     import gc
 
+    from ._fds import claim_standard_fds
+
+    claim_standard_fds()
     code = main()
     gc.freeze()
     sys.exit(code)
