@@ -96,6 +96,9 @@ void prepare_supervisor(void)
 {
     if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0)
         subreaper_errno = errno;
+    /* Refused without CAP_SYS_ADMIN (EACCES), where the kernel already refuses TIOCSTI to a command
+     * (seccomp.c): nothing to report either way. */
+    (void)refuse_terminal_injection();
     proc_errno = proc_init();
     dev_null = open("/dev/null", O_RDWR | O_CLOEXEC);
     if (dev_null < 0)

@@ -63,6 +63,8 @@ void clear_arguments(const struct options *o);
 void take_signals(int files_written);
 void parent_death_signal(void);
 void prepare_supervisor(void);
+/* seccomp.c: ioctl(TIOCSTI) and ioctl(TIOCLINUX) refused from here on (0), or the errno of the refusal. */
+int refuse_terminal_injection(void);
 void check_supervisor(int allow_no_subreaper);
 char **command_environment(char **base, const struct options *o);
 int spawn_command(const struct launch *l);

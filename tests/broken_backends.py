@@ -677,6 +677,17 @@ class CommandTakenForOptions(LocalBashExecutor):
         return _plain_spawn(self, launch, end_of_options=False)
 
 
+class TerminalInjectable(LocalBashExecutor):
+    """Breaks: a command cannot push input into a terminal (ioctl TIOCSTI).
+
+    Commands run as plain subprocesses, without dsh-supervise and its seccomp filter: one running as
+    root may type into any terminal it opens.
+    """
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        return _plain_spawn(self, launch)
+
+
 class NoNewSession(LocalBashExecutor):
     """Breaks: every call runs in a process group (session) of its own.
 

@@ -151,7 +151,13 @@ REMOTE_ENGINE_CHECKS: tuple[str, ...] = (
 
 #: Docker on the Debian image (GNU coreutils, util-linux, procps, a real ``/etc/passwd``) after the
 #: busybox one: what changes is the userland the backend's scripts and the kit's commands meet.
+#: Checks that need a tool the busybox test image lacks (perl or python3): ``not_applicable`` there,
+#: run on the Debian image instead (they are in DEBIAN_CHECKS).
+BUSYBOX_NOT_APPLICABLE = frozenset({"terminal-injection-refused"})
+
 DEBIAN_CHECKS: tuple[str, ...] = (
+    # a terminal's input, pushed with perl's ioctl (TIOCSTI): refused by the supervisor's filter
+    "terminal-injection-refused",
     # the container's users, environment, rc files and directories
     "command-user",
     "env-default-scrub",

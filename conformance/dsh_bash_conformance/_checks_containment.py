@@ -261,3 +261,49 @@ async def self_kill_as_signal(ctx: CheckContext) -> None:
             f"a task that ran `kill -KILL $$` should end completed/signaled with signal SIGKILL: "
             f"{show_task(task)}",
         )
+
+
+# Pushes one byte into the input of a terminal the command opens itself (a fresh pseudo-terminal from
+# /dev/ptmx, so nothing real receives it) with TIOCSTI: what, on another terminal, types into
+# someone's shell. perl or python3 make the ioctl; bash and busybox cannot.
+_TIOCSTI_PROBE = r"""
+if command -v perl >/dev/null 2>&1; then
+  perl -e 'open(T, "+<", "/dev/ptmx") or do { print "no-ptmx\n"; exit 0 };
+           my $c = "x"; if (ioctl(T, 0x5412, $c)) { print "accepted\n" } else { print "refused $!\n" }'
+elif command -v python3 >/dev/null 2>&1; then
+  python3 -c '
+import fcntl, os
+try:
+    fd = os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY)
+except OSError:
+    print("no-ptmx"); raise SystemExit
+try:
+    fcntl.ioctl(fd, 0x5412, b"x")
+    print("accepted")
+except OSError as exc:
+    print("refused", os.strerror(exc.errno))'
+else
+  echo no-tool
+fi
+"""
+
+
+@check(
+    "terminal-injection-refused",
+    kind="contract",
+    clause="R-contain-no-keystrokes",
+    rule="A command cannot push input into a terminal (ioctl TIOCSTI): refused, whoever it runs as.",
+)
+async def terminal_injection_refused(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        result = await ex.exec(_TIOCSTI_PROBE)
+        verdict = result.stdout.text.strip()
+        if verdict == "no-tool":
+            ctx.not_applicable("needs perl or python3 where commands run, to make the ioctl")
+        if verdict == "no-ptmx":
+            ctx.not_applicable("no /dev/ptmx where commands run: no terminal to push input into")
+        ctx.expect(
+            verdict.startswith("refused"),
+            f"ioctl(TIOCSTI) on a terminal the command opened was {verdict or 'not tried'!r}: a command "
+            f"that may do that can type into any terminal it can open, the harness's own: {show(result)}",
+        )
