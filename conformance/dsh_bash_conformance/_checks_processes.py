@@ -65,7 +65,7 @@ async def stdin_empty(ctx: CheckContext) -> None:
 
 
 #: What the command's shell has as fd 0 (a pipe reads "pipe:[N]").
-_STDIN_IS = "printf %s \"$(readlink /proc/$$/fd/0)\""
+_STDIN_IS = 'printf %s "$(readlink /proc/$$/fd/0)"'
 
 
 @check(
