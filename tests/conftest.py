@@ -72,8 +72,9 @@ QUICK_LEAVES_OUT = {
     "test_inspect_provider.py": "inspect_ai's own self-check and an offline eval, through the provider",
     "test_cli_catches_broken.py": "the broken-backend table again, through `dsh-bash conformance`",
 }
-#: The markers of tests that need more than this machine's Python and bash.
-_NOT_QUICK_MARKERS = ("docker", "ssh", "faults")
+#: The markers of tests that need more than this machine's Python and bash, or build more than a
+#: commit's check should (``wheel``: the wheel and a venv to install it in).
+_NOT_QUICK_MARKERS = ("docker", "ssh", "faults", "wheel")
 
 
 def _is_quick(item: pytest.Item) -> bool:
@@ -106,6 +107,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "wheel: builds the wheel and installs it in a fresh venv (tests/test_wheel.py; not quick)"
+    )
     if os.environ.get("PYTEST_XDIST_WORKER") is None and turns.LOCK_DIR_VARIABLE not in os.environ:
         directory = tempfile.mkdtemp(prefix="dsh-bash-test-locks-")
         os.environ[turns.LOCK_DIR_VARIABLE] = directory
