@@ -2,7 +2,7 @@
 tagged with what it holds, both dsh-supervise binaries inside, nothing written into the sources, and
 working from a fresh virtualenv: a terminal task under the wheel's own supervisor, and the CLI.
 
-One wheel build and one venv, in one test (tests/README.md: about 15 s here; marker ``wheel``, not in
+One wheel build and one venv, in one test (tests/README.md: about 10 s here; marker ``wheel``, not in
 the quick check). The build is ``pip wheel --no-build-isolation`` with this venv's setuptools and
 ziglang (the [test] extra), so it needs no index; the zig cache (~/.cache/dsh-bash/zig) is the one
 bin/test warms. The fresh venv reaches anyio and pydantic through a ``.pth`` line naming this venv's
