@@ -81,10 +81,16 @@ _State = Literal["new", "open", "closing", "closed"]
 _OPEN_RELEASE_BOUND_S = 10.0
 
 
+#: The least time a backend has to report a command's end once the kill sequence is over (at least
+#: ``grace_ms``): past it, the command is lost (``command_lost``) rather than waited for for ever.
+_REPORT_AFTER_KILL_S = 1.0
+
+
 class _Command:
     """Bookkeeping of one spawned command, foreground or background."""
 
     __slots__ = (
+        "after_kill_scope",
         "exit",
         "failure",
         "finalized",
@@ -101,6 +107,7 @@ class _Command:
         "started_at",
         "task",
         "tg",
+        "wait_scope",
         "watch_scope",
     )
 
@@ -126,6 +133,11 @@ class _Command:
         self.finished = anyio.Event()
         self.output_done = anyio.Event()
         self.watch_scope = anyio.CancelScope()
+        #: Around the wait for the shell's exit: cancelled when the backend did not report it within
+        #: the bound after the kill sequence (:data:`_REPORT_AFTER_KILL_S`).
+        self.wait_scope = anyio.CancelScope()
+        #: Around that bound's timer: cancelled once the exit came.
+        self.after_kill_scope = anyio.CancelScope()
         self.tg: anyio.abc.TaskGroup | None = None
         self.input: TaskInput | None = None
 
@@ -770,6 +782,7 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
                 # into its reason, which a short command would feel.
                 command.watch_scope.cancel()
             command.leader_exited = True
+            command.after_kill_scope.cancel()
             if command.failure is not None:
                 self._request_kill(command, "lost")
             if command.kill_done is not None:
@@ -800,11 +813,21 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         per command (a backend's ``wait`` is cancellation-safe and may be called again).
         """
         process = command.process
-        if timeout_s is not None:
-            with anyio.move_on_after(timeout_s):
-                return await process.wait()
-            self._request_kill(command, "timeout")
-        return await process.wait()
+        with command.wait_scope:
+            if timeout_s is not None:
+                with anyio.move_on_after(timeout_s):
+                    return await process.wait()
+                self._request_kill(command, "timeout")
+            return await process.wait()
+        bound = self._report_after_kill_s()
+        raise BashInfrastructureError(
+            f"the backend did not report the command's end {bound:g} s after the kill sequence (its "
+            "helper where the command runs may be stopped or gone); the command is lost",
+            reason="command_lost",
+        )
+
+    def _report_after_kill_s(self) -> float:
+        return max(_REPORT_AFTER_KILL_S, self._config.grace_ms / 1000)
 
     async def _watch_abort(self, command: _Command) -> None:
         signal = command.spec.signal
@@ -836,6 +859,17 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             log.exception("killing command %s failed", command.launch.marker)
         finally:
             command.kill_done.set()
+        # Every wait for a helper's answer has a deadline: one that never reports the end (stopped by
+        # the command, say) must not hold the run or the task for ever.
+        with command.after_kill_scope:
+            await anyio.sleep(self._report_after_kill_s())
+            if not command.leader_exited:
+                log.warning(
+                    "command %s: no end reported %.1f s after the kill sequence: lost",
+                    command.launch.marker,
+                    self._report_after_kill_s(),
+                )
+                command.wait_scope.cancel()
 
     async def _kill_now(self, command: _Command, cause: _KillCause) -> None:
         """Kill inline (the caller is being cancelled, or the executor closed under a start)."""

@@ -146,36 +146,6 @@ static int create_file(const char *path, const char *what)
     return fd;
 }
 
-/* Field 22 of /proc/self/stat, the start time in clock ticks since boot: with the pid, it names this
- * process for good (the harness checks both before it signals a pid that may have been reused). */
-static unsigned long long own_start_time(void)
-{
-    char buf[1024];
-    int fd = open("/proc/self/stat", O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        die("cannot open /proc/self/stat: %s", strerror(errno));
-    ssize_t n;
-    do
-        n = read(fd, buf, sizeof buf - 1);
-    while (n < 0 && errno == EINTR);
-    close(fd);
-    if (n <= 0)
-        die("cannot read /proc/self/stat");
-    buf[n] = '\0';
-    /* The comm may hold spaces and parentheses: count fields from the last ')'. Field 3 follows its
-     * first space, so field 22 follows the 20th. */
-    char *p = memrchr(buf, ')', (size_t)n);
-    for (int spaces = 0; p != NULL && spaces < 20; spaces++) {
-        p = strchr(p, ' ');
-        if (p != NULL)
-            p++;
-    }
-    char *end;
-    unsigned long long ticks = p != NULL ? strtoull(p, &end, 10) : 0;
-    if (p == NULL || end == p)
-        die("cannot read the start time in /proc/self/stat");
-    return ticks;
-}
 
 /* Reads the key from fd 0, creates the files and forks. Returns in the child only, which has left
  * the harness's session; the parent waits until the child is ready (exit 0) or failed (exit 125,

@@ -171,7 +171,7 @@ static void spare(int taken)
     close(taken);
     status_fd = fds[0];
     /* The harness holds this process by a pidfd from the start: no pid it signals can be reused.
-     * Both go with the first records (flush_status), so that the harness wakes once for them. */
+     * Both go out before the command is spawned (spawn_command flushes them). */
     answer_with_pidfd(getpid(), (int)syscall(SYS_pidfd_open, getpid(), 0));
     if (parse_request(data, len, &taken_request) != 0) {
         record("execfail %d", EINVAL);

@@ -593,6 +593,18 @@ int run_framed(struct options *o)
     take_signals(0);
     prepare_supervisor();
     check_supervisor(o->allow_no_subreaper);
+    /* Who to continue (SIGCONT) from outside when a command stopped this supervisor: the harness checks
+     * the start time before it signals the pid. */
+    record("supervisor %d %llu", (int)getpid(), own_start_time());
+    /* Out before the command runs, whatever its first act is (stopping us, say): frames are written
+     * by the loop below otherwise, which a stopped supervisor never reaches. Bounded (1 s). */
+    for (int tries = 0; frames_queued() > 0 && !frames_dead() && tries < 100; tries++) {
+        flush_out();
+        if (frames_queued() > 0) {
+            struct pollfd ready = {out_fd(), POLLOUT, 0};
+            (void)poll(&ready, 1, 10);
+        }
+    }
     /* The command's stdin, stdout and stderr, [0] its read end, [1] its write end. All close-on-exec:
      * the child dup2()s its own ends onto 0-2 and inherits none of the others. */
     int stdio_pipe[3][2] = {{-1, -1}, {-1, -1}, {-1, -1}};

@@ -92,6 +92,37 @@ void parent_death_signal(void)
         die("the parent is already gone");
 }
 
+/* Field 22 of /proc/self/stat, the start time in clock ticks since boot: with the pid, it names this
+ * process for good (the harness checks both before it signals a pid that may have been reused). */
+unsigned long long own_start_time(void)
+{
+    char buf[1024];
+    int fd = open("/proc/self/stat", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        die("cannot open /proc/self/stat: %s", strerror(errno));
+    ssize_t n;
+    do
+        n = read(fd, buf, sizeof buf - 1);
+    while (n < 0 && errno == EINTR);
+    close(fd);
+    if (n <= 0)
+        die("cannot read /proc/self/stat");
+    buf[n] = '\0';
+    /* The comm may hold spaces and parentheses: count fields from the last ')'. Field 3 follows its
+     * first space, so field 22 follows the 20th. */
+    char *p = memrchr(buf, ')', (size_t)n);
+    for (int spaces = 0; p != NULL && spaces < 20; spaces++) {
+        p = strchr(p, ' ');
+        if (p != NULL)
+            p++;
+    }
+    char *end;
+    unsigned long long ticks = p != NULL ? strtoull(p, &end, 10) : 0;
+    if (p == NULL || end == p)
+        die("cannot read the start time in /proc/self/stat");
+    return ticks;
+}
+
 void prepare_supervisor(void)
 {
     if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0)
@@ -196,8 +227,10 @@ int spawn_command(const struct launch *l)
         die("posix_spawn file actions: out of memory");
     if (l->status_to >= 0 && posix_spawn_file_actions_adddup2(&actions, status_fd, l->status_to) != 0)
         die("posix_spawn file actions: out of memory");
-    if (l->status_to >= 0)
-        flush_status(); /* our pid and pidfd first: the program writes records of its own there */
+    /* Our pid and pidfd (and whatever else is recorded) go out before the command runs: the program
+     * may write records of its own there, and its first act may be to stop this process (SIGSTOP,
+     * same user), which must not keep the harness from the handle it continues us by. */
+    flush_status();
     char **own_env = environ;
     environ = l->env; /* what posix_spawnp searches PATH with, as Popen(env=) does */
     int err = posix_spawnp(&child_pid, l->program[0], &actions, &attr, l->program, l->env);

@@ -62,6 +62,8 @@ extern int want_term, want_kill; /* kill requests not yet served */
 void clear_arguments(const struct options *o);
 void take_signals(int files_written);
 void parent_death_signal(void);
+/* Field 22 of /proc/self/stat: with the pid, it names this process for good (`supervisor PID START`). */
+unsigned long long own_start_time(void);
 void prepare_supervisor(void);
 /* seccomp.c: ioctl(TIOCSTI) and ioctl(TIOCLINUX) refused from here on (0), or the errno of the refusal. */
 int refuse_terminal_injection(void);

@@ -76,7 +76,7 @@ from dsh_bash.backend import (
     is_scrubbed,
     kill_sequence,
 )
-from dsh_bash.host._host_process import HostProcess
+from dsh_bash.host._host_process import HostProcess, SupervisedProcess
 from dsh_bash.host._proc_scan import (
     ProcScanner,
     read_proc_stat,
@@ -720,6 +720,43 @@ class KillsOnlyLeader(_ProcessBreaker):
     """
 
     process_class = _LeaderOnlyProcess
+
+
+class _NoContinueProcess(SupervisedProcess):
+    #: Duplicates of the pidfds of supervisors that were asked to kill: the executor continues them at
+    #: its close, so that no stopped supervisor outlives the test.
+    asked: ClassVar[list[int]] = []
+
+    def _signal_supervisor(self, sig: int) -> bool:
+        if self._pidfd is None or self._supervisor_gone():
+            return False
+        _NoContinueProcess.asked.append(os.dup(self._pidfd))
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(self._pidfd, sig)
+        return True
+
+
+class StoppedSupervisorNotContinued(_ProcessBreaker):
+    """Breaks: a command that stops its supervisor is still timed out and killed on time.
+
+    Kill requests go to the supervisor without a SIGCONT first: a stopped one hears none of them, and
+    the run ends only when the executor gives the command up as lost.
+    """
+
+    process_class = _NoContinueProcess
+
+    def __init__(self, config: LocalConfig | None = None) -> None:
+        # Under the supervisor (the sound backend's containment), unlike the other broken backends:
+        # the supervisor is what it fails to continue.
+        _SoundLocal.__init__(self, config if config is not None else LocalConfig())
+
+    async def _release(self) -> None:
+        while _NoContinueProcess.asked:
+            pidfd = _NoContinueProcess.asked.pop()
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGCONT)
+            os.close(pidfd)
+        await super()._release()
 
 
 class _SigkillOnlyProcess(HostProcess):

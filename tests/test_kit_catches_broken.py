@@ -68,6 +68,7 @@ CAUGHT_BY: list[Row] = [
     Row("infra-error-reasons", bb.WorkdirReasonUnclassified),
     Row("escapee-without-environment-killed", bb.MarkerContainment),
     Row("terminal-injection-refused", bb.TerminalInjectable, needs_root=True),
+    Row("stopped-supervisor-killed-on-time", bb.StoppedSupervisorNotContinued),
     Row("escapee-rewriting-environment-killed", bb.MarkerContainment),
     Row("setsid-chain-killed", bb.KillsWhatItSawFirst),
     Row("non-dumpable-escapee-killed", bb.KillScriptWithoutPtraceRights),

@@ -125,11 +125,18 @@ class Framed:
 
     @property
     def records(self) -> list[str]:
-        """The status records so far, warnings left out (qemu-user says `warning no-subreaper`), and
-        the input records too (their number depends on how the writes to the command's stdin fell)."""
+        """The status records so far, warnings left out (qemu-user says `warning no-subreaper`), the
+        input records too (their number depends on how the writes to the command's stdin fell), and
+        the `supervisor PID START` record every run begins with (``supervisor_records``)."""
         return [
-            str(r) for kind, r in self.events if kind == "s" and not str(r).startswith(("warning ", "input "))
+            str(r)
+            for kind, r in self.events
+            if kind == "s" and not str(r).startswith(("warning ", "input ", "supervisor "))
         ]
+
+    @property
+    def supervisor_records(self) -> list[str]:
+        return [str(r) for kind, r in self.events if kind == "s" and str(r).startswith("supervisor ")]
 
     @property
     def input_records(self) -> list[str]:
@@ -415,7 +422,7 @@ def test_late_output_comes_between_exit_and_empty(runs: list[Framed]) -> None:
     run = Framed([*SH, "(sleep 0.2; echo late) & exit 0"])
     runs.append(run)
     run.finish()
-    kinds = _kinds(run.events)
+    kinds = [kind for kind in _kinds(run.events) if not kind.startswith("s:supervisor ")]
     assert kinds[:2] == ["s:started", "s:exit 0"], kinds
     assert kinds.index("o") > 1
     assert kinds[-1] == "s:empty"
@@ -1486,3 +1493,27 @@ def test_a_reader_that_reads_again_at_once_waits_anew(runs: list[Framed]) -> Non
     run.send(b"c")
     run.finish()
     assert run.stdout == b"a\nbc\n"
+
+
+def test_the_supervisor_names_itself_before_the_command_runs(runs: list[Framed]) -> None:
+    """`supervisor PID START` comes first, and out before the command runs: a command that stops its
+    supervisor at once still lets the harness continue it (SIGCONT from outside,
+    R-proc-kill-stopped-helper)."""
+    run = Framed([*SH, "kill -STOP $PPID; exit 0"])
+    runs.append(run)
+    record = run.expect("supervisor ")
+    pid, start = (int(word) for word in record.split()[1:])
+    assert run.events[0] == ("s", record)
+
+    def fields() -> list[str]:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2 :].split()
+
+    assert fields()[19] == str(start)
+    deadline = time.monotonic() + 5
+    while fields()[0] != "T" and time.monotonic() < deadline:  # the command stopped it
+        time.sleep(0.01)
+    assert fields()[0] == "T"
+    os.kill(pid, signal.SIGCONT)
+    run.finish()
+    assert [r for r in run.records if r.startswith(("exit ", "signal "))] == ["exit 0"]

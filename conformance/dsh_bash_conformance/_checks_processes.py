@@ -7,7 +7,7 @@ import time
 
 import anyio
 
-from dsh_bash import BashExecRequest, BashRunResult
+from dsh_bash import BashExecRequest, BashInfrastructureError, BashRunResult
 
 from ._harness import CheckContext, check
 from ._support import (
@@ -25,6 +25,7 @@ from ._support import (
     touch,
     wait_files,
     wait_task,
+    within,
 )
 
 GRACE_S = 0.3
@@ -251,6 +252,57 @@ async def kill_escalates(ctx: CheckContext) -> None:
         await wait_task(task, ctx.allowance_s, "killed task")
         got = await sh(ex, f"cat {seen}")
         ctx.expect(got == "got-term", f"the member trapping TERM did not record a SIGTERM: {got!r}")
+
+
+# Stops (SIGSTOP) the supervisor the command runs under, when it runs under one (its parent is a
+# dsh-supervise), and then outlives any timeout: every kill request then goes to a process that
+# cannot act on it unless someone continues it first. Never the parent of an unsupervised command
+# (the harness itself, on a local backend without the supervisor).
+_STOP_OWN_SUPERVISOR = (
+    "p=$PPID; read -r c < /proc/$p/comm 2>/dev/null; "
+    "case $c in dsh-supervise*) echo supervised; kill -STOP $p ;; *) echo unsupervised ;; esac; "
+    "sleep 30"
+)
+
+
+@check(
+    "stopped-supervisor-killed-on-time",
+    kind="contract",
+    clause="R-proc-kill-stopped-helper",
+    rule="A command that stops (SIGSTOP) its supervisor still times out, and is killed by `kill`, on "
+    "time; the next command runs at once.",
+)
+async def stopped_supervisor(ctx: CheckContext) -> None:
+    async with ctx.executor(grace_ms=GRACE_S * 1000) as ex:
+        # The timeout, the grace, then a SIGKILL that must reach the stopped supervisor: one more
+        # process where the commands run (two allowances) to continue it.
+        bound = 1.0 + 2 * GRACE_S + 2 * ctx.allowance_s
+        started_at = time.monotonic()
+        try:
+            result = await within(ex.exec(_STOP_OWN_SUPERVISOR, timeout_ms=1000), bound, "the run")
+        except BashInfrastructureError as exc:
+            ctx.expect(
+                exc.reason == "command_lost",
+                f"the run raised {exc.reason}, not command_lost (nor a timed-out result): {exc}",
+            )
+        else:
+            if "unsupervised" in result.stdout.text:
+                ctx.not_applicable("commands do not run under dsh-supervise here (marker containment)")
+            ctx.expect(result.timed_out, f"the run should be timed out: {show(result)}")
+        took = elapsed(started_at)
+        nxt = await within(
+            ex.exec("echo next"), 1.0 + ctx.allowance_s, f"the next command (after {took:.2f} s)"
+        )
+        ctx.expect(nxt.stdout.text == "next\n", f"the next command did not run as usual: {show(nxt)}")
+
+        task = await ex.start(ex.resolve(BashExecRequest(command=_STOP_OWN_SUPERVISOR)))
+        await anyio.sleep(0.3 + ctx.allowance_s)  # it stopped its supervisor by now
+        ctx.expect(await ex.kill(task.id) is True, "kill of a running task did not return True")
+        await wait_task(task, 2 * GRACE_S + 2 * ctx.allowance_s, "a task that stopped its supervisor, killed")
+        ctx.expect(
+            task.end_cause in ("killed", "lost"),
+            f"a task killed after it stopped its supervisor ended {task.end_cause}: {show_task(task)}",
+        )
 
 
 @check(

@@ -268,7 +268,9 @@ class HostProcess(CommandProcess):
         except ProcScanError as exc:
             log.warning("cannot find the processes of %s: %s", self._launch.marker, exc)
             group_ours, outside = not self._reaped, []
-        if group_ours:
+        # Never pid 0 (a supervised command whose supervisor never answered has no pid of its own):
+        # killpg(0) would signal this process's own group, the harness.
+        if group_ours and self._pid > 0:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self._pid, sig)
         marker = self._launch.marker
@@ -576,16 +578,25 @@ class SupervisedProcess(HostProcess):
                 await self._until_answered(self._answered.is_set)
 
     async def _until_answered(self, done: Callable[[], bool]) -> None:
-        """Read records until ``done()`` or the channel ends, nudging the fork server while no
-        supervisor answered: a stopped server or spare is continued every half second."""
+        """Read records until ``done()`` or the channel ends, nudging whoever must write them every
+        half second: while no supervisor answered, the fork server and its spare (continued if
+        stopped); then the supervisor itself, which the command may stop (SIGSTOP, same user) before
+        it reported the start."""
         while not done() and not self._status_eof and self._status is not None:
-            if self._answered.is_set():
-                await self._status_until(done)
-                return
+            answered = self._answered.is_set()
+
+            def changed(was: bool = answered) -> bool:
+                return done() or self._answered.is_set() != was
+
             with anyio.move_on_after(_NUDGE_EVERY_S):
-                await self._status_until(lambda: done() or self._answered.is_set())
+                await self._status_until(changed)
+            if done():
+                return
             if not self._answered.is_set():
                 self._nudge()
+            elif self._pidfd is not None and not self._supervisor_gone():
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(self._pidfd, signal.SIGCONT)
 
     async def abandon(self) -> None:
         """Kill whatever started, wait until it is gone, and release everything (a start that failed

@@ -22,7 +22,7 @@ their commands run. Imports only the seam; see ``README.md`` beside this file.
 
 from __future__ import annotations
 
-from ._framed_command import FramedCommand
+from ._framed_command import CONTINUE_SUPERVISOR, FramedCommand
 from ._frames import SupervisorRecords, command_payload, encode_frame
 from ._native import PROTOCOL_VERSION as SUPERVISOR_PROTOCOL
 from ._native import SupervisorPayload, supervisor_binary, supervisor_payload, supervisor_problem
@@ -30,6 +30,7 @@ from ._signed_records import KEY_SIZE as SUPERVISOR_KEY_SIZE
 from ._signed_records import SignedRecords
 
 __all__ = [
+    "CONTINUE_SUPERVISOR",
     "SUPERVISOR_KEY_SIZE",
     "SUPERVISOR_PROTOCOL",
     "FramedCommand",

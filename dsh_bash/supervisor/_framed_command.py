@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import secrets
 import signal
 import stat
+import time
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -42,7 +44,9 @@ from ._frames import (
     encode_frame,
 )
 
-__all__ = ["STDIN_FRAME_BYTES", "FramedCommand"]
+__all__ = ["CONTINUE_SUPERVISOR", "STDIN_FRAME_BYTES", "FramedCommand"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("dsh_bash")
 
@@ -56,6 +60,22 @@ _SIDE_FEED = 256 * 1024
 
 #: What is kept of a stream's first bytes until its first frame, to report a stream that has none.
 _UNFRAMED_KEPT = 4096
+
+#: A bash script, ``$1`` a supervisor's pid and ``$2`` its start time (its ``supervisor PID START``
+#: record): SIGCONT to that process if it still is that supervisor (field 22 of its stat matches), as
+#: the command's user where the commands run. A command can stop (SIGSTOP) its own supervisor, which
+#: then hears no kill request: this continues it. Exit status 0 whatever it found.
+CONTINUE_SUPERVISOR = r"""
+read -r stat 2>/dev/null < "/proc/$1/stat" || exit 0
+rest=${stat##*) }
+fld=($rest)
+[ "${fld[19]}" = "$2" ] && kill -CONT "$1" 2>/dev/null
+exit 0
+"""
+#: Between two continues of one supervisor from outside (each costs a process where commands run).
+_CONTINUE_EVERY_S = 0.5
+#: The most one continue from outside may take before the SIGKILL request goes out anyway.
+_CONTINUE_BOUND_S = 5.0
 
 #: The command's stdin goes to the supervisor in frames of at most this size, so that a kill request
 #: waits behind one chunk at most.
@@ -101,6 +121,7 @@ class FramedCommand(CommandProcess):
         self._side: Literal["none", "asked", "declined", "taken"] = "none"
         self._side_fd = -1
         self._side_expected = b""  # the side pipe's first frame: `nonce HEX`
+        self._continued_at = -math.inf
 
     # -- what the transport calls -------------------------------------------------------------------
 
@@ -411,10 +432,51 @@ class FramedCommand(CommandProcess):
     async def signal_all(self, sig: int) -> None:
         if self._records.empty:
             return
+        if sig == signal.SIGKILL and not self._stream_done:
+            # The SIGTERM request had its grace and the supervisor still holds processes: it may be
+            # stopped (by the command: same user), when it would hear no request at all.
+            await self._continue_from_outside()
         request = encode_frame(b"K" if sig == signal.SIGKILL else b"T")
         if not self._stream_done and await self._send_frame(request, urgent=True):
             return
         await self._fallback.signal_all(sig)
+
+    async def _continued_until(self, wait: Callable[[], Awaitable[T]]) -> T:
+        """``await wait()``, continuing the supervisor from outside every half second meanwhile: the
+        command may stop it (SIGSTOP, same user) before it reported the start, and the start must not
+        wait for ever."""
+        async with anyio.create_task_group() as tg:
+
+            async def nudge() -> None:
+                while True:
+                    await anyio.sleep(_CONTINUE_EVERY_S)
+                    await self._continue_from_outside()
+
+            tg.start_soon(nudge)
+            try:
+                result = await wait()
+            finally:
+                tg.cancel_scope.cancel()
+        return result
+
+    async def _continue_from_outside(self) -> None:
+        records = self._records
+        now = time.monotonic()
+        if records.supervisor_pid is None or records.supervisor_start_time is None:
+            return
+        if now - self._continued_at < _CONTINUE_EVERY_S:
+            return
+        self._continued_at = now
+        try:
+            with anyio.move_on_after(_CONTINUE_BOUND_S):
+                await self._continue_supervisor(records.supervisor_pid, records.supervisor_start_time)
+        except Exception as exc:
+            log.warning("continuing the supervisor %s failed: %s", self._where, exc)
+
+    async def _continue_supervisor(self, pid: int, start_time: int) -> None:
+        """Send SIGCONT to the supervisor ``pid`` (the command's user may have stopped it) if it still
+        started at ``start_time``, from outside its stream: run :data:`CONTINUE_SUPERVISOR` where the
+        commands run. The default does nothing (a backend that cannot)."""
 
     async def remaining(self) -> list[str]:
         if self._records.empty:

@@ -94,6 +94,7 @@ class FramedDockerProcess(FramedCommand):
         side_pipes: SidePipes,
     ) -> None:
         super().__init__(launch, fallback=marked, registry=registry, where=f"in container {container[:12]}")
+        self._marked = marked
         self._engine = engine
         self._container = container
         self._exec_id = exec_id
@@ -146,6 +147,9 @@ class FramedDockerProcess(FramedCommand):
             return self._fed_since_wait()
         return self._fed_since_wait() or self.switched or self.side_pipe_offer is not None
 
+    async def _continue_supervisor(self, pid: int, start_time: int) -> None:
+        await self._marked.continue_supervisor(pid, start_time)
+
     async def _send_frame(self, frame: bytes, *, urgent: bool) -> bool:
         try:
             # Whole frames only: anyio refuses concurrent sends, and a frame cut by another's
@@ -173,7 +177,9 @@ class FramedDockerProcess(FramedCommand):
         def decided() -> bool:
             return self._booted or records.exec_failed is not None or self._head.startswith(BOOT_FAIL)
 
-        started = await self._stream.pump_until(self.feed, self._engine_stderr, decided)
+        started = await self._continued_until(
+            lambda: self._stream.pump_until(self.feed, self._engine_stderr, decided)
+        )
         if started and self._booted:
             return
         if self._head.startswith(BOOT_FAIL):

@@ -53,10 +53,14 @@ class FramedSshProcess(FramedCommand):
         registry: set[Any],
     ) -> None:
         super().__init__(launch, fallback=marked, registry=registry, where=f"on {pool.where}")
+        self._marked = marked
         self._pool = pool
         self._on_release = on_release
         self._wait_writable = wait_writable
         self._session: CommandSession | None = None
+
+    async def _continue_supervisor(self, pid: int, start_time: int) -> None:
+        await self._marked.continue_supervisor(pid, start_time)
 
     # -- the channel (the session calls feed as data arrives) ------------------------------------------
 
@@ -116,7 +120,7 @@ class FramedSshProcess(FramedCommand):
         session = self._session
         assert session is not None
         await boot_verdict(session, self._pool, self._launch)
-        await self._decided.wait()
+        await self._continued_until(self._decided.wait)
         if self._records.child is not None:
             return
         failure = self.start_failure()

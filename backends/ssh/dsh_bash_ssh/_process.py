@@ -24,6 +24,7 @@ from dsh_bash.remote import (
     find_boot_ok,
     kill_args,
 )
+from dsh_bash.supervisor import CONTINUE_SUPERVISOR
 
 from ._connection import ChannelPool, SlotSession
 from ._scripts import BOOT_FAIL, KILL, READY, STDERR_OK
@@ -82,6 +83,12 @@ class RemoteMarked:
                 if self._unreached is not None:
                     self._unreached(self)
                 raise
+
+    async def continue_supervisor(self, pid: int, start_time: int) -> None:
+        """SIGCONT to a command's supervisor (a pid on the host) if it still started then, over the
+        kill channel: a command may have stopped it, which would leave every kill request unheard."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_SIGNAL_BOUND_S):
+            await self._pool.run_script(CONTINUE_SUPERVISOR, str(pid), str(start_time), kill=True)
 
     async def remaining(self) -> list[str]:
         # Shielded as well: a script cancelled half-way keeps its server session until it exits

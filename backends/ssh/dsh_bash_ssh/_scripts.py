@@ -337,7 +337,9 @@ while (($# >= 2)); do
     read -r -a f <<< "${stat##*) }"
     # f[0] is field 3 (the state), so field 22 is f[19]; a zombie holds nothing any more.
     if [[ ${f[0]} != [ZX] && ${f[19]} == "$2" ]]; then
-      if [[ $request == 0 ]] || kill -s "$request" "$1" 2>/dev/null; then word=alive; fi
+      # The request, then SIGCONT: the task may have stopped its supervisor (same user), which would
+      # keep the request pending for ever; continued, it takes it at once.
+      if [[ $request == 0 ]] || { kill -s "$request" "$1" 2>/dev/null && kill -s CONT "$1" 2>/dev/null; }; then word=alive; fi
     fi
   fi
   echo "$word"
