@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import tomllib
 from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -91,6 +90,8 @@ def _read_file(path: Path) -> dict[str, Any]:
     suffix = path.suffix.lower()
     try:
         if suffix == ".toml":
+            import tomllib  # noqa: PLC0415 - only a file needs it: `dsh-bash run` reads none
+
             data: Any = tomllib.loads(raw.decode("utf-8"))
         elif suffix in (".yaml", ".yml"):
             try:
