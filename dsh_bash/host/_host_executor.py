@@ -262,7 +262,8 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         return os.environ
 
     async def _spawn(self, launch: Launch) -> CommandProcess:
-        refuse_other_user(launch.spec.user, _this_user(), "on this host")
+        if launch.spec.user is not None:  # the passwd lookup only for a spec that names a user
+            refuse_other_user(launch.spec.user, _this_user(), "on this host")
         if self._bash is None:
             raise BashInfrastructureError(
                 f"bash not found: {self._host_config().bash!r} is not on PATH", reason="shell_missing"
