@@ -76,7 +76,9 @@ class BudgetConfig(BaseModel, metaclass=_RaisesConfigError):
     A bad value raises :class:`ConfigError` naming the field, from the constructor as from
     :meth:`with_changes`; ``model_validate`` keeps pydantic's ``ValidationError``."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # defer_build (inherited): a config class builds its validator when first used, not at import
+    # (a process that runs the local backend never builds BudgetConfig's or HostConfig's own).
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
     timeout_ms: float = 120_000
     max_timeout_ms: float = 600_000

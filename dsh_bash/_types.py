@@ -143,7 +143,9 @@ def _check_env(value: object) -> dict[str, str] | None:
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True, extra="forbid")
+    # defer_build: each model builds its validator when first used, not at import (``dsh-bash run``
+    # never uses ``BashRunResult``, ``CollectedOutput`` or ``TerminalSize`` of its own).
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True, extra="forbid", defer_build=True)
 
 
 class TerminalSize(_Frozen):
