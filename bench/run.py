@@ -1,7 +1,8 @@
 """Every benchmark of issue 7 in one command: one markdown table, a PNG chart, the machine they ran on.
 
-    python bench/run.py [--backends local,docker,ssh] [--only latency,throughput,background,conformance]
-                        [--quick] [--mib N] [--runs N] [--tasks N] [--out DIR]
+    python bench/run.py [--backends local,docker,ssh]
+                        [--only latency,throughput,background,conformance,startup]
+                        [--quick] [--mib N] [--runs N] [--tasks N] [--startup-runs N] [--out DIR]
 
 Builds the Docker test image the way the tests do (``tests/docker_support.py``) and starts a
 throwaway sshd on a loopback port (``tests/ssh_support.py``, needs root; set
@@ -10,6 +11,8 @@ its baseline in the same run, alternating, as medians; the ratio is what is comp
 figures are context. Writes ``results.md`` (machine + table), ``results.json`` (every raw figure)
 and ``results.png`` (the chart) into ``--out`` (default: this directory). ``--quick`` is a smoke run:
 few repetitions, 64 MiB instead of 1 GiB, 20 tasks, 5 kit checks; its figures are not results.
+``startup`` (``bench/startup.py``, with the local backend) times the ``dsh-bash`` command of this
+interpreter's environment against ``python -c pass`` and ``bash -c true``.
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ TESTS = BENCH.parent / "tests"
 sys.path[:0] = [str(BENCH), str(TESTS)]
 
 import latency  # noqa: E402
+import startup  # noqa: E402
 import throughput  # noqa: E402
 from targets import BACKENDS  # noqa: E402
 
-PARTS = ("latency", "throughput", "background", "conformance")
+PARTS = ("latency", "throughput", "background", "conformance", "startup")
 QUICK_KIT_CHECKS = [
     "exit-code-reported",
     "timeout-classified",
@@ -241,7 +245,29 @@ def conformance_rows(backends: list[str], quick: bool, context: dict[str, Any], 
     return rows
 
 
-_raw: dict[str, list[Any]] = {"throughput": [], "background": [], "conformance": []}
+def startup_rows(runs: int) -> list[Row]:
+    """``dsh-bash run true`` and ``dsh-bash --help`` against ``python -c pass`` and ``bash -c true``."""
+    result = startup.measure(runs)
+    _raw["startup"].append(result)
+    print(startup.report(result), file=sys.stderr, flush=True)
+    ms = result["median_ms"]
+    run, helped = ms["dsh-bash run true"], ms["dsh-bash --help"]
+    python, bash = ms["python -c pass"], ms["bash -c true"]
+    run_target, help_target = startup.RUN_TARGET_S * 1000, startup.HELP_TARGET_S * 1000
+    measure = f"start-up, wall ms (median of {runs})"
+    return [
+        Row(f"{measure}: `dsh-bash run true`", "local", "`python -c pass` (the same interpreter)",
+            f"{run:.1f}", f"{python:.1f}", run / python, f"≤ {run_target:.0f} ms",
+            "pass" if run <= run_target else "miss", run_target),
+        Row(f"{measure}: `dsh-bash run true`", "local", "`bash -c true`", f"{run:.1f}", f"{bash:.1f}",
+            run / bash, "-", "-"),
+        Row(f"{measure}: `dsh-bash --help`", "local", "`python -c pass` (the same interpreter)",
+            f"{helped:.1f}", f"{python:.1f}", helped / python, f"≤ {help_target:.0f} ms",
+            "pass" if helped <= help_target else "miss", help_target),
+    ]  # fmt: skip
+
+
+_raw: dict[str, list[Any]] = {"throughput": [], "background": [], "conformance": [], "startup": []}
 
 
 # -- output -----------------------------------------------------------------------------------------
@@ -261,6 +287,14 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _chart_label(panel: str, row: Row) -> str:
+    if "read_output" in panel:
+        return row.backend
+    if row.part == "startup":
+        return row.measure.rpartition(": ")[2]  # the program
+    return f"{row.backend} vs {row.baseline[:48]}"
+
+
 def chart(rows: list[Row], path: Path, title: str) -> None:
     import matplotlib  # noqa: PLC0415
 
@@ -275,6 +309,8 @@ def chart(rows: list[Row], path: Path, title: str) -> None:
                                                    and "stdout" in r.measure], "value"),
         ("read_output cost per KiB: large total / small", [r for r in rows if "read_output" in r.measure],
          "ratio"),
+        ("start-up of the dsh-bash command, wall ms", [r for r in rows if r.part == "startup"
+                                                        and r.target_value is not None], "value"),
     ]  # fmt: skip
     panels = [p for p in panels if p[1]]
     if not panels:
@@ -282,9 +318,7 @@ def chart(rows: list[Row], path: Path, title: str) -> None:
     figure, axes = plt.subplots(len(panels), 1, figsize=(9, 2.2 + 1.1 * sum(len(p[1]) for p in panels)))
     axes_list = [axes] if len(panels) == 1 else list(axes)
     for axis, (name, panel_rows, kind) in zip(axes_list, panels, strict=True):
-        labels = [
-            r.backend if "read_output" in name else f"{r.backend} vs {r.baseline[:48]}" for r in panel_rows
-        ]
+        labels = [_chart_label(name, r) for r in panel_rows]
         values = [(r.ratio or 0.0) if kind == "ratio" else float(r.subject.split()[0]) for r in panel_rows]
         colours = ["tab:green" if r.verdict == "pass" else "tab:red" if r.verdict == "miss" else "tab:gray"
                    for r in panel_rows]  # fmt: skip
@@ -426,6 +460,7 @@ def main() -> None:
     parser.add_argument("--throughput-runs", type=int, help="alternating transfers (default 3, quick 1)")
     parser.add_argument("--tasks", type=int, help="concurrent background tasks (default 200, quick 20)")
     parser.add_argument("--read-seconds", type=float, help="read_output writer runtime (default 15, quick 3)")
+    parser.add_argument("--startup-runs", type=int, help="starts of each program (default 30, quick 5)")
     parser.add_argument("--out", type=Path, default=BENCH, help="where results.{md,json,png} go")
     parser.add_argument(
         "--merge",
@@ -458,6 +493,7 @@ def main() -> None:
     throughput_runs = args.throughput_runs or (1 if quick else 3)
     tasks = args.tasks or (20 if quick else 200)
     read_seconds = args.read_seconds or (3.0 if quick else 15.0)
+    startup_runs = args.startup_runs or (5 if quick else 30)
 
     about = machine()
     notes: list[str] = []
@@ -476,6 +512,9 @@ def main() -> None:
         if "conformance" in parts:
             print("conformance kit ...", file=sys.stderr, flush=True)
             rows += _parted("conformance", conformance_rows(backends, quick, context, server))
+        if "startup" in parts and "local" in backends:
+            print("start-up ...", file=sys.stderr, flush=True)
+            rows += _parted("startup", startup_rows(startup_runs))
     about["load_at_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     about["benchmark_minutes"] = f"{(time.monotonic() - began) / 60:.1f}"
 
@@ -483,7 +522,7 @@ def main() -> None:
         f"{'QUICK SMOKE RUN (not results): ' if quick else ''}latency medians of {runs} local runs "
         f"(Docker {max(10, runs // 3)}, SSH {max(10, runs // 2)}); {mib} MiB streamed, medians of "
         f"{throughput_runs} alternating transfers, each in a fresh interpreter; {tasks} background tasks; "
-        f"read_output over {read_seconds:g} s"
+        f"read_output over {read_seconds:g} s; start-up medians of {startup_runs} starts of each program"
     )
     args.out.mkdir(parents=True, exist_ok=True)
     data = _load(args.out / "results.json") if args.merge else {"runs": [], "rows": []}
