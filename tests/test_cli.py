@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cli_support import console_script
 from dsh_bash_cli import main
 
 import dsh_bash
@@ -36,16 +37,6 @@ class Outcome:
 Runner = Callable[..., Outcome]
 
 
-def _console_script() -> str:
-    candidate = Path(sys.executable).parent / "dsh-bash"
-    if candidate.is_file() and os.access(candidate, os.X_OK):
-        return str(candidate)
-    found = shutil.which("dsh-bash")
-    if found is None:
-        pytest.fail("the dsh-bash console script is not installed next to this Python nor on PATH")
-    return found
-
-
 @pytest.fixture(params=["process", "in-process"])
 def run_cli(request: pytest.FixtureRequest, capfd: pytest.CaptureFixture[str]) -> Runner:
     """Run ``dsh-bash ARGS...`` one way or the other; return exit status, stdout and stderr."""
@@ -53,7 +44,7 @@ def run_cli(request: pytest.FixtureRequest, capfd: pytest.CaptureFixture[str]) -
 
         def run_process(*args: str) -> Outcome:
             done = subprocess.run(
-                [_console_script(), *args],
+                [console_script(), *args],
                 capture_output=True,
                 text=True,
                 timeout=60,

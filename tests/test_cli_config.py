@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 import pytest
+from cli_support import console_script
 from dsh_bash_conformance import CHECKS
 from dsh_bash_docker import DockerBashExecutor
 from ssh_support import TEST_USER, SshServer
@@ -32,16 +31,6 @@ class Outcome:
     err: str
 
 
-def _console_script() -> str:
-    candidate = Path(sys.executable).parent / "dsh-bash"
-    if candidate.is_file() and os.access(candidate, os.X_OK):
-        return str(candidate)
-    found = shutil.which("dsh-bash")
-    if found is None:
-        pytest.fail("the dsh-bash console script is not installed next to this Python nor on PATH")
-    return found
-
-
 def dsh(
     *args: str, cwd: Path | None = None, timeout: float = 120, environment: dict[str, str] | None = None
 ) -> Outcome:
@@ -51,7 +40,7 @@ def dsh(
     env.update(environment or {})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
     done = subprocess.run(
-        [_console_script(), *args],
+        [console_script(), *args],
         capture_output=True,
         text=True,
         timeout=timeout,

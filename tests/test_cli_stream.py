@@ -16,27 +16,17 @@ import re
 import select
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from cli_support import console_script
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI_README = ROOT / "cli" / "dsh_bash_cli" / "README.md"
 
 
-def _console_script() -> str:
-    candidate = Path(sys.executable).parent / "dsh-bash"
-    if candidate.is_file() and os.access(candidate, os.X_OK):
-        return str(candidate)
-    found = shutil.which("dsh-bash")
-    if found is None:
-        pytest.fail("the dsh-bash console script is not installed next to this Python nor on PATH")
-    return found
-
-
-DSH = _console_script()
+DSH = console_script()
 
 
 def _read_line(stream: object, within_s: float) -> bytes:

@@ -17,15 +17,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+from cli_support import console_script
 from dsh_bash_conformance import CHECKS
 from kit_targets import MARKER_CONTAINMENT_FAILS, MARKER_CONTAINMENT_RACES, expected_outcome
 from sshd_container import USER, SshdContainer
@@ -41,22 +40,12 @@ BUILD_ALLOWANCE_S = 300
 ESCAPEE_CHECKS = [name for name in CHECKS if name.startswith("escapee-killed-on-")]
 
 
-def _console_script() -> str:
-    candidate = Path(sys.executable).parent / "dsh-bash"
-    if candidate.is_file() and os.access(candidate, os.X_OK):
-        return str(candidate)
-    found = shutil.which("dsh-bash")
-    if found is None:
-        pytest.fail("the dsh-bash console script is not installed next to this Python nor on PATH")
-    return found
-
-
 def _conformance(toml: Path, *args: str, timeout: float) -> tuple[int, dict[str, Any], str]:
     """``dsh-bash conformance --config TOML --json ARGS...``: exit status, the JSON report, stderr."""
     env = {name: value for name, value in os.environ.items() if not name.startswith("DSH_BASH_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
     done = subprocess.run(
-        [_console_script(), "conformance", "--config", str(toml), "--json", *args],
+        [console_script(), "conformance", "--config", str(toml), "--json", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -396,11 +396,16 @@ def finish_streamed(outcome: Streamed) -> int:
         with contextlib.suppress(OSError, ValueError):
             sys.stderr.write(("\n" if outcome.mid_line else "") + "".join(f"{line}\n" for line in notices))
             sys.stderr.flush()
-    if outcome.timed_out:
+    return exit_status(outcome.timed_out, task.signal, task.exit_code)
+
+
+def exit_status(timed_out: bool, signal_name: str | None, exit_code: int | None) -> int:
+    """124 when the timeout killed the command, 128+n for signal n, else its exit code."""
+    if timed_out:
         return EXIT_TIMED_OUT
-    if task.signal is not None:
-        return _signal_status(task.signal)
-    return task.exit_code if task.exit_code is not None else 1
+    if signal_name is not None:
+        return _signal_status(signal_name)
+    return exit_code if exit_code is not None else 1
 
 
 def _signal_status(name: str) -> int:
@@ -446,11 +451,7 @@ async def run_json(executor: BashExecutor, command: str) -> int:
     text = json.dumps(document, indent=2, ensure_ascii=False) + "\n"
     write(sys.stdout, text)
     sys.stdout.flush()
-    if result.timed_out:
-        return EXIT_TIMED_OUT
-    if result.signal is not None:
-        return _signal_status(result.signal)
-    return result.exit_code if result.exit_code is not None else 1
+    return exit_status(result.timed_out, result.signal, result.exit_code)
 
 
 # -- spill files ----------------------------------------------------------------------------------------
