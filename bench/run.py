@@ -291,7 +291,7 @@ def _chart_label(panel: str, row: Row) -> str:
     if "read_output" in panel:
         return row.backend
     if row.part == "startup":
-        return row.measure.rpartition(": ")[2]  # the program
+        return row.measure.rpartition(": ")[2].strip("`")  # the program
     return f"{row.backend} vs {row.baseline[:48]}"
 
 
@@ -518,11 +518,16 @@ def main() -> None:
     about["load_at_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     about["benchmark_minutes"] = f"{(time.monotonic() - began) / 60:.1f}"
 
-    settings = (
-        f"{'QUICK SMOKE RUN (not results): ' if quick else ''}latency medians of {runs} local runs "
-        f"(Docker {max(10, runs // 3)}, SSH {max(10, runs // 2)}); {mib} MiB streamed, medians of "
-        f"{throughput_runs} alternating transfers, each in a fresh interpreter; {tasks} background tasks; "
-        f"read_output over {read_seconds:g} s; start-up medians of {startup_runs} starts of each program"
+    by_part = {  # the settings of the parts that ran
+        "latency": f"latency medians of {runs} local runs "
+        f"(Docker {max(10, runs // 3)}, SSH {max(10, runs // 2)})",
+        "throughput": f"{mib} MiB streamed, medians of {throughput_runs} alternating transfers, "
+        "each in a fresh interpreter",
+        "background": f"{tasks} background tasks; read_output over {read_seconds:g} s",
+        "startup": f"start-up medians of {startup_runs} starts of each program",
+    }
+    settings = f"{'QUICK SMOKE RUN (not results): ' if quick else ''}" + "; ".join(
+        text for part, text in by_part.items() if part in parts
     )
     args.out.mkdir(parents=True, exist_ok=True)
     data = _load(args.out / "results.json") if args.merge else {"runs": [], "rows": []}
