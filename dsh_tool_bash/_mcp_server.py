@@ -34,10 +34,11 @@ import warnings
 from collections.abc import AsyncIterator, Callable, Generator
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Final, NoReturn, cast
+from typing import Any, ClassVar, Final, NoReturn, cast
 
 import anyio
 import anyio.abc
+import h11
 import mcp_types as types
 import uvicorn
 from mcp.server.connection import Connection
@@ -49,6 +50,7 @@ from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPDeprecationWarning, MCPError
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from dsh_bash import BashExecutor, BashTask, OwnerToken, load_executor
 
@@ -87,6 +89,22 @@ _JSON_TOKENS: Final = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 DEFAULT_SESSION_IDLE_TIMEOUT_S: Final = 1800.0
 #: Live streamable-HTTP sessions at most; one more is refused (HTTP 503).
 DEFAULT_MAX_SESSIONS: Final = 16
+#: Open HTTP connections at most. When all are open, a new one pushes out the oldest connection still
+#: waiting for a request's headers, or, when none is, is refused (HTTP 503).
+DEFAULT_MAX_CONNECTIONS: Final = 256
+#: A connection must have delivered a request's headers this long after it was accepted (kept alive
+#: after an answer: after the first byte of its next request); else it is closed.
+DEFAULT_HEADER_TIMEOUT_S: Final = 5.0
+#: A request's body must have arrived this long after its headers; else the connection is closed.
+DEFAULT_BODY_TIMEOUT_S: Final = 30.0
+#: How many connections asyncio accepts in one turn of its loop before the guard sees them (uvicorn's
+#: ``backlog``): the descriptors in use peak at the cap plus this.
+_ACCEPT_BATCH: Final = 128
+#: The listening socket's queue, set once uvicorn has started (it listens with ``backlog``): connections
+#: waiting there hold no descriptor of the server, and a burst does not overflow it into SYN retries.
+_LISTEN_QUEUE: Final = 1024
+#: Reports of connections pushed out or refused at the cap: at most one log line in this long.
+_GUARD_REPORT_INTERVAL_S: Final = 60.0
 #: ``max_running_total`` when not given: this many times ``max_running``.
 DEFAULT_TOTAL_FACTOR: Final = 4
 #: The environment variable holding the HTTP bearer token (read and removed from the environment). Not
@@ -355,6 +373,9 @@ class BashMcpServer:
         max_sessions: int | None = DEFAULT_MAX_SESSIONS,
         session_idle_timeout: float | None = DEFAULT_SESSION_IDLE_TIMEOUT_S,
         shutdown_grace_s: int = 1,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     ) -> None:
         """Serve streamable HTTP on a bound, listening socket until ``stop`` is set.
 
@@ -365,7 +386,16 @@ class BashMcpServer:
         plus 1 s). On a loopback address, DNS-rebinding protection admits only loopback ``Host`` and
         ``Origin`` headers. At the stop, open streams get ``shutdown_grace_s`` to end before they are
         cancelled; then every session ends (its tasks are killed).
+
+        At most ``max_connections`` connections are open at once (a new one pushes out the one waiting
+        longest for a request's headers, or gets 503 when none waits); a connection must deliver a
+        request's headers within ``header_timeout_s`` of being accepted (of the request's first byte, on
+        a connection kept alive) and its body within ``body_timeout_s`` of the headers, else it is
+        closed (:class:`_GuardedH11`). A request without the token is answered 401 as soon as its
+        headers are in, and its connection closed.
         """
+        if max_connections < 1 or header_timeout_s <= 0 or body_timeout_s <= 0:
+            raise ValueError("max_connections, header_timeout_s and body_timeout_s must be positive")
         host = sock.getsockname()[0]
         if token is None and not _is_loopback(host):
             raise ValueError(_TOKEN_REQUIRED.format(host=host))
@@ -387,12 +417,16 @@ class BashMcpServer:
             transport_security=security,
             host=host,
         )
+        guard = _ConnectionGuard(max_connections, header_timeout_s, body_timeout_s)
         config = uvicorn.Config(
             _Gate(app, token, self, max_sessions),
+            http=type("GuardedH11Protocol", (_GuardedH11,), {"guard": guard}),
+            ws="none",  # not served (the gate ignores websockets); an upgrade would leave the guard
             log_level="warning",
             access_log=False,
             lifespan="on",
             timeout_graceful_shutdown=shutdown_grace_s,
+            backlog=_ACCEPT_BATCH,
         )
         server = _Uvicorn(config)
         quiet = _QuietShutdown()
@@ -429,8 +463,9 @@ class _Gate:
     """In front of the SDK's app: the bearer token, then a DELETE answered once its session's tasks ended.
 
     The token is checked (in constant time) before the request reaches anything else: a request without
-    it gets 401 and creates no session and no executor work. The SDK's refusal of a session beyond
-    ``max_sessions`` (503) is reworded to name the cap.
+    it gets 401 as soon as its headers are in (its body is not read, its connection closed) and creates
+    no session and no executor work. The SDK's refusal of a session beyond ``max_sessions`` (503) is
+    reworded to name the cap.
     """
 
     def __init__(
@@ -492,6 +527,9 @@ class _Gate:
                         (b"content-type", b"application/json"),
                         (b"content-length", str(len(body)).encode()),
                         (b"www-authenticate", challenge),
+                        # Closed after the answer: the body is never read, and the connection
+                        # cannot be kept to try again.
+                        (b"connection", b"close"),
                     ],
                 }
             )
@@ -530,6 +568,129 @@ class _Gate:
             await send(message)
 
 
+_BUSY_RESPONSE: Final = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\nconnection: close\r\n"
+    b"content-length: 26\r\n\r\ntoo many open connections\n"
+)
+
+
+class _ConnectionGuard:
+    """The bounds every HTTP connection of one server is held to (by :class:`_GuardedH11`).
+
+    ``open`` are the connections admitted; ``waiting`` those of them waiting for a request's headers,
+    the longest waiting first: the ones a new connection may push out when ``max_connections`` are open.
+    """
+
+    def __init__(self, max_connections: int, header_timeout_s: float, body_timeout_s: float) -> None:
+        self.max_connections = max_connections
+        self.header_timeout_s = header_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self.open: set[_GuardedH11] = set()
+        self.waiting: dict[_GuardedH11, None] = {}
+        self._dropped = self._refused = 0
+        self._reported = -_GUARD_REPORT_INTERVAL_S
+
+    def admit(self, connection: _GuardedH11) -> bool:
+        """Make room for ``connection`` (pushing out the longest waiting one if need be); False if none."""
+        if len(self.open) >= self.max_connections:
+            if not self.waiting:
+                self._refused += 1
+                self._report()
+                return False
+            self._dropped += 1
+            next(iter(self.waiting)).drop()
+            self._report()
+        self.open.add(connection)
+        return True
+
+    def _report(self) -> None:
+        """A warning at the first event, then at most one a minute with the counts since the last."""
+        now = asyncio.get_running_loop().time()
+        if now - self._reported < _GUARD_REPORT_INTERVAL_S:
+            return
+        log.warning(
+            "%d HTTP connections open (the cap): closed %d waiting for their headers, refused %d",
+            self.max_connections,
+            self._dropped,
+            self._refused,
+        )
+        self._reported, self._dropped, self._refused = now, 0, 0
+
+
+class _GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol with deadlines and a cap (uvicorn has neither a header nor a body timeout).
+
+    A connection is admitted by its ``guard`` when it is accepted, or answered 503 and closed. Once in,
+    it is in one of three phases, read from h11's state of the client's side after each batch of data:
+    waiting for a request's headers (``IDLE``), waiting for the body (``SEND_BODY``), or neither (the
+    request is in; the answer may stream for as long as the tool runs). The first two have a deadline,
+    ``header_timeout_s`` and ``body_timeout_s``, after which the connection is aborted. The header
+    deadline runs from the accept for a connection's first request; on a connection kept alive after an
+    answer, from the first byte of the next request (until then uvicorn's keep-alive timeout closes it,
+    as before). A connection waiting for headers is also the one pushed out first when the cap is
+    reached. Only the hooks ``connection_made``, ``data_received``, ``handle_events`` and
+    ``connection_lost`` are extended; uvicorn's own code runs unchanged.
+    """
+
+    guard: ClassVar[_ConnectionGuard]
+    _phase: str | None = None
+    _deadline: asyncio.TimerHandle | None = None
+    _kept_alive = False  # a request has come in on this connection
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if not self.guard.admit(self):
+            transport.write(_BUSY_RESPONSE)
+            transport.close()
+            return
+        self._track()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._phase == "headers" and self._deadline is None and not self.transport.is_closing():
+            self._deadline = self.loop.call_later(self.guard.header_timeout_s, self.drop)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        self._track()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._forget()
+        super().connection_lost(exc)
+
+    def drop(self) -> None:
+        """Close at once (a deadline passed, or pushed out), without waiting for a write to drain."""
+        self._forget()
+        self.transport.abort()
+
+    def _forget(self) -> None:
+        self._enter(None)
+        self.guard.open.discard(self)
+
+    def _track(self) -> None:
+        if self.transport.is_closing():
+            return
+        state = self.conn.their_state
+        if state is not h11.IDLE:
+            self._kept_alive = True
+        self._enter("headers" if state is h11.IDLE else "body" if state is h11.SEND_BODY else None)
+
+    def _enter(self, phase: str | None) -> None:
+        if phase == self._phase:
+            return
+        self._phase = phase
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self.guard.waiting.pop(self, None)
+        if phase == "headers":
+            self.guard.waiting[self] = None
+            if not self._kept_alive:
+                self._deadline = self.loop.call_later(self.guard.header_timeout_s, self.drop)
+        elif phase == "body":
+            self._deadline = self.loop.call_later(self.guard.body_timeout_s, self.drop)
+
+
 class _QuietShutdown(logging.Filter):
     """Once stopping, drop uvicorn's reports of the streams it cancels: they are the stop, not errors."""
 
@@ -546,11 +707,20 @@ class _QuietShutdown(logging.Filter):
 
 
 class _Uvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling: the caller decides when to stop (``should_exit``)."""
+    """uvicorn without its own signal handling: the caller decides when to stop (``should_exit``).
+
+    Its sockets listen with a longer queue than ``backlog`` (:data:`_LISTEN_QUEUE`), which asyncio
+    also takes as the most connections to accept in one turn.
+    """
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        for sock in sockets or ():
+            sock.listen(_LISTEN_QUEUE)
 
 
 async def _cancel_when(event: anyio.Event, scope: anyio.CancelScope) -> None:
@@ -761,7 +931,7 @@ def _bind(host: str, port: int) -> socket.socket:
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind(address)
-        sock.listen(128)
+        sock.listen(_LISTEN_QUEUE)
     except OSError:
         sock.close()
         raise
