@@ -586,10 +586,18 @@ int run_framed(struct options *o)
      * after the spawn. */
     if (fcntl(2, F_GETFD) < 0 && open("/dev/null", O_RDWR) != 2)
         die("cannot open /dev/null as fd 2");
+    if (o->spec)
+        read_spec(o); /* a spare started ahead of its command: the command comes now, on fd 0 */
+    tty_rows = o->tty_rows;
+    clear_arguments(o);
+    take_signals(0);
+    prepare_supervisor();
+    check_supervisor(o->allow_no_subreaper);
     /* Who to continue (SIGCONT) from outside when a command stopped this supervisor: the harness checks
-     * the start time before it signals the pid. First of all, before a spare waits for its command:
-     * a command may stop the spares of later commands too. Out at once, whatever comes next: frames
-     * are written by the loop below otherwise, which a stopped supervisor never reaches (1 s bound). */
+     * the start time before it signals the pid. Out before the command runs, whatever its first act is
+     * (stopping us, say): frames are written by the loop below otherwise, which a stopped supervisor
+     * never reaches (1 s bound). Not before a spare's spec: a waiting spare says nothing (the harness
+     * takes a spare that spoke for a dead one). */
     record("supervisor %d %llu", (int)getpid(), own_start_time());
     for (int tries = 0; frames_queued() > 0 && !frames_dead() && tries < 100; tries++) {
         flush_out();
@@ -598,13 +606,6 @@ int run_framed(struct options *o)
             (void)poll(&ready, 1, 10);
         }
     }
-    if (o->spec)
-        read_spec(o); /* a spare started ahead of its command: the command comes now, on fd 0 */
-    tty_rows = o->tty_rows;
-    clear_arguments(o);
-    take_signals(0);
-    prepare_supervisor();
-    check_supervisor(o->allow_no_subreaper);
     /* The command's stdin, stdout and stderr, [0] its read end, [1] its write end. All close-on-exec:
      * the child dup2()s its own ends onto 0-2 and inherits none of the others. */
     int stdio_pipe[3][2] = {{-1, -1}, {-1, -1}, {-1, -1}};

@@ -87,24 +87,6 @@ async def test_a_dead_spare_is_replaced_and_the_next_command_works(
         assert await ex._warm.ready() and _waiting_spares(ex.container_id) == 2
 
 
-async def test_a_stopped_spare_does_not_hold_the_next_command(docker_test_image: str) -> None:
-    """A command of the same user stops (SIGSTOP) every waiting spare: the next commands take them all
-    the same, each within a second (the spare names itself before it waits; the executor continues
-    it from outside while a start waits for its word). Fails with spares that say nothing first."""
-    async with DockerBashExecutor(_config(docker_test_image)) as ex:
-        assert await ex._warm.ready()
-        assert _waiting_spares(ex.container_id) == 2
-        stopped = await ex.exec(
-            "for d in /proc/[0-9]*; do grep -q -e '--sp[e]c' $d/cmdline 2>/dev/null && "
-            "kill -STOP ${d#/proc/} && echo x; done; true"
-        )
-        assert stopped.stdout.text == "x\nx\n"
-        for _ in range(3):
-            with anyio.fail_after(1.5):
-                result = await ex.exec("echo ok", timeout_ms=30_000)
-            assert (result.exit_code, result.stdout.text) == (0, "ok\n")
-
-
 async def test_a_burst_takes_spares_and_fresh_execs(docker_test_image: str) -> None:
     async with DockerBashExecutor(_config(docker_test_image)) as ex:
         await ex._warm.ready()
