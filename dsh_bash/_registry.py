@@ -6,9 +6,8 @@ import importlib
 import json
 import os
 from collections.abc import Callable, Mapping
-from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -16,6 +15,9 @@ from ._bash_executor import BashExecutor
 from ._config import config_error_from
 from ._errors import ConfigError
 from ._protocol import MARKER_VAR
+
+if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -34,19 +36,38 @@ ExecutorFactory = Callable[..., BashExecutor]
 # Backends this distribution ships behind an extra: naming one without it installed says which.
 _EXTRAS = {"docker": "docker", "ssh": "ssh"}
 
+#: The backends this distribution ships, as its own entry points name them (pyproject.toml's
+#: ``[project.entry-points."dsh_bash.backends"]``; tests/test_registry.py holds the two equal). Their
+#: names are reserved and resolved without scanning every installed distribution's metadata: that
+#: scan (and importing ``importlib.metadata``) was an eighth of ``dsh-bash run true`` (issue 29).
+_BUILT_IN_BACKENDS: Mapping[str, str] = {
+    "local": "dsh_bash_local:LocalBashExecutor.from_fields",
+    "docker": "dsh_bash_docker:DockerBashExecutor.from_fields",
+    "ssh": "dsh_bash_ssh:SshBashExecutor.from_fields",
+}
+
+
+def _entry_points() -> list[EntryPoint]:
+    from importlib.metadata import entry_points  # noqa: PLC0415 - only third-party names need the scan
+
+    return list(entry_points(group=ENTRY_POINT_GROUP))
+
 
 def registered_backends() -> list[str]:
-    """Names registered under the ``dsh_bash.backends`` entry-point group."""
-    return sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+    """The built-in names and those registered under the ``dsh_bash.backends`` entry-point group."""
+    return sorted(set(_BUILT_IN_BACKENDS) | {ep.name for ep in _entry_points()})
 
 
-def _import_attr(reference: str) -> Any:
+def _import_attr(reference: str, *, name: str | None = None) -> Any:
     module_name, _, attr_path = reference.partition(":")
     if not module_name or not attr_path:
         raise ConfigError(f"backend {reference!r}: expected 'module:attr'")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
+        if name is not None:
+            hint = f": pip install 'dsh-bash[{_EXTRAS[name]}]'" if name in _EXTRAS else ""
+            raise ConfigError(f"backend {name!r} cannot be loaded ({exc}){hint}") from exc
         raise ConfigError(f"backend {reference!r}: cannot import {module_name!r}: {exc}") from exc
     for part in attr_path.split("."):
         try:
@@ -61,22 +82,19 @@ def backend_factory(backend: str) -> ExecutorFactory:
     """The factory of a registered backend name, or of a ``module:attr`` reference."""
     if ":" in backend:
         factory = _import_attr(backend)
+    elif backend in _BUILT_IN_BACKENDS:
+        factory = _import_attr(_BUILT_IN_BACKENDS[backend], name=backend)
     else:
-        matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == backend]
+        matches = [ep for ep in _entry_points() if ep.name == backend]
         if not matches:
-            if backend in _EXTRAS:
-                raise ConfigError(
-                    f"backend {backend!r} is not installed: pip install 'dsh-bash[{_EXTRAS[backend]}]'"
-                )
-            known = ", ".join(registered_backends()) or "none"
+            known = ", ".join(registered_backends())
             raise ConfigError(
                 f"backend {backend!r} is not registered (registered: {known}; or give 'module:attr')"
             )
         try:
             factory = matches[0].load()
         except ImportError as exc:
-            hint = f": pip install 'dsh-bash[{_EXTRAS[backend]}]'" if backend in _EXTRAS else ""
-            raise ConfigError(f"backend {backend!r} cannot be loaded ({exc}){hint}") from exc
+            raise ConfigError(f"backend {backend!r} cannot be loaded ({exc})") from exc
     if not callable(factory):
         raise ConfigError(f"backend {backend!r} resolves to {factory!r}, which is not callable")
     return factory  # type: ignore[no-any-return]

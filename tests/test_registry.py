@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 from dsh_bash_local import LocalBashExecutor, LocalConfig
 
-from dsh_bash import ConfigError, load_executor, registered_backends
+from dsh_bash import ConfigError, _registry, load_executor, registered_backends
 from dsh_bash.backend import MARKER_VAR
 
 
@@ -31,6 +34,47 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_local_is_registered() -> None:
     assert "local" in registered_backends()
+
+
+def test_the_built_in_names_are_the_distributions_entry_points() -> None:
+    # The registry resolves its own backends without the metadata scan; the table must say what
+    # pyproject.toml registers, or a renamed factory would load under one path and not the other.
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    registered = pyproject["project"]["entry-points"]["dsh_bash.backends"]
+    assert dict(_registry._BUILT_IN_BACKENDS) == registered
+
+
+def test_a_built_in_name_resolves_without_the_metadata_scan() -> None:
+    # Scanning every installed distribution's entry points cost 8 ms of each start among the dev
+    # environment's distributions (issue 29): a built-in name must not pay for it. Counted in a fresh
+    # interpreter, the scan wrapped before dsh_bash is imported (pydantic's own scan is another group).
+    probe = (
+        "import importlib.metadata as md\n"
+        "calls = []\n"
+        "real = md.entry_points\n"
+        "def counted(**params):\n"
+        "    calls.append(params.get('group'))\n"
+        "    return real(**params)\n"
+        "md.entry_points = counted\n"
+        "import dsh_bash\n"
+        "dsh_bash.load_executor({'backend': 'local'})\n"
+        "dsh_bash._registry.backend_factory('ssh')\n"
+        "dsh_bash._registry.backend_factory('docker')\n"
+        "print(calls.count(dsh_bash.ENTRY_POINT_GROUP))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0", out.stdout + out.stderr
+
+
+def test_a_built_in_backend_without_its_extra_says_which_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    table = {**_registry._BUILT_IN_BACKENDS, "docker": "dsh_bash_no_such_module:Executor.from_fields"}
+    monkeypatch.setattr(_registry, "_BUILT_IN_BACKENDS", table)
+    with pytest.raises(
+        ConfigError, match=r"backend 'docker' cannot be loaded .*pip install 'dsh-bash\[docker\]'"
+    ):
+        load_executor({"backend": "docker"})
 
 
 def test_mapping_source_builds_the_named_backend() -> None:
