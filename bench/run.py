@@ -252,7 +252,7 @@ def startup_rows(runs: int) -> list[Row]:
     print(startup.report(result), file=sys.stderr, flush=True)
     ms = result["median_ms"]
     run, helped = ms["dsh-bash run true"], ms["dsh-bash --help"]
-    python, bash = ms["python -c pass"], ms["bash -c true"]
+    python, bash, stack = ms["python -c pass"], ms["bash -c true"], ms[startup.STACK]
     run_target, help_target = startup.RUN_TARGET_S * 1000, startup.HELP_TARGET_S * 1000
     measure = f"start-up, wall ms (median of {runs})"
     return [
@@ -261,6 +261,9 @@ def startup_rows(runs: int) -> list[Row]:
             "pass" if run <= run_target else "miss", run_target),
         Row(f"{measure}: `dsh-bash run true`", "local", "`bash -c true`", f"{run:.1f}", f"{bash:.1f}",
             run / bash, "-", "-"),
+        Row(f"{measure}: `dsh-bash run true`", "local",
+            "the stack alone: pydantic (one model validated) and anyio.run on asyncio, no dsh-bash",
+            f"{run:.1f}", f"{stack:.1f}", run / stack, "-", "-"),
         Row(f"{measure}: `dsh-bash --help`", "local", "`python -c pass` (the same interpreter)",
             f"{helped:.1f}", f"{python:.1f}", helped / python, f"≤ {help_target:.0f} ms",
             "pass" if helped <= help_target else "miss", help_target),

@@ -1,11 +1,15 @@
 """Start-up of the ``dsh-bash`` command (issue 29, item 6): wall-clock medians, side by side.
 
-Four programs, each started as a fresh process, in turns (``python -c pass``, ``bash -c true``,
+Five programs, each started as a fresh process, in turns (``python -c pass``, ``bash -c true``, the stack,
 ``dsh-bash --help``, ``dsh-bash run true``, then again), so that drift hits all of them equally:
 
 - ``python -c pass``: this interpreter (with this environment's ``site`` and ``.pth`` files) doing
   nothing, the floor of any Python command line;
 - ``bash -c true``: a shell doing nothing, what ``dsh-bash run true`` runs;
+- the stack: this interpreter importing what ``dsh-bash run`` cannot run without (pydantic with one
+  model validated, anyio running one ``sleep(0)`` on asyncio) and nothing of dsh-bash: the floor
+  under ``run true`` while the seams are pydantic models and the executor an anyio one. What
+  ``run true`` takes beyond it is dsh-bash's own share (imports, the parser, the command itself);
 - ``dsh-bash --help`` and ``dsh-bash run true``: the console script of the environment this
   interpreter belongs to (the ``dsh-bash`` beside ``sys.executable``; ``--cli PATH`` for another).
 
@@ -42,10 +46,31 @@ def default_cli() -> Path:
     return Path(sys.executable).parent / "dsh-bash"
 
 
+#: The stack's own start-up: what every ``dsh-bash run`` does before any of dsh-bash's code runs.
+#: The interpreter must be the CLI's (its environment holds pydantic and anyio).
+STACK_FLOOR = """\
+import anyio
+from pydantic import BaseModel, Field
+
+class Probe(BaseModel):
+    command: str = Field(min_length=1)
+
+Probe(command="true")
+
+async def tick() -> None:
+    await anyio.sleep(0)
+
+anyio.run(tick)
+"""
+STACK = "the stack (pydantic + anyio)"
+
+
 def programs(cli: Path) -> dict[str, list[str]]:
+    python = cli.parent / "python"
     return {
         "python -c pass": [sys.executable, "-c", "pass"],
         "bash -c true": ["bash", "-c", "true"],
+        STACK: [str(python if python.exists() else sys.executable), "-c", STACK_FLOOR],
         "dsh-bash --help": [str(cli), "--help"],
         "dsh-bash run true": [str(cli), "run", "true"],
     }
@@ -100,6 +125,7 @@ def measure(runs: int, cli: Path | None = None) -> dict[str, Any]:
         "samples_ms": wall,
         "load": [round(x, 2) for x in (*load_before, *load_after)],
         "run_over_python": medians["dsh-bash run true"] / medians["python -c pass"],
+        "own_share_ms": medians["dsh-bash run true"] - medians[STACK],
         "help_over_python": medians["dsh-bash --help"] / medians["python -c pass"],
         "run_met": medians["dsh-bash run true"] <= RUN_TARGET_S * 1000,
         "help_met": medians["dsh-bash --help"] <= HELP_TARGET_S * 1000,
@@ -115,6 +141,7 @@ def report(result: dict[str, Any]) -> str:
     load = result["load"]
     lines += [
         f"  dsh-bash run true / python -c pass: {result['run_over_python']:.2f}x",
+        f"  dsh-bash run true - the stack:      {result['own_share_ms']:.1f} ms (dsh-bash's own share)",
         f"  dsh-bash --help / python -c pass:   {result['help_over_python']:.2f}x",
         f"  load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} before, "
         f"{load[3]:.2f} {load[4]:.2f} {load[5]:.2f} after",
