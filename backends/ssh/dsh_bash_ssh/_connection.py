@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 import anyio
+import anyio.to_thread
 import asyncssh
 from asyncssh.constants import OPEN_REQUEST_SESSION_FAILED
 from asyncssh.sftp import MIN_SFTP_VERSION
@@ -17,6 +19,7 @@ from asyncssh.sftp import start_sftp_client as _start_sftp_client
 from dsh_bash import BashInfrastructureError
 from dsh_bash.backend import InfraReason
 
+from ._host_keys import Hop, HostKeyPlan, jump_hops, plan_host_keys
 from ._scripts import SCRIPT_BEGIN, SFTP_SERVER, cmdline
 from ._ssh_config import SshConfig
 
@@ -74,6 +77,8 @@ SessionT = TypeVar("SessionT", bound=SlotSession)
 T = TypeVar("T")
 #: How long a refused channel open is retried while the connection itself is fine.
 _REFUSED_RETRY_S = 2.0
+#: How deep ProxyJump hops of ~/.ssh/config may nest (a jump host's own first hop, and so on).
+_MAX_JUMP_DEPTH = 8
 
 
 class Channel:
@@ -125,10 +130,13 @@ class ChannelPool:
         #: policy as it is now (``reconfigure`` may change it); set once SETUP told the login's
         #: environment: from then on every helper starts with the scrubbed environment.
         self.helper_keep: Callable[[], str] | None = None
+        #: The warnings about ~/.ssh/config's host-key settings said already (once per pool).
+        self._said: set[str] = set()
 
     # -- the connection ---------------------------------------------------------------------------
 
     def _options(self) -> dict[str, Any]:
+        """The target's options but for host keys and the tunnel (see :meth:`_connect_one`)."""
         config = self._config
         options: dict[str, Any] = {
             "port": config.port,
@@ -142,17 +150,35 @@ class ChannelPool:
             options["encryption_algs"] = list(CIPHERS)
             options["agent_path"] = config.agent_path
             options["client_keys"] = list(config.client_keys) if config.client_keys else ()
-            options["known_hosts"] = config.known_hosts
         else:
             if config.agent_path is not None:
                 options["agent_path"] = config.agent_path
             if config.client_keys:
                 options["client_keys"] = list(config.client_keys)
-            if config.known_hosts is not None:
-                options["known_hosts"] = config.known_hosts
-        if config.insecure_skip_host_key_check:
-            options["known_hosts"] = None
         return options
+
+    def _hop_options(self, hop: Hop) -> dict[str, Any]:
+        """A jump host's options: what ``~/.ssh/config`` says for it (as asyncssh's own ProxyJump
+        would), with this config's timeouts; host keys and the tunnel as for the target."""
+        config = self._config
+        options: dict[str, Any] = {
+            "connect_timeout": config.connect_timeout_ms / 1000,
+            "keepalive_interval": config.keepalive_interval_ms / 1000,
+            "keepalive_count_max": 3,
+        }
+        if hop.port is not None:
+            options["port"] = hop.port
+        if hop.username is not None:
+            options["username"] = hop.username
+        return options
+
+    def _say(self, plan: HostKeyPlan) -> None:
+        """Warn (once per pool) of each ``~/.ssh/config`` setting about host keys not honoured."""
+        for ignored in plan.ignored:
+            message = f"{ignored}; {plan.address}'s host key is verified against {plan.against}"
+            if message not in self._said:
+                self._said.add(message)
+                log.warning("%s", message)
 
     async def _connect(self) -> asyncssh.SSHClientConnection:
         config = self._config
@@ -161,30 +187,99 @@ class ChannelPool:
                 "connecting to %s WITHOUT verifying its host key (insecure_skip_host_key_check=True)",
                 self.where,
             )
+        return await self._reach(Hop(config.host, config.port, config.username), None, True, 0)
+
+    async def _reach(
+        self, hop: Hop, via: asyncssh.SSHClientConnection | None, follow_jump: bool, depth: int
+    ) -> asyncssh.SSHClientConnection:
+        """Connect to ``hop`` (the target at depth 0), through ``via`` or, with ``follow_jump``,
+        through the ProxyJump hops ``~/.ssh/config`` gives it: each verified as the target is
+        (asyncssh's own ProxyJump would open them with ``~/.ssh/config`` alone)."""
+        config = self._config
+        target = depth == 0
         try:
-            return await asyncssh.connect(config.host, **self._options())
-        except asyncssh.HostKeyNotVerifiable as exc:
+            plan = await anyio.to_thread.run_sync(
+                functools.partial(
+                    plan_host_keys,
+                    hop,
+                    known_hosts=config.known_hosts,
+                    insecure=config.insecure_skip_host_key_check,
+                    use_user_ssh_config=config.use_user_ssh_config,
+                )
+            )
+            hops = jump_hops(plan.jump) if follow_jump and plan.jump is not None else []
+        except (ValueError, OSError) as exc:  # an unreadable ~/.ssh/config or ProxyJump
+            subject = self.where if target else f"jump host {hop}"
+            raise BashInfrastructureError(f"SSH connection to {subject} not attempted: {exc}") from None
+        self._say(plan)
+        if hops and depth >= _MAX_JUMP_DEPTH:
             raise BashInfrastructureError(
-                f"host key verification failed for {config.host}:{config.port}: {exc.reason} "
-                f"(known_hosts: {config.known_hosts or 'the user default'})",
+                f"SSH connection to {self.where} not attempted: ProxyJump in ~/.ssh/config goes more "
+                f"than {_MAX_JUMP_DEPTH} jump hosts deep (a loop?)"
+            )
+        tunnel = via
+        opened: asyncssh.SSHClientConnection | None = None
+        try:
+            for index, jump in enumerate(hops):
+                conn = await self._reach(jump, opened, index == 0, depth + 1)
+                if opened is not None:
+                    conn.set_tunnel(opened)  # closed with it
+                opened = tunnel = conn
+            conn = await self._connect_one(hop, plan, tunnel, target)
+        except BaseException:
+            if opened is not None:
+                opened.close()
+            raise
+        if opened is not None:
+            conn.set_tunnel(opened)
+        return conn
+
+    async def _connect_one(
+        self, hop: Hop, plan: HostKeyPlan, tunnel: asyncssh.SSHClientConnection | None, target: bool
+    ) -> asyncssh.SSHClientConnection:
+        config = self._config
+        options = self._options() if target else self._hop_options(hop)
+        # Always given, never left to ~/.ssh/config (whose ``UserKnownHostsFile none`` would mean
+        # no checking at all), and the tunnel too (asyncssh opens a config's ProxyJump with the
+        # config alone).
+        options["known_hosts"] = plan.known_hosts
+        options["tunnel"] = tunnel
+        if not (config.use_user_ssh_config and config.known_hosts is None):
+            # No X.509 trust anchors from ~/.ssh/ca-bundle.crt or ~/.ssh/crt beside known_hosts.
+            options["x509_trusted_certs"] = []
+            options["x509_trusted_cert_paths"] = []
+        target_at = f"{config.host}:{config.port}"
+        if target:
+            host_port, where, reach = target_at, self.where, f"SSH host {target_at}"
+        else:
+            alias = "" if plan.address.startswith(f"{hop.host}:") else f" ({hop.host})"
+            host_port = f"jump host {plan.address}{alias} on the way to {target_at}"
+            where = reach = host_port
+        try:
+            return await asyncssh.connect(hop.host, **options)
+        except asyncssh.HostKeyNotVerifiable as exc:
+            ignored = "".join(f"; not honoured: {item}" for item in plan.ignored)
+            raise BashInfrastructureError(
+                f"host key verification failed for {host_port}: {exc.reason} "
+                f"(known_hosts: {plan.against}{ignored})",
                 reason="host_key_rejected",
             ) from None
         except asyncssh.PermissionDenied as exc:
             raise BashInfrastructureError(
-                f"authentication failed for {self.where}: {exc.reason}", reason="auth_failed"
+                f"authentication failed for {where}: {exc.reason}", reason="auth_failed"
             ) from None
         except asyncssh.ConnectionLost as exc:
             raise BashInfrastructureError(
-                f"SSH connection to {self.where} failed: {exc.reason}", reason="connection_lost"
+                f"SSH connection to {where} failed: {exc.reason}", reason="connection_lost"
             ) from None
         except asyncssh.DisconnectError as exc:
-            raise BashInfrastructureError(f"SSH connection to {self.where} failed: {exc.reason}") from None
+            raise BashInfrastructureError(f"SSH connection to {where} failed: {exc.reason}") from None
         except TimeoutError:
             # asyncssh's connect_timeout covers the TCP connect, the handshake and the login; its
             # own message is empty.
             seconds = config.connect_timeout_ms / 1000
             raise BashInfrastructureError(
-                f"no SSH session with {config.host}:{config.port} within {seconds:g} s "
+                f"no SSH session with {host_port} within {seconds:g} s "
                 f"(connect_timeout_ms={config.connect_timeout_ms:g}): the host accepted no connection "
                 "or the server never finished the SSH handshake and login (packets dropped, a stuck or "
                 "overloaded sshd); raise connect_timeout_ms for a slow link",
@@ -192,15 +287,13 @@ class ChannelPool:
             ) from None
         except OSError as exc:  # DNS, refused, unreachable
             raise BashInfrastructureError(
-                f"cannot reach SSH host {config.host}:{config.port}: {type(exc).__name__}: {exc}",
+                f"cannot reach {reach}: {type(exc).__name__}: {exc}",
                 reason="host_unreachable",
             ) from None
         except asyncssh.Error as exc:
-            raise BashInfrastructureError(
-                f"cannot reach SSH host {config.host}:{config.port}: {type(exc).__name__}: {exc}"
-            ) from None
+            raise BashInfrastructureError(f"cannot reach {reach}: {type(exc).__name__}: {exc}") from None
         except ValueError as exc:  # unreadable keys or known_hosts
-            raise BashInfrastructureError(f"SSH connection to {self.where} not attempted: {exc}") from None
+            raise BashInfrastructureError(f"SSH connection to {where} not attempted: {exc}") from None
 
     async def connection(self) -> asyncssh.SSHClientConnection:
         """The live connection; connects (again, after a drop) when there is none."""

@@ -33,10 +33,12 @@ class SshConfig(BudgetConfig):
     client_keys: list[str] | None = None
     #: An ssh-agent socket to authenticate with (besides ``client_keys``).
     agent_path: str | None = None
-    #: A known_hosts file that pins the host's key. Required unless ``use_user_ssh_config`` (then
-    #: ``~/.ssh/known_hosts``) or ``insecure_skip_host_key_check``.
+    #: A known_hosts file that pins the host's key (and the keys of jump hosts ``~/.ssh/config``
+    #: gives). Required unless ``use_user_ssh_config`` (then the known_hosts files ``~/.ssh/config``
+    #: names, when readable, else ``~/.ssh/known_hosts``) or ``insecure_skip_host_key_check``.
     known_hosts: str | None = None
-    #: Accept any host key: open to a man in the middle. Logged as a warning at every connect.
+    #: Accept any host key (jump hosts' too): open to a man in the middle. Logged as a warning at
+    #: every connect. Nothing else turns host-key checking off, ``~/.ssh/config`` included.
     insecure_skip_host_key_check: bool = False
     connect_timeout_ms: float = 10_000
     keepalive_interval_ms: float = 15_000
@@ -50,7 +52,9 @@ class SshConfig(BudgetConfig):
     #: exec channel instead (looked for at the usual paths and on PATH), so that background tasks
     #: still detach and dsh-supervise can still be installed. ``False``: never.
     exec_sftp_server: bool = True
-    #: Use ``~/.ssh/config``, ``~/.ssh/known_hosts``, default keys and ``SSH_AUTH_SOCK``.
+    #: Use ``~/.ssh/config``, ``~/.ssh/known_hosts``, default keys and ``SSH_AUTH_SOCK``; never to
+    #: turn host-key checking off (``UserKnownHostsFile none``, ``StrictHostKeyChecking no``: overruled
+    #: with a warning; see the backend's README, "Host keys and ``~/.ssh/config``").
     use_user_ssh_config: bool = False
     #: ``auto``: commands (foreground ones and detached background tasks) under dsh-supervise (put
     #: into ``~/.cache/dsh-bash`` on the host at open) when it runs there, else the environment
