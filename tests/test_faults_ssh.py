@@ -1,5 +1,5 @@
 """SSH faults: the connection cut mid-command, mid-task and under an interactive task, three ways
-(the server restarted among them).
+(the server restarted among them); a detached task's status file replaced under the follower.
 
 Written against behaviour only: the caller is told the truth,
 the executor reconnects for the next command, and no process of a cut command is left running.
@@ -8,6 +8,7 @@ See docs/faults.md for each outcome.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -313,3 +314,121 @@ async def test_without_any_sftp_starts_past_the_channel_budget_are_refused(
         with anyio.fail_after(30):
             await ex.aclose()
     assert await eventually_gone(marker, within_s=5) == []
+
+
+# -- a planted status file (issue 30) ------------------------------------------------------------------
+
+Planted = Literal["fifo", "symlink", "directory"]
+When = Literal["before-the-first-read", "after-a-cut"]
+_PLANT: dict[Planted, str] = {
+    "fifo": 'rm -f -- "$f" && mkfifo -- "$f"',
+    "symlink": 'rm -f -- "$f" && ln -s /dev/zero "$f"',
+    "directory": 'rm -f -- "$f" && mkdir -- "$f"',
+}
+
+
+def _planting(marker: str, planted: Planted, notes: Path, *, wait_s: float) -> BashExecRequest:
+    """A task that finds its own status file (the one whose first record names its supervisor, the
+    command's parent), waits ``wait_s``, replaces it by ``planted``, notes that, and sleeps."""
+    script = (
+        'for f in "${TMPDIR:-/tmp}"/dsh-bash-*/*.status; do\n'
+        '  [[ -f $f && ! -L $f ]] && IFS= read -r line < "$f" &&\n'
+        '    [[ $line == "0 supervisor $PPID "* ]] && break\n'
+        "  f=\n"
+        "done\n"
+        "[[ -n $f ]] || exit 99\n"
+        f"sleep {wait_s}\n"
+        f"{_PLANT[planted]}\n"
+        f"echo {planted} >> {shlex.quote(str(notes))}\n"
+        f"exec bash -c 'sleep 30; :' {marker}-{planted}\n"
+    )
+    return BashExecRequest(command=script)
+
+
+def _sftp_servers(server: SshServer) -> list[int]:
+    """The SFTP servers of ``server``'s sessions (``internal-sftp`` runs in an sshd child of its own)."""
+    found = []
+    for pid in session_sshds(server):
+        with contextlib.suppress(OSError):
+            if b"internal-sftp" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+    return found
+
+
+async def _all_noted(notes: Path, want: set[str]) -> None:
+    while True:
+        if notes.exists() and set(notes.read_text().split()) >= want:
+            return
+        await anyio.sleep(0.05)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("when", ["before-the-first-read", "after-a-cut"])
+async def test_a_planted_status_file_ends_the_task_lost(
+    ssh_server: SshServer, marker: str, when: When
+) -> None:
+    """Issue 30, "A planted status file": a detached task's status file replaced by a FIFO, a link
+    to /dev/zero or a directory, before the follower's first read (the follower's SFTP server is
+    stopped meanwhile) or before it opens the file again after a cut. Each such task ends ``killed``
+    with end cause ``lost`` within the grace plus two seconds, never ``running`` for good, and its
+    processes are gone; the follower never blocks on the FIFO (before: an SFTP open of a FIFO waited
+    for a writer for ever, which stopped following every task), a task beside them ends normally,
+    a new task and the next command run."""
+    notes = Path(tempfile.gettempdir()) / f"{marker}.notes"
+    kinds: list[Planted] = ["fifo", "symlink", "directory"]
+    bound_s = GRACE_MS / 1000 + 2
+    stopped: list[int] = []
+    try:
+        async with ssh_server.executor(grace_ms=GRACE_MS) as ex:
+            keeper = await ex.start(
+                ex.resolve(BashExecRequest(command=f"bash -c 'sleep 30; :' {marker}-keeper"))
+            )
+            await wait_for_processes(f"{marker}-keeper")
+            victims = []
+            if when == "before-the-first-read":
+                await anyio.sleep(0.3)  # the follower's SFTP channel is open (it follows the keeper)
+                stopped = _sftp_servers(ssh_server)
+                assert len(stopped) == 1, stopped
+                os.kill(stopped[0], signal.SIGSTOP)
+                for kind in kinds:
+                    victims.append(await ex.start(ex.resolve(_planting(marker, kind, notes, wait_s=0))))
+                    with anyio.fail_after(10):
+                        await _noted(notes, kind)  # one at a time: each finds its file among regular ones
+                os.kill(stopped.pop(), signal.SIGCONT)
+            else:
+                for kind in kinds:
+                    victims.append(await ex.start(ex.resolve(_planting(marker, kind, notes, wait_s=1))))
+                with anyio.fail_after(10):
+                    await _all_noted(notes, set(kinds))
+                await anyio.to_thread.run_sync(_cutter(ssh_server, "tcp-reset"))
+            struck = time.monotonic()
+            for kind, victim in zip(kinds, victims, strict=True):
+                with anyio.fail_after(max(0.1, struck + bound_s - time.monotonic())):
+                    await victim.wait()
+                print(f"{when}/{kind}: ended {time.monotonic() - struck:.2f}s after the plant was let in")
+                assert (victim.status, victim.end_cause, victim.exit_code, victim.signal) == (
+                    "killed",
+                    "lost",
+                    None,
+                    None,
+                ), (kind, victim)
+            for kind in kinds:
+                assert await eventually_gone(f"{marker}-{kind}", 5) == [], kind
+            # The follower goes on: the keeper's end is read from its own status file.
+            assert keeper.status == "running"
+            assert await ex.kill(keeper.id)
+            with anyio.fail_after(10):
+                await keeper.wait()
+            assert (keeper.status, keeper.end_cause) == ("killed", "killed"), keeper
+            with anyio.fail_after(10):
+                fresh = await ex.start(ex.resolve(BashExecRequest(command="echo fresh")))
+                await fresh.wait()
+                assert (fresh.status, fresh.exit_code) == ("completed", 0), fresh
+                assert (await ex.read_output(fresh.id)).delta == "fresh\n"
+                assert (await ex.exec("echo next")).stdout.text == "next\n"
+        assert await eventually_gone(marker, 5) == []
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        notes.unlink(missing_ok=True)

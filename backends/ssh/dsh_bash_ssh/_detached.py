@@ -17,6 +17,14 @@ reads only the files that grew, from their offsets, through files it keeps open:
 one round trip plus the new bytes, whatever the total output. Ticks are fast right after activity
 and slow down when idle. When the connection drops, the follower reconnects and goes on at the
 same offsets (the tasks keep running on the host).
+
+Every file is opened by path only where the listing showed a regular file, and read-write (never
+written): SFTP has neither O_NOFOLLOW nor O_NONBLOCK, and a FIFO swapped in after the listing would
+hold a read-only open (and the single-threaded SFTP server with it) until a writer came, while Linux
+opens a FIFO read-write at once. The opened file itself (fstat) must then be a regular file of the
+login's, else it is refused: a status file so replaced (or removed) before the follower holds it
+makes its task end ``command_lost``; an output file, its stream gets nothing more. A file the
+follower holds is read through its handle, whatever the path now names.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import contextlib
 import logging
 import secrets
 import signal
+import stat
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -83,6 +92,8 @@ _SUPERVISOR_PID_BOUND_S = 2.0
 _SIGNAL_BOUND_S = 10.0
 #: Supervisors one script signals at most (its arguments stay far below the host's ARG_MAX).
 _SIGNAL_BATCH = 500
+#: SFTP errors that say the channel is gone, not that a file refused what was asked of it.
+_CHANNEL_ERRORS = (asyncssh.SFTPNoConnection, asyncssh.SFTPConnectionLost, asyncssh.SFTPBadMessage)
 
 
 class DetachedSpill:
@@ -158,6 +169,10 @@ class _Followed:
         self.failure_reason: InfraReason = "unclassified"
         self.feeding = True
         self.unexplained_eofs = 0
+        #: Its status file was not the supervisor's when the follower opened it (see _SignedEnding).
+        self.tampered = False
+        #: Streams whose file was refused at its opening: nothing more is read from them.
+        self.refused: set[str] = set()
 
     def fail(self, message: str, reason: InfraReason) -> None:
         self.failure = message
@@ -188,6 +203,9 @@ class Follower:
         self._punch_works = True
         self._markers = _FileEnding()
         self._signed = _SignedEnding(pool.where)
+        #: The spill directory's owner (the login's uid), which every followed file must have.
+        self._owner: int | None = None
+        self._owner_read = False
         self.directory = ""
 
     async def probe(self) -> bool:
@@ -350,31 +368,46 @@ class Follower:
             active = True
         if not self._tasks:
             return active
-        listing = await self._list(sftp)
-        for followed in list(self._tasks.values()):
-            if await self._follow(sftp, followed, listing):
+        # Only the tasks added before the listing began: the files of one added since may be
+        # missing from it, which would read as removed.
+        tasks = dict(self._tasks)
+        listing = await self._list(sftp, tasks)
+        for followed in tasks.values():
+            if self._tasks.get(followed.name) is followed and await self._follow(sftp, followed, listing):
                 active = True
         return active
 
     async def _remove(self, sftp: asyncssh.SFTPClient, paths: list[str]) -> None:
-        """Remove ``paths`` in turn, each taken off the list once gone: on an error, the list holds
-        what is left to remove."""
+        """Remove ``paths`` in turn, each taken off the list once gone: on an error of the channel,
+        the list holds what is left to remove. A path the server refuses to remove (a task put a
+        directory there) is left to the spill directory's removal at ``aclose``."""
         while paths:
-            with contextlib.suppress(asyncssh.SFTPNoSuchFile):
-                await sftp.remove(paths[0])
-            self._removed(paths[0])
+            try:
+                with contextlib.suppress(asyncssh.SFTPNoSuchFile):
+                    await sftp.remove(paths[0])
+            except _CHANNEL_ERRORS:
+                raise
+            except asyncssh.SFTPError as exc:
+                log.warning("cannot remove %s on %s (%s): left until aclose", paths[0], self._pool.where, exc)
+            else:
+                self._removed(paths[0])
             del paths[0]
 
-    async def _list(self, sftp: asyncssh.SFTPClient) -> _Listing:
-        listing = _Listing()
+    async def _list(self, sftp: asyncssh.SFTPClient, tasks: dict[str, _Followed]) -> _Listing:
+        if not self._owner_read:
+            self._owner = (await sftp.stat(self.directory)).uid
+            self._owner_read = True
+        listing = _Listing(owner=self._owner)
         for entry in await sftp.readdir(self.directory):
             filename = entry.filename
             assert isinstance(filename, str)
             name, _, suffix = filename.partition(".")
-            if name not in self._tasks:
+            if name not in tasks:
                 continue
             if suffix in STREAMS or suffix == "status":
                 listing.sizes[filename] = entry.attrs.size or 0
+                if not _regular(entry.attrs):  # the server's lstat: a link shows as one
+                    listing.irregular.add(filename)
             elif suffix.startswith("exit-") and suffix[5:].isdigit():
                 listing.exits[name] = int(suffix[5:])
             elif suffix == "eof":
@@ -390,9 +423,15 @@ class Follower:
         if ending.status_first and self._publish(followed, progress.status):
             active = True
         for stream in STREAMS:
-            size = listing.sizes.get(f"{followed.name}.{stream}", 0)
-            grew = size > followed.offsets[stream] or progress.at_eof
-            if grew and await self._read(sftp, followed, stream, size, to_end=progress.at_eof):
+            name = f"{followed.name}.{stream}"
+            size = listing.sizes.get(name, 0)
+            # A file held whose path names another file (or none) now: it tells its own size.
+            swapped = stream in followed.files and (
+                name not in listing.sizes or name in listing.irregular or size < followed.offsets[stream]
+            )
+            grew = size > followed.offsets[stream] or progress.at_eof or swapped
+            to_end = progress.at_eof or swapped
+            if grew and await self._read(sftp, followed, stream, size, listing, to_end=to_end):
                 active = True
             if followed.caps is not None:
                 self._maybe_punch(followed, stream)
@@ -415,14 +454,38 @@ class Follower:
         return True
 
     async def _read(
-        self, sftp: asyncssh.SFTPClient, followed: _Followed, stream: str, size: int, *, to_end: bool
+        self,
+        sftp: asyncssh.SFTPClient,
+        followed: _Followed,
+        stream: str,
+        size: int,
+        listing: _Listing,
+        *,
+        to_end: bool,
     ) -> bool:
         """Feed what the file gained. Only the last ``max_output_bytes`` of the gain are read: the
         stream keeps no more than that, and the file itself is the spill, so earlier bytes are
         only counted. A tick's cost is bounded, however fast the task writes."""
         handle = followed.files.get(stream)
         if handle is None:
-            handle = followed.files[stream] = await sftp.open(f"{followed.base}.{stream}", "rb")
+            if stream in followed.refused:
+                return False
+            try:
+                handle, attrs = await _open_checked(sftp, followed, stream, listing)
+                if (attrs.size or 0) < followed.offsets[stream]:
+                    await _close_quietly(handle)
+                    raise _Refused("is shorter than what was read from it")
+            except _Refused as exc:
+                followed.refused.add(stream)
+                log.warning(
+                    "background task %s on %s: its %s file %s; its output from there on is lost",
+                    followed.launch.marker,
+                    self._pool.where,
+                    stream,
+                    exc,
+                )
+                return False
+            followed.files[stream] = handle
         if to_end:
             size = (await handle.stat()).size or 0  # the listing's size may predate the eof file
         offset = followed.offsets[stream]
@@ -511,16 +574,32 @@ class Follower:
     async def _punch(self, followed: _Followed, stream: str, upto: int) -> None:
         """Free the disk blocks of a lost spill's bytes already read: the file keeps its size and
         offsets (a hole reads as zeros), so following goes on, and the disk does not fill up
-        with output nobody keeps."""
+        with output nobody keeps. Only a regular file is punched, opened once (read-write, which
+        never blocks on a FIFO) and checked through its descriptor: fallocate's own open by path
+        would follow a link or wait on a FIFO for a reader, holding a channel for ever."""
         length = upto - upto % 4096
+        done = True
         try:
             code, _, err = await self._pool.run_script(
-                'exec fallocate --punch-hole --offset 0 --length "$2" -- "$1"',
+                '[[ -f $1 && ! -L $1 ]] && exec 3<>"$1" && [[ -f /dev/fd/3 ]] || exit 3\n'
+                'exec fallocate --punch-hole --offset 0 --length "$2" /dev/fd/3',
                 f"{followed.base}.{stream}",
                 str(length),
             )
             if code == 0:
                 followed.punched[stream] = length
+            elif code == 3 and followed.feeding:
+                # The path names no regular file now (a process of the login replaced it): never
+                # punched again (the stream stays in ``punching``); its capped writer waits at its
+                # cap until the task is killed.
+                done = False
+                log.warning(
+                    "background task %s on %s: its %s file is no regular file any more; its read "
+                    "output is not freed",
+                    followed.launch.marker,
+                    self._pool.where,
+                    stream,
+                )
             elif not followed.feeding:
                 pass  # released meanwhile: its file is gone, which says nothing about fallocate
             elif self._punch_works:
@@ -534,7 +613,8 @@ class Follower:
         except (BashInfrastructureError, OSError) as exc:
             log.debug("punching %s.%s failed: %s", followed.base, stream, exc)
         finally:
-            followed.punching.discard(stream)
+            if done:
+                followed.punching.discard(stream)
             self._wake.set()  # a capped writer may go on now: look soon
 
 
@@ -542,8 +622,12 @@ class Follower:
 class _Listing:
     """One listing of the spill directory, for the followed tasks' files."""
 
+    #: The directory's owner (the login's uid; None: the server did not say).
+    owner: int | None = None
     #: Sizes of the output and status files, by file name.
     sizes: dict[str, int] = field(default_factory=dict)
+    #: Those of them that are no regular file (as the server's lstat tells: a link is one).
+    irregular: set[str] = field(default_factory=set)
     #: The marker fallback's end files, by task name: the status in BASE.exit-STATUS's name, and the
     #: tasks that have a BASE.eof.
     exits: dict[str, int] = field(default_factory=dict)
@@ -603,7 +687,16 @@ class _FileEnding:
 class _SignedEnding:
     """Under dsh-supervise --detach: the verified records of BASE.status (the task can create any
     file in the directory, so nothing else counts), and whether the supervisor still lives (one the
-    task killed writes no last record)."""
+    task killed writes no last record).
+
+    The status file is opened by path when it is first read and again after a reconnect; whatever
+    a process of the login put at that path then (a FIFO, a link, a directory, another file, or
+    nothing) is refused (see :func:`_open_checked`), and so is a file that does not start with the
+    supervisor's first record (it was written before the task's start returned) or is shorter than
+    what was read already: the task ends ``command_lost`` (its processes are killed through its
+    supervisor when its pid is known, else by marker). A file the follower holds is read through its
+    handle: replacing the path then changes nothing.
+    """
 
     status_first = True
 
@@ -621,12 +714,29 @@ class _SignedEnding:
             # Looked at before the status file is read: a supervisor that exited wrote its last
             # record before, so a file read after this shows it.
             gone = not await _supervisor_alive(sftp, records)
-        size = listing.sizes.get(f"{followed.name}.status", 0)
+        name = f"{followed.name}.status"
+        size = listing.sizes.get(name)
+        if (
+            size is None
+            or size < signed.fed
+            or name in listing.irregular
+            or gone
+            or "status" not in followed.files
+        ):
+            # Opened now, read to its end, or the path names another file (or none) now: the
+            # file's own size (fstat), which for one held is the supervisor's file, wherever it is.
+            size = None
         complete = True
         active = False
-        if size > signed.fed or gone:
-            complete = await self._read_status(sftp, followed, size, to_end=gone)
-            active = True
+        if size is None or size > signed.fed:
+            fed = signed.fed
+            try:
+                complete = await self._read_status(sftp, followed, size, listing)
+            except _Refused as exc:
+                self._refused(followed, str(exc))
+                return _Progress(active=True, at_eof=True, status=None)
+            # Not merely looked at (a held file whose path was replaced is looked at every tick).
+            active = gone or signed.fed > fed
         if records.supervisor_pid is not None:
             followed.supervisor_known.set()
         return _Progress(
@@ -634,19 +744,23 @@ class _SignedEnding:
         )
 
     async def _read_status(
-        self, sftp: asyncssh.SFTPClient, followed: _Followed, size: int, *, to_end: bool
+        self, sftp: asyncssh.SFTPClient, followed: _Followed, size: int | None, listing: _Listing
     ) -> bool:
         """Feed what the status file gained to its verifier (at most _STATUS_CHUNK a tick); True when
-        everything up to ``size`` (with ``to_end``: the file's size now) was read."""
+        everything up to ``size`` (None: the file's size now) was read. Raises :class:`_Refused`
+        when the file at the path is not the supervisor's."""
         signed = followed.signed
         assert signed is not None
         handle = followed.files.get("status")
+        first = signed.fed == 0
         if handle is None:
-            try:
-                handle = followed.files["status"] = await sftp.open(f"{followed.base}.status", "rb")
-            except asyncssh.SFTPNoSuchFile:
-                return True  # removed (by the task): no record will ever come from it
-        if to_end:
+            handle, attrs = await _open_checked(sftp, followed, "status", listing)
+            size = attrs.size or 0
+            if size < signed.fed or size == 0:
+                await _close_quietly(handle)
+                raise _Refused("is shorter than what was read from it" if signed.fed else "is empty")
+            followed.files["status"] = handle
+        elif size is None:
             size = (await handle.stat()).size or 0
         want = min(size - signed.fed, _STATUS_CHUNK)
         if want > 0:
@@ -655,6 +769,9 @@ class _SignedEnding:
             forged = signed.forged
             for record in signed.feed(data):
                 followed.records.apply(record)
+            if first and signed.next_seq == 0:
+                # The supervisor wrote its first record before the task's start returned.
+                raise _Refused("does not start with its supervisor's first record")
             if signed.forged > forged and not followed.warned_forged:
                 followed.warned_forged = True
                 log.warning(
@@ -665,7 +782,27 @@ class _SignedEnding:
                 )
         return signed.fed >= size
 
+    def _refused(self, followed: _Followed, why: str) -> None:
+        log.warning(
+            "background task %s on %s: its status file %s (replaced by a process of the login?); "
+            "the task is lost",
+            followed.launch.marker,
+            self._where,
+            why,
+        )
+        followed.tampered = True
+        followed.fail(
+            f"the status file of the background task on {self._where} {why} (replaced by a process of "
+            "the login?): its exit status is lost",
+            "command_lost",
+        )
+
     def ended(self, followed: _Followed) -> None:
+        if followed.tampered:
+            # Its supervisor may well live on: it is still the way to kill the task (when its pid
+            # was read), and its records go on into the file the path no longer names.
+            followed.supervisor_known.set()
+            return
         if not followed.records.empty:
             followed.supervisor_gone = True
             log.warning(
@@ -682,6 +819,51 @@ class _SignedEnding:
                     "command_lost",
                 )
         followed.supervisor_known.set()
+
+
+class _Refused(Exception):
+    """A followed file at its path is not the one its task's supervisor (or script) made."""
+
+
+def _regular(attrs: asyncssh.SFTPAttrs) -> bool:
+    """A regular file, as far as the server tells (a server that sends no mode is believed)."""
+    return attrs.permissions is None or stat.S_ISREG(attrs.permissions)
+
+
+async def _open_checked(
+    sftp: asyncssh.SFTPClient, followed: _Followed, suffix: str, listing: _Listing
+) -> tuple[Any, asyncssh.SFTPAttrs]:
+    """Open ``BASE.suffix`` for reading, never blocking and never reading anything but a regular
+    file of the login's; raises :class:`_Refused` otherwise.
+
+    The listing (the server's lstat) must show a regular file there: no link is followed, no FIFO
+    or device opened, unless one was swapped in since. The open asks for reading and writing (the
+    file is never written): that is what keeps a FIFO swapped in from blocking the open (Linux opens
+    a FIFO for both at once; for reading alone it waits for a writer, and the SFTP server, which
+    serves one request at a time, with it). Then the opened file itself (fstat on the handle, so
+    nothing swapped in later counts) must be a regular file owned by the spill directory's owner.
+    """
+    filename = f"{followed.name}.{suffix}"
+    if filename not in listing.sizes:
+        raise _Refused("is gone")
+    if filename in listing.irregular:
+        raise _Refused("is no regular file (a link, a FIFO, a directory, ...)")
+    try:
+        handle = await sftp.open(f"{followed.base}.{suffix}", "r+b")
+    except _CHANNEL_ERRORS:
+        raise
+    except asyncssh.SFTPError as exc:
+        raise _Refused(f"cannot be opened ({exc.reason})") from None
+    try:
+        attrs = await handle.stat()
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await _close_quietly(handle)
+        raise
+    if not _regular(attrs) or (listing.owner is not None and attrs.uid not in (None, listing.owner)):
+        await _close_quietly(handle)
+        raise _Refused("is no regular file of the login's")
+    return handle, attrs
 
 
 class _NoSftp(Exception):
