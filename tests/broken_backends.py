@@ -759,6 +759,37 @@ class StoppedSupervisorNotContinued(_ProcessBreaker):
         await super()._release()
 
 
+class StoppedSparesNotContinued(_SoundLocal):
+    """Breaks: a command that stops the helpers kept ready for the next commands makes the next
+    command wait at most a second.
+
+    The fork server and its spare are never continued (its ``nudge`` does nothing): a command's
+    request to a server that the command before stopped waits until someone else continues it. At
+    close the server is continued, so that nothing of the test stays stopped.
+    """
+
+    def __init__(self, config: LocalConfig | None = None) -> None:
+        # Under the supervisor, unlike most broken backends: its fork server is what is left stopped.
+        _SoundLocal.__init__(self, config if config is not None else LocalConfig())
+        self._real_nudge: Callable[[], None] | None = None
+
+    async def _open(self) -> None:
+        await super()._open()
+        server = self._server
+        if server is not None:
+            self._real_nudge = server.nudge
+            # An instance attribute shadows the method: the server's own calls and every command's
+            # (each takes ``server.nudge`` when it is launched) get the one that does nothing.
+            object.__setattr__(server, "nudge", lambda: None)
+
+    async def _release(self) -> None:
+        server = self._server
+        if server is not None and self._real_nudge is not None:
+            object.__setattr__(server, "nudge", self._real_nudge)
+            self._real_nudge()
+        await super()._release()
+
+
 class _SigkillOnlyProcess(HostProcess):
     async def signal_all(self, sig: int) -> None:
         await super().signal_all(signal.SIGKILL)

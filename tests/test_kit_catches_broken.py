@@ -69,6 +69,7 @@ CAUGHT_BY: list[Row] = [
     Row("escapee-without-environment-killed", bb.MarkerContainment),
     Row("terminal-injection-refused", bb.TerminalInjectable, needs_root=True),
     Row("stopped-supervisor-killed-on-time", bb.StoppedSupervisorNotContinued),
+    Row("stopped-spares-next-command-on-time", bb.StoppedSparesNotContinued),
     Row("escapee-rewriting-environment-killed", bb.MarkerContainment),
     Row("setsid-chain-killed", bb.KillsWhatItSawFirst),
     Row("non-dumpable-escapee-killed", bb.KillScriptWithoutPtraceRights),

@@ -305,6 +305,66 @@ async def stopped_supervisor(ctx: CheckContext) -> None:
         )
 
 
+# Under a supervisor (its parent is a dsh-supervise), stops (SIGSTOP) what a command can reach of what
+# the next commands need: every other process with its supervisor's parent (the spares of a fork
+# server, the other execs of a container, the other channels of an SSH connection: the warm ones
+# among them), that parent too when it is a dsh-supervise (a fork server), and last its own
+# supervisor. Nothing outside its executor's reach: processes of other executors of the same user
+# have other parents. Says how many others it stopped, or "unsupervised" (then it stops nothing).
+_STOP_SPARES = r"""
+sup=$PPID
+read -r s < /proc/$sup/stat || { echo unsupervised; exit 0; }
+c=${s#*(}
+case ${c%%)*} in dsh-supervise*) ;; *) echo unsupervised; exit 0 ;; esac
+f=(${s##*) })
+pp=${f[1]}
+n=0
+if [ "$pp" != 0 ] && read -r s < /proc/$pp/stat 2>/dev/null; then
+    c=${s#*(}
+    case ${c%%)*} in dsh-supervise*) kill -STOP $pp 2>/dev/null && n=$((n+1)) ;; esac
+fi
+for d in /proc/[0-9]*; do
+    p=${d#/proc/}
+    if [ "$p" = "$sup" ] || [ "$p" = "$$" ] || [ "$p" = 1 ]; then continue; fi
+    read -r s < $d/stat 2>/dev/null || continue
+    f=(${s##*) })
+    [ "${f[1]}" = "$pp" ] && kill -STOP $p 2>/dev/null && n=$((n+1))
+done
+echo stopped=$n
+kill -STOP $sup
+"""
+
+
+@check(
+    "stopped-spares-next-command-on-time",
+    kind="contract",
+    clause="R-proc-kill-stopped-helper",
+    rule="A command that stops (SIGSTOP) the helpers kept ready for the next commands (warm spares, a "
+    "fork server) makes the next command wait at most a second.",
+)
+async def stopped_spares(ctx: CheckContext) -> None:
+    async with ctx.executor(grace_ms=GRACE_S * 1000) as ex:
+        for _ in range(2):
+            await ex.exec("true")
+        await anyio.sleep(0.5 + ctx.allowance_s)  # whatever the backend keeps ready is there now
+        bound = 1.0 + 2 * GRACE_S + 2 * ctx.allowance_s
+        try:
+            first = await within(ex.exec(_STOP_SPARES, timeout_ms=1000), bound, "the run")
+        except BashInfrastructureError as exc:
+            ctx.expect(
+                exc.reason == "command_lost",
+                f"the run raised {exc.reason}, not command_lost (nor a result): {exc}",
+            )
+        else:
+            if "unsupervised" in first.stdout.text:
+                ctx.not_applicable("commands do not run under dsh-supervise here (marker containment)")
+        for attempt in ("first", "second"):
+            nxt = await within(
+                ex.exec("echo next"), 1.0 + ctx.allowance_s, f"the {attempt} command after the stopping one"
+            )
+            ctx.expect(nxt.stdout.text == "next\n", f"the {attempt} next command did not run: {show(nxt)}")
+
+
 @check(
     "kill-reaches-group-after-leader-exit",
     kind="contract",

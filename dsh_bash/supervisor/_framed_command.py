@@ -64,12 +64,31 @@ _UNFRAMED_KEPT = 4096
 #: A bash script, ``$1`` a supervisor's pid and ``$2`` its start time (its ``supervisor PID START``
 #: record): SIGCONT to that process if it still is that supervisor (field 22 of its stat matches), as
 #: the command's user where the commands run. A command can stop (SIGSTOP) its own supervisor, which
-#: then hears no kill request: this continues it. Exit status 0 whatever it found.
+#: then hears no kill request: this continues it. With no arguments (a supervisor stopped before it
+#: named itself: a warm spare, or one stopped at its start), every stopped process is continued that
+#: shares this script's parent (the other channels of its SSH connection, the other execs of its
+#: container, whose parent is outside it) or whose name begins with ``dsh-supervise``: none of them is
+#: ever meant to be stopped, and a command that made one of its own look so gains only a continue.
+#: Exit status 0 whatever it found.
 CONTINUE_SUPERVISOR = r"""
-read -r stat 2>/dev/null < "/proc/$1/stat" || exit 0
-rest=${stat##*) }
-fld=($rest)
-[ "${fld[19]}" = "$2" ] && kill -CONT "$1" 2>/dev/null
+if [ "$#" -ge 2 ]; then
+    read -r stat 2>/dev/null < "/proc/$1/stat" || exit 0
+    rest=${stat##*) }
+    fld=($rest)
+    [ "${fld[19]}" = "$2" ] && kill -CONT "$1" 2>/dev/null
+    exit 0
+fi
+for dir in /proc/[0-9]*; do
+    read -r stat 2>/dev/null < "$dir/stat" || continue
+    name=${stat#*(}
+    fld=(${stat##*) })
+    [ "${fld[0]}" = T ] || continue
+    case ${name%%)*} in
+    dsh-supervise*) ;;
+    *) [ "${fld[1]}" = "$PPID" ] || continue ;;
+    esac
+    kill -CONT "${dir#/proc/}" 2>/dev/null
+done
 exit 0
 """
 #: Between two continues of one supervisor from outside (each costs a process where commands run).
@@ -445,6 +464,7 @@ class FramedCommand(CommandProcess):
         """``await wait()``, continuing the supervisor from outside every half second meanwhile: the
         command may stop it (SIGSTOP, same user) before it reported the start, and the start must not
         wait for ever."""
+        error: Exception | None = None
         async with anyio.create_task_group() as tg:
 
             async def nudge() -> None:
@@ -455,28 +475,36 @@ class FramedCommand(CommandProcess):
             tg.start_soon(nudge)
             try:
                 result = await wait()
+            except Exception as exc:
+                # Raised once the nudging stopped, as it was: from inside the task group it would
+                # come out wrapped in an exception group.
+                error = exc
             finally:
                 tg.cancel_scope.cancel()
+        if error is not None:
+            raise error
         return result
 
     async def _continue_from_outside(self) -> None:
         records = self._records
         now = time.monotonic()
-        if records.supervisor_pid is None or records.supervisor_start_time is None:
-            return
         if now - self._continued_at < _CONTINUE_EVERY_S:
             return
         self._continued_at = now
+        pid, start_time = records.supervisor_pid, records.supervisor_start_time
+        script_args = () if pid is None or start_time is None else (str(pid), str(start_time))
         try:
             with anyio.move_on_after(_CONTINUE_BOUND_S):
-                await self._continue_supervisor(records.supervisor_pid, records.supervisor_start_time)
+                await self._continue_supervisor(*script_args)
         except Exception as exc:
             log.warning("continuing the supervisor %s failed: %s", self._where, exc)
 
-    async def _continue_supervisor(self, pid: int, start_time: int) -> None:
-        """Send SIGCONT to the supervisor ``pid`` (the command's user may have stopped it) if it still
-        started at ``start_time``, from outside its stream: run :data:`CONTINUE_SUPERVISOR` where the
-        commands run. The default does nothing (a backend that cannot)."""
+    async def _continue_supervisor(self, *script_args: str) -> None:
+        """Send SIGCONT to the supervisor (the command's user may have stopped it) from outside its
+        stream: run :data:`CONTINUE_SUPERVISOR` with ``script_args`` where the commands run, as the
+        command's user. The arguments are its pid and start time, or none while it has not named
+        itself (a warm spare stopped before it was taken): the script then continues every stopped
+        supervisor of the user. The default does nothing (a backend that cannot)."""
 
     async def remaining(self) -> list[str]:
         if self._records.empty:

@@ -147,8 +147,8 @@ class FramedDockerProcess(FramedCommand):
             return self._fed_since_wait()
         return self._fed_since_wait() or self.switched or self.side_pipe_offer is not None
 
-    async def _continue_supervisor(self, pid: int, start_time: int) -> None:
-        await self._marked.continue_supervisor(pid, start_time)
+    async def _continue_supervisor(self, *script_args: str) -> None:
+        await self._marked.continue_supervisor(*script_args)
 
     async def _send_frame(self, frame: bytes, *, urgent: bool) -> bool:
         try:

@@ -275,16 +275,15 @@ class ContainerMarked:
             elif not await self._kill_container():
                 raise
 
-    async def continue_supervisor(self, pid: int, start_time: int) -> None:
-        """SIGCONT to the command's supervisor (pid in the container) if it still started then, as the
-        command's user: a command may have stopped it, which would leave every kill request unheard."""
+    async def continue_supervisor(self, *script_args: str) -> None:
+        """SIGCONT to the command's supervisor (``PID START``: pid in the container, if it still
+        started then; none: every stopped supervisor), as the command's user: a command may have
+        stopped it, which would leave every kill request unheard."""
         try:
-            await run_script(
-                self._engine, self._container(), self._user, CONTINUE_SUPERVISOR, str(pid), str(start_time)
-            )
+            await run_script(self._engine, self._container(), self._user, CONTINUE_SUPERVISOR, *script_args)
         except EngineError as exc:
             if exc.status not in (404, 409):  # a container gone or stopped holds nothing to continue
-                log.warning("continuing the supervisor %s in the container failed: %s", pid, exc)
+                log.warning("continuing the supervisor %s in the container failed: %s", script_args, exc)
 
     async def _user_unknown(self, exc: EngineError) -> bool:
         """Whether the kill could not start because its user is not the container's: then no

@@ -59,8 +59,8 @@ class FramedSshProcess(FramedCommand):
         self._wait_writable = wait_writable
         self._session: CommandSession | None = None
 
-    async def _continue_supervisor(self, pid: int, start_time: int) -> None:
-        await self._marked.continue_supervisor(pid, start_time)
+    async def _continue_supervisor(self, *script_args: str) -> None:
+        await self._marked.continue_supervisor(*script_args)
 
     # -- the channel (the session calls feed as data arrives) ------------------------------------------
 
@@ -119,7 +119,9 @@ class FramedSshProcess(FramedCommand):
         """Wait until the supervisor started the command; raise BashInfrastructureError when it did not."""
         session = self._session
         assert session is not None
-        await boot_verdict(session, self._pool, self._launch)
+        # Continued meanwhile from outside: the command before may have stopped the warm channel's
+        # shell, which would leave the boot script (and so this start) waiting for ever.
+        await self._continued_until(lambda: boot_verdict(session, self._pool, self._launch))
         await self._continued_until(self._decided.wait)
         if self._records.child is not None:
             return

@@ -84,11 +84,12 @@ class RemoteMarked:
                     self._unreached(self)
                 raise
 
-    async def continue_supervisor(self, pid: int, start_time: int) -> None:
-        """SIGCONT to a command's supervisor (a pid on the host) if it still started then, over the
-        kill channel: a command may have stopped it, which would leave every kill request unheard."""
+    async def continue_supervisor(self, *script_args: str) -> None:
+        """SIGCONT to a command's supervisor (``PID START``: a pid on the host, if it still started
+        then; none: every stopped supervisor of the user), over the kill channel: a command may have
+        stopped it, which would leave every kill request unheard."""
         with anyio.CancelScope(shield=True), anyio.move_on_after(_SIGNAL_BOUND_S):
-            await self._pool.run_script(CONTINUE_SUPERVISOR, str(pid), str(start_time), kill=True)
+            await self._pool.run_script(CONTINUE_SUPERVISOR, *script_args, kill=True)
 
     async def remaining(self) -> list[str]:
         # Shielded as well: a script cancelled half-way keeps its server session until it exits
