@@ -16,7 +16,7 @@ import anyio
 import docker
 import docker.errors
 import pytest
-from docker_support import IDLE_COMMAND, SESSION_ID, SESSION_LABEL
+from docker_support import IDLE_COMMAND, SESSION_ID, SESSION_LABEL, start_idle_container
 from dsh_bash_docker import DockerBashExecutor, DockerConfig
 from fault_support import GRACE_MS, SecondEngine, eventually_gone, wait_for_processes
 
@@ -242,12 +242,46 @@ async def test_a_command_that_kills_its_supervisor_is_lost_not_forged(
 
 @pytest.mark.timeout(60)
 async def test_a_removed_supervisor_is_installed_again(docker_test_image: str) -> None:
-    """A command of root in the container may remove the supervisor's file: the next command puts it
-    back (once per start) instead of every later command failing to start."""
+    """Attached to a container where commands run as root with the engine's default capabilities, a
+    command may remove the supervisor's file: the next command puts it back (once per start)
+    instead of every later command failing to start."""
+    container = start_idle_container(docker_test_image)
+    try:
+        config = DockerConfig(container=container.get_wrapped_container().id, grace_ms=GRACE_MS)
+        async with DockerBashExecutor(config) as ex:
+            assert ex.containment == "subreaper"
+            removed = await ex.exec("rm -rf /.dsh-bash && ls -a / | grep -c dsh-bash")
+            assert removed.stdout.text == "0\n", removed
+            result = await ex.exec("kill -TERM $$")
+            assert (result.signal, result.exit_code) == ("SIGTERM", None), result
+            assert ex.containment == "subreaper"
+    finally:
+        container.stop()
+
+
+# Tries every way a root without capabilities has to replace the supervisor's binary, then plants a
+# fake that would answer for the next command.
+_REPLACE_SUPERVISOR = r"""
+p="/.dsh-bash/$(ls /.dsh-bash/)"
+printf '#!/bin/sh\necho FORGED\nexit 0\n' > /tmp/fake && chmod 0755 /tmp/fake
+replaced() { cmp -s /tmp/fake "$p"; }
+replaced || cp /tmp/fake "$p" 2>/dev/null
+replaced || { rm -f "$p" && cp /tmp/fake "$p"; } 2>/dev/null
+replaced || { mv /.dsh-bash /.moved && mkdir /.dsh-bash && cp /tmp/fake "$p"; } 2>/dev/null
+replaced || { chmod 0777 /.dsh-bash && cp /tmp/fake "$p"; } 2>/dev/null
+replaced || { umount /.dsh-bash && cp /tmp/fake "$p"; } 2>/dev/null
+replaced && echo REPLACED || echo intact
+"""
+
+
+@pytest.mark.timeout(60)
+async def test_root_in_an_image_mode_container_cannot_replace_the_supervisor(docker_test_image: str) -> None:
+    """Image mode: the binary lives on a tmpfs of a user no command runs as, read-only; root in the
+    container (no capabilities) can neither write, remove, rename nor remount it, so the next
+    command's outcome is its own (issue 30: before, a fake put there answered ``exit_code=0``)."""
     async with _image_executor(docker_test_image) as ex:
         assert ex.containment == "subreaper"
-        removed = await ex.exec("rm -rf /.dsh-bash && ls -a / | grep -c dsh-bash")
-        assert removed.stdout.text == "0\n", removed
-        result = await ex.exec("kill -TERM $$")
-        assert (result.signal, result.exit_code) == ("SIGTERM", None), result
-        assert ex.containment == "subreaper"
+        attack = await ex.exec(_REPLACE_SUPERVISOR)
+        assert attack.stdout.text.endswith("intact\n"), attack
+        result = await ex.exec("echo real; kill -TERM $$")
+        assert (result.signal, result.exit_code, result.stdout.text) == ("SIGTERM", None, "real\n"), result

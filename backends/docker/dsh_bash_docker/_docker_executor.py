@@ -45,7 +45,7 @@ from ._hints import INFRA_HINTS
 from ._process import ContainerMarked, DockerProcess, diagnose_refusal, run_script, start_script
 from ._scripts import BOOT, BOOT_SUPERVISED, SPILL_DIR, SPILL_WRITER
 from ._spill import DockerSpillFile
-from ._supervisor import INSTALL_DIR, install_supervisor
+from ._supervisor import INSTALL_DIR, INSTALL_TMPFS, install_supervisor
 from ._warm import WarmExecs, spec_payload
 
 __all__ = ["MANAGED_LABEL", "DockerBashExecutor", "sweep_orphaned_containers"]
@@ -216,12 +216,11 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
                 if image is None:
                     raise EngineError(f"the engine pulled {config.image!r} but does not have it", 404)
             image_env = (image.get("Config") or {}).get("Env") or []
-            # A read-only root filesystem refuses the supervisor's upload: it gets a tmpfs of its own.
-            tmpfs = (
-                {"/tmp": "rw,nosuid,nodev,mode=1777", INSTALL_DIR: "rw,nosuid,nodev,exec,mode=755"}
-                if config.read_only
-                else None
-            )
+            # The supervisor's own tmpfs, owned by a user no command runs as (see _supervisor.py);
+            # a read-only root filesystem gets a writable /tmp as well.
+            tmpfs = {INSTALL_DIR: INSTALL_TMPFS}
+            if config.read_only:
+                tmpfs["/tmp"] = "rw,nosuid,nodev,mode=1777"
             host_config: dict[str, Any] = {
                 "Init": True,
                 "NetworkMode": config.network,
@@ -329,7 +328,9 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         config = self._docker_config
         install = SupervisorInstall(None, "containment = 'marker'")
         if config.containment != "marker":
-            install = await install_supervisor(self._engine, self._container_id, config.user)
+            install = await install_supervisor(
+                self._engine, self._container_id, config.user, owned_tmpfs=config.image is not None
+            )
         where = f"container {self._container_id[:12]}"
         self._supervisor = choose_containment(config.containment, install.path, install.problem, where)
         if self._supervisor is not None:

@@ -22,7 +22,6 @@ import errno
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from urllib.parse import quote
 
 import anyio
 
@@ -39,7 +38,7 @@ from dsh_bash.remote import (
 from dsh_bash.supervisor import FramedCommand
 
 from ._engine import EngineClient, EngineError, ExecStream
-from ._process import ContainerMarked, StartHelper, diagnose_refusal, lost_in_container
+from ._process import ContainerMarked, StartHelper, diagnose_refusal, lost_in_container, run_script
 
 __all__ = ["FramedDockerProcess", "SidePipes", "SupervisorMissing"]
 
@@ -206,11 +205,13 @@ class FramedDockerProcess(FramedCommand):
         )
 
     async def _supervisor_present(self) -> bool:
-        status, _ = await self._engine.request_raw(
-            "HEAD",
-            f"/containers/{quote(self._container, safe='')}/archive?path={quote(self._supervisor, safe='')}",
-        )
-        return status != 404
+        # Looked at from inside (as root): the engine's archive API does not see into a tmpfs, and
+        # image mode's install directory is one.
+        try:
+            code, _, _ = await run_script(self._engine, self._container, "0", '[ -e "$1" ]', self._supervisor)
+        except EngineError:
+            return True  # not known: the start's failure is then reported as it is
+        return code == 0
 
     def _report_complete(self) -> bool:
         return self._head.find(b"\0", len(BOOT_FAIL)) >= 0
