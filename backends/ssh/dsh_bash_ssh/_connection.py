@@ -77,6 +77,42 @@ SessionT = TypeVar("SessionT", bound=SlotSession)
 T = TypeVar("T")
 #: How long a refused channel open is retried while the connection itself is fine.
 _REFUSED_RETRY_S = 2.0
+
+#: A helper script that has not ended after this long may be held by a stopped server: the login's
+#: own ``sshd`` session process (``sshd: USER@notty``) runs as the login user, so a command can stop
+#: it (``kill -STOP -1``), and then no channel of the connection moves any more.
+_STALL_S = 1.0
+#: The least time between two thaws.
+_THAW_EVERY_S = 1.0
+#: The most a thaw (a new connection, one script) may take.
+_THAW_BOUND_S = 10.0
+
+#: Run on a fresh connection when the executor's own stalls: SIGCONT to every stopped process of the
+#: login that is an ``sshd`` session process, a ``dsh-supervise``, or a channel's process (a child
+#: of one of the login's ``sshd`` processes: a warm channel's shell, say). None of them is ever
+#: meant to be stopped (a user's own stopped jobs are children of their shells, not of sshd), and
+#: processes of other users cannot be signalled anyway. Prints how many it continued.
+THAW = r"""
+declare -A sshd=()
+for dir in /proc/[0-9]*; do
+    read -r stat 2>/dev/null < "$dir/stat" || continue
+    name=${stat#*(}
+    case ${name%%)*} in sshd*) sshd[${dir#/proc/}]=1 ;; esac
+done
+n=0
+for dir in /proc/[0-9]*; do
+    read -r stat 2>/dev/null < "$dir/stat" || continue
+    name=${stat#*(}
+    fld=(${stat##*) })
+    [ "${fld[0]}" = T ] || continue
+    case ${name%%)*} in
+    sshd*|dsh-supervise*) ;;
+    *) [ -n "${sshd[${fld[1]}]-}" ] || continue ;;
+    esac
+    kill -CONT "${dir#/proc/}" 2>/dev/null && n=$((n+1))
+done
+echo "$n"
+"""
 #: How deep ProxyJump hops of ~/.ssh/config may nest (a jump host's own first hop, and so on).
 _MAX_JUMP_DEPTH = 8
 
@@ -132,6 +168,8 @@ class ChannelPool:
         self.helper_keep: Callable[[], str] | None = None
         #: The warnings about ~/.ssh/config's host-key settings said already (once per pool).
         self._said: set[str] = set()
+        self._thaw_lock = anyio.Lock()
+        self._thawed_at = -_THAW_EVERY_S
 
     # -- the connection ---------------------------------------------------------------------------
 
@@ -482,7 +520,63 @@ class ChannelPool:
     async def run_script(
         self, script: str, *args: str, stdin: bytes | None = None, kill: bool = False
     ) -> ScriptResult:
-        """Run a helper script to its end: (exit status, its stdout after the begin marker, stderr)."""
+        """Run a helper script to its end: (exit status, its stdout after the begin marker, stderr).
+
+        A script that has not ended after ``_STALL_S`` may wait on a stopped server process of the
+        connection: meanwhile :meth:`thaw` continues it from a fresh connection."""
+        error: Exception | None = None
+        async with anyio.create_task_group() as watch:
+
+            async def thaw_if_stalled() -> None:
+                await anyio.sleep(_STALL_S)
+                await self.thaw()
+
+            watch.start_soon(thaw_if_stalled)
+            try:
+                result = await self._run_script(script, *args, stdin=stdin, kill=kill)
+            except Exception as exc:  # raised as it is, not in an exception group of the watch
+                error = exc
+            finally:
+                watch.cancel_scope.cancel()
+        if error is not None:
+            raise error
+        return result
+
+    async def thaw(self) -> None:
+        """Continue the login's stopped ``sshd`` session processes and supervisors from a fresh
+        connection (the executor's own may be the one stopped), at most once a second. Bounded;
+        failures are logged: the caller's own deadline decides what it gives up."""
+        async with self._thaw_lock:
+            if self._closed or anyio.current_time() - self._thawed_at < _THAW_EVERY_S:
+                return
+            self._thawed_at = anyio.current_time()
+            conn: asyncssh.SSHClientConnection | None = None
+            try:
+                with anyio.move_on_after(_THAW_BOUND_S):
+                    conn = await self._connect()
+                    done = await conn.run(self.helper_line(THAW), check=False, encoding=None)
+                    stdout = done.stdout if isinstance(done.stdout, bytes) else b""
+                    continued = stdout.rpartition(SCRIPT_BEGIN)[2].decode("ascii", "replace").strip()
+                    if continued not in ("", "0"):
+                        log.warning(
+                            "%s: %s stopped process(es) of the login (sshd sessions, supervisors, "
+                            "channels) continued from a second connection",
+                            self.where,
+                            continued,
+                        )
+            except Exception as exc:
+                log.warning(
+                    "%s: continuing stopped processes from a second connection failed: %s", self.where, exc
+                )
+            finally:
+                if conn is not None:
+                    conn.close()
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                        await conn.wait_closed()
+
+    async def _run_script(
+        self, script: str, *args: str, stdin: bytes | None = None, kill: bool = False
+    ) -> ScriptResult:
         channel = await self.open(self.helper_line(script, *args), kill=kill)
         try:
             process = channel.process

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable
 
 import anyio
 
@@ -31,6 +30,10 @@ from ._scripts import warm_line
 __all__ = ["WarmChannel"]
 
 log = logging.getLogger("dsh_bash.ssh")
+
+
+#: The most a command waits for a warm channel's login shell before it takes a fresh channel.
+_SETTLE_BOUND_S = 1.0
 
 
 class _Spare:
@@ -56,7 +59,7 @@ class WarmChannel:
     def __init__(
         self,
         pool: ChannelPool,
-        start_helper: Callable[[Callable[..., Awaitable[Any]], Any], None],
+        start_helper: Callable[..., None],
         *,
         enabled: bool = True,
         depth: int = 2,
@@ -111,7 +114,11 @@ class WarmChannel:
         spare = next((each for each in self._spares if _is_ready(each)), self._spares[0])
         self._spares.remove(spare)
         try:
-            session = await _settled(spare)
+            with anyio.move_on_after(_SETTLE_BOUND_S):
+                session = await _settled(spare)
+                if session is None:
+                    spare.discard()
+                return session
         except BaseException:
             # Cancelled while the spare warmed up: it is left for the next command.
             if len(self._spares) < self._depth and not self._closed and not spare.discarded:
@@ -119,9 +126,15 @@ class WarmChannel:
             else:
                 spare.discard()
             raise
-        if session is None:
-            spare.discard()
-        return session
+        # No word from its login shell: stopped by a command before (same user), say. It is given
+        # up (nothing was sent to it: the command gets a fresh channel) and continued, so that it
+        # sees its channel closed and ends.
+        log.warning(
+            "a warm channel on %s did not log in within %g s: not used", self._pool.where, _SETTLE_BOUND_S
+        )
+        spare.discard()
+        self._start_helper(self._pool.thaw)
+        return None
 
     def reclaim(self) -> None:
         """Close an idle spare (the newest), if any, so that its slot serves whoever waits for one."""
