@@ -21,6 +21,7 @@ __all__ = [
     "BOOT_FAIL",
     "BOOT_OK",
     "HELPER_SCRUB",
+    "IDENTITY_FORMAT",
     "KILL",
     "READY",
     "SCRIPT_BEGIN",
@@ -226,9 +227,7 @@ builtin exit 0
 # arguments; the command's bash shows its text, as any `bash -c` does). The marker goes to the
 # command only (`--setenv`), as in the foreground.
 _DETACH_SUPERVISED = r"""
-[[ -x SUPERVISOR ]] ||
-  { builtin printf '\0dsh-bash-boot-fail:supervisor_missing\0'; builtin exit 125; }
-_dsh_base=$_dsh_spill/$_dsh_nonce
+CHECKED_dsh_base=$_dsh_spill/$_dsh_nonce
 for _dsh_e in stdout stderr status in; do
   if [[ -e $_dsh_base.$_dsh_e || -L $_dsh_base.$_dsh_e ]]; then
     builtin printf '\0dsh-bash-boot-fail:start_failed:cannot create the task files\0'; builtin exit 125
@@ -284,11 +283,39 @@ _RUN_SUPERVISED = (
     '_dsh_tty=${_dsh_mode#fg}; exec SUPERVISOR GRACESTDIN--frame ${_dsh_tty:+--tty "$_dsh_tty"} '
     '--setenv "DSH_BASH_MARK=$_dsh_mark" -- bash --noprofile --norc COMMAND\n'
 )
-# Before the verdict, so that a supervisor removed since the executor opened (by a command of the
-# same user) is told apart from a command that could not start: the executor installs it again.
+# Before the verdict, so that a supervisor removed or replaced since the executor installed it (by a
+# command of the same user, issue 30) is told apart from a command that could not start: the executor
+# installs it again. With a check (see _supervisor: the install's stat program and the file's
+# identity, device:inode:size:ctime) the file must still be the one installed, right before the exec:
+# a file written in place, renamed over, or removed and made again has another inode or ctime, and no
+# process but root can set a ctime back. One fork and exec of stat per command (about 1 ms). A
+# process of the login can still swap the file between this stat and the exec (a race it must win
+# within that millisecond).
 _CHECK_SUPERVISOR = r"""[[ -x SUPERVISOR ]] ||
   { builtin printf '\0dsh-bash-boot-fail:supervisor_missing\0'; builtin exit 125; }
 """
+#: ``stat -c`` format of the supervisor file's identity: device, inode, size, change time (in UTC:
+#: BOOT's environment is not the install's), which any write, rename, chmod or new link changes.
+IDENTITY_FORMAT = "%d:%i:%s:%z"
+_CHECK_SUPERVISOR_IDENTITY = r"""[[ -x SUPERVISOR && $(TZ=UTC0 LC_ALL=C STAT -c FORMAT -- SUPERVISOR 2>/dev/null) == IDENTITY ]] ||
+  { builtin printf '\0dsh-bash-boot-fail:supervisor_missing\0'; builtin exit 125; }
+"""
+
+
+def _supervisor_check(supervisor: str, check: tuple[str, str] | None) -> str:
+    """BOOT's look at the supervisor before its exec: it exists, and (``check``: the stat program,
+    the identity it printed at install) is still the file installed."""
+    if check is None:
+        return _CHECK_SUPERVISOR.replace("SUPERVISOR", _ascii_quote(supervisor))
+    stat, identity = check
+    return (
+        _CHECK_SUPERVISOR_IDENTITY.replace("SUPERVISOR", _ascii_quote(supervisor))
+        .replace("STAT", _ascii_quote(stat))
+        .replace("FORMAT", _ascii_quote(IDENTITY_FORMAT))
+        .replace("IDENTITY", _ascii_quote(identity))
+    )
+
+
 _NO_STDIN = "exec </dev/null\n"
 _RUN_INLINE = 'exec bash --noprofile --norc -c -- "$_dsh_command"\n'
 _RUN_STORED = 'exec bash --noprofile --norc "$_dsh_script"\n'
@@ -364,13 +391,16 @@ def boot_script(
     warm: bool = False,
     supervisor: str | None = None,
     grace_ms: int | None = None,
+    check: tuple[str, str] | None = None,
 ) -> str:
     """BOOT with just the sections a command of this shape runs; ``warm``: for a warm channel's
     WAITER, whose bash started with an empty environment (so there is nothing to un-export);
     ``supervisor``: the path of dsh-supervise on the host, for the command to run under (``--frame``
     in the foreground, ``--detach`` for a detached task); ``grace_ms``: its ``--grace-ms``, so that
     a SIGTERM request is followed by SIGKILL on the host's own clock (a request travels in a new
-    session, which a loaded host may start seconds late)."""
+    session, which a loaded host may start seconds late); ``check``: the ``stat`` program and the
+    identity the supervisor's file had at install, compared right before its exec (see
+    ``_supervisor``; None: only that it is there)."""
     grace = "" if grace_ms is None else f"--grace-ms {int(grace_ms)} "
     parts = [_PRELUDE]
     if header:
@@ -382,12 +412,14 @@ def boot_script(
         parts.append(_STORE_LONG_COMMAND)
     if detached and supervisor is not None:
         parts.append(
-            _DETACH_SUPERVISED.replace("SUPERVISOR", _ascii_quote(supervisor)).replace("GRACE", grace)
+            _DETACH_SUPERVISED.replace("SUPERVISOR", _ascii_quote(supervisor))
+            .replace("GRACE", grace)
+            .replace("CHECKED", _supervisor_check(supervisor, check))
         )
     elif detached:
         parts.append(_DETACH)
     elif supervisor is not None:
-        parts.append(_CHECK_SUPERVISOR.replace("SUPERVISOR", _ascii_quote(supervisor)))
+        parts.append(_supervisor_check(supervisor, check))
         parts.append(_STARTED.replace("builtin export DSH_BASH_MARK=$_dsh_mark\n", ""))
         run = '"$_dsh_script"' if long else '-c -- "$_dsh_command"'
         # ASCII-quoted: a warm request is ASCII, and every shell that runs BOOT is a bash.
@@ -405,22 +437,38 @@ def boot_script(
 
 
 @functools.cache
-def _quoted_boot(shape: tuple[bool, bool, bool, bool], supervisor: str | None, grace_ms: int | None) -> str:
+def _quoted_boot(
+    shape: tuple[bool, bool, bool, bool],
+    supervisor: str | None,
+    grace_ms: int | None,
+    check: tuple[str, str] | None,
+) -> str:
     detached, header, long, stdin = shape
     return shlex.quote(
         boot_script(
-            detached=detached, header=header, long=long, stdin=stdin, supervisor=supervisor, grace_ms=grace_ms
+            detached=detached,
+            header=header,
+            long=long,
+            stdin=stdin,
+            supervisor=supervisor,
+            grace_ms=grace_ms,
+            check=check,
         )
     )
 
 
-def boot_line(*args: str, supervisor: str | None = None, grace_ms: int | None = None) -> str:
+def boot_line(
+    *args: str,
+    supervisor: str | None = None,
+    grace_ms: int | None = None,
+    check: tuple[str, str] | None = None,
+) -> str:
     """The command line running BOOT with ``args`` (see BOOT's arguments above). Any POSIX login
     shell parses it: BOOT runs in the login shell itself when that is a bash with compgen whose rc
     files defined no function, else in a clean bash. ``supervisor``: see :func:`boot_script`."""
     quoted = " ".join(shlex.quote(arg) for arg in args)
     return (
-        f"_dsh_b={_quoted_boot(_shape(args), supervisor, grace_ms)}; set -- {quoted}; "
+        f"_dsh_b={_quoted_boot(_shape(args), supervisor, grace_ms, check)}; set -- {quoted}; "
         'if [ -n "${BASH_VERSION-}" ] && compgen -v BASH_VERSION >/dev/null 2>&1 '
         '&& ! compgen -A function >/dev/null 2>&1; then eval "$_dsh_b"; '
         'else BASH_ENV= ENV= exec bash --noprofile --norc -c "$_dsh_b" dsh-bash "$@"; fi'
@@ -470,6 +518,7 @@ def boot_request(
     long_command: str | None,
     supervisor: str | None = None,
     grace_ms: int | None = None,
+    check: tuple[str, str] | None = None,
 ) -> bytes:
     """What a warm channel's WAITER reads to run BOOT with ``args`` (see BOOT's arguments above; the
     header flag "0", every variable of the command's environment as a NAME=VALUE entry) and the
@@ -487,6 +536,7 @@ def boot_request(
         warm=True,
         supervisor=supervisor,
         grace_ms=grace_ms,
+        check=check,
     )
     body = script.encode("ascii")
     return b"%0*d" % (_LENGTH_DIGITS, len(body)) + body

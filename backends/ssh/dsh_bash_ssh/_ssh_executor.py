@@ -114,6 +114,9 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         #: Detached tasks by marker: their files' base path and their streams' spill files.
         self._detached: dict[str, tuple[str, dict[str, DetachedSpill]]] = {}
         self._supervisor: str | None = None  # dsh-supervise's path on the host
+        #: BOOT's look at that file before each exec of it: the host's stat program and the file's
+        #: identity at install (issue 30: a command can replace it); None: only that it is there.
+        self._supervisor_check: tuple[str, str] | None = None
         self._machine = ""  # the host's `uname -m`
         #: Commands whose supervisor still runs (leftovers included); detached tasks apart, as one.
         self._supervised: set[SupervisedCommand] = set()
@@ -183,11 +186,14 @@ class SshBashExecutor(BashExecutor[SshConfig]):
     async def _install_supervisor(self, machine: str) -> None:
         config = self._ssh_config
         install = SupervisorInstall(None, "containment = 'marker'")
+        check = None
         if config.containment != "marker":
-            install = await install_supervisor(self._pool, self._home, machine)
+            installed = await install_supervisor(self._pool, self._home, machine)
+            install, check = installed.install, installed.check
         self._supervisor = choose_containment(
             config.containment, install.path, install.problem, self._pool.where
         )
+        self._supervisor_check = check if self._supervisor is not None else None
 
     async def _release(self) -> None:
         self._warm.close()
@@ -267,11 +273,11 @@ class SshBashExecutor(BashExecutor[SshConfig]):
             return b"".join(entry + b"\0" for entry in entries)
 
         environment = tuple(f"{name}={value}" for name, value in env.items())
-        supervisor = self._supervisor
+        supervisor, check = self._supervisor, self._supervisor_check
         # Rounded up: the supervisor's SIGKILL never comes before the grace is over.
         grace_ms = math.ceil(self._config.grace_ms)
         inline = args(spec.command, bool(secret))
-        line = boot_line(*inline, supervisor=supervisor, grace_ms=grace_ms)
+        line = boot_line(*inline, supervisor=supervisor, grace_ms=grace_ms, check=check)
         # One execve argument is limited to 128 KiB: a cold channel's whole line, and the command
         # text the command's own bash gets.
         if spec.command and len(line.encode("utf-8", "surrogateescape")) <= MAX_INLINE_COMMAND:
@@ -284,17 +290,19 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                 long_command=None,
                 supervisor=supervisor,
                 grace_ms=grace_ms,
+                check=check,
             )
         stored = args("", True)
         return _Boot(
             args=stored,
-            line=boot_line(*stored, supervisor=supervisor, grace_ms=grace_ms),
+            line=boot_line(*stored, supervisor=supervisor, grace_ms=grace_ms, check=check),
             header=header(spec.command),
             script=f"{self._spill_dir}/{nonce}.cmd",
             environment=environment,
             long_command=spec.command,
             supervisor=supervisor,
             grace_ms=grace_ms,
+            check=check,
         )
 
     def _supports_open_stdin(self) -> bool:
@@ -344,11 +352,22 @@ class SshBashExecutor(BashExecutor[SshConfig]):
             # The warm channel's shell died before its BOOT wrote a word: nothing started.
             log.info("%s; starting the command on a channel of its own", exc)
         except SupervisorMissing as exc:
-            # Removed after open (by a command of the same user): put it back once, so one command
-            # cannot leave every later one unable to start.
-            log.warning("%s; installing it again", exc)
+            # Removed or replaced after open (by a command of the same user, issue 30: BOOT's look
+            # at the file right before its exec): put it back once, so one command cannot leave
+            # every later one unable to start, and never run the command under what was there.
+            log.warning(
+                "%s, or not the file installed (%s); installing it again", exc, self._supervisor or "none"
+            )
             await self._install_supervisor(self._machine)
-        return await self._spawn_once(launch, detached, warm=False)
+        try:
+            return await self._spawn_once(launch, detached, warm=False)
+        except SupervisorMissing as exc:
+            raise SupervisorMissing(
+                f"dsh-supervise at {self._supervisor} on {self._pool.where} was removed or replaced "
+                "again right after it was installed again (a process of the login keeps replacing it); "
+                "the command did not start",
+                reason="start_failed",
+            ) from exc
 
     async def _spawn_once(self, launch: Launch, detached: bool, *, warm: bool) -> CommandProcess:
         marker = launch.marker
@@ -711,12 +730,18 @@ class _Boot:
     supervisor: str | None = None
     #: The executor's grace: the supervisor follows a SIGTERM request with SIGKILL by itself.
     grace_ms: int | None = None
+    #: BOOT's check of the supervisor's file right before its exec (see _scripts.boot_script).
+    check: tuple[str, str] | None = None
 
     def warm_request(self) -> bytes:
         # No header (the environment is in the arguments) and no kept names: WAITER's bash has an
         # empty environment, so each value comes from here.
         return boot_request(
-            (*self.args[:7], "0", "", *self.environment), self.long_command, self.supervisor, self.grace_ms
+            (*self.args[:7], "0", "", *self.environment),
+            self.long_command,
+            self.supervisor,
+            self.grace_ms,
+            self.check,
         )
 
 
