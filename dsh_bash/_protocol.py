@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 import signal as _signal
 from abc import ABC, abstractmethod
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass
-from typing import Generic, Literal, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import anyio
 
@@ -41,6 +41,7 @@ __all__ = [
     "kill_sequence",
     "refuse_other_user",
     "signal_name",
+    "while_watching",
 ]
 
 log = logging.getLogger("dsh_bash")
@@ -322,3 +323,26 @@ async def kill_abandoned_start(target: Killable, grace_s: float) -> None:
             await anyio.sleep(0.05)
             await target.signal_all(_signal.SIGKILL)
             quiet = 0 if await target.remaining() else quiet + 1
+
+
+_T = TypeVar("_T")
+
+
+async def while_watching(
+    body: Callable[[], Awaitable[_T]], watcher: Callable[[], Coroutine[Any, Any, object]]
+) -> _T:
+    """``await body()`` while ``watcher()`` runs beside it (a nudge every so often, a remedy once a
+    wait has stalled). The watcher is cancelled when the body ends; the body's exception is raised
+    as it is, never wrapped in an exception group of the task group they share."""
+    error: Exception | None = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watcher)
+        try:
+            result = await body()
+        except Exception as exc:
+            error = exc
+        finally:
+            tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return result

@@ -25,7 +25,9 @@ Killing (every kill reaches processes that left the command's group):
 
 - :class:`Killable`: anything with ``terminate``/``kill``; :func:`kill_sequence` (TERM, grace,
   KILL until gone) and :func:`kill_abandoned_start` (a start that was cancelled) drive it;
-  :func:`signal_name` names a signal number for messages.
+  :func:`signal_name` names a signal number for messages; :func:`while_watching` waits for
+  something while a watcher runs beside it (the continues and thaws of a helper the command may
+  have stopped).
 - :data:`MARKER_VAR`: the variable carrying the command's marker into its environment, by which
   the ``marker`` containment finds processes that escaped.
 - :data:`Containment`, :data:`ContainmentSetting`, :class:`SupervisorInstall` and
@@ -91,6 +93,7 @@ from ._protocol import (
     kill_sequence,
     refuse_other_user,
     signal_name,
+    while_watching,
 )
 
 __all__ = [
@@ -126,4 +129,5 @@ __all__ = [
     "refuse_other_user",
     "run_in_fresh_loop",
     "signal_name",
+    "while_watching",
 ]

@@ -35,6 +35,7 @@ from .._protocol import (
     ExitStatus,
     Killable,
     Launch,
+    while_watching,
 )
 from .._types import TerminalSize
 from ._frames import (
@@ -464,26 +465,13 @@ class FramedCommand(CommandProcess):
         """``await wait()``, continuing the supervisor from outside every half second meanwhile: the
         command may stop it (SIGSTOP, same user) before it reported the start, and the start must not
         wait for ever."""
-        error: Exception | None = None
-        async with anyio.create_task_group() as tg:
 
-            async def nudge() -> None:
-                while True:
-                    await anyio.sleep(_CONTINUE_EVERY_S)
-                    await self._continue_from_outside()
+        async def nudge() -> None:
+            while True:
+                await anyio.sleep(_CONTINUE_EVERY_S)
+                await self._continue_from_outside()
 
-            tg.start_soon(nudge)
-            try:
-                result = await wait()
-            except Exception as exc:
-                # Raised once the nudging stopped, as it was: from inside the task group it would
-                # come out wrapped in an exception group.
-                error = exc
-            finally:
-                tg.cancel_scope.cancel()
-        if error is not None:
-            raise error
-        return result
+        return await while_watching(wait, nudge)
 
     async def _continue_from_outside(self) -> None:
         records = self._records

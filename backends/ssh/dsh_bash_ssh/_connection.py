@@ -17,7 +17,7 @@ from asyncssh.sftp import MIN_SFTP_VERSION
 from asyncssh.sftp import start_sftp_client as _start_sftp_client
 
 from dsh_bash import BashInfrastructureError
-from dsh_bash.backend import InfraReason
+from dsh_bash.backend import InfraReason, while_watching
 
 from ._host_keys import Hop, HostKeyPlan, jump_hops, plan_host_keys
 from ._scripts import SCRIPT_BEGIN, SFTP_SERVER, cmdline
@@ -524,23 +524,14 @@ class ChannelPool:
 
         A script that has not ended after ``_STALL_S`` may wait on a stopped server process of the
         connection: meanwhile :meth:`thaw` continues it from a fresh connection."""
-        error: Exception | None = None
-        async with anyio.create_task_group() as watch:
 
-            async def thaw_if_stalled() -> None:
-                await anyio.sleep(_STALL_S)
-                await self.thaw()
+        async def thaw_if_stalled() -> None:
+            await anyio.sleep(_STALL_S)
+            await self.thaw()
 
-            watch.start_soon(thaw_if_stalled)
-            try:
-                result = await self._run_script(script, *args, stdin=stdin, kill=kill)
-            except Exception as exc:  # raised as it is, not in an exception group of the watch
-                error = exc
-            finally:
-                watch.cancel_scope.cancel()
-        if error is not None:
-            raise error
-        return result
+        return await while_watching(
+            lambda: self._run_script(script, *args, stdin=stdin, kill=kill), thaw_if_stalled
+        )
 
     async def thaw(self) -> None:
         """Continue the login's stopped ``sshd`` session processes and supervisors from a fresh
