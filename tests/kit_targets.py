@@ -60,9 +60,23 @@ INPUT_NOT_YET: dict[str, frozenset[str]] = {
 }
 
 
+#: Contract checks a backend of this repository is known to fail, each with why; tests expect exactly
+#: that, so a fix is noticed (and the entry must go). The bwrap example: a command that stops the
+#: supervisor inside the sandbox and then exits is reported only 11 s later (timed out; 1 s when the
+#: command still runs at its timeout): the executor continues the supervisor it started, outside the
+#: sandbox, not the one in it that reports the command (issue 30, open).
+KNOWN_FAILING: dict[str, frozenset[str]] = {
+    "docker": frozenset(),
+    "ssh": frozenset(),
+    "bwrap": frozenset({"stopped-spares-next-command-on-time"}),
+}
+
+
 def expected_outcome(backend: str, name: str) -> CheckOutcome:
     """What check ``name`` must report against this repository's ``backend`` (``docker``, ``ssh``,
     ``bwrap``)."""
+    if name in KNOWN_FAILING[backend]:
+        return "failed"
     return "not_applicable" if name in INPUT_NOT_YET[backend] else "passed"
 
 

@@ -36,6 +36,17 @@ def _warm_runs(caplog: pytest.LogCaptureFixture) -> int:
     return sum(WARM_LOG in record.getMessage() for record in caplog.records)
 
 
+async def _spares_waiting_within(container_id: str, count: int, seconds: float = 5.0) -> bool:
+    """Whether ``count`` spares wait in the container within ``seconds``: ``ready()`` returns once the
+    engine started each spare's exec, a moment before its process shows the supervisor's command
+    line (seen under a loaded CI run)."""
+    with anyio.move_on_after(seconds):
+        while _waiting_spares(container_id) != count:  # noqa: ASYNC110 - a count seen from outside: nothing notifies it
+            await anyio.sleep(0.05)
+        return True
+    return False
+
+
 def _waiting_spares(container_id: str) -> int:
     """Waiting spares in a container, counted from outside: supervisors whose command line still
     says --spec (cleared once a command came). The pattern does not match the looking bash's own."""
@@ -76,7 +87,7 @@ async def test_a_dead_spare_is_replaced_and_the_next_command_works(
     caplog.set_level(logging.DEBUG, logger="dsh_bash")
     async with DockerBashExecutor(_config(docker_test_image)) as ex:
         assert await ex._warm.ready()
-        assert _waiting_spares(ex.container_id) == 2
+        assert await _spares_waiting_within(ex.container_id, 2)
         # A command of the same user kills every waiting spare.
         await ex.exec("pkill -9 -f -- '--frame --spec'; sleep 0.3")
         runs = _warm_runs(caplog)
@@ -84,7 +95,7 @@ async def test_a_dead_spare_is_replaced_and_the_next_command_works(
             result = await ex.exec("echo ok")
             assert (result.exit_code, result.stdout.text) == (0, "ok\n")
         assert _warm_runs(caplog) > runs  # replaced spares served again
-        assert await ex._warm.ready() and _waiting_spares(ex.container_id) == 2
+        assert await ex._warm.ready() and await _spares_waiting_within(ex.container_id, 2)
 
 
 async def test_a_burst_takes_spares_and_fresh_execs(docker_test_image: str) -> None:
@@ -100,7 +111,7 @@ async def test_a_burst_takes_spares_and_fresh_execs(docker_test_image: str) -> N
                 for n in range(50):
                     tg.start_soon(one, n)
         assert results == {n: f"{n}\n" for n in range(50)}
-        assert await ex._warm.ready() and _waiting_spares(ex.container_id) == 2
+        assert await ex._warm.ready() and await _spares_waiting_within(ex.container_id, 2)
 
 
 async def test_close_leaves_no_waiting_exec(
@@ -108,7 +119,7 @@ async def test_close_leaves_no_waiting_exec(
 ) -> None:
     async with DockerBashExecutor(DockerConfig(container=docker_session_container, grace_ms=300)) as ex:
         assert await ex._warm.ready()
-        assert _waiting_spares(docker_session_container) == 2
+        assert await _spares_waiting_within(docker_session_container, 2)
     # The supervisors read end of file when their streams close and exit at once; a moment to go.
     for _ in range(50):
         if not _waiting_spares(docker_session_container):
