@@ -63,8 +63,8 @@ INPUT_NOT_YET: dict[str, frozenset[str]] = {
 #: Contract checks a backend of this repository is known to fail, each with why; tests expect exactly
 #: that, so a fix is noticed (and the entry must go). The bwrap example: a command that stops the
 #: supervisor inside the sandbox and then exits is reported only 11 s later (timed out; 1 s when the
-#: command still runs at its timeout): the executor continues the supervisor it started, outside the
-#: sandbox, not the one in it that reports the command (issue 30, open).
+#: command still runs at its timeout). Not understood yet: the run's wait outlives its 1 s timeout
+#: for 10 s; continuing every stopped supervisor under the fork server did not change it (issue 30).
 KNOWN_FAILING: dict[str, frozenset[str]] = {
     "docker": frozenset(),
     "ssh": frozenset(),
