@@ -7,7 +7,7 @@ import time
 
 import anyio
 
-from dsh_bash import BashExecRequest, BashInfrastructureError, BashRunResult
+from dsh_bash import BashExecRequest, BashExecutor, BashInfrastructureError, BashRunResult
 
 from ._harness import CheckContext, check
 from ._support import (
@@ -265,6 +265,22 @@ _STOP_OWN_SUPERVISOR = (
 )
 
 
+async def _run_stopping(ctx: CheckContext, ex: BashExecutor, command: str) -> BashRunResult | None:
+    """Run ``command`` (one that stops helpers it runs under, and says "unsupervised" where it runs
+    under none) with a 1 s timeout: its result, or None when the backend gave it up as
+    ``command_lost``. Either within the timeout, the grace twice and two allowances (one more process
+    where the commands run, to continue what it stopped); not applicable without a supervisor."""
+    bound = 1.0 + 2 * GRACE_S + 2 * ctx.allowance_s
+    try:
+        result = await within(ex.exec(command, timeout_ms=1000), bound, "the run")
+    except BashInfrastructureError as exc:
+        ctx.expect(exc.reason == "command_lost", f"the run raised {exc.reason}, not command_lost: {exc}")
+        return None
+    if "unsupervised" in result.stdout.text:
+        ctx.not_applicable("commands do not run under dsh-supervise here (marker containment)")
+    return result
+
+
 @check(
     "stopped-supervisor-killed-on-time",
     kind="contract",
@@ -274,20 +290,9 @@ _STOP_OWN_SUPERVISOR = (
 )
 async def stopped_supervisor(ctx: CheckContext) -> None:
     async with ctx.executor(grace_ms=GRACE_S * 1000) as ex:
-        # The timeout, the grace, then a SIGKILL that must reach the stopped supervisor: one more
-        # process where the commands run (two allowances) to continue it.
-        bound = 1.0 + 2 * GRACE_S + 2 * ctx.allowance_s
         started_at = time.monotonic()
-        try:
-            result = await within(ex.exec(_STOP_OWN_SUPERVISOR, timeout_ms=1000), bound, "the run")
-        except BashInfrastructureError as exc:
-            ctx.expect(
-                exc.reason == "command_lost",
-                f"the run raised {exc.reason}, not command_lost (nor a timed-out result): {exc}",
-            )
-        else:
-            if "unsupervised" in result.stdout.text:
-                ctx.not_applicable("commands do not run under dsh-supervise here (marker containment)")
+        result = await _run_stopping(ctx, ex, _STOP_OWN_SUPERVISOR)
+        if result is not None:
             ctx.expect(result.timed_out, f"the run should be timed out: {show(result)}")
         took = elapsed(started_at)
         nxt = await within(
@@ -347,17 +352,7 @@ async def stopped_spares(ctx: CheckContext) -> None:
         for _ in range(2):
             await ex.exec("true")
         await anyio.sleep(0.5 + ctx.allowance_s)  # whatever the backend keeps ready is there now
-        bound = 1.0 + 2 * GRACE_S + 2 * ctx.allowance_s
-        try:
-            first = await within(ex.exec(_STOP_SPARES, timeout_ms=1000), bound, "the run")
-        except BashInfrastructureError as exc:
-            ctx.expect(
-                exc.reason == "command_lost",
-                f"the run raised {exc.reason}, not command_lost (nor a result): {exc}",
-            )
-        else:
-            if "unsupervised" in first.stdout.text:
-                ctx.not_applicable("commands do not run under dsh-supervise here (marker containment)")
+        await _run_stopping(ctx, ex, _STOP_SPARES)
         for attempt in ("first", "second"):
             nxt = await within(
                 ex.exec("echo next"), 1.0 + ctx.allowance_s, f"the {attempt} command after the stopping one"
