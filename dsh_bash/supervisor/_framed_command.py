@@ -452,12 +452,14 @@ class FramedCommand(CommandProcess):
     async def signal_all(self, sig: int) -> None:
         if self._records.empty:
             return
-        if sig == signal.SIGKILL and not self._stream_done:
-            # The SIGTERM request had its grace and the supervisor still holds processes: it may be
-            # stopped (by the command: same user), when it would hear no request at all.
-            await self._continue_from_outside()
         request = encode_frame(b"K" if sig == signal.SIGKILL else b"T")
         if not self._stream_done and await self._send_frame(request, urgent=True):
+            if sig == signal.SIGKILL and not self._stream_done:
+                # The SIGTERM request had its grace and the supervisor still holds processes: it may
+                # be stopped (by the command: same user), when it hears the request only once
+                # continued. After the request, not before: a process where the commands run for
+                # each of many kills at once (aclose) must not hold back the requests themselves.
+                await self._continue_from_outside()
             return
         await self._fallback.signal_all(sig)
 
