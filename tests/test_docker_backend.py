@@ -11,7 +11,7 @@ import docker.errors
 import pytest
 from docker_support import SESSION_ID, SESSION_LABEL, start_idle_container
 from dsh_bash_docker import MANAGED_LABEL, DockerBashExecutor, DockerConfig, sweep_orphaned_containers
-from dsh_bash_docker._engine import Endpoint, EngineClient
+from dsh_bash_docker._engine import Endpoint, EngineClient, EngineError
 
 from dsh_bash import BashExecRequest, BashInfrastructureError
 from dsh_bash.host._proc_scan import scan
@@ -108,6 +108,28 @@ async def test_container_mode_raises_while_stopped_and_works_again(docker_test_i
                 await ex.exec("true")
             await anyio.to_thread.run_sync(wrapped.start)
             assert (await ex.exec("echo again")).stdout.text == "again\n"
+    finally:
+        container.stop()
+
+
+async def test_a_stopped_container_is_named_stopped_whichever_engine_call_failed(
+    docker_test_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine drops a stopped container's execs: a call on one answers 404 ("no such exec").
+    That says nothing of the container, which still exists and is named as stopped, not missing
+    (a loaded CI run said "does not exist" of a container it went on to start again)."""
+    container = start_idle_container(docker_test_image)
+    try:
+        wrapped = container.get_wrapped_container()
+        async with DockerBashExecutor(DockerConfig(container=wrapped.id, grace_ms=300)) as ex:
+            await anyio.to_thread.run_sync(lambda: wrapped.stop(timeout=0))
+
+            async def exec_dropped(*args: object, **kwargs: object) -> str:
+                raise EngineError("No such exec instance", 404)
+
+            monkeypatch.setattr(ex._engine, "exec_create", exec_dropped)
+            with pytest.raises(BashInfrastructureError, match="is not running; the executor never starts"):
+                await ex.exec("true")
     finally:
         container.stop()
 

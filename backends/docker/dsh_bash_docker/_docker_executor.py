@@ -431,12 +431,14 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             if exc.status not in (404, 409):
                 raise
             if self._docker_config.image is None:
-                if await self._find_container_again():
+                refusal = await self._find_container_again()
+                if refusal is None:
                     return await self._spawn_in(self._container_id, launch)
-                state = "does not exist" if exc.status == 404 else "is not running"
+                # The state comes from the fresh inspect: the call that failed may have been on an
+                # exec the engine dropped when the container stopped (404 "no such exec"), which
+                # says nothing of whether the container still exists.
                 raise BashInfrastructureError(
-                    f"container {self._docker_config.container!r} {state}; the executor never starts or "
-                    "recreates a container it does not own",
+                    f"{refusal}; the executor never starts or recreates a container it does not own",
                     reason="container_missing",
                 ) from exc
         # Image mode: the container is gone or stopped; make a fresh one and try once more.
@@ -453,8 +455,8 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             await self._install_supervisor()
             return await self._spawn_in(self._container_id, launch)
 
-    async def _find_container_again(self) -> bool:
-        """Container mode: look the configured name up afresh; True when it now runs.
+    async def _find_container_again(self) -> BashInfrastructureError | None:
+        """Container mode: look the configured name up afresh; None when it now runs, else why not.
 
         The container may have been removed and made again under the same name (a new id, a new
         filesystem): then commands run in the new one, with a new spill directory.
@@ -466,14 +468,14 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             self._container_id = config.container
             try:
                 await self._learn_container()
-            except BashInfrastructureError:
+            except BashInfrastructureError as refusal:
                 self._container_id = previous
-                return False
+                return refusal
             if self._container_id != previous:
                 log.warning(
                     "container %r is another container now: %s", config.container, self._container_id[:12]
                 )
-            return True
+            return None
 
     async def _recreate(self) -> None:
         async with self._recreate_lock:
