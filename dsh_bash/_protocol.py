@@ -168,8 +168,24 @@ class SupervisedLeftovers(Generic[SupervisedT]):
         self._fallback_found = False
 
     async def signal_all(self, sig: int) -> None:
-        for command in list(self._supervised):
-            await command.signal_all(sig)
+        # All at once: a command's request may wait for a process where the commands run (the
+        # continue of a supervisor it may have stopped), and a hundred of those one after another
+        # held the last commands' SIGKILL past aclose's bound on a loaded engine.
+        # One command's failure (its host unreachable) must not cancel the others' requests: the
+        # first error is raised once every command was asked.
+        errors: list[Exception] = []
+
+        async def ask(command: SupervisedT) -> None:
+            try:
+                await command.signal_all(sig)
+            except Exception as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for command in list(self._supervised):
+                tg.start_soon(ask, command)
+        if errors:
+            raise errors[0]
         if sig not in self._fallback_sent or self._fallback_found:
             self._fallback_sent.add(sig)
             await self._fallback.signal_all(sig)
@@ -326,6 +342,49 @@ async def kill_abandoned_start(target: Killable, grace_s: float) -> None:
 
 
 _T = TypeVar("_T")
+
+
+class CoalescedRuns:
+    """Runs ``action`` for its callers one run at a time; callers who ask meanwhile share one run.
+
+    :meth:`run` returns once a run that began after the call has completed, so no caller is served
+    by a run that began before its reason to ask (the continue of a supervisor stopped a moment
+    ago). For an action that costs a process where the commands run, a hundred callers at once
+    (the kills at ``aclose``) then cost two runs, not a hundred. A run cut short by its caller's
+    cancellation serves no one: the next waiter runs it again. An error of the action reaches the
+    caller whose run raised it; the others' run counts as done.
+    """
+
+    def __init__(self, action: Callable[[], Awaitable[None]]) -> None:
+        self._action = action
+        self._begun = 0  # runs begun, the current one included
+        self._completed = 0  # runs completed (they complete in order: one at a time)
+        self._running = False
+        self._changed = anyio.Event()
+
+    async def run(self) -> None:
+        needed = self._begun + 1  # the first run to begin from now on
+        while self._completed < needed:
+            if self._running:
+                await self._changed.wait()
+                continue
+            self._running = True
+            self._begun += 1
+            completed = False
+            try:
+                await self._action()
+                completed = True
+            except Exception:
+                completed = True
+                raise
+            finally:
+                if completed:
+                    self._completed = self._begun
+                else:  # cancelled: the run never happened, for anyone
+                    self._begun -= 1
+                self._running = False
+                changed, self._changed = self._changed, anyio.Event()
+                changed.set()
 
 
 async def while_watching(

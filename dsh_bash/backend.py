@@ -27,7 +27,8 @@ Killing (every kill reaches processes that left the command's group):
   KILL until gone) and :func:`kill_abandoned_start` (a start that was cancelled) drive it;
   :func:`signal_name` names a signal number for messages; :func:`while_watching` waits for
   something while a watcher runs beside it (the continues and thaws of a helper the command may
-  have stopped).
+  have stopped); :class:`CoalescedRuns` lets many callers at once share one run of an action that
+  costs a process where the commands run (those continues, asked for by every kill at ``aclose``).
 - :data:`MARKER_VAR`: the variable carrying the command's marker into its environment, by which
   the ``marker`` containment finds processes that escaped.
 - :data:`Containment`, :data:`ContainmentSetting`, :class:`SupervisorInstall` and
@@ -79,6 +80,7 @@ from ._output import OutputStream, SpillFile, StreamName, prepay_spills
 from ._protocol import (
     MARKER_VAR,
     MAX_INLINE_COMMAND,
+    CoalescedRuns,
     CommandProcess,
     Containment,
     ContainmentSetting,
@@ -104,6 +106,7 @@ __all__ = [
     "MAX_INLINE_COMMAND",
     "MODEL_FRIENDLY_ENV",
     "RC_FILE_VARIABLES",
+    "CoalescedRuns",
     "CommandProcess",
     "ConformanceHooks",
     "Containment",

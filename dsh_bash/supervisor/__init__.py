@@ -16,8 +16,9 @@ their commands run. Imports only the seam; see ``README.md`` beside this file.
   :class:`SupervisorRecords` (its status records, read), and :class:`FramedCommand`, the
   transport-independent half of a command under it (output, outcome, kills, and the side pipe
   that moves its output past a costly relay). A command may stop (SIGSTOP) its supervisor: a
-  backend overrides ``FramedCommand._continue_supervisor`` to run :data:`CONTINUE_SUPERVISOR` (a
-  bash script: SIGCONT to a pid whose start time still matches) where the commands run.
+  backend passes ``FramedCommand`` its ``continues``, a :class:`dsh_bash.backend.CoalescedRuns`
+  of :data:`CONTINUE_SUPERVISOR` (a bash script: SIGCONT to every stopped supervisor of the user)
+  run where the commands run, shared by all the executor's commands of that user.
 - The detached mode's signed status file: :class:`SignedRecords` verifies it with a key of
   :data:`SUPERVISOR_KEY_SIZE` bytes.
 """

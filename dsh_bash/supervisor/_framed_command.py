@@ -31,6 +31,7 @@ from .._errors import (
     InfraReason,
 )
 from .._protocol import (
+    CoalescedRuns,
     CommandProcess,
     ExitStatus,
     Killable,
@@ -62,23 +63,14 @@ _SIDE_FEED = 256 * 1024
 #: What is kept of a stream's first bytes until its first frame, to report a stream that has none.
 _UNFRAMED_KEPT = 4096
 
-#: A bash script, ``$1`` a supervisor's pid and ``$2`` its start time (its ``supervisor PID START``
-#: record): SIGCONT to that process if it still is that supervisor (field 22 of its stat matches), as
-#: the command's user where the commands run. A command can stop (SIGSTOP) its own supervisor, which
-#: then hears no kill request: this continues it. With no arguments (a supervisor stopped before it
-#: named itself: a warm spare, or one stopped at its start), every stopped process is continued that
-#: shares this script's parent (the other channels of its SSH connection, the other execs of its
-#: container, whose parent is outside it) or whose name begins with ``dsh-supervise``: none of them is
-#: ever meant to be stopped, and a command that made one of its own look so gains only a continue.
-#: Exit status 0 whatever it found.
+#: A bash script, run where the commands run as the commands' user: SIGCONT to every stopped process
+#: whose name begins with ``dsh-supervise`` or that shares this script's parent (the other channels
+#: of its SSH connection, the other execs of its container, whose parent is outside it). A command can
+#: stop (SIGSTOP) its own supervisor, or a warm spare before it named itself, which then hears no
+#: request: this continues them all at once, so one run serves every command of the user (see
+#: :class:`dsh_bash.backend.CoalescedRuns`). None of them is ever meant to be stopped, and a command
+#: that made one of its own look so gains only a continue. Exit status 0 whatever it found.
 CONTINUE_SUPERVISOR = r"""
-if [ "$#" -ge 2 ]; then
-    read -r stat 2>/dev/null < "/proc/$1/stat" || exit 0
-    rest=${stat##*) }
-    fld=($rest)
-    [ "${fld[19]}" = "$2" ] && kill -CONT "$1" 2>/dev/null
-    exit 0
-fi
 for dir in /proc/[0-9]*; do
     read -r stat 2>/dev/null < "$dir/stat" || continue
     name=${stat#*(}
@@ -108,10 +100,22 @@ class FramedCommand(CommandProcess):
     ``registry``: the executor's set of live supervised commands; this one is in it from
     :meth:`running` until the supervisor said that no process is left (``_leftovers`` returns
     ``SupervisedLeftovers(registry, fallback)``). ``where`` names the place in messages.
+    ``continues``: the executor's runs of :data:`CONTINUE_SUPERVISOR` where the commands run, as
+    this command's user, shared by all its commands of that user (a command may stop its supervisor,
+    which then hears no request); None where the backend cannot run it.
     """
 
-    def __init__(self, launch: Launch, *, fallback: Killable, registry: set[Any], where: str) -> None:
+    def __init__(
+        self,
+        launch: Launch,
+        *,
+        fallback: Killable,
+        registry: set[Any],
+        where: str,
+        continues: CoalescedRuns | None = None,
+    ) -> None:
         self._launch = launch
+        self._continues = continues
         self._fallback = fallback
         self._registry = registry
         self._where = where
@@ -476,25 +480,17 @@ class FramedCommand(CommandProcess):
         return await while_watching(wait, nudge)
 
     async def _continue_from_outside(self) -> None:
-        records = self._records
+        if self._continues is None:
+            return
         now = time.monotonic()
         if now - self._continued_at < _CONTINUE_EVERY_S:
             return
         self._continued_at = now
-        pid, start_time = records.supervisor_pid, records.supervisor_start_time
-        script_args = () if pid is None or start_time is None else (str(pid), str(start_time))
         try:
             with anyio.move_on_after(_CONTINUE_BOUND_S):
-                await self._continue_supervisor(*script_args)
+                await self._continues.run()
         except Exception as exc:
             log.warning("continuing the supervisor %s failed: %s", self._where, exc)
-
-    async def _continue_supervisor(self, *script_args: str) -> None:
-        """Send SIGCONT to the supervisor (the command's user may have stopped it) from outside its
-        stream: run :data:`CONTINUE_SUPERVISOR` with ``script_args`` where the commands run, as the
-        command's user. The arguments are its pid and start time, or none while it has not named
-        itself (a warm spare stopped before it was taken): the script then continues every stopped
-        supervisor of the user. The default does nothing (a backend that cannot)."""
 
     async def remaining(self) -> list[str]:
         if self._records.empty:

@@ -8,6 +8,7 @@ import os
 import secrets
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
+from functools import partial
 from typing import Any
 
 import anyio
@@ -17,6 +18,7 @@ from dsh_bash.backend import (
     MARKER_VAR,
     MAX_INLINE_COMMAND,
     RC_FILE_VARIABLES,
+    CoalescedRuns,
     CommandProcess,
     Containment,
     InfraReason,
@@ -35,7 +37,7 @@ from dsh_bash.remote import (
     CommandSpills,
     spill_file_path,
 )
-from dsh_bash.supervisor import encode_frame
+from dsh_bash.supervisor import CONTINUE_SUPERVISOR, encode_frame
 
 from ._docker_config import DockerConfig, memory_bytes
 from ._docker_kit_hooks import find_container_processes, find_open_leftovers, kit_notes, plant_in_environment
@@ -118,6 +120,8 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         )
         self._supervisor: str | None = None  # dsh-supervise's path in the container
         self._supervised: set[FramedDockerProcess] = set()
+        #: Per user: the continues of stopped supervisors, one exec at a time for all commands.
+        self._continues: dict[str | None, CoalescedRuns] = {}
 
     @property
     def containment(self) -> Containment:
@@ -536,7 +540,11 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         process: DockerProcess | FramedDockerProcess
         if supervisor is not None:
             process = FramedDockerProcess(
-                **parts, registry=self._supervised, supervisor=supervisor, side_pipes=self._side_pipes
+                **parts,
+                registry=self._supervised,
+                supervisor=supervisor,
+                side_pipes=self._side_pipes,
+                continues=self._continues_of(user),
             )
         else:
             process = DockerProcess(**parts, nonce=nonce)
@@ -553,6 +561,23 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         if isinstance(process, FramedDockerProcess):
             process.start_reading()
         return process
+
+    def _continues_of(self, user: str | None) -> CoalescedRuns:
+        """The runs of CONTINUE_SUPERVISOR as ``user``, shared by all of that user's commands: at
+        ``aclose`` a hundred kills each ask for one, and one exec at a time serves them all."""
+        runs = self._continues.get(user)
+        if runs is None:
+            runs = self._continues[user] = CoalescedRuns(partial(self._continue_supervisors, user))
+        return runs
+
+    async def _continue_supervisors(self, user: str | None) -> None:
+        """SIGCONT, as ``user``, to every stopped supervisor in the container: a command may have
+        stopped its own, or a warm spare, which would leave every request unheard."""
+        try:
+            await run_script(self._engine, self._container_id, user, CONTINUE_SUPERVISOR)
+        except EngineError as exc:
+            if exc.status not in (404, 409):  # a container gone or stopped holds nothing to continue
+                log.warning("continuing stopped supervisors in the container failed: %s", exc)
 
     def _boot_env(self, launch: Launch) -> tuple[dict[str, str], str]:
         """The exec's environment for BOOT (all but the command's text) and the trailer's nonce ("" under

@@ -27,6 +27,7 @@ import anyio
 
 from dsh_bash import BashInfrastructureError
 from dsh_bash.backend import (
+    CoalescedRuns,
     InfraReason,
     Launch,
 )
@@ -91,8 +92,15 @@ class FramedDockerProcess(FramedCommand):
         registry: set[FramedDockerProcess],
         supervisor: str,
         side_pipes: SidePipes,
+        continues: CoalescedRuns,
     ) -> None:
-        super().__init__(launch, fallback=marked, registry=registry, where=f"in container {container[:12]}")
+        super().__init__(
+            launch,
+            fallback=marked,
+            registry=registry,
+            where=f"in container {container[:12]}",
+            continues=continues,
+        )
         self._marked = marked
         self._engine = engine
         self._container = container
@@ -145,9 +153,6 @@ class FramedDockerProcess(FramedCommand):
         if self._side_done:
             return self._fed_since_wait()
         return self._fed_since_wait() or self.switched or self.side_pipe_offer is not None
-
-    async def _continue_supervisor(self, *script_args: str) -> None:
-        await self._marked.continue_supervisor(*script_args)
 
     async def _send_frame(self, frame: bytes, *, urgent: bool) -> bool:
         try:

@@ -33,7 +33,6 @@ from dsh_bash.remote import (
     find_boot_ok,
     kill_args,
 )
-from dsh_bash.supervisor import CONTINUE_SUPERVISOR
 
 from ._engine import EngineClient, EngineError, ExecStream
 from ._scripts import BOOT_FAIL, KILL
@@ -274,16 +273,6 @@ class ContainerMarked:
                 await self._host_signal(sig)
             elif not await self._kill_container():
                 raise
-
-    async def continue_supervisor(self, *script_args: str) -> None:
-        """SIGCONT to the command's supervisor (``PID START``: pid in the container, if it still
-        started then; none: every stopped supervisor), as the command's user: a command may have
-        stopped it, which would leave every kill request unheard."""
-        try:
-            await run_script(self._engine, self._container(), self._user, CONTINUE_SUPERVISOR, *script_args)
-        except EngineError as exc:
-            if exc.status not in (404, 409):  # a container gone or stopped holds nothing to continue
-                log.warning("continuing the supervisor %s in the container failed: %s", script_args, exc)
 
     async def _user_unknown(self, exc: EngineError) -> bool:
         """Whether the kill could not start because its user is not the container's: then no

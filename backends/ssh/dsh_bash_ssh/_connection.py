@@ -18,6 +18,7 @@ from asyncssh.sftp import start_sftp_client as _start_sftp_client
 
 from dsh_bash import BashInfrastructureError
 from dsh_bash.backend import InfraReason, while_watching
+from dsh_bash.supervisor import CONTINUE_SUPERVISOR
 
 from ._host_keys import Hop, HostKeyPlan, jump_hops, plan_host_keys
 from ._scripts import SCRIPT_BEGIN, SFTP_SERVER, cmdline
@@ -86,6 +87,8 @@ _STALL_S = 1.0
 _THAW_EVERY_S = 1.0
 #: The most a thaw (a new connection, one script) may take.
 _THAW_BOUND_S = 10.0
+#: The most a run of CONTINUE_SUPERVISOR may take (a kill script's bound).
+_CONTINUE_BOUND_S = 10.0
 
 #: Run on a fresh connection when the executor's own stalls: SIGCONT to every stopped process of the
 #: login that is an ``sshd`` session process, a ``dsh-supervise``, or a channel's process (a child
@@ -532,6 +535,14 @@ class ChannelPool:
         return await while_watching(
             lambda: self._run_script(script, *args, stdin=stdin, kill=kill), thaw_if_stalled
         )
+
+    async def continue_supervisors(self) -> None:
+        """Run :data:`CONTINUE_SUPERVISOR` over the kill channel: every stopped supervisor of the
+        login is continued (a command may have stopped its own, or a warm channel's, which would
+        leave every request unheard). Shielded: a script cancelled half-way keeps its server
+        session until it exits; bounded like a kill."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_CONTINUE_BOUND_S):
+            await self.run_script(CONTINUE_SUPERVISOR, kill=True)
 
     async def thaw(self) -> None:
         """Continue the login's stopped ``sshd`` session processes and supervisors from a fresh

@@ -30,7 +30,7 @@ import anyio
 import asyncssh
 
 from dsh_bash import BashInfrastructureError
-from dsh_bash.backend import Launch
+from dsh_bash.backend import CoalescedRuns, Launch
 from dsh_bash.supervisor import FramedCommand
 
 from ._connection import ChannelPool
@@ -51,16 +51,16 @@ class FramedSshProcess(FramedCommand):
         on_release: Callable[[], Awaitable[None]],
         wait_writable: Callable[[], Awaitable[None]],
         registry: set[Any],
+        continues: CoalescedRuns,
     ) -> None:
-        super().__init__(launch, fallback=marked, registry=registry, where=f"on {pool.where}")
+        super().__init__(
+            launch, fallback=marked, registry=registry, where=f"on {pool.where}", continues=continues
+        )
         self._marked = marked
         self._pool = pool
         self._on_release = on_release
         self._wait_writable = wait_writable
         self._session: CommandSession | None = None
-
-    async def _continue_supervisor(self, *script_args: str) -> None:
-        await self._marked.continue_supervisor(*script_args)
 
     # -- the channel (the session calls feed as data arrives) ------------------------------------------
 

@@ -24,7 +24,6 @@ from dsh_bash.remote import (
     find_boot_ok,
     kill_args,
 )
-from dsh_bash.supervisor import CONTINUE_SUPERVISOR
 
 from ._connection import ChannelPool, SlotSession
 from ._scripts import BOOT_FAIL, KILL, READY, STDERR_OK
@@ -83,13 +82,6 @@ class RemoteMarked:
                 if self._unreached is not None:
                     self._unreached(self)
                 raise
-
-    async def continue_supervisor(self, *script_args: str) -> None:
-        """SIGCONT to a command's supervisor (``PID START``: a pid on the host, if it still started
-        then; none: every stopped supervisor of the user), over the kill channel: a command may have
-        stopped it, which would leave every kill request unheard."""
-        with anyio.CancelScope(shield=True), anyio.move_on_after(_SIGNAL_BOUND_S):
-            await self._pool.run_script(CONTINUE_SUPERVISOR, *script_args, kill=True)
 
     async def remaining(self) -> list[str]:
         # Shielded as well: a script cancelled half-way keeps its server session until it exits

@@ -19,6 +19,7 @@ from dsh_bash.backend import (
     MARKER_VAR,
     MAX_INLINE_COMMAND,
     MODEL_FRIENDLY_ENV,
+    CoalescedRuns,
     CommandProcess,
     Containment,
     InfraReason,
@@ -120,6 +121,8 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         self._machine = ""  # the host's `uname -m`
         #: Commands whose supervisor still runs (leftovers included); detached tasks apart, as one.
         self._supervised: set[SupervisedCommand] = set()
+        #: Continues of stopped supervisors, one at a time for all commands (one login: one user).
+        self._continues = CoalescedRuns(self._pool.continue_supervisors)
         self._detached_supervisors = DetachedSupervisors(self._pool)
 
     @property
@@ -440,6 +443,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                 on_release=on_release,
                 wait_writable=partial(self._spills.wait_writable, marker),
                 registry=self._supervised,
+                continues=self._continues,
             )
         feed = framed.feed if framed is not None else (_discard if key is not None else None)
         session: CommandSession | None = None
