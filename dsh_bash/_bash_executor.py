@@ -84,6 +84,9 @@ _OPEN_RELEASE_BOUND_S = 10.0
 #: The least time a backend has to report a command's end once the kill sequence is over (at least
 #: ``grace_ms``): past it, the command is lost (``command_lost``) rather than waited for for ever.
 _REPORT_AFTER_KILL_S = 1.0
+#: How long a backend may take, once a foreground command's shell exited, to report that nothing of
+#: it is left (a supervisor's ``empty`` trails the exit by a moment), before what is left is killed.
+_LEFT_BEHIND_SETTLE_S = 0.2
 
 
 class _Command:
@@ -785,6 +788,12 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             command.after_kill_scope.cancel()
             if command.failure is not None:
                 self._request_kill(command, "lost")
+            elif (
+                command.task is None
+                and command.kill_cause is None
+                and self._config.foreground_leftovers == "kill"
+            ):
+                await self._kill_left_behind(command)
             if command.kill_done is not None:
                 await command.kill_done.wait()
             # Checked first: an event's wait is a checkpoint even when the event is set, and each
@@ -797,6 +806,21 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
                 await command.kill_done.wait()
             if not command.output_done.is_set():
                 tg.cancel_scope.cancel()  # the drain bound passed: the pump stops
+
+    async def _kill_left_behind(self, command: _Command) -> None:
+        """A foreground run's shell exited: kill what it left running (a ``server &``, a fork bomb's
+        last generations) before the result, so that nothing of one command reaches the next one
+        (its pids, its ports, its load). Never signals the shell's own exit status into question:
+        the signals go unrecorded in ``command.sent_signals``."""
+        marker = command.launch.marker
+        try:
+            left = await command.process.left_behind(_LEFT_BEHIND_SETTLE_S)
+            if not left:
+                return
+            log.info("command %s left %d process(es) running; killing them", marker, len(left))
+            await kill_sequence(command.process, self._config.grace_ms / 1000, f"what {marker} left behind")
+        except Exception:
+            log.exception("killing what command %s left behind failed", marker)
 
     async def _pump(self, command: _Command) -> None:
         try:

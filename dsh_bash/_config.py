@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import resource
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
@@ -90,6 +90,11 @@ class BudgetConfig(BaseModel, metaclass=_RaisesConfigError):
     #: from this process's descriptor limit when the executor is made (:func:`default_task_cap`).
     max_running_tasks: int | None = None
     cwd: str | None = None
+    #: What a foreground run's processes still alive when its shell exits become: ``kill``ed before
+    #: the result (a `server &`, a fork bomb's last generations: nothing of one command reaches the
+    #: next), or ``keep``: left running, holding the output for at most ``grace_ms``, until ``aclose``.
+    #: Background tasks keep theirs either way (``kill(id)`` and ``aclose`` end them).
+    foreground_leftovers: Literal["kill", "keep"] = "kill"
     env_scrub: tuple[str, ...] = DEFAULT_ENV_SCRUB
     env_allow: tuple[str, ...] = ()
 

@@ -237,6 +237,16 @@ class CommandProcess(ABC):
     async def remaining(self) -> list[str]:
         """Descriptions of the command's processes still alive (zombies excluded)."""
 
+    async def left_behind(self, settle_s: float) -> list[str]:
+        """Once the shell has exited: the command's processes still alive, as :meth:`remaining`.
+
+        A backend that learns of their end from a report (a supervisor's ``empty``, which may come a
+        moment after the exit) overrides this to wait up to ``settle_s`` for it first, so that a
+        command that left nothing is never taken for one that did (its kill sequence would cost a
+        poll). The executor kills what this returns before a foreground run's result.
+        """
+        return await self.remaining()
+
     async def release(self) -> None:  # noqa: B027 - optional hook: most backends hold something
         """Free what the command holds (file descriptors, channels). Called once, after it ended."""
 

@@ -180,6 +180,12 @@ def _bash_description(*, background: bool, config: object) -> str:
         "- Stdin is empty and there is no terminal: give non-interactive flags (`-y`, `--no-edit`, "
         "`git --no-pager`) to anything that would prompt, page or open an editor.",
         f"- The command is killed after `timeout_ms` milliseconds{limits}.",
+    ]
+    if getattr(config, "foreground_leftovers", "kill") == "kill":
+        text.append(
+            "- Whatever the command leaves running (`cmd &`, a daemon) is killed when the call returns."
+        )
+    text += [
         "",
         "What comes back:",
         "- stdout; then, if the command wrote to stderr, a line `[stderr]` followed by stderr; "
@@ -197,7 +203,7 @@ def _bash_description(*, background: bool, config: object) -> str:
             "- Set `run_in_background: true` for servers, watchers and long jobs: the call returns "
             "`started background task ID` at once. Read what it printed since your last look with "
             "bash_output, and stop it with bash_kill. Do not start them with `&` or `nohup`: their "
-            "output would be lost.",
+            "output would be lost, and the call kills them when it returns.",
             "- For a program that asks for input (a prompt, a REPL, a confirmation), add "
             "`open_stdin: true` to `run_in_background: true` and answer it with bash_input.",
         ]

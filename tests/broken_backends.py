@@ -849,13 +849,29 @@ class _KillGroupAtExitProcess(HostProcess):
 
 
 class KillsDescendantsAtExit(_ProcessBreaker):
-    """Breaks: descendants that hold the output pipes after the shell exits keep running.
+    """Breaks: descendants of a background task that hold the output pipes after its shell exits
+    keep running.
 
-    It kills everything left of the command the moment its shell exits, instead of bounding the
-    drain and leaving them to a kill or aclose.
+    It kills everything left of the command the moment its shell exits, a task's too, instead of
+    bounding the drain and leaving them to a kill or aclose.
     """
 
     process_class = _KillGroupAtExitProcess
+
+
+class _NothingLeftBehindProcess(HostProcess):
+    async def left_behind(self, settle_s: float) -> list[str]:
+        return []  # "the shell exited: the command is over"
+
+
+class KeepsForegroundLeftovers(_ProcessBreaker):
+    """Breaks: what a foreground run leaves running when its shell exits is killed before the result.
+
+    It never looks for what the shell left, so a `server &` (or a fork bomb's last generations)
+    outlives the run, until aclose.
+    """
+
+    process_class = _NothingLeftBehindProcess
 
 
 class _WaitForEofProcess(HostProcess):

@@ -4,8 +4,9 @@
 
 - ``fork-bomb``: run inside a fresh v1 pids cgroup (``pids.max`` small). A local executor runs the
   real bomb ``:(){ :|:& };:`` in the foreground with a 2 s timeout, runs the next command, starts the
-  bomb in the background and kills it, then fills the limit with sleepers to the last slot and
-  closes the executor.
+  bomb in the background and kills it, runs a bomb whose shell exits at once in the foreground (what
+  it left must be gone at the result) and in the background (``kill`` of the ended task must reach
+  what it left), then fills the limit with sleepers to the last slot and closes the executor.
   Afterwards the harness lists what else is still in its cgroup (``survivors``).
 - ``descriptors [CONTAINMENT]``: run with ``RLIMIT_NOFILE`` lowered (by the test, before exec).
   Starts background sleepers (each leaving one more in a session of its own) until a start is
@@ -43,6 +44,27 @@ def _cgroup_file(name: str) -> str:
 
 def _cgroup_members() -> list[int]:
     return [int(line) for line in _cgroup_file("cgroup.procs").split() if int(line) != os.getpid()]
+
+
+def _bash_members() -> list[int]:
+    """The bash processes of the harness's cgroup: the bomb's (the executor's helpers are not bash)."""
+    found = []
+    for pid in _cgroup_members():
+        try:
+            with open(f"/proc/{pid}/comm") as fh:
+                if fh.read().strip() == "bash":
+                    found.append(pid)
+        except OSError:
+            pass  # gone meanwhile
+    return found
+
+
+async def _bash_members_within(seconds: float) -> list[int]:
+    """Poll until no bash process is left in the cgroup, for at most ``seconds``; what is left then."""
+    deadline = time.monotonic() + seconds
+    while (left := _bash_members()) and time.monotonic() < deadline:  # noqa: ASYNC110 - processes are polled
+        await anyio.sleep(0.1)
+    return left
 
 
 def _pids_current() -> int:
@@ -103,6 +125,23 @@ async def fork_bomb(report: dict[str, Any]) -> None:
             except Exception as exc:
                 report["task"] = ["error", _error(exc)]
             report["kill_s"] = round(time.monotonic() - began, 3)
+
+            # Issue 30: a bomb whose shell exits at once. In the foreground, what it left is killed
+            # before the result; in the background, kill(id) of the ended task reaches it.
+            try:
+                result = await ex.exec(BOMB, timeout_ms=10_000)
+                report["fg_bomb"] = [f"exit {result.exit_code}", _bash_members()]
+            except Exception as exc:
+                report["fg_bomb"] = ["error", _error(exc)]
+            task = await ex.start(ex.resolve(BashExecRequest(command=BOMB)))
+            with anyio.fail_after(10):
+                await task.wait()
+            await anyio.sleep(1.0)  # it fills the limit and keeps trying
+            before = len(_bash_members())
+            began = time.monotonic()
+            report["ended_killed"] = await ex.kill(task.id)
+            left = await _bash_members_within(10.0)
+            report["ended_kill"] = [before, left, round(time.monotonic() - began, 3)]
 
             # Closing with the limit full. Not the bomb itself: its processes exit and are replaced
             # all the time, so that a thread the close path asks for gets a slot now and then. Sleepers

@@ -55,7 +55,10 @@ async def test_container_mode_keeps_the_container_and_leaves_no_process(
 ) -> None:
     async with DockerBashExecutor(DockerConfig(container=docker_session_container, grace_ms=300)) as ex:
         token = ex._token
-        await ex.exec("sleep 30 > /dev/null 2>&1 &")  # a foreground command's leftover
+        # A finished task's leftover (a foreground run's are killed when it ends).
+        leaver = await ex.start(ex.resolve(BashExecRequest(command="sleep 30 > /dev/null 2>&1 &")))
+        with anyio.fail_after(10):
+            await leaver.wait()
         await ex.start(ex.resolve(BashExecRequest(command="trap '' TERM; sleep 30")))
         spill = (await ex.exec("head -c 100000 /dev/zero", timeout_ms=5000)).stdout.spill_path
         assert spill is not None

@@ -91,8 +91,11 @@ async def test_procps_tools_work_and_kills_leave_nothing(
         left = await ex.exec(f"pgrep -a -f '{pattern}'")
         assert (left.exit_code, left.stdout.text) == (1, ""), left
 
-        # pkill from one command reaches another command's leftover.
-        await ex.exec(f"sleep {seconds}.5 > /dev/null 2>&1 &")
+        # pkill from one command reaches what another left (a background task's: a foreground run's
+        # leftovers are killed when it ends).
+        leaver = await ex.start(ex.resolve(BashExecRequest(command=f"sleep {seconds}.5 > /dev/null 2>&1 &")))
+        with anyio.fail_after(10):
+            await leaver.wait()
         killed = await ex.exec(f"pkill -e -f '{pattern}'")
         assert killed.exit_code == 0, killed
         assert re.fullmatch(r"sleep killed \(pid \d+\)\n", killed.stdout.text), killed

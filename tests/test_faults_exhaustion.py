@@ -101,6 +101,13 @@ def test_fork_bomb_under_a_real_pids_limit_ends_in_time_and_leaves_nothing() -> 
     assert report["killed"] is True
     assert report["task"] == ["killed", "killed"]
     assert report["kill_s"] <= 2 * GRACE_S + SLACK_S, report["kill_s"]
+    # Issue 30: a bomb whose shell exits at once leaves nothing at the result of its foreground run,
+    # and kill(id) of its ended background task ends what it left (the kill sequence's bound).
+    assert report["fg_bomb"] == ["exit 0", []], report["fg_bomb"]
+    assert report["ended_killed"] is False
+    before, left, took = report["ended_kill"]
+    assert before > 0 and left == [], report["ended_kill"]
+    assert took <= 2 * GRACE_S + SLACK_S, report["ended_kill"]
     # aclose raises only the library's errors; here it must not raise at all, and nothing outlives it.
     assert report["pids_full"] is True
     assert report["aclose"] == "ok"

@@ -102,6 +102,7 @@ CAUGHT_BY: list[Row] = [
     Row("kill-reaches-group-after-leader-exit", bb.StopsKillingAfterLeaderExit),
     Row("bounded-drain", bb.NoDrainBound),
     Row("bounded-drain", bb.KillsDescendantsAtExit),
+    Row("foreground-leftovers-killed", bb.KeepsForegroundLeftovers),
     Row("aclose-kills-leftovers", bb.NoLeftoverSweep),
     Row("timeout-kills-children", bb.KillsOnlyLeader),
     Row("concurrent-runs", bb.SharedResultSlot),

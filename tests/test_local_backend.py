@@ -42,7 +42,8 @@ async def test_leftover_holding_the_pipe_keeps_running_and_can_keep_writing(mark
     # The leftover writes after the drain bound: the executor keeps draining, so no SIGPIPE kills it.
     ticks = "for i in $(seq 40); do echo tick; sleep 0.02; done"
     command = f"bash -c '{ticks}; while :; do sleep 0.05; done' {marker} & echo started"
-    async with _executor() as ex:
+    # foreground_leftovers = "keep": with the default, the run's end kills the leftover.
+    async with _executor(foreground_leftovers="keep") as ex:
         started = time.monotonic()
         result = await ex.exec(command)
         assert time.monotonic() - started < 1.0  # the drain bound, not the leftover's life

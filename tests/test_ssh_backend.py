@@ -130,7 +130,10 @@ async def test_no_remote_process_survives_aclose(ssh_server: SshServer, marker: 
         await ex.start(
             ex.resolve(BashExecRequest(command=f"trap '' TERM; setsid bash -c 'sleep 60' {marker}-b & wait"))
         )
-        await ex.exec(f"bash -c 'sleep 60; true' {marker}-c >/dev/null 2>&1 &")  # a leftover
+        # A leftover (of a background task: a foreground run's are killed when it ends).
+        await ex.start(
+            ex.resolve(BashExecRequest(command=f"bash -c 'sleep 60; true' {marker}-c >/dev/null 2>&1 &"))
+        )
         deadline = time.monotonic() + 5
         while len(find_host_processes(marker)) < 3:
             assert time.monotonic() < deadline, "the commands never started"

@@ -209,7 +209,8 @@ async def test_stdin_and_a_long_command_go_through(ssh_server: SshServer) -> Non
 async def test_leftovers_live_until_aclose_then_die(ssh_server: SshServer) -> None:
     hidden = "sleep 999.75"
     try:
-        async with ssh_server.executor(grace_ms=GRACE_MS) as ex:
+        # foreground_leftovers = "keep": with the default, the run's end kills what it left.
+        async with ssh_server.executor(grace_ms=GRACE_MS, foreground_leftovers="keep") as ex:
             result = await ex.exec(f"env -u DSH_BASH_MARK setsid {hidden} >/dev/null 2>&1 & echo started")
             assert result.stdout.text == "started\n"
             assert _host_processes(hidden) != []

@@ -7,7 +7,7 @@ import anyio
 from dsh_bash import AbortController, BashExecRequest
 
 from ._harness import CheckContext, check
-from ._support import alive, escapee, gone, show, touch, wait_files, wait_task
+from ._support import SETUP_S, alive, escapee, gone, show, touch, wait_files, wait_task
 
 GRACE_S = 0.3
 _LOOP = "while :; do sleep 0.05; done"
@@ -80,12 +80,15 @@ async def escapee_on_aclose(ctx: CheckContext) -> None:
         tmp = await ctx.tempdir(ex)
         fg, bg = ctx.marker(), ctx.marker()
         a, b = f"{tmp}/a", f"{tmp}/b"
-        result = await ex.exec(f"{escapee(fg, prelude=touch(a))} echo started")
-        ctx.expect(result.stdout.text == "started\n", f"unexpected result: {show(result)}")
+        # A finished background task's: a foreground run's escapee is killed when the run ends.
+        finished = await ex.start(
+            ex.resolve(BashExecRequest(command=f"{escapee(fg, prelude=touch(a))} echo started"))
+        )
+        await wait_task(finished, SETUP_S, "a task that leaves an escapee")
         task = await ex.start(ex.resolve(BashExecRequest(command=f"{escapee(bg, prelude=touch(b))} {_LOOP}")))
         await wait_files(ex, [a, b])
-        await alive(ctx, fg, "the escapee of a finished command")
+        await alive(ctx, fg, "the escapee of a finished task")
         await ex.aclose()
         await wait_task(task, ctx.allowance_s, "a task running at aclose")
-    await gone(ctx, fg, 0.5, "after aclose, an escapee of a finished command")
+    await gone(ctx, fg, 0.5, "after aclose, an escapee of a finished task")
     await gone(ctx, bg, 0.5, "after aclose, an escapee of a running task")

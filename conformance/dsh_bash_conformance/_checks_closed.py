@@ -24,6 +24,7 @@ from dsh_bash import (
 
 from ._harness import CheckContext, check
 from ._support import (
+    SETUP_S,
     Box,
     alive,
     elapsed,
@@ -164,7 +165,10 @@ async def aclose_bounded(ctx: CheckContext) -> None:
     async with ex:
         for mark in marks[:5]:
             await ex.start(ex.resolve(BashExecRequest(command=f"{loop(mark, trap_term=True)} & wait")))
-        await ex.exec(f"{loop(marks[5], trap_term=True)} >/dev/null 2>&1 &")
+        leftover = await ex.start(
+            ex.resolve(BashExecRequest(command=f"{loop(marks[5], trap_term=True)} >/dev/null 2>&1 &"))
+        )
+        await wait_task(leftover, SETUP_S, "a task that leaves a TERM-ignoring process")
         for mark in marks:
             await started(ctx, mark, "before aclose, a TERM-ignoring process")
         await anyio.sleep(0.2)  # past the trap: a SIGTERM that kills them would hide a serial close
@@ -178,6 +182,12 @@ async def aclose_bounded(ctx: CheckContext) -> None:
         await gone(ctx, mark, 0.25, "right after aclose, a TERM-ignoring process")
 
 
+async def _leave_behind(ctx: CheckContext, ex: BashExecutor, mark: str) -> None:
+    """A background task that exits at once, leaving a process carrying ``mark`` running."""
+    task = await ex.start(ex.resolve(BashExecRequest(command=f"{loop(mark)} >/dev/null 2>&1 &")))
+    await wait_task(task, SETUP_S, "a task that leaves a process")
+
+
 @check(
     "aclose-spares-other-executors",
     kind="contract",
@@ -189,10 +199,11 @@ async def aclose_spares_others(ctx: CheckContext) -> None:
     async with ctx.executor() as keeper:
         running, leftover, doomed = ctx.marker(), ctx.marker(), ctx.marker()
         task = await keeper.start(keeper.resolve(BashExecRequest(command=loop(running))))
-        await keeper.exec(f"{loop(leftover)} >/dev/null 2>&1 &")
+        # Leftovers of background tasks: a foreground run's are killed when it ends.
+        await _leave_behind(ctx, keeper, leftover)
         closer = ctx.executor()
         async with closer:
-            await closer.exec(f"{loop(doomed)} >/dev/null 2>&1 &")
+            await _leave_behind(ctx, closer, doomed)
             await started(ctx, doomed, "the closing executor's leftover")
         await gone(ctx, doomed, 0.5, "after aclose, its own leftover")
         await anyio.sleep(0.1)

@@ -550,15 +550,21 @@ async def cancel_kills(ctx: CheckContext) -> None:
         await _cancel_run(
             ctx, ex, command, ready=[a, b], mark=mark, grace_s=GRACE_S, what="a running command"
         )
-    # Cancelled while the result waits (a long grace) for a child that holds the output pipe.
+    # Cancelled while the result waits (a long grace) for what the shell left: a child that holds the
+    # output pipe and traps SIGTERM, so that killing it (R-proc-foreground-leftovers) or draining it
+    # (with foreground_leftovers = "keep") takes the grace.
     grace_s = 2.0
     async with ctx.executor(grace_ms=grace_s * 1000) as ex:
         tmp = await ctx.tempdir(ex)
         mark = ctx.marker()
         c = f"{tmp}/c"
-        command = f"{loop(mark, prelude=touch(c))} & echo hi"
+        # The shell exits only once the child runs (and traps SIGTERM): a kill of what it left must
+        # not come before the trap.
+        command = (
+            f"{loop(mark, trap_term=True, prelude=touch(c))} & until [ -e {c} ]; do sleep 0.02; done; echo hi"
+        )
         await _cancel_run(
-            ctx, ex, command, ready=[c], mark=mark, grace_s=grace_s, what="a command draining its output"
+            ctx, ex, command, ready=[c], mark=mark, grace_s=grace_s, what="a command whose shell has exited"
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import shlex
 import time
 
 import anyio
@@ -389,15 +390,16 @@ async def kill_after_leader_exit(ctx: CheckContext) -> None:
     "bounded-drain",
     kind="contract",
     clause="R-proc-bounded-drain",
-    rule="Once the command's shell has exited, descendants that still hold the output pipes get at most "
-    "`grace_ms` more; they keep running until a kill of that task or `aclose`.",
+    rule="Once a background task's shell has exited, descendants that still hold the output pipes get "
+    "at most `grace_ms` more and keep running until a kill of that task or `aclose`; a foreground run's "
+    "are killed (R-proc-foreground-leftovers), and its result comes within `grace_ms` all the same.",
 )
 async def bounded_drain(ctx: CheckContext) -> None:
     async with ctx.executor() as ex:
         mark = ctx.marker()
-        started = time.monotonic()
+        started_at = time.monotonic()
         result = await ex.exec(f"{loop(mark)} & echo hi")
-        took = elapsed(started)
+        took = elapsed(started_at)
         bound = GRACE_S + ctx.allowance_s
         ctx.expect(
             took <= bound, f"a command whose child holds stdout returned after {took:.2f} s (bound {bound:g})"
@@ -406,7 +408,6 @@ async def bounded_drain(ctx: CheckContext) -> None:
             result.stdout.text == "hi\n" and result.exit_code == 0 and not result.timed_out,
             f"expected stdout 'hi\\n', exit 0: {show(result)}",
         )
-        await alive(ctx, mark, "the child holding the pipe should keep running after the result")
         other = ctx.marker()
         task = await ex.start(ex.resolve(BashExecRequest(command=f"{loop(other)} & echo hi")))
         await wait_task(task, bound, "a background task whose child holds stdout")
@@ -416,8 +417,42 @@ async def bounded_drain(ctx: CheckContext) -> None:
             f"expected the task to complete with exit 0 and output 'hi\\n': {show_task(task)}, {delta!r}",
         )
         await alive(ctx, other, "the background task's child should keep running after the task ended")
-    await gone(ctx, mark, 0.5, "after aclose, the foreground command's child")
     await gone(ctx, other, 0.5, "after aclose, the background task's child")
+
+
+@check(
+    "foreground-leftovers-killed",
+    kind="contract",
+    clause="R-proc-foreground-leftovers",
+    rule="What a foreground run leaves running when its shell exits (a `server &`, one that traps SIGTERM, "
+    "one that left the session) is killed before the result, which is the shell's own exit.",
+)
+async def foreground_leftovers_killed(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        tmp = await ctx.tempdir(ex)
+        mark = ctx.marker()
+        a, b = f"{tmp}/a", f"{tmp}/b"
+        trapping = loop(mark, trap_term=True, prelude=touch(a))
+        hiding = loop(mark, prelude=touch(b))
+        # The shell waits until both run (their files exist), then exits with a status of its own.
+        both_run = f"[ -e {shlex.quote(a)} ] && [ -e {shlex.quote(b)} ]"
+        command = (
+            f"{trapping} >/dev/null 2>&1 & setsid {hiding} >/dev/null 2>&1 & "
+            f"until {both_run}; do sleep 0.02; done; echo started; exit 3"
+        )
+        started_at = time.monotonic()
+        result = await ex.exec(command, timeout_ms=30_000)
+        took = elapsed(started_at)
+        ctx.expect(
+            (result.exit_code, result.signal, result.timed_out) == (3, None, False)
+            and result.stdout.text == "started\n",
+            f"expected the shell's own exit 3 and 'started': {show(result)}",
+        )
+        bound = 2 * GRACE_S + ctx.allowance_s
+        ctx.expect(took <= bound, f"the run returned after {took:.2f} s (bound {bound:g})")
+        await gone(ctx, mark, 0.25, "right after the run's result, what it left running")
+        ok = await sh(ex, "printf ok")
+        ctx.expect(ok == "ok", f"after the leftovers' kill, the next command printed {ok!r}")
 
 
 @check(
@@ -425,22 +460,18 @@ async def bounded_drain(ctx: CheckContext) -> None:
     kind="contract",
     clause="R-life-aclose-kills",
     rule="aclose kills every process the executor's commands left behind (a `server &` of a finished "
-    "command, even one that traps SIGTERM).",
+    "background task, even one that traps SIGTERM).",
 )
 async def aclose_kills_leftovers(ctx: CheckContext) -> None:
     ex = ctx.executor()
     async with ex:
-        fg, bg = ctx.marker(), ctx.marker()
-        result = await ex.exec(f"{loop(fg, trap_term=True)} >/dev/null 2>&1 & echo started")
-        ctx.expect(result.stdout.text == "started\n", f"unexpected result: {show(result)}")
+        bg = ctx.marker()
         task = await ex.start(
             ex.resolve(BashExecRequest(command=f"{loop(bg, trap_term=True)} >/dev/null 2>&1 & echo started"))
         )
         await wait_task(task, ctx.allowance_s)
-        await started(ctx, fg, "the foreground command's server")
         await started(ctx, bg, "the background task's server")
         await ex.aclose()
-    await gone(ctx, fg, 0.25, "right after aclose, the server a finished foreground command left")
     await gone(ctx, bg, 0.25, "right after aclose, the server a finished background task left")
 
 

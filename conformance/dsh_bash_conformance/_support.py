@@ -18,6 +18,11 @@ from ._harness import CheckContext, CheckFailed
 T = TypeVar("T")
 
 
+#: How long a task that only sets the scene (it leaves a process behind and exits) may take to end:
+#: not what a check bounds.
+SETUP_S = 10.0
+
+
 def loop(mark: str, *, trap_term: bool = False, prelude: str = "", iterations: int | None = None) -> str:
     """A ``bash -c`` process that keeps ``mark`` in its command line (as ``$0``) while it loops.
 

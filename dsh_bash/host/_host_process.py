@@ -668,6 +668,12 @@ class SupervisedProcess(HostProcess):
         self._report_lost()
         await super().signal_all(sig)
 
+    async def left_behind(self, settle_s: float) -> list[str]:
+        if not self._reading:
+            with anyio.move_on_after(settle_s):
+                await self._status_until(self._nothing_left)
+        return await self.remaining()
+
     async def remaining(self) -> list[str]:
         self._pump_unless_read()
         if self._nothing_left():

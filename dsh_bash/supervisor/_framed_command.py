@@ -140,6 +140,8 @@ class FramedCommand(CommandProcess):
         #: Set once the supervisor started the command, could not, or its stream ended.
         self._decided = anyio.Event()
         self._exit_or_end = anyio.Event()
+        #: Set once the supervisor said that no process is left, or its stream ended.
+        self._settled = anyio.Event()
         #: Set once both output streams reached their end (or the stream did).
         self._output_done = anyio.Event()
         self._side: Literal["none", "asked", "declined", "taken"] = "none"
@@ -193,6 +195,7 @@ class FramedCommand(CommandProcess):
             )
         self._decided.set()
         self._exit_or_end.set()
+        self._settled.set()
         self._output_done.set()
         self._output_finished()
 
@@ -356,6 +359,7 @@ class FramedCommand(CommandProcess):
             self._exit_or_end.set()
         if records.empty:
             self._registry.discard(self)
+            self._settled.set()
 
     def _on_eof(self, stream: str) -> None:
         self._eof.add(stream)
@@ -491,6 +495,11 @@ class FramedCommand(CommandProcess):
                 await self._continues.run()
         except Exception as exc:
             log.warning("continuing the supervisor %s failed: %s", self._where, exc)
+
+    async def left_behind(self, settle_s: float) -> list[str]:
+        with anyio.move_on_after(settle_s):
+            await self._settled.wait()
+        return await self.remaining()
 
     async def remaining(self) -> list[str]:
         if self._records.empty:

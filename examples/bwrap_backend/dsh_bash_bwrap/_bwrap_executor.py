@@ -87,7 +87,7 @@ class BwrapConfig(HostConfig):
     network: bool = True
     #: ``--die-with-parent``: the sandbox is SIGKILLed when its launcher's parent dies. The launcher
     #: exits when the command's shell exits, so this also kills whatever the command left running
-    #: (a ``server &``) at that moment, which the executor contract forbids (``bounded-drain``,
+    #: (a ``server &``) at that moment, which the contract forbids for a background task (``bounded-drain``,
     #: ``aclose-kills-leftovers`` and ``kill-reaches-group-after-leader-exit`` fail): off by default.
     die_with_parent: bool = False
 
