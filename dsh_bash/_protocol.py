@@ -9,6 +9,7 @@ per spawned command.
 from __future__ import annotations
 
 import logging
+import math
 import signal as _signal
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Coroutine
@@ -362,39 +363,52 @@ class CoalescedRuns:
     ago). For an action that costs a process where the commands run, a hundred callers at once
     (the kills at ``aclose``) then cost two runs, not a hundred. A run cut short by its caller's
     cancellation serves no one: the next waiter runs it again. An error of the action reaches the
-    caller whose run raised it; the others' run counts as done.
+    caller whose run raised it; the others' run counts as done. A run still going after
+    ``stale_after_s`` is left to its caller and no longer holds the others back: the next run begins
+    beside it (a continue whose own process a command stopped must not keep every later one
+    waiting for its bound).
     """
 
-    def __init__(self, action: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, action: Callable[[], Awaitable[None]], *, stale_after_s: float = math.inf) -> None:
         self._action = action
-        self._begun = 0  # runs begun, the current one included
-        self._completed = 0  # runs completed (they complete in order: one at a time)
-        self._running = False
+        self._stale_after_s = stale_after_s
+        self._begun = 0  # runs begun: each run's number
+        self._completed = 0  # the highest number of a run that completed
+        #: The run the others wait for (its number and when it began), or None.
+        self._current: tuple[int, float] | None = None
         self._changed = anyio.Event()
 
     async def run(self) -> None:
         needed = self._begun + 1  # the first run to begin from now on
         while self._completed < needed:
-            if self._running:
-                await self._changed.wait()
-                continue
-            self._running = True
-            self._begun += 1
-            completed = False
-            try:
-                await self._action()
-                completed = True
-            except Exception:
-                completed = True
-                raise
-            finally:
-                if completed:
-                    self._completed = self._begun
-                else:  # cancelled: the run never happened, for anyone
-                    self._begun -= 1
-                self._running = False
-                changed, self._changed = self._changed, anyio.Event()
-                changed.set()
+            current = self._current
+            if current is not None:
+                stale_in = current[1] + self._stale_after_s - anyio.current_time()
+                if stale_in > 0:
+                    with anyio.move_on_after(stale_in):
+                        await self._changed.wait()
+                    continue
+                self._current = None  # stale: left to its caller, the next run begins
+            await self._run_once()
+
+    async def _run_once(self) -> None:
+        self._begun += 1
+        number = self._begun
+        self._current = (number, anyio.current_time())
+        completed = False
+        try:
+            await self._action()
+            completed = True
+        except Exception:
+            completed = True
+            raise
+        finally:
+            if completed:  # cancelled: the run never happened, for anyone
+                self._completed = max(self._completed, number)
+            if self._current is not None and self._current[0] == number:
+                self._current = None
+            changed, self._changed = self._changed, anyio.Event()
+            changed.set()
 
 
 async def while_watching(

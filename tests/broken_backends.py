@@ -735,6 +735,11 @@ class _NoContinueProcess(SupervisedProcess):
             signal.pidfd_send_signal(self._pidfd, sig)
         return True
 
+    async def _until_answered(self, done: Callable[[], bool]) -> None:
+        # Reads the records without the sound one's nudges (a SIGCONT every half second while a start
+        # waits), which a rehearsal saw continue the stopped supervisor and pass the check.
+        await self._status_until(done)
+
 
 class StoppedSupervisorNotContinued(_ProcessBreaker):
     """Breaks: a command that stops its supervisor is still timed out and killed on time.
@@ -749,6 +754,16 @@ class StoppedSupervisorNotContinued(_ProcessBreaker):
         # Under the supervisor (the sound backend's containment), unlike the other broken backends:
         # the supervisor is what it fails to continue.
         _SoundLocal.__init__(self, config if config is not None else LocalConfig())
+        self._real_nudge: Callable[[], None] | None = None
+
+    async def _open(self) -> None:
+        await super()._open()
+        server = self._server
+        if server is not None:
+            # No SIGCONT from the fork server's nudges either (it continues its spare, which may be
+            # the supervisor the command stopped).
+            self._real_nudge = server.nudge
+            object.__setattr__(server, "nudge", lambda: None)
 
     def _report_after_kill_s(self) -> float:
         # Waits for the stopped supervisor's word as a backend without the base class's net would:
@@ -757,6 +772,10 @@ class StoppedSupervisorNotContinued(_ProcessBreaker):
         return 10.0
 
     async def _release(self) -> None:
+        server = self._server
+        if server is not None and self._real_nudge is not None:
+            object.__setattr__(server, "nudge", self._real_nudge)
+            self._real_nudge()
         while _NoContinueProcess.asked:
             pidfd = _NoContinueProcess.asked.pop()
             with contextlib.suppress(ProcessLookupError):

@@ -122,3 +122,31 @@ async def test_an_error_reaches_the_caller_whose_run_raised_and_the_next_run_goe
         await runs.run()
     await runs.run()
     assert calls == 2
+
+
+async def test_a_stale_run_no_longer_holds_the_others_back() -> None:
+    # The first run never ends (its process was stopped); a caller after it waits the stale bound,
+    # then a run of its own serves it.
+    action = _Action()
+    runs = CoalescedRuns(action, stale_after_s=0.2)
+    returned = anyio.Event()
+
+    async def late() -> None:
+        await runs.run()
+        returned.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runs.run)
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(late)
+        await anyio.wait_all_tasks_blocked()
+        assert action.began == 1
+        with anyio.fail_after(5):
+            while action.began < 2:  # noqa: ASYNC110 - the stale bound passes on the clock
+                await anyio.sleep(0.01)
+        action.releases[1].set()
+        with anyio.fail_after(5):
+            await returned.wait()
+        assert action.ended == 1  # the first is still stuck: the second served the late caller
+        action.releases[0].set()
+    assert action.ended == 2

@@ -16,16 +16,16 @@ their commands run. Imports only the seam; see ``README.md`` beside this file.
   :class:`SupervisorRecords` (its status records, read), and :class:`FramedCommand`, the
   transport-independent half of a command under it (output, outcome, kills, and the side pipe
   that moves its output past a costly relay). A command may stop (SIGSTOP) its supervisor: a
-  backend passes ``FramedCommand`` its ``continues``, a :class:`dsh_bash.backend.CoalescedRuns`
-  of :data:`CONTINUE_SUPERVISOR` (a bash script: SIGCONT to every stopped supervisor of the user)
-  run where the commands run, shared by all the executor's commands of that user.
+  backend passes ``FramedCommand`` its ``continues``: :func:`continue_runs` of running
+  :data:`CONTINUE_SUPERVISOR` (a bash script: SIGCONT to every stopped supervisor of the user) where
+  the commands run, shared by all the executor's commands of that user.
 - The detached mode's signed status file: :class:`SignedRecords` verifies it with a key of
   :data:`SUPERVISOR_KEY_SIZE` bytes.
 """
 
 from __future__ import annotations
 
-from ._framed_command import CONTINUE_SUPERVISOR, FramedCommand
+from ._framed_command import CONTINUE_SUPERVISOR, FramedCommand, continue_runs
 from ._frames import SupervisorRecords, command_payload, encode_frame
 from ._native import PROTOCOL_VERSION as SUPERVISOR_PROTOCOL
 from ._native import SupervisorPayload, supervisor_binary, supervisor_payload, supervisor_problem
@@ -41,6 +41,7 @@ __all__ = [
     "SupervisorPayload",
     "SupervisorRecords",
     "command_payload",
+    "continue_runs",
     "encode_frame",
     "supervisor_binary",
     "supervisor_payload",

@@ -46,7 +46,7 @@ from ._frames import (
     encode_frame,
 )
 
-__all__ = ["CONTINUE_SUPERVISOR", "STDIN_FRAME_BYTES", "FramedCommand"]
+__all__ = ["CONTINUE_SUPERVISOR", "STDIN_FRAME_BYTES", "FramedCommand", "continue_runs"]
 
 T = TypeVar("T")
 
@@ -92,6 +92,14 @@ _CONTINUE_BOUND_S = 5.0
 #: The command's stdin goes to the supervisor in frames of at most this size, so that a kill request
 #: waits behind one chunk at most.
 STDIN_FRAME_BYTES = 64 * 1024
+
+
+def continue_runs(action: Callable[[], Awaitable[None]]) -> CoalescedRuns:
+    """The runs of :data:`CONTINUE_SUPERVISOR` (``action``: one run where the commands run) that an
+    executor shares among its commands (their ``continues``): one at a time, and one stuck for
+    longer than the interval between two continues (a command stopped its process too) no longer
+    holds back the next."""
+    return CoalescedRuns(action, stale_after_s=_CONTINUE_EVERY_S)
 
 
 class FramedCommand(CommandProcess):

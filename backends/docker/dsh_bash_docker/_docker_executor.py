@@ -37,7 +37,7 @@ from dsh_bash.remote import (
     CommandSpills,
     spill_file_path,
 )
-from dsh_bash.supervisor import CONTINUE_SUPERVISOR, encode_frame
+from dsh_bash.supervisor import CONTINUE_SUPERVISOR, continue_runs, encode_frame
 
 from ._docker_config import DockerConfig, memory_bytes
 from ._docker_kit_hooks import find_container_processes, find_open_leftovers, kit_notes, plant_in_environment
@@ -567,7 +567,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         ``aclose`` a hundred kills each ask for one, and one exec at a time serves them all."""
         runs = self._continues.get(user)
         if runs is None:
-            runs = self._continues[user] = CoalescedRuns(partial(self._continue_supervisors, user))
+            runs = self._continues[user] = continue_runs(partial(self._continue_supervisors, user))
         return runs
 
     async def _continue_supervisors(self, user: str | None) -> None:

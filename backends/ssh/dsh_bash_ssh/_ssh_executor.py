@@ -19,7 +19,6 @@ from dsh_bash.backend import (
     MARKER_VAR,
     MAX_INLINE_COMMAND,
     MODEL_FRIENDLY_ENV,
-    CoalescedRuns,
     CommandProcess,
     Containment,
     InfraReason,
@@ -39,7 +38,7 @@ from dsh_bash.remote import (
     CommandSpills,
     spill_file_path,
 )
-from dsh_bash.supervisor import SUPERVISOR_KEY_SIZE
+from dsh_bash.supervisor import SUPERVISOR_KEY_SIZE, continue_runs
 
 from ._connection import ChannelPool
 from ._detached import DetachedProcess, DetachedSpill, DetachedSupervisors, Follower
@@ -122,7 +121,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         #: Commands whose supervisor still runs (leftovers included); detached tasks apart, as one.
         self._supervised: set[SupervisedCommand] = set()
         #: Continues of stopped supervisors, one at a time for all commands (one login: one user).
-        self._continues = CoalescedRuns(self._pool.continue_supervisors)
+        self._continues = continue_runs(self._pool.continue_supervisors)
         self._detached_supervisors = DetachedSupervisors(self._pool)
 
     @property
