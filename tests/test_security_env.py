@@ -19,6 +19,7 @@ import secrets
 import shlex
 import shutil
 import subprocess
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -89,7 +90,12 @@ def image_with_secret(docker_test_image: str) -> Iterator[tuple[str, str, str]]:
         finally:
             shutil.rmtree(context, ignore_errors=True)
         yield tag, name, value
-        client.images.remove(tag, force=True)
+        try:
+            client.images.remove(tag, force=True)
+        except Exception as exc:
+            # A loaded engine once took over 60 s to remove it (a rehearsal's only error): a slow
+            # cleanup is no test's failure.
+            warnings.warn(f"removing the test image {tag} failed: {exc}", stacklevel=1)
     finally:
         client.close()
 
