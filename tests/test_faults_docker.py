@@ -241,6 +241,30 @@ async def test_a_command_that_kills_its_supervisor_is_lost_not_forged(
 
 
 @pytest.mark.timeout(60)
+async def test_a_supervisor_that_dies_without_a_word_leaves_the_outcome_unknown(
+    docker_test_image: str,
+) -> None:
+    """A supervisor killed before the boot verdict was relayed (a command's first `kill -9 $PPID`
+    can win that race: a CI run saw it) says nothing and ends by a signal. The command may have
+    run: ``command_lost``, never "could not start". The race made certain: root in an attached
+    container plants a supervisor that kills itself at once."""
+    container = start_idle_container(docker_test_image)
+    try:
+        config = DockerConfig(container=container.get_wrapped_container().id, grace_ms=GRACE_MS)
+        async with DockerBashExecutor(config) as ex:
+            planted = await ex.exec(
+                'p="/.dsh-bash/$(ls /.dsh-bash/)"; rm -f "$p"; '
+                'printf "#!/bin/sh\\nkill -9 \\$\\$\\n" > "$p"; chmod 0755 "$p"; echo planted'
+            )
+            assert planted.stdout.text == "planted\n", planted
+            with pytest.raises(BashInfrastructureError) as raised:
+                await ex.exec("echo never relayed")
+            assert raised.value.reason == "command_lost", raised.value
+    finally:
+        container.stop()
+
+
+@pytest.mark.timeout(60)
 async def test_a_removed_supervisor_is_installed_again(docker_test_image: str) -> None:
     """Attached to a container where commands run as root with the engine's default capabilities, a
     command may remove the supervisor's file: the next command puts it back (once per start)

@@ -455,3 +455,21 @@ async def test_a_detached_tasks_header_long_command_and_binary_stdin_leave_the_k
                 await task.wait()
             assert (task.status, task.exit_code) == ("completed", 0), task
             assert (await ex.read_output(task.id)).delta == f"s3cr3t value:{2 * len(data)}\n"
+
+
+async def test_a_supervisor_that_dies_without_a_word_leaves_the_outcome_unknown(
+    ssh_server: SshServer, cache: Path
+) -> None:
+    """A supervisor killed before it reported its child (the command's first `kill -9 $PPID` can
+    win that race) says nothing and ends by a signal. The command may have run: ``command_lost``,
+    never "did not start". The race made certain by a cached binary that kills itself at once."""
+    async with ssh_server.executor(grace_ms=GRACE_MS) as ex:
+        assert ex.containment == "subreaper"
+        ex._supervisor_check = None  # as in the test above: the planted file must be run
+        _cached(ssh_server).write_text("#!/bin/sh\nkill -9 $$\n")
+        with pytest.raises(BashInfrastructureError) as raised, anyio.fail_after(15):
+            await ex.exec("echo never relayed")
+        assert raised.value.reason == "command_lost", raised.value
+        with pytest.raises(BashInfrastructureError) as raised, anyio.fail_after(15):
+            await ex.start(ex.resolve(BashExecRequest(command="echo never relayed")))
+        assert raised.value.reason == "command_lost", raised.value

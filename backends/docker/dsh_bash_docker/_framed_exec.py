@@ -53,6 +53,11 @@ _REPORT_BOUND_S = 5.0
 SIDE_PIPE_AFTER = 1 << 20
 
 
+def _killed_by_signal(exit_code: int | None) -> bool:
+    # The engine reports an exec killed by signal N as 128 + N, as a shell does.
+    return exit_code is not None and 128 < exit_code <= 128 + 64
+
+
 class SidePipes:
     """Whether this executor's commands may move their output off the engine's stream.
 
@@ -205,6 +210,11 @@ class FramedDockerProcess(FramedCommand):
                     f"dsh-supervise is missing {self._where} ({self._supervisor})", reason="start_failed"
                 )
             reason = await diagnose_refusal(self._engine, self._container, user, self._launch.env.get("PATH"))
+        elif not detail and (self._records.child is not None or _killed_by_signal(exit_code)):
+            # The supervisor started and then died silently: its child may have run the command
+            # (and killed it, `kill -9 $PPID`, before the boot verdict was relayed), so the command's
+            # outcome is unknown, never "could not start".
+            raise await self._lost()
         raise BashInfrastructureError(
             f"the command could not start {self._where}: {detail or 'no output'}", reason=reason
         )

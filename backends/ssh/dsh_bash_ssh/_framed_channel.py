@@ -134,6 +134,10 @@ class FramedSshProcess(FramedCommand):
                 reason="connection_lost",
             )
         said = bytes(session.stray_stderr).decode("utf-8", "replace").strip()
+        if not said and self._broken is None and session.exit is not None and session.exit.signal:
+            # Killed before it reported its child: the child may be the command (its first
+            # `kill -9 $PPID` can win that race), so the outcome is unknown, never "did not start".
+            raise await self._lost()
         status = session.exit.code if session.exit is not None else None
         raise BashInfrastructureError(
             f"dsh-supervise did not start the command {self._where} (exit status {status}): "

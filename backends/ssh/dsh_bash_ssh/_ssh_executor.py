@@ -622,6 +622,11 @@ class SshBashExecutor(BashExecutor[SshConfig]):
             what = "lost its channel" if session.closed else f"did not detach within {_DETACH_BOUND_S:g} s"
             if session.lost is not None or not self._pool.connected():
                 reason = "connection_lost"
+        elif session.exit.signal and not said:
+            # Killed before it said the task runs: the task may have run (and killed it), so
+            # whether it did is unknown; what it left is killed by marker below.
+            what = f"killed by signal {session.exit.signal}"
+            reason = "command_lost"
         else:
             what = f"exit status {session.exit.code}"
         await self._abandon_start(launch, self._marked(launch.marker), session)
