@@ -15,11 +15,13 @@ import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+import anyio
 import broken_backends as bb
 import pytest
 from dsh_bash_conformance import CHECKS, CheckOutcome, CheckResult, KitTarget, run_kit
 from dsh_bash_local import LocalBashExecutor, LocalConfig
 
+from dsh_bash import BashExecSpec, BashRunResult
 from dsh_bash.backend import MARKER_VAR
 
 pytestmark = pytest.mark.kit
@@ -339,6 +341,22 @@ def test_kit_catches(row: Row) -> None:
     )
     for part in row.message_contains:
         assert part in result.message, f"the message does not say {part!r}: {_describe(result)}"
+
+
+class _SlowLongPollingReads(bb.LongPollingReads):
+    """LongPollingReads on a transport with a 50 ms round trip (each run waits that long first)."""
+
+    async def run(self, spec: BashExecSpec) -> BashRunResult:
+        await anyio.sleep(0.05)
+        return await super().run(spec)
+
+
+def test_reads_that_wait_are_caught_on_a_loaded_machine() -> None:
+    """The measured latency widens each read's bound (ten round trips: 0.6 s at 50 ms, as a loaded CI
+    machine measured), past LongPollingReads' half second; the fastest read's bound (two) does not."""
+    result = _run("read-returns-at-once", _SlowLongPollingReads)
+    assert result.outcome == "failed", _describe(result)
+    assert "fastest of five reads" in result.message, _describe(result)
 
 
 #: A basic check that every broken backend passes unless it breaks that very rule.
