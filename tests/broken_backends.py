@@ -741,62 +741,11 @@ class _NoContinueProcess(SupervisedProcess):
         await self._status_until(done)
 
 
-class StoppedSupervisorNotContinued(_ProcessBreaker):
-    """Breaks: a command that stops its supervisor is still timed out and killed on time.
+class _ServerNudgesSilenced(_SoundLocal):
+    """While open, the fork server's ``nudge`` (the SIGCONT to the server and its spare) does nothing;
+    at close the server is continued, so that nothing of the test stays stopped."""
 
-    Kill requests go to the supervisor without a SIGCONT first: a stopped one hears none of them, and
-    the run ends only when the executor gives the command up as lost.
-    """
-
-    process_class = _NoContinueProcess
-
-    def __init__(self, config: LocalConfig | None = None) -> None:
-        # Under the supervisor (the sound backend's containment), unlike the other broken backends:
-        # the supervisor is what it fails to continue.
-        _SoundLocal.__init__(self, config if config is not None else LocalConfig())
-        self._real_nudge: Callable[[], None] | None = None
-
-    async def _open(self) -> None:
-        await super()._open()
-        server = self._server
-        if server is not None:
-            # No SIGCONT from the fork server's nudges either (it continues its spare, which may be
-            # the supervisor the command stopped).
-            self._real_nudge = server.nudge
-            object.__setattr__(server, "nudge", lambda: None)
-
-    def _report_after_kill_s(self) -> float:
-        # Waits for the stopped supervisor's word as a backend without the base class's net would:
-        # with the net's 1 s, its `command_lost` came just inside the check's bound on a loaded
-        # machine (a rehearsal saw the check pass), which made the row flaky rather than broken.
-        return 10.0
-
-    async def _release(self) -> None:
-        server = self._server
-        if server is not None and self._real_nudge is not None:
-            object.__setattr__(server, "nudge", self._real_nudge)
-            self._real_nudge()
-        while _NoContinueProcess.asked:
-            pidfd = _NoContinueProcess.asked.pop()
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(pidfd, signal.SIGCONT)
-            os.close(pidfd)
-        await super()._release()
-
-
-class StoppedSparesNotContinued(_SoundLocal):
-    """Breaks: a command that stops the helpers kept ready for the next commands makes the next
-    command wait at most a second.
-
-    The fork server and its spare are never continued (its ``nudge`` does nothing): a command's
-    request to a server that the command before stopped waits until someone else continues it. At
-    close the server is continued, so that nothing of the test stays stopped.
-    """
-
-    def __init__(self, config: LocalConfig | None = None) -> None:
-        # Under the supervisor, unlike most broken backends: its fork server is what is left stopped.
-        _SoundLocal.__init__(self, config if config is not None else LocalConfig())
-        self._real_nudge: Callable[[], None] | None = None
+    _real_nudge: Callable[[], None] | None = None
 
     async def _open(self) -> None:
         await super()._open()
@@ -813,6 +762,47 @@ class StoppedSparesNotContinued(_SoundLocal):
             object.__setattr__(server, "nudge", self._real_nudge)
             self._real_nudge()
         await super()._release()
+
+
+class StoppedSupervisorNotContinued(_ServerNudgesSilenced, _ProcessBreaker):
+    """Breaks: a command that stops its supervisor is still timed out and killed on time.
+
+    Kill requests go to the supervisor without a SIGCONT first: a stopped one hears none of them, and
+    the run ends only when the executor gives the command up as lost.
+    """
+
+    process_class = _NoContinueProcess
+
+    def __init__(self, config: LocalConfig | None = None) -> None:
+        # Under the supervisor (the sound backend's containment), unlike the other broken backends:
+        # the supervisor is what it fails to continue.
+        # No SIGCONT from the fork server's nudges either (it continues its spare, which may be the
+        # supervisor the command stopped): _ServerNudgesSilenced.
+        _SoundLocal.__init__(self, config if config is not None else LocalConfig())
+
+    def _report_after_kill_s(self) -> float:
+        # Waits for the stopped supervisor's word as a backend without the base class's net would:
+        # with the net's 1 s, its `command_lost` came just inside the check's bound on a loaded
+        # machine (a rehearsal saw the check pass), which made the row flaky rather than broken.
+        return 10.0
+
+    async def _release(self) -> None:
+        while _NoContinueProcess.asked:
+            pidfd = _NoContinueProcess.asked.pop()
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGCONT)
+            os.close(pidfd)
+        await super()._release()
+
+
+class StoppedSparesNotContinued(_ServerNudgesSilenced):
+    """Breaks: a command that stops the helpers kept ready for the next commands makes the next
+    command wait at most a second.
+
+    The fork server and its spare are never continued (its ``nudge`` does nothing): a command's
+    request to a server that the command before stopped waits until someone else continues it.
+    Under the supervisor, unlike most broken backends: its fork server is what is left stopped.
+    """
 
 
 class _SigkillOnlyProcess(HostProcess):

@@ -14,6 +14,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -54,6 +55,13 @@ def marked_sleeper(marker: str, sleepers: list[subprocess.Popen[bytes]]) -> int:
     env = dict(os.environ, DSH_BASH_MARK=marker)
     proc = subprocess.Popen(["sleep", "30"], env=env, start_new_session=True)
     sleepers.append(proc)
+    # Popen returns once the exec closed its error pipe, which the kernel does before it sets up
+    # the new environment: until then /proc/PID/environ reads empty (a loaded rehearsal saw it).
+    deadline = time.monotonic() + 5.0
+    environ = Path(f"/proc/{proc.pid}/environ")
+    while marker.encode() not in environ.read_bytes():
+        assert time.monotonic() < deadline, f"{environ} never showed {marker}"
+        time.sleep(0.005)
     return proc.pid
 
 

@@ -26,6 +26,7 @@ from ._support import (
     elapsed,
     expect_raises,
     loop,
+    marked_flags,
     sh,
     show,
     spawn,
@@ -543,9 +544,7 @@ async def _cancel_run(
 )
 async def cancel_kills(ctx: CheckContext) -> None:
     async with ctx.executor() as ex:
-        tmp = await ctx.tempdir(ex)
-        mark = ctx.marker()
-        a, b = f"{tmp}/a", f"{tmp}/b"
+        mark, (a, b) = await marked_flags(ctx, ex, 2)
         command = f"{loop(mark, prelude=touch(a))} & {loop(mark, trap_term=True, prelude=touch(b))} & wait"
         await _cancel_run(
             ctx, ex, command, ready=[a, b], mark=mark, grace_s=GRACE_S, what="a running command"
@@ -600,9 +599,7 @@ async def cancel_any_moment(ctx: CheckContext) -> None:
 async def aclose_during_run(ctx: CheckContext) -> None:
     ex = ctx.executor()
     async with ex:
-        tmp = await ctx.tempdir(ex)
-        mark = ctx.marker()
-        a, b = f"{tmp}/a", f"{tmp}/b"
+        mark, (a, b) = await marked_flags(ctx, ex, 2)
         command = f"{loop(mark, trap_term=True, prelude=touch(a))} & {loop(mark, prelude=touch(b))} & wait"
         async with anyio.create_task_group() as tg:
             box = spawn(tg, ex.exec, command)

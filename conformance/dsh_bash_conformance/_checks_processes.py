@@ -17,6 +17,7 @@ from ._support import (
     elapsed,
     gone,
     loop,
+    marked_flags,
     read_to_end,
     sh,
     show,
@@ -198,9 +199,7 @@ async def own_session(ctx: CheckContext) -> None:
 )
 async def kill_whole_group(ctx: CheckContext) -> None:
     async with ctx.executor() as ex:
-        tmp = await ctx.tempdir(ex)
-        mark = ctx.marker()
-        a, b = f"{tmp}/a", f"{tmp}/b"
+        mark, (a, b) = await marked_flags(ctx, ex, 2)
         task = await ex.start(
             ex.resolve(
                 BashExecRequest(
@@ -429,9 +428,7 @@ async def bounded_drain(ctx: CheckContext) -> None:
 )
 async def foreground_leftovers_killed(ctx: CheckContext) -> None:
     async with ctx.executor() as ex:
-        tmp = await ctx.tempdir(ex)
-        mark = ctx.marker()
-        a, b = f"{tmp}/a", f"{tmp}/b"
+        mark, (a, b) = await marked_flags(ctx, ex, 2)
         trapping = loop(mark, trap_term=True, prelude=touch(a))
         hiding = loop(mark, prelude=touch(b))
         # The shell waits until both run (their files exist), then exits with a status of its own.
@@ -483,9 +480,7 @@ async def aclose_kills_leftovers(ctx: CheckContext) -> None:
 )
 async def timeout_kills_children(ctx: CheckContext) -> None:
     async with ctx.executor() as ex:
-        tmp = await ctx.tempdir(ex)
-        mark = ctx.marker()
-        a, b = f"{tmp}/a", f"{tmp}/b"
+        mark, (a, b) = await marked_flags(ctx, ex, 2)
         command = f"{loop(mark, prelude=touch(a))} & {loop(mark, trap_term=True, prelude=touch(b))} & wait"
         started = time.monotonic()
         result = await ex.exec(command, timeout_ms=400)

@@ -187,6 +187,13 @@ async def sh(ex: BashExecutor, command: str, **fields: Any) -> str:
     return result.stdout.text
 
 
+async def marked_flags(ctx: CheckContext, ex: BashExecutor, count: int) -> tuple[str, list[str]]:
+    """A fresh marker and ``count`` paths in a new temporary directory of ``ex``: the files that a
+    check's marked processes create to say they run (see :func:`touch`, :func:`wait_files`)."""
+    tmp = await ctx.tempdir(ex)
+    return ctx.marker(), [f"{tmp}/{chr(ord('a') + n)}" for n in range(count)]
+
+
 async def wait_files(ex: BashExecutor, paths: Iterable[str], within_s: float = 5.0) -> None:
     """Poll (through ``ex``) until every path exists: proof that the processes writing them started."""
     quoted = " ".join(shlex.quote(p) for p in paths)
