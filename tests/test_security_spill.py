@@ -50,7 +50,9 @@ def anyio_backend() -> str:
 
 
 #: Where the victims live (local and SSH: this host's /tmp; Docker: the container's, removed with it).
-VICTIM_DIRS = "/tmp/dshsec-victim-XXXXXX"
+#: This process's own (its pid in the name): each test removes them all at its end, and a test of
+#: another pytest worker may be using its own meanwhile (a rehearsal's victim vanished mid-test).
+VICTIM_DIRS = f"/tmp/dshsec-victim-{os.getpid()}-XXXXXX"
 
 
 @pytest.fixture(autouse=True)
