@@ -247,10 +247,11 @@ async def test_a_supervisor_that_dies_without_a_word_leaves_the_outcome_unknown(
     """A supervisor killed before the boot verdict was relayed (a command's first `kill -9 $PPID`
     can win that race: a CI run saw it) says nothing and ends by a signal. The command may have
     run: ``command_lost``, never "could not start". The race made certain: root in an attached
-    container plants a supervisor that kills itself at once."""
+    container plants a supervisor that kills itself at once (no warm execs: one started before the
+    planting runs the real supervisor)."""
     container = start_idle_container(docker_test_image)
     try:
-        config = DockerConfig(container=container.get_wrapped_container().id, grace_ms=GRACE_MS)
+        config = DockerConfig(container=container.get_wrapped_container().id, grace_ms=GRACE_MS, warm_execs=0)
         async with DockerBashExecutor(config) as ex:
             planted = await ex.exec(
                 'p="/.dsh-bash/$(ls /.dsh-bash/)"; rm -f "$p"; '
