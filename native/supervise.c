@@ -11,6 +11,7 @@
  *                 [--setenv NAME=VALUE]...
  *                 -- PROGRAM [ARGS...]
  *   dsh-supervise --fork-server [--die-with-parent] [--allow-no-subreaper]
+ *   dsh-supervise --warm BASH    (an SSH warm channel's waiter: warm.c)
  *   dsh-supervise --version      (prints "dsh-supervise 5": the protocol's version)
  *   dsh-supervise --sha256 | --hmac-sha256 KEYHEX   (digest of stdin in hex: for the tests)
  *
@@ -73,7 +74,8 @@ static void usage(void)
         "       dsh-supervise --frame --spec [--allow-no-subreaper]\n"
         "       dsh-supervise --detach --status-file PATH [--stdin-file PATH] [--stdout-file PATH] "
         "[--stderr-file PATH] [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]\n"
-        "       dsh-supervise --fork-server [--die-with-parent] [--allow-no-subreaper]");
+        "       dsh-supervise --fork-server [--die-with-parent] [--allow-no-subreaper]\n"
+        "       dsh-supervise --warm BASH");
 }
 
 /* The options that take a value (I is at the option; it moves past the value). 0: not one of them. */
@@ -110,6 +112,8 @@ static int parse_valued(int argc, char **argv, int *i, struct options *o, int *s
         o->grace_ms = strtoll(v, &end, 10);
         if (errno != 0 || end == v || *end != '\0' || o->grace_ms < 0 || o->grace_ms > 86400000)
             die("--grace-ms wants a number of milliseconds, from 0 to 86400000");
+    } else if (strcmp(a, "--warm") == 0) {
+        o->warm_bash = v;
     } else if (strcmp(a, "--cap-file") == 0) {
         o->cap_path = v;
     } else if (strcmp(a, "--setenv") == 0) {
@@ -180,7 +184,12 @@ static void check_options(const struct command_line *c, const struct options *o,
         die("--stdin-null goes with --frame and no --tty: the command's stdin is /dev/null, not a pipe");
     if (o->tty_rows > 0 && !c->frame)
         die("--tty goes with --frame: the supervisor holds the terminal's master and relays it");
-    if (!has_program && !c->server && !o->spec)
+    if (o->warm_bash != NULL
+        && (c->frame || c->detach || c->server || has_program || o->status_fd >= 0 || o->control_fd >= 0
+            || o->setenv_count > 0 || o->grace_ms >= 0 || o->die_with_parent))
+        die("--warm BASH waits for one request on fd 0 and execs BASH with it: it goes with no other option "
+            "and no PROGRAM");
+    if (!has_program && !c->server && !o->spec && o->warm_bash == NULL)
         usage();
     if (c->frame && (o->status_fd >= 0 || o->control_fd >= 0 || o->die_with_parent))
         die("--frame takes its requests from fd 0 and writes its records to fd 1: it goes with none of "
@@ -254,6 +263,8 @@ int main(int argc, char **argv)
     check_options(&c, &o, argc);
     copy_arguments(&o, c.first, setenv_args);
     free(setenv_args);
+    if (o.warm_bash != NULL)
+        return run_warm(o.warm_bash);
     if (c.server)
         return run_fork_server(&o);
     if (c.detach)

@@ -11,6 +11,7 @@ struct options {
     int status_fd, control_fd; /* plain mode; -1 when not given */
     int die_with_parent, allow_no_subreaper;
     int spec;                                 /* --frame --spec */
+    char *warm_bash;                          /* --warm BASH; NULL: not that mode */
     int stdin_null;                           /* --frame --stdin-null */
     unsigned short tty_rows, tty_cols;        /* --frame --tty; 0: no terminal */
     char *status_path, *stdio_paths[3];       /* --detach */
@@ -79,5 +80,6 @@ int run_plain(struct options *o);
 int run_framed(struct options *o);
 int run_detached(struct options *o);
 int run_fork_server(struct options *o);
+int run_warm(const char *bash);
 
 #endif

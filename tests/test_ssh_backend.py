@@ -473,20 +473,23 @@ async def test_the_boots_fast_unexport_holds_on_a_real_login(
 
 
 def _waiters(user: str) -> list[int]:
-    """Live processes of ``user`` running a warm channel's WAITER (its text is on their command line)."""
+    """Live processes of ``user`` waiting on a warm channel: `dsh-supervise --warm`, or a bash running
+    WAITER (its text is on its command line)."""
     uid = int(subprocess.run(["id", "-u", user], capture_output=True, text=True, check=True).stdout)
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
-            if os.stat(f"/proc/{name}").st_uid != uid:
+            # The real uid: /proc/PID of a non-dumpable process (`dsh-supervise --warm`) is root's.
+            status = Path(f"/proc/{name}/status").read_text()
+            if int(status.split("\nUid:", 1)[1].split()[0]) != uid:
                 continue
             cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
             state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
+        except (OSError, IndexError):
             continue
-        if state != "Z" and b"dsh-bash-ready" in cmdline:
+        if state != "Z" and (b"dsh-bash-ready" in cmdline or b"\0--warm\0" in cmdline):
             found.append(int(name))
     return found
 

@@ -13,7 +13,9 @@ import os
 import shlex
 import shutil
 import subprocess
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from dsh_bash_ssh import _scripts
@@ -21,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsh_bash.remote import find_boot_ok
+from dsh_bash.supervisor import supervisor_binary
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
@@ -166,16 +169,48 @@ def _warm_args(spill: Path, *, command: str = "env", stdin: bool = False) -> tup
             "1" if stdin else "0", *WARM_ARGS[6:])  # fmt: skip
 
 
+#: The stat program the SSH install finds (never PATH's), as BOOT and the warm line run it.
+STAT = next((path for path in ("/usr/bin/stat", "/bin/stat") if os.access(path, os.X_OK)), "stat")
+#: Which waits on a warm channel: a bash (WAITER), or `dsh-supervise --warm` (under the supervisor).
+WAITERS = ["bash", "supervisor"]
+
+
+def _identity(path: str) -> str:
+    done = subprocess.run(
+        [STAT, "-c", _scripts.IDENTITY_FORMAT, "--", path],
+        env={"TZ": "UTC0", "LC_ALL": "C"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+def _warm_line(waiter: str, identity: str | None = None) -> str:
+    if waiter == "bash":
+        return _scripts.warm_line()
+    binary = supervisor_binary()
+    if binary is None:
+        pytest.skip("no dsh-supervise build for this machine")
+    identity = identity if identity is not None else _identity(str(binary))
+    return _scripts.warm_line(str(binary), (STAT, identity))
+
+
 def _start_warm(
-    prefix: str = "", *, login_shell: tuple[str, ...] = ("bash", "--noprofile", "--norc")
+    prefix: str = "",
+    *,
+    login_shell: tuple[str, ...] = ("bash", "--noprofile", "--norc"),
+    waiter: str = "bash",
+    as_nobody: bool = False,
 ) -> subprocess.Popen[bytes]:
     """A warm channel's login shell (LOGIN_ENV), once it waits (READY read)."""
     process = subprocess.Popen(
-        [*login_shell, "-c", prefix + _scripts.warm_line()],
+        [*login_shell, "-c", prefix + _warm_line(waiter)],
         env=LOGIN_ENV,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        **(_NOBODY if as_nobody else {}),
     )
     assert process.stdout is not None
     assert process.stdout.read(len(_scripts.READY)) == _scripts.READY
@@ -183,11 +218,16 @@ def _start_warm(
 
 
 def _run_warm(
-    request: bytes, *, prefix: str = "", stdin: bytes = b"", process: subprocess.Popen[bytes] | None = None
+    request: bytes,
+    *,
+    prefix: str = "",
+    stdin: bytes = b"",
+    process: subprocess.Popen[bytes] | None = None,
+    waiter: str = "bash",
 ) -> bytes:
     """What the command printed when a warm channel (``process``, else a new one) gets ``request``
     (then ``stdin``)."""
-    process = process or _start_warm(prefix)
+    process = process or _start_warm(prefix, waiter=waiter)
     out, err = process.communicate(request + stdin, timeout=20)
     assert process.returncode == 0, (out, err)
     # BOOT's first words: its BOOT_AT record (the command's start, for kills) and BOOT_OK.
@@ -209,8 +249,9 @@ def test_a_warm_channel_waits_without_the_logins_environment(spill: Path) -> Non
     assert b"dsh-bash-ready" in cmdline  # the waiter itself was looked at
 
 
-def test_a_warm_channel_gives_the_request_environment(spill: Path) -> None:
-    out = _run_warm(_scripts.boot_request(_warm_args(spill), None)).decode()
+@pytest.mark.parametrize("waiter", WAITERS)
+def test_a_warm_channel_gives_the_request_environment(spill: Path, waiter: str) -> None:
+    out = _run_warm(_scripts.boot_request(_warm_args(spill), None), waiter=waiter).decode()
     _assert_policy("\n".join(sorted(line for line in out.splitlines() if not line.startswith("_="))))
 
 
@@ -224,29 +265,117 @@ def test_a_warm_channel_gives_the_request_environment(spill: Path) -> None:
         "x='$HOME `id` $(id) \\\\ !'; printf '%s' \"$x\"",
     ],
 )
-def test_a_warm_channel_runs_any_command_text(spill: Path, command: str) -> None:
-    warm = _run_warm(_scripts.boot_request(_warm_args(spill, command=command), None))
+@pytest.mark.parametrize("waiter", WAITERS)
+def test_a_warm_channel_runs_any_command_text(spill: Path, command: str, waiter: str) -> None:
+    warm = _run_warm(_scripts.boot_request(_warm_args(spill, command=command), None), waiter=waiter)
     cold = subprocess.run(["bash", "--noprofile", "--norc", "-c", command], capture_output=True, check=False)
     assert warm == cold.stdout
 
 
-def test_a_warm_channel_runs_a_long_command_from_a_file(spill: Path) -> None:
+@pytest.mark.parametrize("waiter", WAITERS)
+def test_a_warm_channel_runs_a_long_command_from_a_file(spill: Path, waiter: str) -> None:
     command = "printf '%s' '" + "x" * 200_000 + "' | wc -c"
     args = _warm_args(spill, command="")
-    assert _run_warm(_scripts.boot_request(args, command)).strip() == b"200000"
+    assert _run_warm(_scripts.boot_request(args, command), waiter=waiter).strip() == b"200000"
     assert (spill / f"{WARM_ARGS[0]}.cmd").read_text() == command
 
 
-def test_a_warm_channel_leaves_stdin_to_the_command(spill: Path) -> None:
+@pytest.mark.parametrize("waiter", WAITERS)
+def test_a_warm_channel_leaves_stdin_to_the_command(spill: Path, waiter: str) -> None:
     request = _scripts.boot_request(_warm_args(spill, command="cat", stdin=True), None)
-    assert _run_warm(request, stdin=b"data\0for cat\n") == b"data\0for cat\n"
+    assert _run_warm(request, stdin=b"data\0for cat\n", waiter=waiter) == b"data\0for cat\n"
 
 
-def test_a_warm_channel_closed_unused_exits_quietly() -> None:
-    for request in (b"", b"00000", b"0000000009builtin"):  # nothing, a cut length, a cut request
-        process = _start_warm()
+@pytest.mark.parametrize("waiter", WAITERS)
+def test_a_warm_channel_closed_unused_exits_quietly(waiter: str) -> None:
+    # Nothing, a cut length, a length that is not digits, a cut request.
+    for request in (b"", b"00000", b"00000x0009", b"0000000009builtin"):
+        process = _start_warm(waiter=waiter)
         out, _ = process.communicate(request, timeout=20)
         assert (process.returncode, out) == (0, b""), out
+
+
+#: Popen's arguments for the same unprivileged user on both sides (the waiter and the taker-over).
+_NOBODY: dict[str, Any] = {"user": 65534, "group": 65534, "extra_groups": []}
+
+
+#: A login's channel: the warm line run by a login shell whose stdin and stdout are pipes of the user's.
+_CHANNEL = 'sleep 60 | bash --noprofile --norc -c "$1" | cat >/dev/null'
+
+
+def _waiting_spare(waiter: str) -> int:
+    """The pid of user 65534's process waiting as a warm channel's ``waiter`` (within 5 s)."""
+
+    def waits(argv: list[bytes]) -> bool:
+        if waiter == "supervisor":  # dsh-supervise --warm BASH
+            return len(argv) == 3 and argv[1] == b"--warm"
+        return argv[-1:] == [b"dsh-bash"] and b"dsh-bash-ready" in argv[-2]  # bash -c WAITER dsh-bash
+
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")[:-1]
+                if entry.stat().st_uid == 65534 and waits(argv):
+                    return int(entry.name)
+            except OSError:
+                continue
+        time.sleep(0.02)
+    raise AssertionError(f"no {waiter} waiter of user 65534 within 5 s")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switches to an unprivileged user (65534) for both sides")
+def test_a_supervised_warm_channel_cannot_be_taken_over_by_the_same_user(spill: Path) -> None:
+    """Issue 30: a command of the login opened the waiting spare's fds (or ptraced it), read the next
+    command's request and answered in its place. Under the supervisor a process of the same user can
+    neither open its fds nor read its environment (the login's) or its memory; a bash waiter
+    (WAITER, without the supervisor) can be read by it (shown first: the attack itself works)."""
+    attack = (
+        'for path in fd/0 fd/1 environ; do if { : < "/proc/$1/$path"; } 2>/dev/null; '
+        'then echo "$path opened"; else echo "$path refused"; fi; done'
+    )
+    results = {}
+    for waiter in WAITERS:
+        # As under sshd, the channel's pipes belong to the login: the user's own bash makes them.
+        wrapper = subprocess.Popen(
+            ["bash", "--noprofile", "--norc", "-c", _CHANNEL, "wrapper", _warm_line(waiter)],
+            env=LOGIN_ENV,
+            start_new_session=True,
+            **_NOBODY,
+        )  # fmt: skip
+        try:
+            pid = _waiting_spare(waiter)
+            done = subprocess.run(
+                ["bash", "--noprofile", "--norc", "-c", attack, "attack", str(pid)],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=False,
+                **_NOBODY,
+            )
+        finally:
+            os.killpg(wrapper.pid, 9)
+            wrapper.wait()
+        results[waiter] = done.stdout
+    assert "fd/0 opened" in results["bash"], results  # the attack, on the waiter that allows it
+    assert "opened" not in results["supervisor"] and "fd/0 refused" in results["supervisor"], results
+
+
+def test_a_replaced_supervisor_never_becomes_a_warm_channels_waiter() -> None:
+    """The warm line checks the supervisor's file as BOOT does: another identity than the install's
+    (the file replaced by a command) and the line ends at once, having printed nothing: no request
+    ever reaches what replaced it."""
+    process = subprocess.Popen(
+        ["bash", "--noprofile", "--norc", "-c", _warm_line("supervisor", identity="0:0:0:not-the-install")],
+        env=LOGIN_ENV,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    out, err = process.communicate(b"0000000005exit\n", timeout=20)
+    assert (process.returncode, out, err) == (0, b"", b"")
 
 
 # -- a login shell that is not bash ---------------------------------------------------------------

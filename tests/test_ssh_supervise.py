@@ -195,6 +195,77 @@ async def test_a_timeout_kills_an_escapee_without_the_marker(ssh_server: SshServ
         _kill(hidden)
 
 
+# A command of the login that looks for the waiting spare (another process of its login whose
+# command line shows it waits for a request: the old bash waiter, or a supervisor run as `--warm`,
+# not the login shell that checks the binary before it execs it) and tries to open its stdin and
+# stdout, as one that takes it over would. The patterns are cut in two so that this command's own
+# command line matches neither.
+_TAKE_OVER = r"""
+a=dsh-bash-re; b=ady; c=--wa; d=rm
+for p in /proc/[0-9]*; do
+  [ "${p#/proc/}" = "$$" ] && continue
+  cmd=$(tr '\0' ' ' < "$p/cmdline" 2>/dev/null) || continue
+  case $cmd in *"$a$b"*|/*/dsh-supervise-*" $c$d "*) ;; *) continue ;; esac
+  echo "spare ${p#/proc/}"
+  for fd in 0 1; do
+    if { : < "$p/fd/$fd"; } 2>/dev/null; then echo "opened fd $fd"; else echo "refused fd $fd"; fi
+  done
+done
+"""
+
+
+async def test_a_warm_spare_cannot_be_taken_over_by_a_command(ssh_server: SshServer) -> None:
+    """Issue 30: a command opened the waiting spare's fds (same user), read the next command's request
+    and answered it (FORGED-BY-A, exit 0). Under the supervisor the spare is dsh-supervise --warm,
+    non-dumpable: its fds cannot be opened, and the next command's outcome is its own."""
+    async with ssh_server.executor() as ex:
+        assert ex.containment == "subreaper"
+        await ex.exec("true")
+        assert await ex.warm_up()
+        result = await ex.exec(_TAKE_OVER)
+        lines = result.stdout.text.splitlines()
+        assert any(line.startswith("spare ") for line in lines), result  # it found the waiting spare
+        assert not any(line.startswith("opened") for line in lines), result
+        assert any(line.startswith("refused") for line in lines), result
+        after = await ex.exec("echo mine; exit 4")
+        assert (after.stdout.text, after.exit_code) == ("mine\n", 4)
+
+
+# Stops every waiting spare of its login (found as _TAKE_OVER finds them) and says how many.
+_STOP_SPARES = r"""
+a=dsh-bash-re; b=ady; c=--wa; d=rm; n=0
+for p in /proc/[0-9]*; do
+  [ "${p#/proc/}" = "$$" ] && continue
+  cmd=$(tr '\0' ' ' < "$p/cmdline" 2>/dev/null) || continue
+  case $cmd in *"$a$b"*|*"$c$d"*) kill -STOP "${p#/proc/}" && n=$((n+1)) ;; esac
+done
+echo "$n"
+"""
+
+
+@pytest.mark.timeout(60)
+async def test_a_stopped_warm_spare_delays_the_next_command_by_a_second_at_most(
+    ssh_server: SshServer,
+) -> None:
+    """Issue 30: a command that stops the waiting spares (same user) made the next command wait for
+    a spare that could not answer. A spare is now a supervisor the executor continues while it waits
+    for its answer, and one that did not log in is given up for a fresh channel."""
+    async with ssh_server.executor() as ex:
+        await ex.exec("true")
+        started = time.monotonic()
+        await ex.exec("true")
+        latency = time.monotonic() - started
+        for _ in range(3):
+            assert await ex.warm_up()
+            stopped = await ex.exec(_STOP_SPARES)
+            assert int(stopped.stdout.text) >= 1, stopped
+            started = time.monotonic()
+            after = await ex.exec("echo mine; exit 4")
+            took = time.monotonic() - started
+            assert (after.stdout.text, after.exit_code) == ("mine\n", 4)
+            assert took < 1.0 + 3 * latency, f"the next command took {took:.2f} s"
+
+
 async def test_stdin_and_a_long_command_go_through(ssh_server: SshServer) -> None:
     data = os.urandom(200_000).hex()  # several stdin frames
     long = "echo " + "x" * 120_000 + " | wc -c"  # runs from a file

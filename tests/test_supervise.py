@@ -713,6 +713,9 @@ def test_setenv_usage_errors(tmp_path: Path, args: list[str]) -> None:
         ["--grace-ms", "1.5", "--", "true"],
         ["--grace-ms", "86400001", "--", "true"],
         ["--fork-server", "--grace-ms", "100"],
+        ["--warm", "/bin/bash", "--frame"],
+        ["--warm", "/bin/bash", "--", "true"],
+        ["--warm", "/bin/bash", "--grace-ms", "100"],
     ],
 )
 def test_usage_errors_exit_125(args: list[str]) -> None:
@@ -723,7 +726,7 @@ def test_usage_errors_exit_125(args: list[str]) -> None:
 
 def test_version() -> None:
     done = subprocess.run([SUPERVISE, "--version"], capture_output=True, text=True, timeout=10, check=True)
-    assert done.stdout == "dsh-supervise 6\n"
+    assert done.stdout == "dsh-supervise 7\n"
     assert done.stdout == f"dsh-supervise {PROTOCOL_VERSION}\n"  # what the backends expect of it
 
 

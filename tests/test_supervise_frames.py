@@ -956,7 +956,7 @@ def test_frame_excludes_the_version_1_channels(option: list[str]) -> None:
 
 def test_version() -> None:
     done = subprocess.run([SUPERVISE, "--version"], capture_output=True, text=True, timeout=5, check=True)
-    assert done.stdout == "dsh-supervise 6\n"
+    assert done.stdout == "dsh-supervise 7\n"
 
 
 @pytest.mark.skipif(

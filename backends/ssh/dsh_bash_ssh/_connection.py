@@ -91,28 +91,37 @@ _THAW_BOUND_S = 10.0
 _CONTINUE_BOUND_S = 10.0
 
 #: Run on a fresh connection when the executor's own stalls: SIGCONT to every stopped process of the
-#: login that is an ``sshd`` session process, a ``dsh-supervise``, or a channel's process (a child
-#: of one of the login's ``sshd`` processes: a warm channel's shell, say). None of them is ever
-#: meant to be stopped (a user's own stopped jobs are children of their shells, not of sshd), and
-#: processes of other users cannot be signalled anyway. Prints how many it continued.
+#: login that is an ``sshd`` session process, a ``dsh-supervise``, a channel's process (a child of
+#: one of the login's ``sshd`` processes: a warm channel's shell, say), or a child of a channel's
+#: process in that process's own group (the ``stat`` a warm channel's shell checks the supervisor
+#: with before it execs it). None of them is ever meant to be stopped: a user's own stopped jobs are
+#: in process groups of their own (job control), or under a supervisor; processes of other users
+#: cannot be signalled anyway. Prints how many it continued.
 THAW = r"""
-declare -A sshd=()
+declare -A name=() parent=() group=()
+stopped=()
 for dir in /proc/[0-9]*; do
     read -r stat 2>/dev/null < "$dir/stat" || continue
-    name=${stat#*(}
-    case ${name%%)*} in sshd*) sshd[${dir#/proc/}]=1 ;; esac
+    pid=${dir#/proc/}
+    comm=${stat#*(}
+    name[$pid]=${comm%%)*}
+    fld=(${stat##*) })
+    parent[$pid]=${fld[1]}
+    group[$pid]=${fld[2]}
+    [ "${fld[0]}" = T ] && stopped+=("$pid")
 done
 n=0
-for dir in /proc/[0-9]*; do
-    read -r stat 2>/dev/null < "$dir/stat" || continue
-    name=${stat#*(}
-    fld=(${stat##*) })
-    [ "${fld[0]}" = T ] || continue
-    case ${name%%)*} in
-    sshd*|dsh-supervise*) ;;
-    *) [ -n "${sshd[${fld[1]}]-}" ] || continue ;;
+for pid in "${stopped[@]}"; do
+    up=${parent[$pid]}
+    case ${name[$pid]}/${name[$up]-} in
+    sshd*|dsh-supervise*|*/sshd*) ;;
+    */|*/dsh-supervise*) continue ;;
+    *)
+        [ "${group[$pid]}" = "${group[$up]}" ] || continue
+        case ${name[${parent[$up]}]-} in sshd*) ;; *) continue ;; esac
+        ;;
     esac
-    kill -CONT "${dir#/proc/}" 2>/dev/null && n=$((n+1))
+    kill -CONT "$pid" 2>/dev/null && n=$((n+1))
 done
 echo "$n"
 """

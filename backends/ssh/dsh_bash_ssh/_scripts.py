@@ -502,9 +502,35 @@ builtin eval "$_dsh_req"
 """.replace("LENGTH_DIGITS", str(_LENGTH_DIGITS))
 
 
-def warm_line() -> str:
-    """The command line of a warm channel: any POSIX login shell runs it; no value on it. A bash
-    login shell clears the environment itself (`exec -c`), others through `env -i`."""
+# Under the supervisor the waiting is dsh-supervise's (`--warm`, protocol 7): a bash waiting on the
+# channel is any process of the login's to take over (its /proc/PID/fd/0 and fd/1 opened, or ptrace),
+# which would read the next command's request, environment and all, and answer in its place; the
+# supervisor is non-dumpable. It prints READY, reads the request as WAITER does and execs bash with it
+# (from a memfd on fd 3, never on a command line). The file is checked first as BOOT checks it (its
+# identity from install, with the install's stat): a replaced one never sees a request, the spare
+# just ends (the command then takes a fresh channel, whose BOOT reports the supervisor missing). Any
+# POSIX login shell runs the line; the supervisor starts with an empty environment (`env -i`), and so
+# does the bash it execs.
+_WARM_SUPERVISED = (
+    "_dsh_sh=$(command -v bash) || _dsh_sh=/bin/bash; "
+    'if [ "$(export TZ=UTC0 LC_ALL=C; exec STAT -c FORMAT -- SUPERVISOR 2>/dev/null)" = IDENTITY ]; then '
+    'exec env -i SUPERVISOR --warm "$_dsh_sh"; fi; exit 0'
+)
+
+
+def warm_line(supervisor: str | None = None, check: tuple[str, str] | None = None) -> str:
+    """The command line of a warm channel: any POSIX login shell runs it; no value on it. Under the
+    supervisor (``supervisor`` and ``check``, see :func:`boot_script`), ``dsh-supervise --warm`` waits;
+    else a bash: a bash login shell clears the environment itself (`exec -c`), others through
+    `env -i`."""
+    if supervisor is not None and check is not None:
+        stat, identity = check
+        return (
+            _WARM_SUPERVISED.replace("SUPERVISOR", shlex.quote(supervisor))
+            .replace("STAT", shlex.quote(stat))
+            .replace("FORMAT", shlex.quote(IDENTITY_FORMAT))
+            .replace("IDENTITY", shlex.quote(identity))
+        )
     waiter = shlex.quote(WAITER)
     return (
         'if [ -n "${BASH_VERSION-}" ]; then '
@@ -523,7 +549,9 @@ def boot_request(
     """What a warm channel's WAITER reads to run BOOT with ``args`` (see BOOT's arguments above; the
     header flag "0", every variable of the command's environment as a NAME=VALUE entry) and the
     long command, when ``args`` has none. ``supervisor``: see :func:`boot_script`."""
-    script = "builtin set -- " + " ".join(_ascii_quote(arg) for arg in args) + "\n"
+    # fd 3: the memfd `dsh-supervise --warm` hands the request over in (closed at once; nothing else
+    # is on fd 3 under WAITER).
+    script = "builtin exec 3<&-\nbuiltin set -- " + " ".join(_ascii_quote(arg) for arg in args) + "\n"
     if long_command is not None:
         script += "_dsh_long=" + _ascii_quote(long_command) + "\n"
     detached, header, long, stdin = _shape(args)

@@ -45,7 +45,7 @@ from ._detached import DetachedProcess, DetachedSpill, DetachedSupervisors, Foll
 from ._framed_channel import FramedSshProcess
 from ._hints import INFRA_HINTS
 from ._process import CommandSession, RemoteMarked, SshProcess, SupervisorMissing
-from ._scripts import SETUP, SETUP_END, SETUP_HOME, boot_line, boot_request
+from ._scripts import SETUP, SETUP_END, SETUP_HOME, boot_line, boot_request, warm_line
 from ._spill import SshSpillFile
 from ._ssh_config import SshConfig
 from ._ssh_kit_hooks import find_open_leftovers, find_remote_processes, kit_notes, plant_in_bashrc
@@ -97,7 +97,12 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         self._ssh_config = config
         self._pool = ChannelPool(config)
         self._pool.on_reconnect = self._reconnected
-        self._warm = WarmChannel(self._pool, self._start_helper, enabled=config.warm_channel)
+        self._warm = WarmChannel(
+            self._pool,
+            self._start_helper,
+            line=lambda: warm_line(self._supervisor, self._supervisor_check),
+            enabled=config.warm_channel,
+        )
         self._pool.reclaim = self._warm.reclaim
         #: Commands whose kill could not reach the host, by marker: killed once it is back.
         self._unreached: dict[str, RemoteMarked] = {}

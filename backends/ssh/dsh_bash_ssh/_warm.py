@@ -61,10 +61,14 @@ class WarmChannel:
         pool: ChannelPool,
         start_helper: Callable[..., None],
         *,
+        line: Callable[[], str] = warm_line,
         enabled: bool = True,
         depth: int = 2,
     ) -> None:
         self._pool = pool
+        #: The command line of the next spare (the supervisor's path and identity may change: a
+        #: command can remove it, and the executor installs it again).
+        self._line = line
         self._start_helper = start_helper
         #: Oldest first: the one most likely logged in already.
         self._spares: deque[_Spare] = deque()
@@ -88,7 +92,7 @@ class WarmChannel:
 
     async def _open(self, spare: _Spare) -> None:
         try:
-            spare.session = await self._pool.open_session(warm_line(), CommandSession, reserved=True)
+            spare.session = await self._pool.open_session(self._line(), CommandSession, reserved=True)
         except BashInfrastructureError as exc:
             log.debug("a warm channel did not open: %s", exc)
             if spare in self._spares:
