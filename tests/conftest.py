@@ -24,8 +24,15 @@ import turns
 from anyio._backends._asyncio import TestRunner
 
 #: Docker, SSH (host sshd and containerized sshd), fault-suite and remote-engine (TLS, SSH) fixtures
-#: for every test module.
-pytest_plugins = ["docker_support", "ssh_support", "sshd_container", "fault_support", "remote_engines"]
+#: for every test module; ``soak``: the ``hostile`` marker, ``--rounds`` and ``--cpu-hog``.
+pytest_plugins = [
+    "docker_support",
+    "ssh_support",
+    "sshd_container",
+    "fault_support",
+    "remote_engines",
+    "soak",
+]
 
 #: Reason prefix of skips that CI turns into failures.
 BACKEND_UNAVAILABLE = "backend unavailable:"
