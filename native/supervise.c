@@ -12,6 +12,9 @@
  *                 -- PROGRAM [ARGS...]
  *   dsh-supervise --fork-server [--die-with-parent] [--allow-no-subreaper]
  *   dsh-supervise --warm BASH    (an SSH warm channel's waiter: warm.c)
+ *   --self-fd N (version 7, with --frame or --detach): it was exec'd from N, the sealed copy of itself
+ *                 that --warm left to BOOT; N is closed on the command's exec, and the process takes
+ *                 the name of ARGV[0]'s last component (the kernel named it after the fd, "N")
  *   dsh-supervise --version      (prints "dsh-supervise 5": the protocol's version)
  *   dsh-supervise --sha256 | --hmac-sha256 KEYHEX   (digest of stdin in hex: for the tests)
  *
@@ -75,7 +78,8 @@ static void usage(void)
         "       dsh-supervise --detach --status-file PATH [--stdin-file PATH] [--stdout-file PATH] "
         "[--stderr-file PATH] [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]\n"
         "       dsh-supervise --fork-server [--die-with-parent] [--allow-no-subreaper]\n"
-        "       dsh-supervise --warm BASH");
+        "       dsh-supervise --warm BASH\n"
+        "       (--self-fd N, with --frame or --detach: exec'd from the sealed copy --warm left on N)");
 }
 
 /* The options that take a value (I is at the option; it moves past the value). 0: not one of them. */
@@ -114,6 +118,10 @@ static int parse_valued(int argc, char **argv, int *i, struct options *o, int *s
             die("--grace-ms wants a number of milliseconds, from 0 to 86400000");
     } else if (strcmp(a, "--warm") == 0) {
         o->warm_bash = v;
+    } else if (strcmp(a, "--self-fd") == 0) {
+        /* The sealed copy of this binary it was exec'd from (warm.c): not the command's to inherit. */
+        parse_fd(v, "--self-fd");
+        o->self_fd = 1;
     } else if (strcmp(a, "--cap-file") == 0) {
         o->cap_path = v;
     } else if (strcmp(a, "--setenv") == 0) {
@@ -186,11 +194,13 @@ static void check_options(const struct command_line *c, const struct options *o,
         die("--tty goes with --frame: the supervisor holds the terminal's master and relays it");
     if (o->warm_bash != NULL
         && (c->frame || c->detach || c->server || has_program || o->status_fd >= 0 || o->control_fd >= 0
-            || o->setenv_count > 0 || o->grace_ms >= 0 || o->die_with_parent))
+            || o->setenv_count > 0 || o->grace_ms >= 0 || o->die_with_parent || o->self_fd))
         die("--warm BASH waits for one request on fd 0 and execs BASH with it: it goes with no other option "
             "and no PROGRAM");
     if (!has_program && !c->server && !o->spec && o->warm_bash == NULL)
         usage();
+    if (o->self_fd && !c->frame && !c->detach)
+        die("--self-fd goes with --frame or --detach: a command's supervisor exec'd from --warm's sealed copy");
     if (c->frame && (o->status_fd >= 0 || o->control_fd >= 0 || o->die_with_parent))
         die("--frame takes its requests from fd 0 and writes its records to fd 1: it goes with none of "
             "--status-fd, --control-fd, --die-with-parent");
@@ -263,6 +273,13 @@ int main(int argc, char **argv)
     check_options(&c, &o, argc);
     copy_arguments(&o, c.first, setenv_args);
     free(setenv_args);
+    if (o.self_fd) {
+        /* Exec'd as /proc/self/fd/N: the kernel named the process "N". Those who look for supervisors
+         * by name (the continue and thaw scripts) find it by its usual one. */
+        const char *slash = strrchr(argv[0], '/');
+        if (prctl(PR_SET_NAME, slash != NULL ? slash + 1 : argv[0], 0, 0, 0) < 0)
+            die("prctl(PR_SET_NAME): %s", strerror(errno));
+    }
     if (o.warm_bash != NULL)
         return run_warm(o.warm_bash);
     if (c.server)

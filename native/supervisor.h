@@ -12,6 +12,7 @@ struct options {
     int die_with_parent, allow_no_subreaper;
     int spec;                                 /* --frame --spec */
     char *warm_bash;                          /* --warm BASH; NULL: not that mode */
+    int self_fd;                              /* --self-fd N given: exec'd from a sealed copy (warm.c) */
     int stdin_null;                           /* --frame --stdin-null */
     unsigned short tty_rows, tty_cols;        /* --frame --tty; 0: no terminal */
     char *status_path, *stdio_paths[3];       /* --detach */

@@ -14,12 +14,37 @@
  * empty environment. The request is never on a command line; its first line closes fd 3. At EOF, or on
  * a length that is not ten digits or is above 1 GiB, it exits 0 having run nothing (the channel closed
  * unused, or something else wrote to it).
+ *
+ * Before it says ready it puts a sealed copy of itself (a memfd no process can write, grow or shrink)
+ * on fd 4, which BASH inherits: BOOT execs the command's supervisor from it (--self-fd 4) rather than
+ * from the cached file, which a process of the login may write or replace. This binary was checked
+ * before its exec (the warm line compares the file's identity), and the copy is what runs here (the
+ * kernel refuses writes to a running executable). Without memfds or seals fd 4 is left closed and BOOT
+ * checks the file as a cold channel does.
  */
 #include "common.h"
 #include "supervisor.h"
 
 #define LENGTH_DIGITS 10
 #define MAX_REQUEST (1LL << 30)
+/* Where BASH finds the sealed copy of this binary (BOOT's --self-fd). */
+#define SELF_FD 4
+
+#ifndef MFD_ALLOW_SEALING
+#define MFD_ALLOW_SEALING 0x0002U
+#endif
+/* Linux 6.3+: say the memfd is meant to be executable (else the kernel logs a warning, and refuses
+ * the exec where vm.memfd_noexec is 2); older kernels refuse the flag (EINVAL): then without it. */
+#ifndef MFD_EXEC
+#define MFD_EXEC 0x0010U
+#endif
+#ifndef F_ADD_SEALS
+#define F_ADD_SEALS 1033
+#define F_SEAL_SEAL 0x0001
+#define F_SEAL_SHRINK 0x0002
+#define F_SEAL_GROW 0x0004
+#define F_SEAL_WRITE 0x0008
+#endif
 
 #ifndef SYS_memfd_create
 #error "memfd_create(2) is needed for --warm"
@@ -38,8 +63,49 @@ static void write_all(int fd, const char *buf, size_t n)
     }
 }
 
+/* A sealed copy of /proc/self/exe on SELF_FD, or SELF_FD closed: see above. */
+static void seal_a_copy_of_self(void)
+{
+    close(SELF_FD); /* whatever the login shell left there is not this binary */
+    int exe = open("/proc/self/exe", O_RDONLY | O_CLOEXEC);
+    if (exe < 0)
+        return;
+    int fd = (int)syscall(SYS_memfd_create, "dsh-supervise", MFD_ALLOW_SEALING | MFD_EXEC);
+    if (fd < 0 && errno == EINVAL)
+        fd = (int)syscall(SYS_memfd_create, "dsh-supervise", MFD_ALLOW_SEALING);
+    int copied = fd >= 0;
+    char buf[65536];
+    while (copied) {
+        ssize_t n = read(exe, buf, sizeof buf);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0) {
+            copied = n == 0;
+            break;
+        }
+        for (ssize_t off = 0; off < n && copied;) {
+            ssize_t w = write(fd, buf + off, (size_t)(n - off));
+            if (w < 0 && errno == EINTR)
+                continue;
+            copied = w > 0;
+            off += w > 0 ? w : 0;
+        }
+    }
+    close(exe);
+    if (copied && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) == 0
+        && (fd == SELF_FD || dup2(fd, SELF_FD) == SELF_FD)) {
+        if (fd != SELF_FD)
+            close(fd);
+        return;
+    }
+    if (fd >= 0)
+        close(fd);
+    close(SELF_FD);
+}
+
 int run_warm(const char *bash)
 {
+    seal_a_copy_of_self();
     static const char ready[] = "\0dsh-bash-ready"; /* with its terminating NUL: the marker's 16 bytes */
     write_all(1, ready, sizeof ready);
 

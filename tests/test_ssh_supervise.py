@@ -343,18 +343,64 @@ async def test_the_marker_reaches_the_command_and_never_its_supervisor(
         probe.unlink(missing_ok=True)
 
 
+# The command writes its own pid and its parent's (its supervisor) to PROBE, then lives on a moment.
+_PIDS = 'printf "%s %s\\n" "$$" "$PPID" > {probe}; sleep 2'
+
+
+@pytest.mark.parametrize("mode", ["warm", "detached", "cold"])
+async def test_a_warm_command_runs_under_a_sealed_copy_of_the_supervisor(
+    ssh_server: SshServer, mode: str
+) -> None:
+    """Issue 30: BOOT stat'ed the cached supervisor before its exec, and a process of the login could
+    still swap the file between the two. `--warm` leaves a sealed copy of itself (a memfd nobody can
+    write) that a warm BOOT execs instead: no stat, no file. The supervisor keeps its name, and the
+    command does not inherit the copy. A cold channel still runs the checked file."""
+    probe = Path(f"/tmp/dsh-sealed-probe-{os.urandom(8).hex()}")
+    try:
+        async with ssh_server.executor(warm_channel=mode != "cold") as ex:
+            assert ex.containment == "subreaper"
+            if mode != "cold":
+                assert await ex.warm_up()
+            async with anyio.create_task_group() as group:
+                command = _PIDS.format(probe=probe)
+                if mode == "detached":
+                    task = await ex.start(ex.resolve(BashExecRequest(command=command)))
+                else:
+                    group.start_soon(ex.exec, command)
+                with anyio.fail_after(10):
+                    while not (probe.exists() and probe.read_text().endswith("\n")):  # noqa: ASYNC110
+                        await anyio.sleep(0.02)
+                command_pid, supervisor = (int(word) for word in probe.read_text().split())
+                exe = os.readlink(f"/proc/{supervisor}/exe")
+                name = Path(f"/proc/{supervisor}/comm").read_text().strip()
+                held = [os.readlink(fd) for fd in Path(f"/proc/{command_pid}/fd").iterdir()]
+            if mode == "detached":
+                with anyio.fail_after(10):
+                    await task.wait()
+        if mode == "cold":
+            assert exe == str(_cached(ssh_server)), exe
+        else:
+            assert exe.startswith("/memfd:dsh-supervise"), exe
+        assert name.startswith("dsh-supervise"), name
+        assert not any("memfd:" in link for link in held), held
+    finally:
+        probe.unlink(missing_ok=True)
+
+
 @pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
 async def test_a_removed_supervisor_is_installed_again(
     ssh_server: SshServer, cache: Path, warm: bool
 ) -> None:
-    """A command of the login's user may remove the cached supervisor: the next command puts it back
-    (once per start) instead of every later command failing to start."""
+    """A command of the login's user may remove the cached supervisor: a later command puts it back
+    (once per start) instead of every later command failing to start. Cold, the next one; warm, the
+    spare that waited already runs its sealed copy, and the one after it finds the file gone."""
     async with ssh_server.executor(warm_channel=warm) as ex:
         assert ex.containment == "subreaper"
         await ex.exec("rm -rf ~/.cache/dsh-bash")
         assert not _cached(ssh_server).exists()
-        result = await ex.exec("kill -TERM $$")
-        assert (result.signal, result.exit_code) == ("SIGTERM", None), result
+        for _ in range(3 if warm else 1):
+            result = await ex.exec("kill -TERM $$")
+            assert (result.signal, result.exit_code) == ("SIGTERM", None), result
         assert _cached(ssh_server).exists()
 
 

@@ -724,6 +724,32 @@ def test_usage_errors_exit_125(args: list[str]) -> None:
     assert done.stderr.startswith("dsh-supervise: ")
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--self-fd", "FD", "--", "true"], "--self-fd goes with --frame or --detach"),
+        (["--warm", "/bin/bash", "--self-fd", "FD"], "--warm BASH waits for one request"),
+        (
+            ["--self-fd", "2", "--frame", "--", "true"],
+            "--self-fd wants a file descriptor number of 3 or more",
+        ),
+    ],
+)
+def test_self_fd_goes_with_a_commands_supervisor_only(args: list[str], said: str) -> None:
+    """``--self-fd N``: the sealed copy ``--warm`` leaves to BOOT, for the supervisor of a command."""
+    read_end, write_end = os.pipe()
+    try:
+        argv = [SUPERVISE, *(str(read_end) if arg == "FD" else arg for arg in args)]
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=10, check=False, pass_fds=(read_end,)
+        )
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert done.returncode == 125
+    assert done.stderr.startswith(f"dsh-supervise: {said}"), done.stderr
+
+
 def test_version() -> None:
     done = subprocess.run([SUPERVISE, "--version"], capture_output=True, text=True, timeout=10, check=True)
     assert done.stdout == "dsh-supervise 7\n"

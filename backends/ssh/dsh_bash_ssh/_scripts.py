@@ -302,6 +302,30 @@ _CHECK_SUPERVISOR_IDENTITY = r"""[[ -x SUPERVISOR && $(TZ=UTC0 LC_ALL=C STAT -c 
 """
 
 
+# A warm channel's BOOT runs in the bash `dsh-supervise --warm` exec'd, which left a sealed copy of
+# itself on fd 4 (see native/warm.c): the command's supervisor is exec'd from that copy, which no
+# process can write, so no stat of the cached file is needed (one fork and exec less per command)
+# and no process of the login can swap the file between a check and the exec. `exec -a` keeps the
+# supervisor's usual command line; `--self-fd 4` has it close fd 4 on the command's exec and take its
+# usual name. Where the copy is missing (no memfds or seals) the file is checked as on a cold channel.
+_PICK_SEALED_SUPERVISOR = r"""if [[ -x /proc/self/fd/4 ]]; then _dsh_sup=/proc/self/fd/4 _dsh_self=(--self-fd 4)
+else
+CHECK_dsh_sup=SUPERVISOR _dsh_self=()
+fi
+"""
+#: What BOOT execs for ``SUPERVISOR`` after :data:`_PICK_SEALED_SUPERVISOR`.
+_SEALED_SUPERVISOR = '-a SUPERVISOR "$_dsh_sup" "${_dsh_self[@]}"'
+
+
+def _supervisor_exec(supervisor: str, check: tuple[str, str] | None, *, warm: bool) -> tuple[str, str]:
+    """BOOT's look at the supervisor before its exec, and the words to exec it by."""
+    quoted = _ascii_quote(supervisor)
+    if not warm:
+        return _supervisor_check(supervisor, check), quoted
+    picked = _PICK_SEALED_SUPERVISOR.replace("CHECK", _supervisor_check(supervisor, check))
+    return picked.replace("SUPERVISOR", quoted), _SEALED_SUPERVISOR.replace("SUPERVISOR", quoted)
+
+
 def _supervisor_check(supervisor: str, check: tuple[str, str] | None) -> str:
     """BOOT's look at the supervisor before its exec: it exists, and (``check``: the stat program,
     the identity it printed at install) is still the file installed."""
@@ -411,20 +435,22 @@ def boot_script(
     if long:
         parts.append(_STORE_LONG_COMMAND)
     if detached and supervisor is not None:
+        checked, executed = _supervisor_exec(supervisor, check, warm=warm)
         parts.append(
-            _DETACH_SUPERVISED.replace("SUPERVISOR", _ascii_quote(supervisor))
+            _DETACH_SUPERVISED.replace("SUPERVISOR", executed)
             .replace("GRACE", grace)
-            .replace("CHECKED", _supervisor_check(supervisor, check))
+            .replace("CHECKED", checked)
         )
     elif detached:
         parts.append(_DETACH)
     elif supervisor is not None:
-        parts.append(_supervisor_check(supervisor, check))
+        checked, executed = _supervisor_exec(supervisor, check, warm=warm)
+        parts.append(checked)
         parts.append(_STARTED.replace("builtin export DSH_BASH_MARK=$_dsh_mark\n", ""))
         run = '"$_dsh_script"' if long else '-c -- "$_dsh_command"'
         # ASCII-quoted: a warm request is ASCII, and every shell that runs BOOT is a bash.
         parts.append(
-            _RUN_SUPERVISED.replace("SUPERVISOR", _ascii_quote(supervisor))
+            _RUN_SUPERVISED.replace("SUPERVISOR", executed)
             .replace("GRACESTDIN", grace + ("" if stdin else "--stdin-null "))
             .replace("COMMAND", run)
         )
@@ -492,8 +518,12 @@ _LENGTH_DIGITS = 10
 # request carries the command's whole environment as arguments (it is never on a command line).
 # `read -N` takes a pipe in bulk and never past the count, so the command's stdin that follows stays
 # for it. The request is ASCII (see boot_request), so characters are bytes in any locale. At EOF
-# (the channel closed unused) it exits.
+# (the channel closed unused) it exits. Fd 4 is closed first: a warm BOOT execs the supervisor from
+# the sealed copy `dsh-supervise --warm` leaves there, and a WAITER has none (an rc file of the login
+# shell may have opened something there). A plain `exec` (no function can be defined in a bash
+# started with an empty environment and no rc file): `builtin exec` would undo the close on return.
 WAITER = r"""
+exec 4<&-
 builtin printf '\0dsh-bash-ready\0'
 IFS= builtin read -r -N LENGTH_DIGITS _dsh_len || builtin exit 0
 [[ $_dsh_len =~ ^[0-9]{LENGTH_DIGITS}$ ]] || builtin exit 0
@@ -550,8 +580,9 @@ def boot_request(
     header flag "0", every variable of the command's environment as a NAME=VALUE entry) and the
     long command, when ``args`` has none. ``supervisor``: see :func:`boot_script`."""
     # fd 3: the memfd `dsh-supervise --warm` hands the request over in (closed at once; nothing else
-    # is on fd 3 under WAITER).
-    script = "builtin exec 3<&-\nbuiltin set -- " + " ".join(_ascii_quote(arg) for arg in args) + "\n"
+    # is on fd 3 under WAITER). A plain `exec`, as in WAITER: `builtin exec 3<&-` closed nothing (the
+    # redirection of a builtin lasts while it runs), and every command inherited the request.
+    script = "exec 3<&-\nbuiltin set -- " + " ".join(_ascii_quote(arg) for arg in args) + "\n"
     if long_command is not None:
         script += "_dsh_long=" + _ascii_quote(long_command) + "\n"
     detached, header, long, stdin = _shape(args)
