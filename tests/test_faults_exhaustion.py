@@ -108,6 +108,7 @@ def test_fork_bomb_under_a_real_pids_limit_ends_in_time_and_leaves_nothing() -> 
     before, left, took = report["ended_kill"]
     assert before > 0 and left == [], report["ended_kill"]
     assert took <= 2 * GRACE_S + SLACK_S, report["ended_kill"]
+    assert report["room_s"] <= 2 * GRACE_S + SLACK_S, report["room_s"]  # what it left is reaped too
     # aclose raises only the library's errors; here it must not raise at all, and nothing outlives it.
     assert report["pids_full"] is True
     assert report["aclose"] == "ok"
