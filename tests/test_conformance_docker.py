@@ -13,8 +13,9 @@ rows when the Debian image is missing and cannot be built here (no ``mmdebstrap`
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 from docker_support import DockerMode, docker_target
@@ -112,6 +113,32 @@ def test_check(
     if image == "busybox" and name in BUSYBOX_NOT_APPLICABLE:
         expected = "not_applicable"
     assert result.outcome == expected, f"{result.name} ({result.kind}) {result.outcome}: {result.message}"
+
+
+#: Issue 30's kit checks as a non-root user in the container (uid 65534), image mode: a command that
+#: cannot signal root's processes may still stop its own supervisor, spares and leftovers. The
+#: terminal check needs perl or python3: on the Debian image only.
+NOBODY_CASES = [
+    ("stopped-supervisor-killed-on-time", "busybox"),
+    ("stopped-spares-next-command-on-time", "busybox"),
+    ("foreground-leftovers-killed", "busybox"),
+    ("terminal-injection-refused", "debian"),
+]
+
+
+@pytest.mark.parametrize(("name", "image"), NOBODY_CASES, ids=[f"{n}-{i}" for n, i in NOBODY_CASES])
+def test_check_as_nobody(name: str, image: ImageKind, request: pytest.FixtureRequest) -> None:
+    tag: str = request.getfixturevalue(_IMAGE_FIXTURE[image])
+    key = ("docker", "image", "asyncio", tag, None)  # test_check's image row: its measured latency
+    base = reused_target(key, lambda: docker_target("image", "asyncio", tag))
+
+    def make_executor(**overrides: Any) -> Any:
+        return base.make_executor(**{"user": "65534", **overrides})
+
+    target = dataclasses.replace(base, name=f"{base.name}-nobody", make_executor=make_executor)
+    [result] = run_kit(target, only=[name]).results
+    print(f"{target.name} {result.name} {result.outcome} in {result.duration_s:.2f}s {result.message or ''}")
+    assert result.outcome == "passed", f"{result.name} ({result.kind}) {result.outcome}: {result.message}"
 
 
 #: The checks on how commands are contained and how their outcome is known.
