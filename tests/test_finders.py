@@ -218,8 +218,12 @@ def test_a_zombie_is_not_listed(
 ) -> None:
     """A marked process that exited and was not reaped is not alive: nothing to kill, nothing left."""
     marker = executor_marker + "1"
-    # The parent execs into a sleep and never reaps the child it forked (which exits at once).
-    shape = Shape(lambda m: ["/bin/bash", "-c", "/bin/true & exec /bin/sleep 30"], exact=True, prefix=True)
+    # The parent execs into a sleep and never reaps the child it forked, which exits a second later:
+    # a child that exited at once could be reaped by bash itself before its exec (a rehearsal's
+    # LC_ALL=C run: no zombie in 10 s). `env sleep` is not a `/bin/sleep` the shape's look counts.
+    shape = Shape(
+        lambda m: ["/bin/bash", "-c", "/usr/bin/env sleep 1 & exec /bin/sleep 30"], exact=True, prefix=True
+    )
     [parent] = started(shape, marker)
     deadline = time.monotonic() + 10
     # Both: the child may exit before the parent's exec is through (its environment unreadable while
