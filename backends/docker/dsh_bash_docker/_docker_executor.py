@@ -45,6 +45,7 @@ from ._engine import Endpoint, EngineClient, EngineError, ExecStream
 from ._framed_exec import FramedDockerProcess, SidePipes, SupervisorMissing
 from ._hints import INFRA_HINTS
 from ._process import ContainerMarked, DockerProcess, diagnose_refusal, run_script, start_script
+from ._runtime_thaw import continue_stopped_stages, pid_namespace
 from ._scripts import BOOT, BOOT_SUPERVISED, SPILL_DIR, SPILL_WRITER
 from ._spill import DockerSpillFile
 from ._supervisor import INSTALL_DIR, INSTALL_TMPFS, install_supervisor
@@ -71,6 +72,8 @@ _RELEASE_WAIT_S = 2.0
 #: whose request was given up (Docker Engine 20.10: measured here, a DELETE dropped after 20 ms still
 #: removed the container); with a hundred execs ending at once its shim stalled the answer 30-60 s.
 _REMOVE_WAIT_S = 10.0
+#: The least time between two searches of the host for stopped runtime processes of the container.
+_THAW_EVERY_S = 1.0
 
 
 def _creator_gone(pid: str) -> bool:
@@ -114,6 +117,10 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         self._spills = CommandSpills(self._start_helper, _SPILL_FLUSH_BOUND_S)
         self._recreate_lock = anyio.Lock()
         self._host_visible = False
+        #: The container's pid namespace, when the host sees its processes (None: it does not).
+        self._pid_namespace: str | None = None
+        self._thaw_lock = anyio.Lock()
+        self._thawed_at = -_THAW_EVERY_S
         self._side_pipes = SidePipes(False)
         self._warm = WarmExecs(
             self._create_spare, self._spare_key, self._start_helper, depth=config.warm_execs
@@ -297,6 +304,9 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             and bool(init_pid)
             and os.access(f"/proc/{init_pid}/environ", os.R_OK)
         )
+        self._pid_namespace = pid_namespace(init_pid) if self._host_visible else None
+        # A stalled call about the container may wait on a runtime process a command stopped.
+        self._engine.on_stall = self._thaw_runtime if self._pid_namespace is not None else None
         self._side_pipes = SidePipes(self._host_visible and self._docker_config.direct_output)
         container_config = info.get("Config") or {}
         self._cwd = container_config.get("WorkingDir") or "/"
@@ -578,6 +588,28 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         except EngineError as exc:
             if exc.status not in (404, 409):  # a container gone or stopped holds nothing to continue
                 log.warning("continuing stopped supervisors in the container failed: %s", exc)
+
+    async def _thaw_runtime(self) -> None:
+        """Continue, from the host, the runtime's processes entering the container that a command
+        stopped (see ``_runtime_thaw``), at most once a second: the engine holds every call about the
+        container while one is stopped."""
+        async with self._thaw_lock:
+            namespace = self._pid_namespace
+            if namespace is None or anyio.current_time() - self._thawed_at < _THAW_EVERY_S:
+                return
+            self._thawed_at = anyio.current_time()
+            try:
+                continued = await anyio.to_thread.run_sync(continue_stopped_stages, namespace)
+            except OSError as exc:
+                log.warning("searching the host for stopped runtime processes failed: %s", exc)
+                return
+        if continued:
+            log.warning(
+                "container %s: continued %d stopped runtime process(es) entering it (a command "
+                "stopped them; the engine held every call about the container)",
+                self._container_id[:12],
+                continued,
+            )
 
     def _boot_env(self, launch: Launch) -> tuple[dict[str, str], str]:
         """The exec's environment for BOOT (all but the command's text) and the trailer's nonce ("" under

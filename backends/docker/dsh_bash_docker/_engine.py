@@ -13,9 +13,9 @@ import contextlib
 import json
 import ssl
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 from urllib.parse import quote
 
 import anyio
@@ -23,7 +23,7 @@ import anyio.lowlevel
 import httpcore2
 
 from dsh_bash import BashInfrastructureError
-from dsh_bash.backend import InfraReason
+from dsh_bash.backend import InfraReason, while_watching
 
 from ._transport import Endpoint, EngineNetwork, EngineStream
 
@@ -34,6 +34,13 @@ _READ_SIZE = 256 * 1024
 #: How long :meth:`EngineClient.exec_exit_code` waits for the engine to record an ended exec's exit.
 EXIT_CODE_WAIT_S = 5.0
 _FRAME = struct.Struct(">BxxxI")
+#: How long a call about a container, or an exec's first read, waits before
+#: :attr:`EngineClient.on_stall` runs (and again after each further ``STALL_S`` of waiting).
+STALL_S = 1.0
+#: The calls about one container or exec: the engine holds them while the runtime cannot enter it.
+_WATCHED_PATHS = ("/containers/", "/exec/")
+
+_T = TypeVar("_T")
 
 
 class EngineError(BashInfrastructureError):
@@ -86,7 +93,12 @@ def _error_text(status: int, body: bytes) -> str:
 class ExecStream:
     """The upgraded connection of a started exec: a multiplexed stdout/stderr stream, and stdin."""
 
-    def __init__(self, stream: httpcore2.AsyncNetworkStream, response: httpcore2.Response) -> None:
+    def __init__(
+        self,
+        stream: httpcore2.AsyncNetworkStream,
+        response: httpcore2.Response,
+        watch: Callable[[Callable[[], Awaitable[bytes]]], Awaitable[bytes]] | None = None,
+    ) -> None:
         # Reads go through httpcore2's wrapper (it holds any bytes that came with the response's
         # head); the half-close and the readiness test need the connection itself.
         self._stream = stream
@@ -96,6 +108,9 @@ class ExecStream:
         self._response = response
         self.buffer = bytearray()
         self.eof = False
+        #: Watches the first read (until the exec's process said anything, or ended): an exec whose
+        #: process the runtime could not start yet shows nothing but this wait.
+        self._watch_first = watch
 
     async def send_stdin(self, data: bytes) -> None:
         try:
@@ -119,8 +134,12 @@ class ExecStream:
         """Read what the engine sent next into ``buffer``; False at the end of the stream."""
         if self.eof:
             return False
+        watch, self._watch_first = self._watch_first, None
         try:
-            data = await self._stream.read(_READ_SIZE)
+            if watch is None:
+                data = await self._stream.read(_READ_SIZE)
+            else:
+                data = await watch(lambda: self._stream.read(_READ_SIZE))
         except (httpcore2.ReadError, httpcore2.TimeoutException):
             data = b""
         if not data:
@@ -206,6 +225,11 @@ class EngineClient:
         #: starts as a bash that unsets them and `exec`s the real process (see :meth:`exec_create`).
         #: Set by the executor once it read the container's Env.
         self.unset_names: Callable[[], Sequence[str]] = tuple
+        #: Run when a call about a container or an exec, or an exec's first read, has waited
+        #: ``STALL_S``, and after each further ``STALL_S`` while it still waits: a command may have
+        #: stopped (SIGSTOP) the runtime's process that enters the container, and the engine then
+        #: holds every call about it. Set by the executor when it can help; None: nothing watches.
+        self.on_stall: Callable[[], Awaitable[None]] | None = None
 
     async def __aenter__(self) -> Self:
         return self
@@ -221,6 +245,19 @@ class EngineClient:
                 await self._pool.aclose()
             finally:
                 await self._network.aclose()
+
+    async def _watched(self, body: Callable[[], Awaitable[_T]]) -> _T:
+        """``await body()``, running :attr:`on_stall` while it waits past ``STALL_S``."""
+        remedy = self.on_stall
+        if remedy is None:
+            return await body()
+
+        async def watch() -> None:
+            while True:
+                await anyio.sleep(STALL_S)
+                await remedy()
+
+        return await while_watching(body, watch)
 
     def _request(
         self, method: str, path: str, body: Any | None, extra: list[tuple[bytes, bytes]]
@@ -251,15 +288,18 @@ class EngineClient:
 
     async def request_raw(self, method: str, path: str, body: Any | None = None) -> tuple[int, bytes]:
         """(status, body) of one call, whatever the status; a HEAD request's body is empty."""
-        try:
+
+        async def call() -> tuple[int, bytes]:
             response = await self._pool.handle_async_request(self._request(method, path, body, []))
             try:
-                data = await response.aread()
+                return response.status, await response.aread()
             finally:
                 await response.aclose()
+
+        try:
+            return await (self._watched(call) if path.startswith(_WATCHED_PATHS) else call())
         except _CONNECTION_ERRORS as exc:
             raise _lost(self.endpoint, exc) from exc
-        return response.status, data
 
     async def exec_create(
         self,
@@ -304,11 +344,12 @@ class EngineClient:
             [(b"Connection", b"Upgrade"), (b"Upgrade", b"tcp")],
         )
         try:
-            response = await self._pool.handle_async_request(request)
+            response = await self._watched(lambda: self._pool.handle_async_request(request))
         except _CONNECTION_ERRORS as exc:
             raise _lost(self.endpoint, exc) from exc
         if response.status == 101:
-            return ExecStream(response.extensions["network_stream"], response)
+            watch = None if self.on_stall is None else self._watched
+            return ExecStream(response.extensions["network_stream"], response, watch)
         try:
             data = await response.aread()
         except _CONNECTION_ERRORS as exc:
