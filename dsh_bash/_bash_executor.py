@@ -486,6 +486,11 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             open_stdin=request.open_stdin or request.terminal is not None,
             terminal=request.terminal,
             on_output=request.on_output,
+            task_timeout_ms=(
+                None
+                if request.task_timeout_ms is None
+                else float(min(request.task_timeout_ms, config.max_timeout_ms))
+            ),
         )
 
     async def exec(self, command: str, **request_fields: Any) -> BashRunResult:
@@ -911,7 +916,8 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
 
     async def _run_background(self, command: _Command) -> None:
         try:
-            await self._supervise(command, None)
+            task_timeout_ms = command.spec.task_timeout_ms
+            await self._supervise(command, None if task_timeout_ms is None else task_timeout_ms / 1000)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._kill_now(command, "closed")
@@ -949,6 +955,8 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
                 end_cause = "lost"
             elif cause in ("killed", "aborted", "closed"):
                 end_cause = cause
+            elif cause == "timeout":
+                end_cause = "timed_out"
             elif cause == "cancelled":
                 end_cause = "closed"
             elif signal is not None:

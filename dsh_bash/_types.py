@@ -41,7 +41,7 @@ BashTaskId = NewType("BashTaskId", str)
 OwnerToken = NewType("OwnerToken", str)
 
 BashTaskStatus = Literal["running", "completed", "killed"]
-EndCause = Literal["exited", "signaled", "killed", "aborted", "closed", "lost"]
+EndCause = Literal["exited", "signaled", "killed", "timed_out", "aborted", "closed", "lost"]
 
 #: ``on_output(stream, data)``: every chunk of a command's output as the executor receives it
 #: (``R-output-tap``). Called in the event loop's thread from the backend's reader: it must return at
@@ -102,18 +102,18 @@ def _check_user(value: object) -> str | None:
     return value
 
 
-def _check_timeout(value: object) -> float | None:
+def _check_timeout(value: object, name: str = "timeout_ms") -> float | None:
     if value is None:
         return None
     # bool is an int subclass: refuse it explicitly, as strings are refused.
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"timeout_ms must be a positive finite number of milliseconds, got {value!r}")
+        raise ValueError(f"{name} must be a positive finite number of milliseconds, got {value!r}")
     try:
         number = float(value)
     except OverflowError:  # an int too large for a float
         number = math.inf
     if not math.isfinite(number) or number <= 0:
-        raise ValueError(f"timeout_ms must be a positive finite number of milliseconds, got {value!r}")
+        raise ValueError(f"{name} must be a positive finite number of milliseconds, got {value!r}")
     return number
 
 
@@ -206,15 +206,24 @@ class BashExecRequest(_CommandChecks):
     #: Called with every chunk of stdout and stderr as it arrives, beyond what the result keeps
     #: (``R-output-tap``): for a caller that shows output live. None: only the result.
     on_output: OutputTap | None = None
+    #: The timeout of a background task (``start``; ``run`` has ``timeout_ms``): at it the task is
+    #: killed and ends ``killed``, end cause ``timed_out`` (``R-task-timeout``). None: no timeout.
+    task_timeout_ms: float | None = None
 
     @field_validator("timeout_ms", mode="before")
     @classmethod
     def _timeout(cls, value: object) -> float | None:
         return _check_timeout(value)
 
+    @field_validator("task_timeout_ms", mode="before")
+    @classmethod
+    def _task_timeout(cls, value: object) -> float | None:
+        return _check_timeout(value, "task_timeout_ms")
+
 
 class BashExecSpec(_CommandChecks):
-    """What the executor acts on: every choice made explicit. ``start`` ignores ``timeout_ms``."""
+    """What the executor acts on: every choice made explicit. ``start`` ignores ``timeout_ms`` (its
+    timeout is ``task_timeout_ms``), ``run`` ignores ``task_timeout_ms``."""
 
     command: StrictStr
     workdir: StrictStr
@@ -232,6 +241,8 @@ class BashExecSpec(_CommandChecks):
     terminal: TerminalSize | None = None
     #: As on the request.
     on_output: OutputTap | None = None
+    #: As on the request (``resolve`` caps it at ``max_timeout_ms``).
+    task_timeout_ms: float | None = None
 
     @model_validator(mode="after")
     def _terminal_input_open(self) -> BashExecSpec:
@@ -248,6 +259,11 @@ class BashExecSpec(_CommandChecks):
         if checked is None:
             raise ValueError("timeout_ms is required on a spec")
         return checked
+
+    @field_validator("task_timeout_ms", mode="before")
+    @classmethod
+    def _task_timeout(cls, value: object) -> float | None:
+        return _check_timeout(value, "task_timeout_ms")
 
 
 class CollectedOutput(_Frozen):

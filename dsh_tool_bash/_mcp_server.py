@@ -118,7 +118,8 @@ _INSTRUCTIONS: Final = (
     "workdir argument instead of cd)."
 )
 _BACKGROUND_INSTRUCTIONS: Final = (
-    " Long-running commands (servers, watchers) go to the background with run_in_background; read their "
+    " Long-running commands (servers, watchers) go to the background with run_in_background, or after "
+    "yield_ms milliseconds when they have not ended by then; read their "
     "output with bash_output and stop them with bash_kill; answer a program that asks for input (started "
     "with open_stdin) with bash_input. Background tasks belong to this session and are killed when it ends."
 )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-from dsh_bash import BashRunResult, BashTaskStatus, CollectedOutput
+from dsh_bash import BashRunResult, BashTaskStatus, CollectedOutput, EndCause
 
 __all__ = [
     "NO_NEW_OUTPUT",
@@ -118,11 +118,16 @@ def render_run(result: BashRunResult) -> str:
     return join(pieces)
 
 
-def status_summary(status: BashTaskStatus, exit_code: int | None, signal: str | None) -> str:
-    """``running``, ``completed, exit code: N``, ``completed, signal: NAME``, ``killed[, signal: NAME]``."""
+def status_summary(
+    status: BashTaskStatus, exit_code: int | None, signal: str | None, end_cause: EndCause | None = None
+) -> str:
+    """``running``, ``completed, exit code: N``, ``completed, signal: NAME``, ``killed[, signal: NAME]``,
+    ``killed, timed out`` (its ``task_timeout_ms`` ended it)."""
     if status == "running":
         return "running"
     if status == "killed":
+        if end_cause == "timed_out":
+            return "killed, timed out"
         return f"killed, signal: {signal}" if signal is not None else "killed"
     if signal is not None:
         return f"completed, signal: {signal}"
@@ -132,10 +137,15 @@ def status_summary(status: BashTaskStatus, exit_code: int | None, signal: str | 
 
 
 def status_line(
-    status: BashTaskStatus, exit_code: int | None, signal: str | None, *, waiting: bool = False
+    status: BashTaskStatus,
+    exit_code: int | None,
+    signal: str | None,
+    *,
+    waiting: bool = False,
+    end_cause: EndCause | None = None,
 ) -> str:
     """``[status: ...]``; a running task blocked reading its input gets ``, waiting for input``."""
-    summary = status_summary(status, exit_code, signal)
+    summary = status_summary(status, exit_code, signal, end_cause)
     if waiting and status == "running":
         summary += ", waiting for input"
     return f"[status: {summary}]"

@@ -75,6 +75,15 @@ class BashArgs(BashForegroundArgs):
             "with bash_input. Without it the task's stdin is empty."
         ),
     )
+    yield_ms: PositiveMs | None = Field(
+        default=None,
+        description=(
+            "Wait at most this many milliseconds for the command: if it is still running then, it goes on "
+            "as a background task and the call returns its task id and its output so far (read more with "
+            "bash_output, stop it with bash_kill). timeout_ms still applies to it. For commands that may "
+            "or may not end soon: a test run, a build, a server whose start you want to see."
+        ),
+    )
     terminal: bool | None = Field(
         default=False,
         description=(

@@ -128,11 +128,14 @@ class ToolResult(BaseModel):
 class _OwnerBook:
     """Background tasks one owner started through toolsets, plus starts in flight."""
 
-    __slots__ = ("reserved", "tasks")
+    __slots__ = ("reserved", "tasks", "waited_on")
 
     def __init__(self) -> None:
         self.tasks: dict[BashTaskId, BashTask] = {}
         self.reserved = 0
+        #: Tasks a ``bash`` call with ``yield_ms`` still waits for: that call reports their end, so
+        #: ``on_completion`` does not.
+        self.waited_on: set[BashTaskId] = set()
 
     def running(self) -> list[BashTask]:
         for task_id in [tid for tid, task in self.tasks.items() if task.status != "running"]:
@@ -204,6 +207,9 @@ def _bash_description(*, background: bool, config: object) -> str:
             "`started background task ID` at once. Read what it printed since your last look with "
             "bash_output, and stop it with bash_kill. Do not start them with `&` or `nohup`: their "
             "output would be lost, and the call kills them when it returns.",
+            "- Set `yield_ms` for a command that may or may not end soon (tests, a build): the call "
+            "waits at most that long, and if the command still runs then, it goes on as a background "
+            "task and you get its id and its output so far. `timeout_ms` still applies to it.",
             "- For a program that asks for input (a prompt, a REPL, a confirmation), add "
             "`open_stdin: true` to `run_in_background: true` and answer it with bash_input.",
         ]
@@ -217,7 +223,8 @@ _BASH_OUTPUT_DESCRIPTION = "\n".join(
         "Returns only what the task printed since the previous bash_output call for it (stdout, then a "
         "line `[stderr]` and stderr), or `(no new output)`, followed by a status line: "
         "`[status: running]`, `[status: completed, exit code: N]`, `[status: completed, signal: NAME]` "
-        "or `[status: killed]`. Once a finished task's output has been read, later reads say "
+        "`[status: killed]` or `[status: killed, timed out]`. Once a finished task's output has been "
+        "read, later reads say "
         "`(no new output)`. A line `[some output was dropped from memory; full output: PATHS]` means the "
         "task printed faster than it was read: the complete output is in those files (use grep, tail).",
         "",
@@ -453,6 +460,13 @@ class BashToolset:
             return _error("invalid_arguments", f"invalid arguments for {name}: {problem}", name)
         except RecursionError:  # a safety net: the bounds below should have refused it first
             return _error("invalid_arguments", f"invalid arguments for {name}: {_TOO_DEEP}", name)
+        if isinstance(args, BashArgs) and args.run_in_background and args.yield_ms is not None:
+            return _error(
+                "invalid_arguments",
+                'invalid arguments for bash: argument "yield_ms" is for a call that waits; with '
+                '"run_in_background": true the call returns at once',
+                name,
+            )
         if isinstance(args, BashArgs) and not args.run_in_background:
             for flag in ("open_stdin", "terminal"):
                 if getattr(args, flag):
@@ -467,6 +481,8 @@ class BashToolset:
         if isinstance(args, BashForegroundArgs):
             if isinstance(args, BashArgs) and args.run_in_background:
                 return await self._start(args, signal)
+            if isinstance(args, BashArgs) and args.yield_ms is not None:
+                return await self._run_yielding(args, args.yield_ms, signal)
             return await self._run(args, signal)
         if isinstance(args, BashOutputArgs):
             return await self._read(args.task_id)
@@ -521,29 +537,9 @@ class BashToolset:
         if args.description is not None:
             facts["description"] = args.description
         book = _book(self._executor, self._owner)
-        running = len(book.running()) + book.reserved
-        if running >= self._max_running:
-            return _error(
-                "too_many_running",
-                f"too many background tasks running ({running} of at most {self._max_running}): "
-                "stop one with bash_kill or wait for one to finish",
-                BASH,
-                running=running,
-                max_running=self._max_running,
-                **facts,
-            )
-        if self._max_running_total is not None:
-            total = sum(len(b.running()) + b.reserved for b in _books.get(self._executor, {}).values())
-            if total >= self._max_running_total:
-                return _error(
-                    "too_many_running",
-                    f"too many background tasks running across all sessions ({total} of at most "
-                    f"{self._max_running_total}): stop one with bash_kill or wait for one to finish",
-                    BASH,
-                    running_total=total,
-                    max_running_total=self._max_running_total,
-                    **facts,
-                )
+        refused = self._over_cap(book, facts)
+        if refused is not None:
+            return refused
         book.reserved += 1
         try:
             spec = self._executor.resolve(request)
@@ -573,6 +569,110 @@ class BashToolset:
             data={"tool": BASH, **facts, **_task_data(task)},
         )
 
+    def _over_cap(self, book: _OwnerBook, facts: dict[str, Any]) -> ToolResult | None:
+        """The error when one more background task would pass ``max_running`` or ``max_running_total``."""
+        running = len(book.running()) + book.reserved
+        if running >= self._max_running:
+            return _error(
+                "too_many_running",
+                f"too many background tasks running ({running} of at most {self._max_running}): "
+                "stop one with bash_kill or wait for one to finish",
+                BASH,
+                running=running,
+                max_running=self._max_running,
+                **facts,
+            )
+        if self._max_running_total is not None:
+            total = sum(len(b.running()) + b.reserved for b in _books.get(self._executor, {}).values())
+            if total >= self._max_running_total:
+                return _error(
+                    "too_many_running",
+                    f"too many background tasks running across all sessions ({total} of at most "
+                    f"{self._max_running_total}): stop one with bash_kill or wait for one to finish",
+                    BASH,
+                    running_total=total,
+                    max_running_total=self._max_running_total,
+                    **facts,
+                )
+        return None
+
+    async def _run_yielding(self, args: BashArgs, yield_ms: float, signal: AbortSignal | None) -> ToolResult:
+        """``bash`` with ``yield_ms``: the command starts as a background task of the owner (its timeout
+        as ``task_timeout_ms``) and the call waits for it at most ``yield_ms``. Ended by then: its
+        output and status, and it is forgotten by the owner's book; else it goes on in the background.
+        An abort of the call, or its cancellation, within the window kills it; after the window the
+        call's signal no longer reaches it."""
+        try:
+            request = BashExecRequest(
+                command=args.command, workdir=args.workdir, timeout_ms=args.timeout_ms, owner=self._owner
+            )
+        except ValueError as exc:
+            return _error("invalid_arguments", f"invalid arguments for bash: {_one_line(exc)}", BASH)
+        facts: dict[str, Any] = {"background": False, "yield_ms": yield_ms}
+        if args.description is not None:
+            facts["description"] = args.description
+        book = _book(self._executor, self._owner)
+        refused = self._over_cap(book, facts)
+        if refused is not None:
+            return refused
+        book.reserved += 1
+        try:
+            spec = self._executor.resolve(request)
+            facts["workdir"] = spec.workdir
+            spec = spec.model_copy(update={"task_timeout_ms": spec.timeout_ms})
+            task = await self._executor.start(spec)
+        except DshBashError as exc:
+            if signal is not None and signal.aborted:
+                return _error("aborted", ABORTED_TEXT, BASH, **facts)
+            return _failure(exc, "the command could not run", BASH, **facts)
+        finally:
+            book.reserved -= 1
+        book.tasks[task.id] = task
+        book.waited_on.add(task.id)
+        aborted = False
+        try:
+            async with anyio.create_task_group() as watch:
+                if signal is not None:
+
+                    async def on_abort(aborting: AbortSignal) -> None:
+                        nonlocal aborted
+                        await aborting.wait()
+                        aborted = True
+                        watch.cancel_scope.cancel()
+
+                    watch.start_soon(on_abort, signal)
+                with anyio.move_on_after(yield_ms / 1000):
+                    await task.wait()
+                watch.cancel_scope.cancel()
+            if aborted:
+                await self._kill_waited_on(task)
+                return _error("aborted", ABORTED_TEXT, BASH, **facts, **_task_data(task))
+        except BaseException:
+            await self._kill_waited_on(task)
+            raise
+        finally:
+            book.waited_on.discard(task.id)
+        moved = task.status == "running"
+        if not moved:
+            book.tasks.pop(task.id, None)
+        try:
+            read = await self._read_output(task.id, BASH)
+        except DshBashError as exc:
+            return _failure(exc, "could not read the command's output", BASH, **facts, **_task_data(task))
+        text = read.text
+        if moved:
+            text = f"still running after {_number(yield_ms)} ms: moved to background task {task.id}\n{text}"
+        return ToolResult(
+            text=text, is_error=False, data={**read.data, **facts, "moved_to_background": moved}
+        )
+
+    async def _kill_waited_on(self, task: BashTask) -> None:
+        """Kill a task its call gave up on (aborted, cancelled) and wait for its end, as a foreground
+        run's end waits for its kill; shielded, and bounded by the executor's kill bound."""
+        with anyio.CancelScope(shield=True):
+            await self._executor.kill(task.id)
+            await task.wait()
+
     def _foreign(self, task_id: str, tool: str) -> ToolResult | None:
         """An error when ``task_id`` belongs to an owner other than this toolset's."""
         owner = self._executor.owner_of(BashTaskId(task_id))
@@ -601,7 +701,11 @@ class BashToolset:
             lossy=read.lossy,
             spill_paths=spill_paths,
             status=status_line(
-                task.status, task.exit_code, task.signal, waiting=read.waiting_for_input is True
+                task.status,
+                task.exit_code,
+                task.signal,
+                waiting=read.waiting_for_input is True,
+                end_cause=task.end_cause,
             ),
         )
         data = {
@@ -745,9 +849,10 @@ class BashToolset:
         return unsubscribe
 
     def _task_done(self, task: BashTask) -> None:
-        if task.owner != self._owner:
+        if task.owner != self._owner or task.id in _book(self._executor, task.owner).waited_on:
             return
-        text = completion_notice(task.id, status_summary(task.status, task.exit_code, task.signal))
+        summary = status_summary(task.status, task.exit_code, task.signal, task.end_cause)
+        text = completion_notice(task.id, summary)
         for callback in list(self._callbacks):
             try:
                 callback(text, task)

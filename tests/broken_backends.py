@@ -1008,6 +1008,28 @@ class BackgroundTasksTimedOut(LocalBashExecutor):
         await super()._supervise(command, timeout_s)
 
 
+class TaskTimeoutIgnored(LocalBashExecutor):
+    """Breaks: a background task's `task_timeout_ms` kills it.
+
+    Background tasks are supervised without a timeout, as before `task_timeout_ms` existed.
+    """
+
+    async def _supervise(self, command: _Command, timeout_s: float | None) -> None:
+        await super()._supervise(command, None if command.task is not None else timeout_s)
+
+
+class TaskTimeoutReportedAsKill(LocalBashExecutor):
+    """Breaks: a task ended by its `task_timeout_ms` has end_cause `timed_out`.
+
+    The timeout's kill is recorded as a plain `kill`.
+    """
+
+    def _request_kill(self, command: _Command, cause: Any) -> bool:
+        if command.task is not None and cause == "timeout":
+            cause = "killed"
+        return super()._request_kill(command, cause)
+
+
 class KillWaitsForEnd(LocalBashExecutor):
     """Breaks: kill starts the kill sequence and returns without waiting.
 

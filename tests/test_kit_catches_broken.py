@@ -111,6 +111,8 @@ CAUGHT_BY: list[Row] = [
     # -- background tasks ----------------------------------------------------------------------------
     Row("start-returns-while-running", bb.StartReturnsSnapshot),
     Row("background-has-no-timeout", bb.BackgroundTasksTimedOut),
+    Row("task-timeout-applies", bb.TaskTimeoutIgnored),
+    Row("task-timeout-applies", bb.TaskTimeoutReportedAsKill),
     Row("task-cap-refused", bb.IgnoresTaskCap),
     Row("kill-running-task", bb.KillWaitsForEnd),
     Row("kill-ended-task-kills-leftovers", bb.KillOfEndedTaskNoop),

@@ -193,6 +193,15 @@ async def test_stdio_tools_foreground_background_and_no_orphans(config: Path, ma
             text, last = await _poll(client, quick)
             assert text == "quick\n" and _text(last).endswith("[status: completed, exit code: 5]")
 
+            yielded = await client.call_tool(
+                "bash", {"command": f"echo before; exec -a {marker}-yield sleep 30", "yield_ms": 500}
+            )
+            moved = str(_data(yielded)["task_id"])
+            assert _data(yielded)["moved_to_background"] is True, _text(yielded)
+            assert _text(yielded).startswith(f"still running after 500 ms: moved to background task {moved}")
+            assert "before\n" in _text(yielded)
+            assert not (await client.call_tool("bash_kill", {"task_id": moved})).is_error
+
             killed = await client.call_tool("bash_kill", {"task_id": sleeper})
             assert _text(killed) == f"killed background task {sleeper}"
             _, last = await _poll(client, sleeper)
@@ -200,11 +209,12 @@ async def test_stdio_tools_foreground_background_and_no_orphans(config: Path, ma
             again = await client.call_tool("bash_kill", {"task_id": sleeper})
             assert _text(again) == f"task {sleeper} had already finished"
 
-            await _eventually(lambda: len(notices) >= 2, 5)
+            await _eventually(lambda: len(notices) >= 3, 5)
             tail = "Read its output with bash_output."
             assert sorted(str(notice.data) for notice in notices) == sorted(
                 [
                     f"background bash task {quick} finished: completed, exit code: 5. {tail}",
+                    f"background bash task {moved} finished: killed, signal: SIGTERM. {tail}",
                     f"background bash task {sleeper} finished: killed, signal: SIGTERM. {tail}",
                 ]
             )

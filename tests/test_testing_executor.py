@@ -156,7 +156,7 @@ async def test_calls_record_the_resolved_specs() -> None:
             owner=OwnerToken("alice"),
             signal=controller.signal,
         )
-        task = await ex.start(ex.resolve(_request("c", workdir="/abs", stdin="text")))
+        task = await ex.start(ex.resolve(_request("c", workdir="/abs", stdin="text", task_timeout_ms=9_000)))
         await task.wait()
     first, second, third = ex.calls
     assert (first.command, first.workdir, first.timeout_ms, first.owner, first.stdin) == (
@@ -175,6 +175,7 @@ async def test_calls_record_the_resolved_specs() -> None:
     )
     assert second.spec.env == {"X": "1"} and second.spec.signal is controller.signal
     assert (third.workdir, third.stdin, third.background) == ("/abs", "text", True)
+    assert (first.spec.task_timeout_ms, third.spec.task_timeout_ms) == (None, 5_000)  # clamped too
     # The whole environment the command got: ambient minus the scrub, the model-friendly set, the caller's.
     env = second.env
     assert env["PATH"] == "/bin" and env["LANG"] == "C" and env["X"] == "1"

@@ -167,6 +167,7 @@ def test_status_lines() -> None:
     assert status_line("completed", None, "SIGSEGV") == "[status: completed, signal: SIGSEGV]"
     assert status_line("killed", None, None) == "[status: killed]"
     assert status_line("killed", None, "SIGTERM") == "[status: killed, signal: SIGTERM]"
+    assert status_line("killed", None, "SIGTERM", end_cause="timed_out") == "[status: killed, timed out]"
     assert status_summary("completed", 4, None) == "completed, exit code: 4"
 
 
@@ -215,6 +216,7 @@ def test_definitions_formats_and_schemas() -> None:
         "workdir",
         "run_in_background",
         "open_stdin",
+        "yield_ms",
         "terminal",
     }
     assert schema["properties"]["timeout_ms"]["type"] == "number"
@@ -619,6 +621,94 @@ async def test_background_start_with_aborted_signal_starts_nothing() -> None:
         )
         assert (result.text, result.is_error) == ("command aborted", True)
         assert ex.calls == [] and tools.running_tasks() == []  # the executor was never asked
+
+
+# -- bash with yield_ms: calls that move to the background (issue 31) --------------------------------------
+
+
+@pytest.mark.anyio
+async def test_yield_returns_a_command_that_ends_within_the_window() -> None:
+    async with _executor() as ex:
+        tools = BashToolset(ex, owner=ALICE)
+        notices: list[str] = []
+        tools.on_completion(lambda text, task: notices.append(text))
+        started = time.monotonic()
+        result = await tools.call("bash", {"command": "echo hi; echo err >&2; exit 3", "yield_ms": 5000})
+        assert time.monotonic() - started < 4, "the call waited out its window for a command that ended"
+        assert not result.is_error and result.data["moved_to_background"] is False
+        assert result.text == "hi\n[stderr]\nerr\n[status: completed, exit code: 3]", result.text
+        assert (result.data["exit_code"], result.data["end_cause"]) == (3, "exited")
+        assert tools.running_tasks() == []
+        await anyio.sleep(0.1)
+        assert notices == [], "the call reported the end itself: no completion notice as well"
+
+
+@pytest.mark.anyio
+async def test_yield_moves_a_long_command_to_the_background(marker: str) -> None:
+    async with _executor() as ex:
+        tools = BashToolset(ex, owner=ALICE)
+        notices: list[str] = []
+        tools.on_completion(lambda text, task: notices.append(text))
+        started = time.monotonic()
+        result = await tools.call(
+            "bash", {"command": f"echo early; exec -a {marker} sleep 30", "yield_ms": 700}
+        )
+        took = time.monotonic() - started
+        assert 0.6 <= took < 5, f"the call returned after {took:.2f} s, its window 0.7 s"
+        task_id = result.data["task_id"]
+        assert not result.is_error and result.data["moved_to_background"] is True
+        assert result.text.startswith(f"still running after 700 ms: moved to background task {task_id}\n")
+        assert "early\n" in result.text and result.text.endswith("[status: running]")
+        assert [task.id for task in tools.running_tasks()] == [task_id] and _alive(marker)
+        assert (await tools.call("bash_output", {"task_id": task_id})).text == (
+            "(no new output)\n[status: running]"
+        )
+        assert (await tools.call("bash_kill", {"task_id": task_id})).data["killed"] is True
+        await _until_finished(tools, task_id)
+        assert _alive(marker) == []
+        assert len(notices) == 1 and task_id in notices[0], notices
+
+
+@pytest.mark.anyio
+async def test_yield_keeps_the_commands_timeout(marker: str) -> None:
+    async with _executor() as ex:
+        tools = BashToolset(ex)
+        result = await tools.call(
+            "bash", {"command": f"exec -a {marker} sleep 30", "yield_ms": 200, "timeout_ms": 800}
+        )
+        assert result.data["moved_to_background"] is True
+        reads = await _until_finished(tools, result.data["task_id"], limit_s=5)
+        assert (reads[-1].data["status"], reads[-1].data["end_cause"]) == ("killed", "timed_out")
+        assert reads[-1].text.endswith("[status: killed, timed out]"), reads[-1].text
+        assert _alive(marker) == []
+
+
+@pytest.mark.anyio
+async def test_yield_aborted_within_the_window_kills_the_command(marker: str) -> None:
+    async with _executor() as ex:
+        tools = BashToolset(ex)
+        controller = AbortController()
+
+        async def abort_soon() -> None:
+            await anyio.sleep(0.3)
+            controller.abort()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(abort_soon)
+            result = await tools.call(
+                "bash", {"command": f"exec -a {marker} sleep 30", "yield_ms": 5000}, signal=controller.signal
+            )
+        assert (result.text, result.is_error) == ("command aborted", True)
+        assert result.data["status"] == "killed" and tools.running_tasks() == []
+        assert _alive(marker) == []
+
+
+@pytest.mark.anyio
+async def test_yield_is_refused_with_run_in_background() -> None:
+    async with _scripted() as ex:
+        tools = BashToolset(ex)
+        result = await tools.call("bash", {"command": "echo x", "yield_ms": 100, "run_in_background": True})
+        assert result.is_error and 'argument "yield_ms"' in result.text and ex.calls == []
 
 
 def test_works_under_trio() -> None:

@@ -120,6 +120,26 @@ def test_timeout_too_large_for_a_float_is_refused_with_value_error_naming_timeou
     assert_refused_naming(exc_info, "timeout_ms")
 
 
+# -- task_timeout_ms (R-task-timeout) ---------------------------------------------------------
+
+
+@MODEL_FACTORIES
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS, ids=repr)
+def test_task_timeout_that_is_not_a_positive_finite_number_is_refused_naming_it(
+    make: Any, timeout: object
+) -> None:
+    with pytest.raises(ValueError) as exc_info:
+        make(task_timeout_ms=timeout)
+    assert_refused_naming(exc_info, "task_timeout_ms")
+
+
+@MODEL_FACTORIES
+def test_task_timeout_defaults_to_none_and_takes_a_number(make: Any) -> None:
+    assert make().task_timeout_ms is None
+    value = make(task_timeout_ms=1500).task_timeout_ms
+    assert value == 1500.0 and isinstance(value, float)
+
+
 # -- env ---------------------------------------------------------------------------------------
 
 BAD_ENV_NAMES = ["1A", "A-B", "", "A B", "A=B", "A\n", "É", "A.B", "9"]

@@ -102,6 +102,32 @@ async def background_no_timeout(ctx: CheckContext) -> None:
 
 
 @check(
+    "task-timeout-applies",
+    kind="contract",
+    clause="R-task-timeout",
+    rule="A background task's `task_timeout_ms` kills it, its processes too: it ends `killed`, end_cause "
+    "`timed_out`, not before the timeout; what it wrote before stays readable.",
+)
+async def task_timeout_applies(ctx: CheckContext) -> None:
+    async with ctx.executor(grace_ms=GRACE_S * 1000) as ex:
+        mark = ctx.marker()
+        started = time.monotonic()
+        task = await _start(ex, f"printf begun; {loop(mark)} & wait", task_timeout_ms=500)
+        bound = 0.5 + 2 * GRACE_S + 2 * ctx.allowance_s
+        await wait_task(task, bound, "a task under a 500 ms task_timeout_ms")
+        took = elapsed(started)
+        ctx.expect(
+            (task.status, task.end_cause) == ("killed", "timed_out"),
+            f"a task its task_timeout_ms ended should be status='killed', end_cause='timed_out': "
+            f"{show_task(task)}",
+        )
+        ctx.expect(took >= 0.45, f"the task ended after {took:.2f} s, before its 500 ms task_timeout_ms")
+        await gone(ctx, mark, ctx.allowance_s, "a task its task_timeout_ms ended")
+        delta = await read_to_end(ctx, ex, task.id)
+        ctx.expect(delta == "begun", f"the timed-out task's output is {delta!r}, expected 'begun'")
+
+
+@check(
     "task-cap-refused",
     kind="contract",
     clause="R-task-cap",
