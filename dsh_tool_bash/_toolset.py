@@ -32,8 +32,10 @@ from dsh_bash import (
 
 from ._keys import KeyNotationError, decode_keys
 from ._render import (
+    Line,
     completion_notice,
     escape_controls,
+    join,
     render_output,
     render_run,
     status_line,
@@ -128,14 +130,21 @@ class ToolResult(BaseModel):
 class _OwnerBook:
     """Background tasks one owner started through toolsets, plus starts in flight."""
 
-    __slots__ = ("reserved", "tasks", "waited_on")
+    __slots__ = ("ended", "reserved", "tasks", "waited_on")
 
     def __init__(self) -> None:
         self.tasks: dict[BashTaskId, BashTask] = {}
         self.reserved = 0
         #: Tasks a ``bash`` call with ``yield_ms`` still waits for: that call reports their end, so
-        #: ``on_completion`` does not.
+        #: ``on_completion`` and the next result do not.
         self.waited_on: set[BashTaskId] = set()
+        #: Tasks started through toolsets that ended and whose end no result of the owner told yet: the
+        #: next result of any toolset of the owner carries them, once.
+        self.ended: dict[BashTaskId, BashTask] = {}
+
+    def task_done(self, task: BashTask) -> None:
+        if task.id in self.tasks and task.id not in self.waited_on:
+            self.ended[task.id] = task
 
     def running(self) -> list[BashTask]:
         for task_id in [tid for tid, task in self.tasks.items() if task.status != "running"]:
@@ -149,11 +158,21 @@ _books: weakref.WeakKeyDictionary[BashExecutor, dict[OwnerToken | None, _OwnerBo
 
 
 def _book(executor: BashExecutor, owner: OwnerToken | None) -> _OwnerBook:
-    books = _books.setdefault(executor, {})
+    books = _books.get(executor)
+    if books is None:
+        books = _books[executor] = {}
+        # One listener per executor, for every owner's book: the ends the next results tell.
+        executor.on_task_done(lambda task: _ended(books, task))
     book = books.get(owner)
     if book is None:
         book = books[owner] = _OwnerBook()
     return book
+
+
+def _ended(books: dict[OwnerToken | None, _OwnerBook], task: BashTask) -> None:
+    book = books.get(task.owner)
+    if book is not None:
+        book.task_done(task)
 
 
 # -- descriptions ---------------------------------------------------------------------------------------
@@ -210,6 +229,8 @@ def _bash_description(*, background: bool, config: object) -> str:
             "- Set `yield_ms` for a command that may or may not end soon (tests, a build): the call "
             "waits at most that long, and if the command still runs then, it goes on as a background "
             "task and you get its id and its output so far. `timeout_ms` still applies to it.",
+            "- When a background task ends, the next result of any of these tools says so once, in a "
+            "last line `background bash task ID finished: ...`.",
             "- For a program that asks for input (a prompt, a REPL, a confirmation), add "
             "`open_stdin: true` to `run_in_background: true` and answer it with bash_input.",
         ]
@@ -428,10 +449,36 @@ class BashToolset:
     ) -> ToolResult:
         """Run one tool call. Never raises, except for the caller's own cancellation."""
         try:
-            return await self._call(name, arguments, signal)
+            result = await self._call(name, arguments, signal)
         except Exception as exc:  # a bug, or a backend breaking its contract: still a result
             log.exception("tool %r failed unexpectedly", name)
-            return _error("internal", f"{name} failed unexpectedly: {type(exc).__name__}: {exc}", str(name))
+            result = _error("internal", f"{name} failed unexpectedly: {type(exc).__name__}: {exc}", str(name))
+        return self._with_ended_tasks(result)
+
+    def _with_ended_tasks(self, result: ToolResult) -> ToolResult:
+        """``result`` with a line for every task of the owner that ended since the last result and
+        whose end this result does not show itself (``data["ended_tasks"]``)."""
+        book = _book(self._executor, self._owner)
+        shown = result.data.get("task_id")
+        if isinstance(shown, str) and result.data.get("status") not in (None, "running"):
+            book.ended.pop(BashTaskId(shown), None)  # this result shows that end
+        if not book.ended:
+            return result
+        ended = list(book.ended.values())
+        book.ended.clear()
+        lines = [
+            Line(
+                completion_notice(
+                    task.id, status_summary(task.status, task.exit_code, task.signal, task.end_cause)
+                )
+            )
+            for task in ended
+        ]
+        return ToolResult(
+            text=join([result.text, *lines]),
+            is_error=result.is_error,
+            data={**result.data, "ended_tasks": [_task_data(task) for task in ended]},
+        )
 
     async def _call(
         self, name: str, arguments: Mapping[str, Any] | str | None, signal: AbortSignal | None
@@ -561,8 +608,9 @@ class BashToolset:
             return _failure(exc, "the background task could not start", BASH, **facts)
         finally:
             book.reserved -= 1
-        if task.status == "running":
-            book.tasks[task.id] = task
+        book.tasks[task.id] = task
+        if task.status != "running":  # ended before start returned: its listener found no book entry
+            book.ended[task.id] = task
         return ToolResult(
             text=f"started background task {task.id}",
             is_error=False,

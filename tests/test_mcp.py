@@ -201,6 +201,8 @@ async def test_stdio_tools_foreground_background_and_no_orphans(config: Path, ma
             assert _text(yielded).startswith(f"still running after 500 ms: moved to background task {moved}")
             assert "before\n" in _text(yielded)
             assert not (await client.call_tool("bash_kill", {"task_id": moved})).is_error
+            _, last = await _poll(client, moved)  # its end shown here: no later result tells it again
+            assert _data(last)["status"] == "killed"
 
             killed = await client.call_tool("bash_kill", {"task_id": sleeper})
             assert _text(killed) == f"killed background task {sleeper}"

@@ -611,6 +611,32 @@ async def test_on_completion_notices_only_the_owners_tasks() -> None:
 
 
 @pytest.mark.anyio
+async def test_the_next_result_tells_each_ended_task_once() -> None:
+    async with _scripted() as ex:
+        alice, alice_too, bob = (
+            BashToolset(ex, owner=ALICE),
+            BashToolset(ex, owner=ALICE),
+            BashToolset(ex, owner=BOB),
+        )
+        first = (await alice.call("bash", {"command": "exit 3", "run_in_background": True})).data["task_id"]
+        shown = (await alice.call("bash", {"command": "exit 4", "run_in_background": True})).data["task_id"]
+        theirs = (await bob.call("bash", {"command": "exit 0", "run_in_background": True})).data["task_id"]
+        for task_id in (first, shown, theirs):
+            await (await ex.read_output(BashTaskId(task_id))).task.wait()  # the executor's, not a tool's read
+        # A read that shows a task's end tells it: no line for that one.
+        read = await alice.call("bash_output", {"task_id": shown})
+        assert read.text.startswith("(no new output)\n[status: completed, exit code: 4]")
+        tail = "Read its output with bash_output."
+        notice = f"background bash task {first} finished: completed, exit code: 3. {tail}"
+        assert read.text.endswith("\n" + notice), read.text
+        assert [entry["task_id"] for entry in read.data["ended_tasks"]] == [first]
+        # Once, for every toolset of the owner; never another owner's.
+        assert (await alice_too.call("bash", {"command": "echo x"})).text == "x\n"
+        bobs = await bob.call("bash", {"command": "echo y"})
+        assert bobs.text.startswith("y\nbackground bash task " + theirs) and "ended_tasks" in bobs.data
+
+
+@pytest.mark.anyio
 async def test_background_start_with_aborted_signal_starts_nothing() -> None:
     async with _scripted() as ex:
         controller = AbortController()
@@ -641,6 +667,8 @@ async def test_yield_returns_a_command_that_ends_within_the_window() -> None:
         assert tools.running_tasks() == []
         await anyio.sleep(0.1)
         assert notices == [], "the call reported the end itself: no completion notice as well"
+        after = await tools.call("bash", {"command": "echo after"})
+        assert after.text == "after\n" and "ended_tasks" not in after.data, "nor a line in the next result"
 
 
 @pytest.mark.anyio
