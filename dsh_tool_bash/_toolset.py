@@ -583,6 +583,31 @@ class BashToolset:
         }
         if args.description is not None:
             facts["description"] = args.description
+        started = await self._start_task(request, facts, signal, "the background task could not start")
+        if isinstance(started, ToolResult):
+            return started
+        task, book = started
+        book.tasks[task.id] = task
+        if task.status != "running":  # ended before start returned: its listener found no book entry
+            book.ended[task.id] = task
+        return ToolResult(
+            text=f"started background task {task.id}",
+            is_error=False,
+            data={"tool": BASH, **facts, **_task_data(task)},
+        )
+
+    async def _start_task(
+        self,
+        request: BashExecRequest,
+        facts: dict[str, Any],
+        signal: AbortSignal | None,
+        failed: str,
+        *,
+        timeout_applies: bool = False,
+    ) -> tuple[BashTask, _OwnerBook] | ToolResult:
+        """Start ``request`` as a background task of the owner within the caps (``timeout_applies``:
+        its resolved ``timeout_ms`` becomes its ``task_timeout_ms``): the task and the owner's book,
+        or the error result (``failed`` says what could not happen). Sets ``facts["workdir"]``."""
         book = _book(self._executor, self._owner)
         refused = self._over_cap(book, facts)
         if refused is not None:
@@ -591,7 +616,9 @@ class BashToolset:
         try:
             spec = self._executor.resolve(request)
             facts["workdir"] = spec.workdir
-            task = await self._executor.start(spec)
+            if timeout_applies:
+                spec = spec.model_copy(update={"task_timeout_ms": spec.timeout_ms})
+            return await self._executor.start(spec), book
         except DshBashError as exc:
             if signal is not None and signal.aborted:
                 return _error("aborted", ABORTED_TEXT, BASH, **facts)
@@ -605,17 +632,9 @@ class BashToolset:
                     reason=exc.reason,
                     **facts,
                 )
-            return _failure(exc, "the background task could not start", BASH, **facts)
+            return _failure(exc, failed, BASH, **facts)
         finally:
             book.reserved -= 1
-        book.tasks[task.id] = task
-        if task.status != "running":  # ended before start returned: its listener found no book entry
-            book.ended[task.id] = task
-        return ToolResult(
-            text=f"started background task {task.id}",
-            is_error=False,
-            data={"tool": BASH, **facts, **_task_data(task)},
-        )
 
     def _over_cap(self, book: _OwnerBook, facts: dict[str, Any]) -> ToolResult | None:
         """The error when one more background task would pass ``max_running`` or ``max_running_total``."""
@@ -659,22 +678,12 @@ class BashToolset:
         facts: dict[str, Any] = {"background": False, "yield_ms": yield_ms}
         if args.description is not None:
             facts["description"] = args.description
-        book = _book(self._executor, self._owner)
-        refused = self._over_cap(book, facts)
-        if refused is not None:
-            return refused
-        book.reserved += 1
-        try:
-            spec = self._executor.resolve(request)
-            facts["workdir"] = spec.workdir
-            spec = spec.model_copy(update={"task_timeout_ms": spec.timeout_ms})
-            task = await self._executor.start(spec)
-        except DshBashError as exc:
-            if signal is not None and signal.aborted:
-                return _error("aborted", ABORTED_TEXT, BASH, **facts)
-            return _failure(exc, "the command could not run", BASH, **facts)
-        finally:
-            book.reserved -= 1
+        started = await self._start_task(
+            request, facts, signal, "the command could not run", timeout_applies=True
+        )
+        if isinstance(started, ToolResult):
+            return started
+        task, book = started
         book.tasks[task.id] = task
         book.waited_on.add(task.id)
         aborted = False

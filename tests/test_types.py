@@ -92,13 +92,14 @@ BAD_TIMEOUTS = [0, 0.0, -1, -0.5, math.inf, -math.inf, math.nan, True, False, "1
 
 
 @MODEL_FACTORIES
+@pytest.mark.parametrize("field", ["timeout_ms", "task_timeout_ms"])
 @pytest.mark.parametrize("timeout", BAD_TIMEOUTS, ids=repr)
-def test_timeout_that_is_not_a_positive_finite_number_is_refused_naming_timeout_ms(
-    make: Any, timeout: object
+def test_timeout_that_is_not_a_positive_finite_number_is_refused_naming_its_field(
+    make: Any, field: str, timeout: object
 ) -> None:
     with pytest.raises(ValueError) as exc_info:
-        make(timeout_ms=timeout)
-    assert_refused_naming(exc_info, "timeout_ms")
+        make(**{field: timeout})
+    assert_refused_naming(exc_info, field)
 
 
 @MODEL_FACTORIES
@@ -121,16 +122,6 @@ def test_timeout_too_large_for_a_float_is_refused_with_value_error_naming_timeou
 
 
 # -- task_timeout_ms (R-task-timeout) ---------------------------------------------------------
-
-
-@MODEL_FACTORIES
-@pytest.mark.parametrize("timeout", BAD_TIMEOUTS, ids=repr)
-def test_task_timeout_that_is_not_a_positive_finite_number_is_refused_naming_it(
-    make: Any, timeout: object
-) -> None:
-    with pytest.raises(ValueError) as exc_info:
-        make(task_timeout_ms=timeout)
-    assert_refused_naming(exc_info, "task_timeout_ms")
 
 
 @MODEL_FACTORIES
