@@ -22,6 +22,7 @@ MODEL_FRIENDLY_ENV: Mapping[str, str] = MappingProxyType(
         "GIT_EDITOR": "true",
         "GIT_TERMINAL_PROMPT": "0",
         "DEBIAN_FRONTEND": "noninteractive",
+        "PYTHONUNBUFFERED": "1",
     }
 )
 

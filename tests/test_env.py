@@ -22,6 +22,7 @@ EXPECTED_MODEL_FRIENDLY = {
     "GIT_EDITOR": "true",
     "GIT_TERMINAL_PROMPT": "0",
     "DEBIAN_FRONTEND": "noninteractive",
+    "PYTHONUNBUFFERED": "1",
 }
 
 # One name per default pattern, in pattern order.

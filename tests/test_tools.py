@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -695,6 +697,23 @@ async def test_yield_moves_a_long_command_to_the_background(marker: str) -> None
         await _until_finished(tools, task_id)
         assert _alive(marker) == []
         assert len(notices) == 1 and task_id in notices[0], notices
+
+
+@pytest.mark.anyio
+async def test_yield_moves_a_python_server_and_shows_what_it_printed(marker: str) -> None:
+    """Issue 31's case: a server started without `&` comes back after the window with its task id and
+    its first line (Python's print, unbuffered by the model-friendly PYTHONUNBUFFERED=1)."""
+    # Scrubbed from the ambient (this machine's own environment may set it): the policy must add it.
+    async with _executor(env_scrub=[*LocalConfig().env_scrub, "PYTHONUNBUFFERED"]) as ex:
+        tools = BashToolset(ex)
+        server = f"exec -a {marker} {shlex.quote(sys.executable)} -m http.server 0 --bind 127.0.0.1"
+        result = await tools.call("bash", {"command": server, "yield_ms": 2000})
+        assert result.data["moved_to_background"] is True, result.text
+        assert "Serving HTTP on 127.0.0.1 port" in result.text, result.text
+        task_id = result.data["task_id"]
+        assert (await tools.call("bash_kill", {"task_id": task_id})).data["killed"] is True
+        await _until_finished(tools, task_id)
+        assert _alive(marker) == []
 
 
 @pytest.mark.anyio

@@ -27,6 +27,7 @@ MODEL_FRIENDLY = {
     "GIT_EDITOR": "true",
     "GIT_TERMINAL_PROMPT": "0",
     "DEBIAN_FRONTEND": "noninteractive",
+    "PYTHONUNBUFFERED": "1",
 }
 
 
@@ -118,7 +119,7 @@ async def ambient_passes(ctx: CheckContext) -> None:
     clause="R-env-model-friendly",
     rule="The command's environment includes the model-friendly set NO_COLOR=1, TERM=dumb, PAGER=cat, "
     "GIT_PAGER=cat, MANPAGER=cat, GIT_EDITOR=true, GIT_TERMINAL_PROMPT=0, DEBIAN_FRONTEND=noninteractive, "
-    "over the ambient values.",
+    "PYTHONUNBUFFERED=1, over the ambient values.",
 )
 async def model_friendly(ctx: CheckContext) -> None:
     ambient = {
@@ -130,6 +131,7 @@ async def model_friendly(ctx: CheckContext) -> None:
         "GIT_EDITOR": "vim",
         "GIT_TERMINAL_PROMPT": "1",
         "DEBIAN_FRONTEND": "dialog",
+        "PYTHONUNBUFFERED": "0",
     }
     with ctx.plant_ambient(ambient):
         async with ctx.executor() as ex:
