@@ -18,6 +18,8 @@ see ``README.md`` beside this file.
   it), :func:`spill_file_path` (a fresh name in the directory); :class:`QueuedSpillFile` (a
   :class:`dsh_bash.backend.SpillFile` whose bytes go to a :class:`SpillWriter` in order) and
   :class:`CommandSpills` (one command's files, waited for before its outcome is reported).
+- Imports: :func:`quiet_asyncssh_import` keeps the warning asyncssh's import prints under
+  cryptography 51 off stderr (the SSH backend, and the Docker backend's ``ssh://`` engines).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from ._bash_protocol import (
     kill_args,
     spill_file_path,
 )
+from ._quiet_imports import quiet_asyncssh_import
 
 __all__ = [
     "BOOT_AT",
@@ -59,5 +62,6 @@ __all__ = [
     "boot_ok_undecided",
     "find_boot_ok",
     "kill_args",
+    "quiet_asyncssh_import",
     "spill_file_path",
 ]
