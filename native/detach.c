@@ -300,7 +300,7 @@ int run_detached(struct options *o)
     die_to(-1);
     if (cap_bytes >= 0)
         start_relays(stdio);
-    struct launch l = {o->program, command_environment(environ, o), {stdio[0], stdio[1], stdio[2]}, NULL, 0, -1};
+    struct launch l = {o->program, command_environment(environ, o), {stdio[0], stdio[1], stdio[2]}, NULL, 0, -1, -1, -1};
     int err = spawn_command(&l);
     for (int k = 0; k < 3; k++)
         close(stdio[k]); /* the command's alone: no EOF of theirs waits for the supervisor */

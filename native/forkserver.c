@@ -321,7 +321,7 @@ int run_fork_server(struct options *o)
     }
     check_supervisor(o->allow_no_subreaper);
     struct launch l = {r->argv, command_environment(r->env != NULL ? r->env : environ, o), {-1, -1, -1}, NULL, 1,
-                       r->status_to};
+                       r->status_to, -1, -1};
     int err = spawn_command(&l);
     settle_stdio(0, -1);
     report_start(0, err);

@@ -9,6 +9,12 @@
  *   out (fd 1):  'o' / 'e'  the command's stdout / stderr, at most 65536 bytes a frame; an empty one
  *                           means that stream reached EOF (sent once per stream)
  *                's'        one status record as above, without its newline
+ *                'v'        (version 8) what the command wrote to its capture fd: with --capture-fd N
+ *                           (--spec: a second payload string N >= 3, where a --fork-server request
+ *                           names the status fd; frame mode has none to hand) the command gets a pipe's
+ *                           write end at fd N, relayed as the third stream (same frames, an empty one at
+ *                           its EOF; nothing at all without the option). A harness keeps a shell
+ *                           session's state through it (an EXIT trap writes there)
  *   in (fd 0):   'i' bytes for the command's stdin (queued, unbounded: the harness bounds what waits
  *                by `input drained`); 'c' close its stdin once the queue is written; 'T' / 'K' as the
  *                control bytes; 'P' / 'G' for the side pipe (below); 'W' resizes the terminal (below);
@@ -94,7 +100,10 @@
 static unsigned short tty_rows; /* a terminal was asked for: 'c' does not close it */
 static int harness_left;  /* fd 0 ended or fd 1 failed */
 static int requests_open; /* fd 0 is still read */
-static struct stream streams[2] = {{-1, 'o', 0}, {-1, 'e', 0}};
+/* stdout, stderr, and (--capture-fd) the session capture: a stream that was never open sends nothing. */
+#define NSTREAMS 3
+static struct stream streams[NSTREAMS] = {{-1, 'o', 0}, {-1, 'e', 0}, {-1, 'v', 0}};
+static int capture_pipe[2] = {-1, -1}; /* --capture-fd: [0] ours, [1] the command's */
 static int stdin_fd = -1; /* the supervisor's write end of the command's stdin */
 static int stdin_closing; /* 'c' came: close once the queue is written */
 static unsigned char *stdin_queue;
@@ -119,7 +128,7 @@ static size_t side_nonce_len;
 static unsigned char resize_text[32]; /* a 'W' payload: "R C" */
 static size_t resize_len;             /* its length, counted past the buffer too */
 /* Where the loop polled what (-1: not this round). */
-static int at_requests = -1, at_stdin = -1, at_out = -1, at_stream[2] = {-1, -1};
+static int at_requests = -1, at_stdin = -1, at_out = -1, at_stream[NSTREAMS] = {-1, -1, -1};
 
 /* A command can provoke some records without end (SIGUSR1 to its parent, a lowered RLIMIT_NOFILE);
  * while the harness does not read, they must not grow the buffer, nor crowd out the rest. */
@@ -298,7 +307,7 @@ static int finish_streams(void)
     if (!report_drained())
         return 0; /* the count the command read up to belongs before `empty` */
     close_stdin();
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; k < NSTREAMS; k++) {
         struct stream *s = &streams[k];
         while (s->fd >= 0) {
             if (frames_queued() >= OUT_LIMIT)
@@ -319,7 +328,7 @@ static int finish_streams(void)
  * the ring: a leftover that writes for ever cannot hold the record back. */
 static void drain_ready(void)
 {
-    for (int k = 0; k < 2; k++)
+    for (int k = 0; k < NSTREAMS; k++)
         while (streams[k].fd >= 0 && frames_queued() < OUT_LIMIT && read_stream(&streams[k], READ_SIZE) > 0) {
         }
 }
@@ -423,8 +432,9 @@ static void read_spec(struct options *o)
         }
         len = take_terminal_field(data, len, o);
         struct request r;
-        if (parse_request(data, len, &r) != 0 || r.status_to != -1 || r.cwd == NULL || strcmp(r.cwd, ".") != 0)
+        if (parse_request(data, len, &r) != 0 || r.cwd == NULL || strcmp(r.cwd, ".") != 0)
             die("--spec: not a sound command frame");
+        o->capture_fd = r.status_to; /* frame mode has no status socket to hand: the capture fd (version 8) */
         int count = 0;
         while (r.env[count] != NULL)
             count++;
@@ -455,7 +465,7 @@ static void read_spec(struct options *o)
 /* No child is left: the budgets of what the pipes hold now, all that finish_streams will read. */
 static void frame_children_gone(void)
 {
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; k < NSTREAMS; k++) {
         int queued = 0;
         if (streams[k].fd >= 0 && ioctl(streams[k].fd, FIONREAD, &queued) == 0)
             streams[k].budget = queued;
@@ -492,14 +502,14 @@ static int add_poll(struct pollfd *pfds, int *nfds, int fd, short events)
 
 static int frame_polls(struct pollfd *pfds, int nfds, int no_children, int *timeout)
 {
-    at_requests = at_stdin = at_out = at_stream[0] = at_stream[1] = -1;
+    at_requests = at_stdin = at_out = at_stream[0] = at_stream[1] = at_stream[2] = -1;
     /* Written before waiting: most of the time nothing is left to wait for. */
     write_stdin();
     report_drained(); /* so at most one a round, whichever write emptied the queue */
     flush_out();
     if (requests_open)
         at_requests = add_poll(pfds, &nfds, 0, POLLIN);
-    for (int k = 0; k < 2 && !no_children && frames_queued() < OUT_LIMIT; k++)
+    for (int k = 0; k < NSTREAMS && !no_children && frames_queued() < OUT_LIMIT; k++)
         if (streams[k].fd >= 0)
             at_stream[k] = add_poll(pfds, &nfds, streams[k].fd, POLLIN);
     if (stdin_fd >= 0 && stdin_len > 0)
@@ -525,7 +535,7 @@ static void frame_serve(const struct pollfd *pfds)
 {
     if (at_requests >= 0 && pfds[at_requests].revents)
         read_requests();
-    for (int k = 0; k < 2; k++)
+    for (int k = 0; k < NSTREAMS; k++)
         if (at_stream[k] >= 0 && pfds[at_stream[k]].revents && streams[k].fd >= 0 && frames_queued() < OUT_LIMIT)
             read_stream(&streams[k], READ_SIZE);
     if (at_stdin >= 0 && pfds[at_stdin].revents)
@@ -546,8 +556,12 @@ static void own_ends(int stdio_pipe[3][2])
         streams[0].fd = stdio_pipe[1][0];
         streams[1].fd = stdio_pipe[2][0];
     }
-    int own[3] = {stdin_fd, streams[0].fd, streams[1].fd};
-    for (int k = 0; k < 3; k++)
+    if (capture_pipe[1] >= 0) {
+        close(capture_pipe[1]);
+        streams[2].fd = capture_pipe[0];
+    }
+    int own[4] = {stdin_fd, streams[0].fd, streams[1].fd, streams[2].fd};
+    for (int k = 0; k < 4; k++)
         if (own[k] >= 0 && fcntl(own[k], F_SETFL, O_NONBLOCK) < 0)
             die("fcntl(O_NONBLOCK): %s", strerror(errno));
     /* One slow reader of fd 1 must never stall kill requests; fd 0 too, which may share its open file
@@ -624,12 +638,17 @@ int run_framed(struct options *o)
         if (o->stdin_null && (stdio_pipe[0][0] = open("/dev/null", O_RDONLY | O_CLOEXEC)) < 0)
             die("cannot open /dev/null: %s", strerror(errno));
     }
+    /* --capture-fd (version 8): a pipe the command gets at that fd, relayed as 'v' frames. */
+    if (o->capture_fd >= 0 && pipe2(capture_pipe, O_CLOEXEC) < 0)
+        die("pipe2: %s", strerror(errno));
     struct launch l = {o->program,
                        command_environment(environ, o),
                        {stdio_pipe[0][0], stdio_pipe[1][1], stdio_pipe[2][1]},
                        pty_active() ? slave : NULL,
                        0,
-                       -1};
+                       -1,
+                       capture_pipe[1],
+                       o->capture_fd};
     /* Over the harness's stream: from here on the command reaches it only through us. */
     int exec_err = pty_err != 0 ? pty_err : spawn_command(&l);
     own_ends(stdio_pipe);

@@ -3,8 +3,8 @@
  *
  *   dsh-supervise [--status-fd N] [--control-fd N] [--die-with-parent] [--allow-no-subreaper]
  *                 [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]
- *   dsh-supervise --frame [--tty ROWSxCOLS | --stdin-null] [--allow-no-subreaper] [--grace-ms N]
- *                 [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]
+ *   dsh-supervise --frame [--tty ROWSxCOLS | --stdin-null] [--capture-fd N] [--allow-no-subreaper]
+ *                 [--grace-ms N] [--setenv NAME=VALUE]... -- PROGRAM [ARGS...]
  *   dsh-supervise --frame --spec [--allow-no-subreaper]
  *   dsh-supervise --detach --status-file PATH [--stdin-file PATH] [--stdout-file PATH]
  *                 [--stderr-file PATH] [--cap-bytes N [--cap-file PATH]] [--allow-no-subreaper]
@@ -15,7 +15,9 @@
  *   --self-fd N (version 7, with --frame or --detach): it was exec'd from N, the sealed copy of itself
  *                 that --warm left to BOOT; N is closed on the command's exec, and the process takes
  *                 the name of ARGV[0]'s last component (the kernel named it after the fd, "N")
- *   dsh-supervise --version      (prints "dsh-supervise 5": the protocol's version)
+ *   --capture-fd N (version 8, --frame; with --spec the payload's second string): the command gets a
+ *                 pipe at fd N whose bytes come back as 'v' frames (framed.c)
+ *   dsh-supervise --version      (prints "dsh-supervise 8": the protocol's version)
  *   dsh-supervise --sha256 | --hmac-sha256 KEYHEX   (digest of stdin in hex: for the tests)
  *
  * It makes itself a child subreaper and non-dumpable, forks PROGRAM into a session and process group
@@ -72,7 +74,7 @@ static void usage(void)
 {
     die("usage: dsh-supervise [--status-fd N] [--control-fd N] [--die-with-parent] [--allow-no-subreaper] "
         "[--setenv NAME=VALUE]... -- PROGRAM [ARGS...]\n"
-        "       dsh-supervise --frame [--tty ROWSxCOLS] [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM "
+        "       dsh-supervise --frame [--tty ROWSxCOLS] [--capture-fd N] [--allow-no-subreaper] [--setenv NAME=VALUE]... -- PROGRAM "
         "[ARGS...]\n"
         "       dsh-supervise --frame --spec [--allow-no-subreaper]\n"
         "       dsh-supervise --detach --status-file PATH [--stdin-file PATH] [--stdout-file PATH] "
@@ -91,6 +93,14 @@ static int parse_valued(int argc, char **argv, int *i, struct options *o, int *s
     char *v = argv[*i + 1];
     if (strcmp(a, "--status-fd") == 0) {
         o->status_fd = parse_fd(v, a);
+    } else if (strcmp(a, "--capture-fd") == 0) {
+        /* A number the command gets, not one of ours: only its range is checked. */
+        char *end;
+        errno = 0;
+        long n = strtol(v, &end, 10);
+        if (errno != 0 || end == v || *end != '\0' || n < 3 || n > 1023)
+            die("--capture-fd wants a file descriptor number from 3 to 1023");
+        o->capture_fd = (int)n;
     } else if (strcmp(a, "--control-fd") == 0) {
         o->control_fd = parse_fd(v, a);
     } else if (strcmp(a, "--tty") == 0) {
@@ -190,6 +200,8 @@ static void check_options(const struct command_line *c, const struct options *o,
             "from fd 0");
     if (o->stdin_null && (!c->frame || o->tty_rows > 0))
         die("--stdin-null goes with --frame and no --tty: the command's stdin is /dev/null, not a pipe");
+    if (o->capture_fd >= 0 && (!c->frame || o->spec))
+        die("--capture-fd goes with --frame (with --spec the payload names it)");
     if (o->tty_rows > 0 && !c->frame)
         die("--tty goes with --frame: the supervisor holds the terminal's master and relays it");
     if (o->warm_bash != NULL
@@ -263,7 +275,7 @@ int main(int argc, char **argv)
     if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
         die("prctl(PR_SET_DUMPABLE): %s", strerror(errno));
     struct options o = {
-        .status_fd = -1, .control_fd = -1, .cap_bytes = -1, .grace_ms = -1, .argc = argc, .argv = argv};
+        .status_fd = -1, .control_fd = -1, .cap_bytes = -1, .grace_ms = -1, .capture_fd = -1, .argc = argc, .argv = argv};
     struct command_line c = {0, 0, 0, 1};
     /* --setenv: indexes into argv, copied once the options are known. */
     int *setenv_args = calloc((size_t)argc, sizeof *setenv_args);

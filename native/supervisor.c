@@ -227,6 +227,8 @@ int spawn_command(const struct launch *l)
         die("posix_spawn file actions: out of memory");
     if (l->status_to >= 0 && posix_spawn_file_actions_adddup2(&actions, status_fd, l->status_to) != 0)
         die("posix_spawn file actions: out of memory");
+    if (l->capture >= 0 && posix_spawn_file_actions_adddup2(&actions, l->capture, l->capture_to) != 0)
+        die("posix_spawn file actions: out of memory");
     /* Our pid and pidfd (and whatever else is recorded) go out before the command runs: the program
      * may write records of its own there, and its first act may be to stop this process (SIGSTOP,
      * same user), which must not keep the harness from the handle it continues us by. */
@@ -462,7 +464,7 @@ int run_plain(struct options *o)
     if (o->die_with_parent)
         parent_death_signal();
     check_supervisor(o->allow_no_subreaper);
-    struct launch l = {o->program, command_environment(environ, o), {-1, -1, -1}, NULL, 1, -1};
+    struct launch l = {o->program, command_environment(environ, o), {-1, -1, -1}, NULL, 1, -1, -1, -1};
     int err = spawn_command(&l);
     settle_stdio(0, o->control_fd);
     report_start(0, err);

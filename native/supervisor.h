@@ -18,6 +18,7 @@ struct options {
     char *status_path, *stdio_paths[3];       /* --detach */
     long long cap_bytes;                      /* --detach --cap-bytes; -1: none */
     long long grace_ms;                       /* --grace-ms; -1: SIGKILL only when asked */
+    int capture_fd;                           /* --frame --capture-fd N (or --spec's); -1: none */
     char *cap_path;
     char **program;                           /* copied out of the argument area */
     char **setenv_names, **setenv_values;
@@ -55,6 +56,8 @@ struct launch {
     const char *slave;  /* a terminal to open as its fds 0-2 (and controlling terminal), or NULL */
     int own_terminal;   /* a terminal on fd 0 becomes its controlling terminal (status-fd modes) */
     int status_to;      /* >= 3: the program gets status_fd there too */
+    int capture;        /* >= 0: the program gets this fd as capture_to (frame mode's --capture-fd) */
+    int capture_to;
 };
 
 extern int sig_fd;

@@ -415,7 +415,7 @@ def test_a_request_word_is_any_text_exactly(text: str) -> None:
     `$`, backslashes, newlines, non-UTF-8 bytes (surrogate-escaped). Nothing in it runs."""
     if "\0" in text:
         return  # no argument or variable can hold NUL; the executor refuses it earlier
-    word = _scripts._ascii_quote(text)
+    word = _scripts.ascii_quote(text)
     assert word.isascii()
     result = subprocess.run(
         ["bash", "--noprofile", "--norc", "-c", f"printf '%s' {word}"],

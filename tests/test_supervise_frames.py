@@ -107,12 +107,14 @@ class Framed:
         self.raw = bytearray()
         self.stdout = bytearray()
         self.stderr = bytearray()
+        self.capture = bytearray()
         self.at_eof = False
         self._decoder = FrameDecoder(
             on_stdout=self._on_stdout,
             on_stderr=self._on_stderr,
             on_status=lambda record: self.events.append(("s", record)),
             on_eof=lambda stream: self.events.append(("eof", stream)),
+            on_capture=self.capture.extend,
         )
 
     def _on_stdout(self, data: memoryview) -> None:
@@ -875,8 +877,14 @@ def test_side_pipe_closed_means_the_harness_is_gone(runs: list[Framed], marker: 
 # ---- --spec: a spare that waits for its command ----------------------------------------------------
 
 
-def _spec(argv: Sequence[str], env: dict[str, str]) -> bytes:
-    strings = [".", "-1", str(len(argv)), *argv, *(f"{name}={value}" for name, value in env.items())]
+def _spec(argv: Sequence[str], env: dict[str, str], capture_fd: int = -1) -> bytes:
+    strings = [
+        ".",
+        str(capture_fd),
+        str(len(argv)),
+        *argv,
+        *(f"{name}={value}" for name, value in env.items()),
+    ]
     return b"\0".join(text.encode() for text in strings) + b"\0"
 
 
@@ -956,7 +964,7 @@ def test_frame_excludes_the_version_1_channels(option: list[str]) -> None:
 
 def test_version() -> None:
     done = subprocess.run([SUPERVISE, "--version"], capture_output=True, text=True, timeout=5, check=True)
-    assert done.stdout == "dsh-supervise 7\n"
+    assert done.stdout == "dsh-supervise 8\n"
 
 
 @pytest.mark.skipif(
@@ -1517,3 +1525,51 @@ def test_the_supervisor_names_itself_before_the_command_runs(runs: list[Framed])
     os.kill(pid, signal.SIGCONT)
     run.finish()
     assert [r for r in run.records if r.startswith(("exit ", "signal "))] == ["exit 0"]
+
+
+# ---- --capture-fd (protocol 8): a session's state comes back on a stream of its own -------------------
+
+
+def test_capture_fd_relays_what_the_command_writes_there_apart_from_its_output(runs: list[Framed]) -> None:
+    """The command gets a pipe at fd 19 and nothing else more; what it writes there (more than a
+    pipe holds, so the supervisor must read while the command writes) comes back as `v` frames,
+    byte for byte, never in the stdout or stderr stream."""
+    script = (
+        "ls /proc/$$/fd; echo out; "
+        "head -c 300000 /dev/zero | tr '\\0' v >&19; printf 'end\\0' >&19; echo err >&2"
+    )
+    run = Framed([*SH, script], options=["--capture-fd", "19"])
+    runs.append(run)
+    run.finish()
+    assert bytes(run.capture) == b"v" * 300000 + b"end\0"
+    fds = bytes(run.stdout).split(b"out\n")[0].split()
+    assert sorted(fds) == sorted([b"0", b"1", b"2", b"19"])
+    assert bytes(run.stderr) == b"err\n"
+    assert run.records[1:] == ["exit 0", "empty"]
+
+
+def test_without_capture_fd_the_command_gets_no_such_descriptor(runs: list[Framed]) -> None:
+    run = Framed([*SH, "echo >&19 && echo open || echo closed"])
+    runs.append(run)
+    run.finish()
+    assert bytes(run.stdout) == b"closed\n" and bytes(run.capture) == b""
+
+
+def test_spec_names_the_capture_fd_in_its_second_string(runs: list[Framed]) -> None:
+    run = Framed([], options=["--spec"])
+    runs.append(run)
+    run.send(b"x", _spec([*SH, "echo state >&42; echo out"], {}, capture_fd=42))
+    run.finish()
+    assert bytes(run.capture) == b"state\n" and bytes(run.stdout) == b"out\n"
+
+
+@pytest.mark.parametrize("value", ["2", "1024", "x"])
+def test_capture_fd_refuses_a_number_outside_its_range(value: str) -> None:
+    done = subprocess.run(
+        [SUPERVISE, "--frame", "--capture-fd", value, "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=False,
+    )
+    assert done.returncode == 125 and "--capture-fd" in done.stderr

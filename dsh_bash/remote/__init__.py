@@ -18,12 +18,15 @@ see ``README.md`` beside this file.
   it), :func:`spill_file_path` (a fresh name in the directory); :class:`QueuedSpillFile` (a
   :class:`dsh_bash.backend.SpillFile` whose bytes go to a :class:`SpillWriter` in order) and
   :class:`CommandSpills` (one command's files, waited for before its outcome is reported).
+- Scripts: :func:`ascii_quote` makes one bash word in ASCII of any text (the same quoting the
+  sessions' prologue uses for the values it replays).
 - Imports: :func:`quiet_asyncssh_import` keeps the warning asyncssh's import prints under
   cryptography 51 off stderr (the SSH backend, and the Docker backend's ``ssh://`` engines).
 """
 
 from __future__ import annotations
 
+from .._bash_words import ascii_quote
 from ._bash_protocol import (
     BOOT_AT,
     BOOT_FAIL,
@@ -58,6 +61,7 @@ __all__ = [
     "ExitTrailerFilter",
     "QueuedSpillFile",
     "SpillWriter",
+    "ascii_quote",
     "boot_failure",
     "boot_ok_undecided",
     "find_boot_ok",

@@ -58,12 +58,18 @@ def encode_frame(kind: bytes, payload: bytes = b"") -> bytes:
     return _HEADER.pack(kind, len(payload)) + payload
 
 
+def _discard(part: memoryview) -> None:
+    """Where a capture stream goes that nobody asked for."""
+
+
 class FrameDecoder:
     """Splits the supervisor's stream into the command's stdout, its stderr, and status records.
 
     ``feed`` takes bytes as they arrive, in any split; each sink is called with whole payloads of
     the frames completed so far (a large frame may reach its sink in several parts, never mixed
     with another frame's). End-of-file frames call ``on_eof`` with ``"stdout"`` or ``"stderr"``.
+    ``on_capture`` takes the ``v`` stream (protocol 8, ``--capture-fd``: what the command wrote to
+    its capture descriptor, a session's state); without it that stream is dropped.
     """
 
     __slots__ = ("_buffer", "_kind", "_left", "_on_eof", "_on_status", "_sinks", "_status_part", "framed")
@@ -75,8 +81,9 @@ class FrameDecoder:
         on_stderr: Sink,
         on_status: Callable[[str], None],
         on_eof: Callable[[str], None],
+        on_capture: Sink | None = None,
     ) -> None:
-        self._sinks = {b"o": on_stdout, b"e": on_stderr}
+        self._sinks = {b"o": on_stdout, b"e": on_stderr, b"v": on_capture or _discard}
         self._on_status = on_status
         self._on_eof = on_eof
         self._buffer = b""  # a partial header
@@ -111,7 +118,7 @@ class FrameDecoder:
             self._start(kind, length)
 
     def _start(self, kind: bytes, length: int) -> None:
-        if kind not in (b"o", b"e", b"s"):
+        if kind not in (b"o", b"e", b"s", b"v"):
             raise FrameError(f"unknown frame type {kind!r}")
         if length > MAX_FRAME_PAYLOAD:
             raise FrameError(f"a frame of {length} bytes (at most {MAX_FRAME_PAYLOAD})")
@@ -119,7 +126,7 @@ class FrameDecoder:
         if length == 0:
             if kind == b"s":
                 self._status_done()
-            else:
+            elif kind != b"v":  # the capture's end says nothing the exit record does not
                 self._on_eof("stdout" if kind == b"o" else "stderr")
             return
         self._kind = kind

@@ -15,6 +15,7 @@ from dsh_bash.remote import (
     KILL,
     SPILL_DIR,
     SPILL_WRITER,
+    ascii_quote,
 )
 
 __all__ = [
@@ -319,7 +320,7 @@ _SEALED_SUPERVISOR = '-a SUPERVISOR "$_dsh_sup" "${_dsh_self[@]}"'
 
 def _supervisor_exec(supervisor: str, check: tuple[str, str] | None, *, warm: bool) -> tuple[str, str]:
     """BOOT's look at the supervisor before its exec, and the words to exec it by."""
-    quoted = _ascii_quote(supervisor)
+    quoted = ascii_quote(supervisor)
     if not warm:
         return _supervisor_check(supervisor, check), quoted
     picked = _PICK_SEALED_SUPERVISOR.replace("CHECK", _supervisor_check(supervisor, check))
@@ -330,13 +331,13 @@ def _supervisor_check(supervisor: str, check: tuple[str, str] | None) -> str:
     """BOOT's look at the supervisor before its exec: it exists, and (``check``: the stat program,
     the identity it printed at install) is still the file installed."""
     if check is None:
-        return _CHECK_SUPERVISOR.replace("SUPERVISOR", _ascii_quote(supervisor))
+        return _CHECK_SUPERVISOR.replace("SUPERVISOR", ascii_quote(supervisor))
     stat, identity = check
     return (
-        _CHECK_SUPERVISOR_IDENTITY.replace("SUPERVISOR", _ascii_quote(supervisor))
-        .replace("STAT", _ascii_quote(stat))
-        .replace("FORMAT", _ascii_quote(IDENTITY_FORMAT))
-        .replace("IDENTITY", _ascii_quote(identity))
+        _CHECK_SUPERVISOR_IDENTITY.replace("SUPERVISOR", ascii_quote(supervisor))
+        .replace("STAT", ascii_quote(stat))
+        .replace("FORMAT", ascii_quote(IDENTITY_FORMAT))
+        .replace("IDENTITY", ascii_quote(identity))
     )
 
 
@@ -582,9 +583,9 @@ def boot_request(
     # fd 3: the memfd `dsh-supervise --warm` hands the request over in (closed at once; nothing else
     # is on fd 3 under WAITER). A plain `exec`, as in WAITER: `builtin exec 3<&-` closed nothing (the
     # redirection of a builtin lasts while it runs), and every command inherited the request.
-    script = "exec 3<&-\nbuiltin set -- " + " ".join(_ascii_quote(arg) for arg in args) + "\n"
+    script = "exec 3<&-\nbuiltin set -- " + " ".join(ascii_quote(arg) for arg in args) + "\n"
     if long_command is not None:
-        script += "_dsh_long=" + _ascii_quote(long_command) + "\n"
+        script += "_dsh_long=" + ascii_quote(long_command) + "\n"
     detached, header, long, stdin = _shape(args)
     assert not header and long == (long_command is not None)
     script += boot_script(
@@ -599,14 +600,3 @@ def boot_request(
     )
     body = script.encode("ascii")
     return b"%0*d" % (_LENGTH_DIGITS, len(body)) + body
-
-
-_PLAIN = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_./=:,+@%-")
-
-
-def _ascii_quote(arg: str) -> str:
-    """``arg`` as one bash word in ASCII: plain, or ANSI-C quoted with every other byte escaped."""
-    data = arg.encode("utf-8", "surrogateescape")
-    if data and all(byte in _PLAIN for byte in data):
-        return arg
-    return "$'" + "".join(chr(b) if b in _PLAIN or b == 0x20 else f"\\x{b:02x}" for b in data) + "'"

@@ -1,0 +1,401 @@
+"""Shell sessions: the state one owner's commands carry from one to the next (``R-session``).
+
+The state is held here, in the harness, never where the commands run: a file there would be
+writable by every command of that user, so any command could plant state (a function named ``ls``)
+in another session. It changes only through the capture of that session's own command, which could
+have set the same state by running ``cd`` or ``export`` itself.
+
+Each command still runs as its own ``bash`` under its backend's containment. Its text is wrapped:
+a prologue replays the state (directory, exported variables, ``set``/``shopt`` options, functions,
+aliases, umask) into the fresh shell, and an ``EXIT`` trap writes the state at the shell's exit to
+the capture descriptor :data:`SESSION_FD`, which the backend reads back (the supervisor's capture
+stream, or a file of the harness's host). The capture counts only when the shell exited by itself.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, NewType
+
+from pydantic import BaseModel, ConfigDict, StrictStr, StringConstraints
+
+from ._bash_words import ascii_quote
+from ._env import is_scrubbed
+from ._protocol import MARKER_VAR
+
+__all__ = [
+    "MAX_SESSION_BYTES",
+    "SESSION_FD",
+    "CaptureError",
+    "SessionCapture",
+    "SessionId",
+    "SessionReport",
+    "SessionState",
+    "parse_capture",
+    "state_after",
+    "wrap_in_session",
+]
+
+#: The descriptor a session command's bash writes its state to at exit (its ``EXIT`` trap). High
+#: enough that scripts rarely touch it (``{var}`` redirections start at 10 and count up; fd 63 is
+#: process substitution's); a command that closes or reuses it only loses its own state change.
+SESSION_FD = 19
+
+#: The most bytes of one capture the harness keeps; a larger state is refused (the previous one is
+#: kept, and the result says why).
+MAX_SESSION_BYTES = 256 * 1024
+
+SessionId = NewType("SessionId", str)
+
+_HEADER = b"\0dsh-session-1\0"
+_SECTIONS = ("cwd", "env", "set", "shopt", "umask", "functions", "aliases")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+#: Variables bash sets for itself, or that name the directory (the state's own field).
+_BASH_OWN = frozenset({"PWD", "OLDPWD", "SHLVL", "_", MARKER_VAR})
+#: `set -o` options that would stop the wrapper itself from running the command (or that bash
+#: cannot take back): never replayed.
+_OPTIONS_NOT_REPLAYED = frozenset({"noexec", "onecmd", "history", "interactive-comments"})
+#: `shopt` options bash keeps read-only.
+_SHOPT_NOT_REPLAYED = frozenset({"login_shell", "restricted_shell"})
+_SET_LINE = re.compile(r"set [-+]o [a-z-]+\Z")
+_SHOPT_LINE = re.compile(r"shopt -[su] [a-z_0-9]+\Z")
+_UMASK = re.compile(r"[0-7]{3,4}\Z")
+
+
+class SessionState(BaseModel):
+    """One session's shell state, as the next command of it gets it replayed.
+
+    ``env`` holds the exported variables the session set or changed (against the environment its
+    commands start with), ``unset`` those it removed; ``options`` and ``shopt`` are bash's own
+    ``set -o``/``shopt -s`` lines, ``functions`` and ``aliases`` bash's ``declare -f`` and
+    ``alias -p`` text. An empty state replays nothing."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    cwd: StrictStr | None = None
+    env: dict[str, str] = {}
+    unset: tuple[str, ...] = ()
+    options: tuple[str, ...] = ()
+    shopt: tuple[str, ...] = ()
+    umask: Annotated[str, StringConstraints(pattern=r"^[0-7]{3,4}$")] | None = None
+    functions: StrictStr = ""
+    aliases: StrictStr = ""
+
+
+class SessionReport(BaseModel):
+    """What a command in a session did to it (``BashRunResult.session``).
+
+    ``kept_previous`` is None when the state at the command's exit became the session's, else why
+    it did not (the command was killed, timed out or aborted; no state came back; it was too large):
+    the session stays as it was before the command."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: StrictStr
+    cwd: StrictStr | None
+    kept_previous: StrictStr | None = None
+
+
+class CaptureError(ValueError):
+    """A capture that is no session state (cut short, too large, or not bash's own words)."""
+
+
+class SessionCapture:
+    """The bytes one command wrote to its capture descriptor, as its backend reads them back.
+
+    A backend whose commands get :data:`SESSION_FD` from their supervisor feeds the capture stream
+    here (``feed``); what is past :data:`MAX_SESSION_BYTES` is counted, not kept."""
+
+    __slots__ = ("_data", "_limit", "overflowed")
+
+    def __init__(self, limit: int = MAX_SESSION_BYTES) -> None:
+        self._data = bytearray()
+        self._limit = limit
+        self.overflowed = False
+
+    def feed(self, data: bytes | memoryview) -> None:
+        room = self._limit - len(self._data)
+        if len(data) > room:
+            self.overflowed = True
+            data = data[: max(room, 0)]
+        self._data += data
+
+    @property
+    def data(self) -> bytes:
+        return bytes(self._data)
+
+
+# -- the wrapper --------------------------------------------------------------------------------------
+
+#: The EXIT trap: every part of the state, each after a NUL-framed name, through builtins only, with
+#: its own stderr (a session's `set -x` would trace it) thrown away.
+_CAPTURE = (
+    '{ builtin printf "\\0dsh-session-1\\0cwd\\0"; builtin pwd -P; '
+    'builtin printf "\\0env\\0"; builtin export -p; '
+    'builtin printf "\\0set\\0"; builtin set +o; '
+    'builtin printf "\\0shopt\\0"; builtin shopt -p; '
+    'builtin printf "\\0umask\\0"; builtin umask; '
+    'builtin printf "\\0functions\\0"; builtin declare -f; '
+    'builtin printf "\\0aliases\\0"; builtin alias -p; '
+    'builtin printf "\\0end\\0"; } >&' + str(SESSION_FD) + " 2>/dev/null"
+)
+
+
+def wrap_in_session(
+    command: str,
+    state: SessionState,
+    *,
+    capture_file: str | None,
+    explicit_env: Iterable[str] = (),
+    explicit_cwd: bool = False,
+) -> str:
+    """``command`` as a session's command: the prologue that replays ``state``, the trap that
+    captures the state at exit, then the command's own text, unchanged, from a line of its own.
+
+    ``capture_file``: a path the command's bash opens as :data:`SESSION_FD` first (a backend whose
+    commands run on the harness's host); None when the backend hands the command that descriptor.
+    ``explicit_env``: names the request set itself (they win over the session's values).
+    ``explicit_cwd``: the request named a directory (the session's is not entered)."""
+    lines: list[str] = []
+    if capture_file is not None:
+        # A plain exec: a redirection of `builtin exec` lasts only while that builtin runs.
+        lines.append(f"exec {SESSION_FD}>{ascii_quote(capture_file)}")
+    lines.append(f"builtin trap {ascii_quote(_CAPTURE)} EXIT")
+    if state.cwd is not None and not explicit_cwd:
+        where = ascii_quote(state.cwd)
+        lines.append(
+            f"builtin cd -- {where} 2>/dev/null || builtin printf "
+            f"'dsh-bash: the session directory %s is gone; running in %s\\n' {where} \"$PWD\" >&2"
+        )
+    skip = set(explicit_env)
+    exports = [f"{name}={ascii_quote(value)}" for name, value in state.env.items() if name not in skip]
+    if exports:
+        lines.append("builtin export " + " ".join(exports))
+    unsets = [name for name in state.unset if name not in skip]
+    if unsets:
+        lines.append("builtin unset -v " + " ".join(unsets))
+    if state.umask is not None:
+        lines.append(f"builtin umask {state.umask}")
+    if state.shopt:
+        # Before the functions: a body that uses extglob patterns parses only with extglob on.
+        lines.append("{ " + "; ".join(f"builtin {line}" for line in state.shopt) + "; } 2>/dev/null")
+    if state.aliases:
+        lines.append("builtin shopt -s expand_aliases")
+        lines.append(state.aliases.rstrip("\n"))
+    if state.functions:
+        lines.append(state.functions.rstrip("\n"))
+    if state.options:
+        # Last: errexit, nounset or xtrace of the session apply to the command, not to this prologue.
+        lines.append("{ " + "; ".join(f"builtin {line}" for line in state.options) + "; } 2>/dev/null")
+    return "\n".join(lines) + "\n" + command
+
+
+# -- reading a capture back ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Captured:
+    cwd: str | None
+    env: dict[str, str]
+    options: tuple[str, ...]
+    shopt: tuple[str, ...]
+    umask: str | None
+    functions: str
+    aliases: str
+
+
+def parse_capture(data: bytes) -> _Captured:
+    """The state a session command's trap wrote; :class:`CaptureError` when ``data`` is none.
+
+    The last capture in ``data`` counts (anything the command itself wrote to the descriptor before
+    is ignored); it must run to its end marker."""
+    start = data.rfind(_HEADER)
+    if start < 0:
+        raise CaptureError(
+            "no state came back (the command replaced the EXIT trap, exec'd another program, "
+            f"or closed fd {SESSION_FD})"
+        )
+    parts = data[start + len(_HEADER) :].split(b"\0")
+    # name, body, name, body, ..., "end", trailing
+    sections: dict[str, bytes] = {}
+    at = 0
+    for name in _SECTIONS:
+        if at + 1 >= len(parts) or parts[at] != name.encode():
+            raise CaptureError(f"the state that came back is cut short or garbled (at {name!r})")
+        sections[name] = parts[at + 1]
+        at += 2
+    if at >= len(parts) or parts[at] != b"end":
+        raise CaptureError("the state that came back is cut short")
+    text = {name: body.decode("utf-8", "surrogateescape") for name, body in sections.items()}
+    cwd = text["cwd"].rstrip("\n") or None
+    umask = text["umask"].strip()
+    return _Captured(
+        cwd=cwd,
+        env=parse_exports(sections["env"]),
+        options=tuple(
+            line
+            for line in text["set"].splitlines()
+            if _SET_LINE.match(line) and line.split()[2] not in _OPTIONS_NOT_REPLAYED
+        ),
+        shopt=tuple(
+            line
+            for line in text["shopt"].splitlines()
+            if _SHOPT_LINE.match(line) and line.split()[2] not in _SHOPT_NOT_REPLAYED
+        ),
+        umask=umask if _UMASK.match(umask) else None,
+        functions=text["functions"],
+        aliases=text["aliases"],
+    )
+
+
+def state_after(
+    captured: _Captured,
+    started_with: Mapping[str, str],
+    *,
+    scrub: Iterable[str],
+    allow: Iterable[str],
+) -> SessionState:
+    """The session's state once a command that started with the environment ``started_with`` (as
+    its backend launched it, before the prologue) exited with ``captured``: the exported variables
+    as changes against that environment, without the names the env policy scrubs, bash's own and
+    the harness's marker."""
+    scrub, allow = tuple(scrub), tuple(allow)
+
+    def kept(name: str) -> bool:
+        return bool(_NAME.match(name)) and name not in _BASH_OWN and not is_scrubbed(name, scrub, allow)
+
+    env = {
+        name: value for name, value in captured.env.items() if kept(name) and started_with.get(name) != value
+    }
+    unset = tuple(name for name in started_with if kept(name) and name not in captured.env)
+    return SessionState(
+        cwd=captured.cwd,
+        env=env,
+        unset=unset,
+        options=captured.options,
+        shopt=captured.shopt,
+        umask=captured.umask,
+        functions=captured.functions,
+        aliases=captured.aliases,
+    )
+
+
+# -- `export -p`, as every bash since 4 prints it -----------------------------------------------------
+
+_ESCAPES = {
+    ord("a"): 7,
+    ord("b"): 8,
+    ord("e"): 27,
+    ord("E"): 27,
+    ord("f"): 12,
+    ord("n"): 10,
+    ord("r"): 13,
+    ord("t"): 9,
+    ord("v"): 11,
+    ord("\\"): 92,
+    ord("'"): 39,
+    ord('"'): 34,
+    ord("?"): 63,
+}
+_OCTAL = b"01234567"
+_HEX = b"0123456789abcdefABCDEF"
+
+
+def parse_exports(data: bytes) -> dict[str, str]:
+    """``export -p``'s output as names and values: ``declare -x NAME="VALUE"`` (bash's double
+    quotes: ``\\`` before ``"``, ``\\``, ``$`` and a backquote), ``declare -x NAME=$'VALUE'`` (ANSI-C,
+    bash 5.2 for values with control bytes), ``declare -x NAME`` (exported, no value: left out), and
+    ``export NAME=...`` in POSIX mode. Values are bytes as bash holds them, surrogate-escaped."""
+    out: dict[str, str] = {}
+    at, end = 0, len(data)
+    while at < end:
+        if data.startswith(b"declare -", at):
+            space = data.find(b" ", at + 9)
+            if space < 0:
+                raise CaptureError("export -p: a line cut short")
+            at = space + 1
+        elif data.startswith(b"export ", at):
+            at += 7
+        else:
+            raise CaptureError("export -p: a line that is no declaration")
+        name_end = at
+        while name_end < end and data[name_end] not in b"=\n":
+            name_end += 1
+        name = data[at:name_end].decode("ascii", "replace")
+        at = name_end
+        if at >= end or data[at] == 0x0A:
+            at += 1
+            continue  # exported without a value
+        at += 1  # '='
+        value, at = _quoted(data, at)
+        if at < end and data[at] != 0x0A:
+            raise CaptureError(f"export -p: junk after the value of {name}")
+        at += 1
+        out[name] = value.decode("utf-8", "surrogateescape")
+    return out
+
+
+def _quoted(data: bytes, at: int) -> tuple[bytes, int]:
+    if data.startswith(b'"', at):
+        return _double_quoted(data, at + 1)
+    if data.startswith(b"$'", at):
+        return _ansi_c(data, at + 2)
+    raise CaptureError("export -p: a value that is not quoted")
+
+
+def _double_quoted(data: bytes, at: int) -> tuple[bytes, int]:
+    value = bytearray()
+    while at < len(data):
+        byte = data[at]
+        if byte == 0x22:  # "
+            return bytes(value), at + 1
+        if byte == 0x5C and at + 1 < len(data) and data[at + 1] in b'"\\$`':
+            value.append(data[at + 1])
+            at += 2
+            continue
+        value.append(byte)
+        at += 1
+    raise CaptureError("export -p: a double-quoted value runs to the end")
+
+
+def _ansi_c(data: bytes, at: int) -> tuple[bytes, int]:
+    value = bytearray()
+    n = len(data)
+    while at < n:
+        byte = data[at]
+        if byte == 0x27:  # '
+            return bytes(value), at + 1
+        if byte != 0x5C or at + 1 >= n:
+            value.append(byte)
+            at += 1
+            continue
+        kind = data[at + 1]
+        at += 2
+        if kind in _ESCAPES:
+            value.append(_ESCAPES[kind])
+        elif kind in _OCTAL:
+            digits = bytes([kind])
+            while len(digits) < 3 and at < n and data[at] in _OCTAL:
+                digits += data[at : at + 1]
+                at += 1
+            value.append(int(digits, 8) & 0xFF)
+        elif kind in b"xuU":
+            most = {ord("x"): 2, ord("u"): 4, ord("U"): 8}[kind]
+            digits = b""
+            while len(digits) < most and at < n and data[at] in _HEX:
+                digits += data[at : at + 1]
+                at += 1
+            if not digits:
+                value += b"\\" + bytes([kind])
+            elif kind == ord("x"):
+                value.append(int(digits, 16))
+            else:
+                value += chr(int(digits, 16)).encode("utf-8", "surrogatepass")
+        elif kind == ord("c") and at < n:
+            value.append(data[at] & 0x1F)
+            at += 1
+        else:
+            value += b"\\" + bytes([kind])
+    raise CaptureError("export -p: an ANSI-C quoted value runs to the end")
