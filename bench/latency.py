@@ -76,6 +76,28 @@ async def _back_to_back(runs: int, subject: Timed, baseline: Timed, block: int =
 ROUND_TRIP = "interactive round trip (a line to `cat` on a terminal, read back) vs `true`"
 
 
+#: The row of a command in a shell session (issue 31), beside the same executor's plain `true`.
+SESSION = (
+    "`true` in a shell session (a directory, 3 variables, a function) vs the same executor's plain `true`"
+)
+#: What the session holds when it is timed: what an agent's session typically does hold.
+_SESSION_SETUP = "cd /tmp && export SESSION_A=1 SESSION_B=two PATH=$PATH:/opt/bench/bin && f() { echo f; }"
+
+
+async def in_session(ex: Any) -> Timed:
+    """A call of `true` in a session of ``ex`` that holds what :data:`_SESSION_SETUP` leaves."""
+    from dsh_bash import BashExecRequest  # noqa: PLC0415
+
+    session = ex.session()
+    result = await ex.run(ex.resolve(BashExecRequest(command=_SESSION_SETUP, session=session)))
+    assert result.session is not None and result.session.kept_previous is None, result
+
+    async def call() -> None:
+        await ex.run(ex.resolve(BashExecRequest(command="true", session=session)))
+
+    return call
+
+
 async def round_trip(ex: Any, runs: int) -> float:
     """Median ms of one interactive round trip: a line written to ``cat`` running on a terminal task,
     until a read shows it twice (the terminal's echo, then cat's copy); reads as a tool loop polls."""
@@ -115,13 +137,15 @@ async def bench_local(runs: int) -> list[tuple[str, str, float, float]]:
         async def marker_only() -> None:
             await marker_ex.exec("true")
 
-        medians = await _alternate(runs, subject, {"raw": raw, "marker": marker_only})
+        session = await in_session(ex)
+        medians = await _alternate(runs, subject, {"raw": raw, "marker": marker_only, "session": session})
         interactive = await round_trip(ex, runs)
     return [
         ("local", 'asyncio.create_subprocess_exec("bash","-c","true")', medians["subject"], medians["raw"]),
         # The cost of the containment: the same executor without dsh-supervise (marker only).
         ("local", "the local executor with containment = marker", medians["subject"], medians["marker"]),
         ("local", ROUND_TRIP, interactive, medians["subject"]),
+        ("local", SESSION, medians["session"], medians["subject"]),
     ]
 
 
@@ -158,7 +182,7 @@ async def bench_docker(runs: int, image: str) -> list[tuple[str, str, float, flo
         # dsh_bash_docker._warm) while a command runs; waiting for it, untimed, keeps that work
         # out of the baselines' timing. An agent's commands come seconds apart: warm is the usual
         # case. Back to back, and 50 at once, most commands find no spare and pay a fresh exec.
-        baselines = {"cli": cli, "sdk": sdk, "marker": marker_only}
+        baselines = {"cli": cli, "sdk": sdk, "marker": marker_only, "session": await in_session(ex)}
         medians = await _alternate(runs, subject, baselines, settle=settle)
         burst = await _back_to_back(runs, subject, cli)
         await settle()
@@ -185,6 +209,7 @@ async def bench_docker(runs: int, image: str) -> list[tuple[str, str, float, flo
         # The cost of the containment: the same executor without dsh-supervise (marker only).
         ("docker", "the Docker executor with containment = marker", medians["subject"], medians["marker"]),
         ("docker", ROUND_TRIP, interactive, medians["subject"]),
+        ("docker", SESSION, medians["session"], medians["subject"]),
     ]
 
 
@@ -237,7 +262,11 @@ async def bench_ssh(runs: int, server: Any = None) -> list[tuple[str, str, float
             # dsh_bash_ssh._warm) while a command runs; waiting for it, untimed, keeps that work
             # out of the baseline's timing. An agent's commands come seconds apart: warm is the
             # usual case. Back to back, the next command may wait for part of it.
-            medians = await _alternate(runs, subject, {"raw": raw, "marker": marker_only}, settle=settle)
+            session = await in_session(ex)
+            await settle()
+            medians = await _alternate(
+                runs, subject, {"raw": raw, "marker": marker_only, "session": session}, settle=settle
+            )
             burst = await _back_to_back(runs, subject, raw)
 
             async def ssh_cli() -> None:
@@ -270,6 +299,7 @@ async def bench_ssh(runs: int, server: Any = None) -> list[tuple[str, str, float
         # The cost of the containment: the same executor without dsh-supervise (marker only).
         ("ssh", "the SSH executor with containment = marker", medians["subject"], medians["marker"]),
         ("ssh", ROUND_TRIP, interactive, medians["subject"]),
+        ("ssh", SESSION, medians["session"], medians["subject"]),
     ]
 
 

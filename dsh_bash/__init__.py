@@ -51,6 +51,8 @@ from ._types import (
     EndCause,
     OutputTap,
     OwnerToken,
+    SessionId,
+    SessionReport,
     TerminalSize,
 )
 
@@ -86,6 +88,8 @@ __all__ = [
     "InputRefusal",
     "OutputTap",
     "OwnerToken",
+    "SessionId",
+    "SessionReport",
     "TaskInputError",
     "TaskListener",
     "TerminalSize",

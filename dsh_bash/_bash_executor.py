@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import logging
+import os
 import posixpath
 import secrets
 import signal as _signal
@@ -53,6 +56,15 @@ from ._protocol import (
     kill_sequence,
     signal_name,
 )
+from ._session import (
+    MAX_SESSION_BYTES,
+    CaptureError,
+    SessionCapture,
+    SessionState,
+    parse_capture,
+    state_after,
+    wrap_in_session,
+)
 from ._task_input import TaskInput, input_bytes
 from ._types import (
     BashExecRequest,
@@ -64,6 +76,8 @@ from ._types import (
     BashTaskStatus,
     EndCause,
     OwnerToken,
+    SessionId,
+    SessionReport,
     TerminalSize,
 )
 
@@ -94,6 +108,7 @@ class _Command:
 
     __slots__ = (
         "after_kill_scope",
+        "capture_file",
         "exit",
         "failure",
         "finalized",
@@ -107,6 +122,7 @@ class _Command:
         "output_done",
         "process",
         "sent_signals",
+        "session_start",
         "started_at",
         "task",
         "tg",
@@ -143,6 +159,10 @@ class _Command:
         self.after_kill_scope = anyio.CancelScope()
         self.tg: anyio.abc.TaskGroup | None = None
         self.input: TaskInput | None = None
+        #: A session command: the file of this host its state comes back in (else its backend feeds
+        #: ``launch.session``), and the session's state it started from.
+        self.capture_file: str | None = None
+        self.session_start: SessionState | None = None
 
     @property
     def spec(self) -> BashExecSpec:
@@ -158,6 +178,39 @@ class _Command:
         if code is not None and code > 128 and status.exit_code_only and (code - 128) in self.sent_signals:
             return None, signal_name(code - 128)
         return code, None
+
+
+def _read_capture_file(path: str) -> bytes:
+    """A capture file's bytes (one more than the most a state may have, to tell one too large);
+    nothing when the command never wrote it. Never follows a link a command put in its place."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return b""
+    try:
+        chunks: list[bytes] = []
+        left = MAX_SESSION_BYTES + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 16))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
+
+
+class _Session:
+    """One shell session: its owner and the state its next command gets."""
+
+    __slots__ = ("owner", "state")
+
+    def __init__(self, owner: OwnerToken | None) -> None:
+        self.owner = owner
+        self.state = SessionState()
 
 
 class _Delivered:
@@ -246,6 +299,10 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         self._listeners: list[TaskListener] = []
         self._spill_budget = SpillBudget(config.max_spill_total_bytes)
         self._helper_scopes: set[anyio.CancelScope] = set()
+        #: Each owner's shell session (``session``): held here, so it survives ``reconfigure`` and is
+        #: no backend's to keep.
+        self._sessions: dict[SessionId, _Session] = {}
+        self._session_of_owner: dict[OwnerToken | None, SessionId] = {}
 
     # -- hooks a backend implements --------------------------------------------------------------
 
@@ -294,7 +351,29 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         (reason ``interactive_unsupported``), before anything runs."""
         return False
 
+    def _supports_sessions(self) -> bool:
+        """True when this executor's commands can carry a shell session: each foreground command of
+        one gets :data:`~dsh_bash.backend.SESSION_FD` (``launch.session`` set), and what the command
+        writes there reaches ``launch.session.feed`` before its process reports its end (a
+        supervisor's ``--capture-fd``); or :meth:`_session_capture_file` names a file of this host.
+        False refuses a spec with a session (reason ``session_unsupported``)."""
+        return False
+
+    def _session_capture_file(self, command_marker: str) -> str | None:
+        """A fresh path on the harness's own host that a session command's bash opens as its capture
+        descriptor, which the executor reads back (and removes) once the command ended: for a backend
+        whose commands run on this host and cannot be handed the descriptor. None (the default): the
+        backend hands it over itself and feeds ``launch.session``."""
+        return None
+
     # -- lifecycle --------------------------------------------------------------------------------
+
+    @property
+    def supports_sessions(self) -> bool:
+        """Whether a request may name a session (``R-session-carry``): False where this executor's
+        commands cannot carry one (a backend without its supervisor), which refuses such a request
+        with reason ``session_unsupported``. Known once the executor is open."""
+        return self._supports_sessions()
 
     @property
     def containment(self) -> str | None:
@@ -371,6 +450,8 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             await self._closed_event.wait()
             return
         self._state = "closing"
+        self._sessions.clear()  # sessions end with the executor
+        self._session_of_owner.clear()
         grace_s = self._config.grace_ms / 1000
         #: Why aclose cannot say that nothing it started is alive: raised once everything is released.
         problem: BashInfrastructureError | None = None
@@ -491,6 +572,8 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
                 if request.task_timeout_ms is None
                 else float(min(request.task_timeout_ms, config.max_timeout_ms))
             ),
+            session=request.session,
+            enter_session_cwd=request.workdir is None,
         )
 
     async def exec(self, command: str, **request_fields: Any) -> BashRunResult:
@@ -508,14 +591,19 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             )
         command = await self._launch(spec, background=False)
         try:
-            await self._supervise(command, spec.timeout_ms / 1000)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._kill_now(command, "cancelled")
-                await self._finalize(command)
-            raise
-        await self._finalize(command)
-        return self._result(command)
+            try:
+                await self._supervise(command, spec.timeout_ms / 1000)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self._kill_now(command, "cancelled")
+                    await self._finalize(command)
+                raise
+            await self._finalize(command)
+            return self._result(command)
+        finally:
+            if command.capture_file is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(command.capture_file)
 
     async def start(self, spec: BashExecSpec) -> BashTask:
         command = await self._launch(spec, background=True)
@@ -643,6 +731,40 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
 
     # -- helpers for backends ----------------------------------------------------------------------
 
+    def session(self, owner: OwnerToken | None = None) -> SessionId:
+        """The shell session of ``owner`` (``R-session``), made at its first use: a request with it
+        runs in it. Sessions live as long as the executor, through ``reconfigure``."""
+        self._ensure_open()
+        found = self._session_of_owner.get(owner)
+        if found is None:
+            found = SessionId(f"session-{secrets.token_hex(6)}")
+            self._sessions[found] = _Session(owner)
+            self._session_of_owner[owner] = found
+        return found
+
+    def reset_session(self, session: SessionId, *, owner: OwnerToken | None = None) -> None:
+        """Forget the state of ``session``: its next command starts as a fresh shell. A session of
+        another owner is refused as an unknown one (``session_unknown``)."""
+        self._session_for(session, owner).state = SessionState()
+
+    def end_session(self, session: SessionId, *, owner: OwnerToken | None = None) -> None:
+        """Forget ``session`` altogether (an owner that is gone): its id is unknown from now on, and
+        the owner's next ``session`` makes a new one. A command of it still running keeps its result
+        but sets no state. Refused as ``reset_session`` is."""
+        self._session_for(session, owner)
+        del self._sessions[session]
+        self._session_of_owner.pop(owner, None)
+
+    def _session_for(self, session: SessionId, owner: OwnerToken | None) -> _Session:
+        found = self._sessions.get(session)
+        if found is None or found.owner != owner:
+            raise BashInfrastructureError(
+                f'no session "{session}" of this owner on {type(self).__name__} (made by session(owner), '
+                "ended with the executor); nothing was started",
+                reason="session_unknown",
+            )
+        return found
+
     def _start_helper(self, func: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Run ``func(*args)`` in the executor's task group until it ends or the executor closes."""
         if self._tg is None:
@@ -691,6 +813,14 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
                 "started",
                 reason="interactive_unsupported",
             )
+        if spec.session is not None:
+            self._session_for(spec.session, spec.owner)
+            if not self._supports_sessions():
+                raise BashInfrastructureError(
+                    f"{type(self).__name__} cannot carry a shell session here (its commands cannot be given "
+                    "a capture descriptor); nothing was started",
+                    reason="session_unsupported",
+                )
         config = self._config
         if background:
             cap = config.max_running_tasks or self._default_task_cap
@@ -729,8 +859,30 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             )
             for name in ("stdout", "stderr")
         ]
+        capture = capture_file = None
+        launch_spec = spec
+        if spec.session is not None:
+            session = self._session_for(spec.session, spec.owner)
+            if not background:
+                capture_file = self._session_capture_file(marker)
+                capture = SessionCapture(file=capture_file)
+            wrapped = wrap_in_session(
+                spec.command,
+                session.state,
+                capture=not background,
+                capture_file=capture_file,
+                explicit_env=spec.env or (),
+                explicit_cwd=not spec.enter_session_cwd,
+            )
+            launch_spec = spec.model_copy(update={"command": wrapped})
         launch = Launch(
-            spec=spec, env=env, marker=marker, stdout=streams[0], stderr=streams[1], background=background
+            spec=launch_spec,
+            env=env,
+            marker=marker,
+            stdout=streams[0],
+            stderr=streams[1],
+            background=background,
+            session=capture,
         )
         started_at = time.monotonic()
         try:
@@ -760,6 +912,9 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         if background:
             task = BashTask(BashTaskId(f"bash-{next(self._task_numbers)}"), spec.command, spec.owner)
         command = _Command(launch, process, task, started_at)
+        if capture is not None:
+            command.capture_file = capture_file
+            command.session_start = session.state
         if self._state != "open":
             # aclose began while the backend was starting it.
             with anyio.CancelScope(shield=True):
@@ -993,4 +1148,47 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             duration_ms=(time.monotonic() - command.started_at) * 1000,
             stdout=launch.stdout.collected(),
             stderr=launch.stderr.collected(),
+            session=None if launch.session is None else self._settle_session(command, exit_code, signal),
         )
+
+    def _settle_session(self, command: _Command, exit_code: int | None, signal: str | None) -> SessionReport:
+        """The session after one of its commands ended: the state it wrote at its exit when its shell
+        exited by itself, else the state it started from (``R-session-killed-keeps``)."""
+        spec = command.spec
+        capture = command.launch.session
+        assert spec.session is not None and capture is not None and command.session_start is not None
+        session = self._sessions.get(spec.session)
+        if session is None:  # ended (end_session, aclose) while the command ran
+            return SessionReport.model_construct(id=spec.session, cwd=None, kept_previous="the session ended")
+        if command.capture_file is not None:
+            capture.feed(_read_capture_file(command.capture_file))
+        kept: str | None = None
+        cause = command.kill_cause
+        if cause == "timeout":
+            kept = "the command timed out"
+        elif cause == "aborted":
+            kept = "the command was aborted"
+        elif exit_code is None:
+            kept = f"the command ended by {signal}" if signal else "the command did not exit by itself"
+        elif capture.overflowed:
+            kept = f"its state came back larger than {MAX_SESSION_BYTES} bytes"
+        else:
+            try:
+                captured = parse_capture(capture.data)
+            except CaptureError as exc:
+                kept = str(exc)
+            else:
+                config = self._config
+                if not spec.enter_session_cwd and captured.cwd == posixpath.normpath(spec.workdir):
+                    # The request's workdir held for this command alone, as its env does: a command
+                    # that did not leave it leaves the session's directory as it was.
+                    captured = dataclasses.replace(captured, cwd=command.session_start.cwd)
+                session.state = state_after(
+                    captured,
+                    command.launch.env,
+                    previous=command.session_start,
+                    explicit=spec.env or (),
+                    scrub=(*config.env_scrub, MARKER_VAR),
+                    allow=config.env_allow,
+                )
+        return SessionReport.model_construct(id=spec.session, cwd=session.state.cwd, kept_previous=kept)

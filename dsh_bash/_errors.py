@@ -31,6 +31,8 @@ InfraReason = Literal[
     "spill_unavailable",  # the private spill directory could not be created or used (at open)
     "task_limit",  # max_running_tasks background tasks run already
     "interactive_unsupported",  # open_stdin was asked of a backend (or mode) that cannot keep stdin open
+    "session_unknown",  # the spec's session is not one of this executor's, or belongs to another owner
+    "session_unsupported",  # a session was asked of a backend (or mode) that cannot carry one
     # Where commands run could not be reached or set up.
     "engine_unreachable",  # the Docker engine does not answer
     "image_missing",  # the image is not there and may not be pulled

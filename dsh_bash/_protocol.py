@@ -20,6 +20,7 @@ import anyio
 
 from ._errors import BashInfrastructureError
 from ._output import OutputStream
+from ._session import SessionCapture
 from ._types import (
     BashExecSpec,
     TerminalSize,
@@ -86,6 +87,9 @@ class Launch:
     stdout: OutputStream
     stderr: OutputStream
     background: bool
+    #: A foreground command in a session: where what it writes to its capture descriptor
+    #: (:data:`SESSION_FD`) goes. None: no session, or a task (which captures nothing).
+    session: SessionCapture | None = None
 
 
 class Killable(Protocol):

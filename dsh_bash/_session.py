@@ -17,21 +17,18 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Annotated, NewType
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, StrictStr, StringConstraints
 
 from ._bash_words import ascii_quote
 from ._env import is_scrubbed
-from ._protocol import MARKER_VAR
 
 __all__ = [
     "MAX_SESSION_BYTES",
     "SESSION_FD",
     "CaptureError",
     "SessionCapture",
-    "SessionId",
-    "SessionReport",
     "SessionState",
     "parse_capture",
     "state_after",
@@ -47,13 +44,12 @@ SESSION_FD = 19
 #: kept, and the result says why).
 MAX_SESSION_BYTES = 256 * 1024
 
-SessionId = NewType("SessionId", str)
-
 _HEADER = b"\0dsh-session-1\0"
 _SECTIONS = ("cwd", "env", "set", "shopt", "umask", "functions", "aliases")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-#: Variables bash sets for itself, or that name the directory (the state's own field).
-_BASH_OWN = frozenset({"PWD", "OLDPWD", "SHLVL", "_", MARKER_VAR})
+#: Variables bash sets for itself, or that name the directory (the state's own field). The harness's
+#: marker is the caller's to leave out (it scrubs it).
+_BASH_OWN = frozenset({"PWD", "OLDPWD", "SHLVL", "_"})
 #: `set -o` options that would stop the wrapper itself from running the command (or that bash
 #: cannot take back): never replayed.
 _OPTIONS_NOT_REPLAYED = frozenset({"noexec", "onecmd", "history", "interactive-comments"})
@@ -84,20 +80,6 @@ class SessionState(BaseModel):
     aliases: StrictStr = ""
 
 
-class SessionReport(BaseModel):
-    """What a command in a session did to it (``BashRunResult.session``).
-
-    ``kept_previous`` is None when the state at the command's exit became the session's, else why
-    it did not (the command was killed, timed out or aborted; no state came back; it was too large):
-    the session stays as it was before the command."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    id: StrictStr
-    cwd: StrictStr | None
-    kept_previous: StrictStr | None = None
-
-
 class CaptureError(ValueError):
     """A capture that is no session state (cut short, too large, or not bash's own words)."""
 
@@ -106,13 +88,17 @@ class SessionCapture:
     """The bytes one command wrote to its capture descriptor, as its backend reads them back.
 
     A backend whose commands get :data:`SESSION_FD` from their supervisor feeds the capture stream
-    here (``feed``); what is past :data:`MAX_SESSION_BYTES` is counted, not kept."""
+    here (``feed``); what is past :data:`MAX_SESSION_BYTES` is counted, not kept. ``file``: the file
+    of the harness's host the command's bash opens as that descriptor instead (the executor's
+    ``_session_capture_file``), which a sandbox must let it write; None when the backend hands the
+    descriptor over."""
 
-    __slots__ = ("_data", "_limit", "overflowed")
+    __slots__ = ("_data", "_limit", "file", "overflowed")
 
-    def __init__(self, limit: int = MAX_SESSION_BYTES) -> None:
+    def __init__(self, limit: int = MAX_SESSION_BYTES, *, file: str | None = None) -> None:
         self._data = bytearray()
         self._limit = limit
+        self.file = file
         self.overflowed = False
 
     def feed(self, data: bytes | memoryview) -> None:
@@ -147,6 +133,7 @@ def wrap_in_session(
     command: str,
     state: SessionState,
     *,
+    capture: bool = True,
     capture_file: str | None,
     explicit_env: Iterable[str] = (),
     explicit_cwd: bool = False,
@@ -157,12 +144,14 @@ def wrap_in_session(
     ``capture_file``: a path the command's bash opens as :data:`SESSION_FD` first (a backend whose
     commands run on the harness's host); None when the backend hands the command that descriptor.
     ``explicit_env``: names the request set itself (they win over the session's values).
-    ``explicit_cwd``: the request named a directory (the session's is not entered)."""
+    ``explicit_cwd``: the request named a directory (the session's is not entered).
+    ``capture``: False for a background task, which starts from the state and changes nothing."""
     lines: list[str] = []
-    if capture_file is not None:
+    if capture and capture_file is not None:
         # A plain exec: a redirection of `builtin exec` lasts only while that builtin runs.
         lines.append(f"exec {SESSION_FD}>{ascii_quote(capture_file)}")
-    lines.append(f"builtin trap {ascii_quote(_CAPTURE)} EXIT")
+    if capture:
+        lines.append(f"builtin trap {ascii_quote(_CAPTURE)} EXIT")
     if state.cwd is not None and not explicit_cwd:
         where = ascii_quote(state.cwd)
         lines.append(
@@ -254,13 +243,16 @@ def state_after(
     captured: _Captured,
     started_with: Mapping[str, str],
     *,
+    previous: SessionState,
+    explicit: Iterable[str],
     scrub: Iterable[str],
     allow: Iterable[str],
 ) -> SessionState:
     """The session's state once a command that started with the environment ``started_with`` (as
     its backend launched it, before the prologue) exited with ``captured``: the exported variables
     as changes against that environment, without the names the env policy scrubs, bash's own and
-    the harness's marker."""
+    the harness's marker. A name the request set (``explicit``) held for that command alone: the
+    session keeps its own value of it (``previous``) unless the command changed it itself."""
     scrub, allow = tuple(scrub), tuple(allow)
 
     def kept(name: str) -> bool:
@@ -269,11 +261,18 @@ def state_after(
     env = {
         name: value for name, value in captured.env.items() if kept(name) and started_with.get(name) != value
     }
-    unset = tuple(name for name in started_with if kept(name) and name not in captured.env)
+    unset = [name for name in started_with if kept(name) and name not in captured.env]
+    for name in explicit:
+        if name in env or name in unset or not kept(name):
+            continue
+        if name in previous.env:
+            env[name] = previous.env[name]
+        elif name in previous.unset:
+            unset.append(name)
     return SessionState(
         cwd=captured.cwd,
         env=env,
-        unset=unset,
+        unset=tuple(unset),
         options=captured.options,
         shopt=captured.shopt,
         umask=captured.umask,

@@ -39,6 +39,9 @@ __all__ = [
 
 BashTaskId = NewType("BashTaskId", str)
 OwnerToken = NewType("OwnerToken", str)
+#: A shell session of an executor (``BashExecutor.session``): a handle, not a secret; it belongs to
+#: the owner it was made for.
+SessionId = NewType("SessionId", str)
 
 BashTaskStatus = Literal["running", "completed", "killed"]
 EndCause = Literal["exited", "signaled", "killed", "timed_out", "aborted", "closed", "lost"]
@@ -155,6 +158,19 @@ class TerminalSize(_Frozen):
     cols: Annotated[int, Strict(), Field(ge=1, le=1000)]
 
 
+class SessionReport(_Frozen):
+    """What a command run in a session did to it (``BashRunResult.session``, ``R-session``).
+
+    ``cwd``: the session's directory after the command (None: the executor's default).
+    ``kept_previous``: None when the shell state at the command's exit became the session's; else why
+    it did not (killed, timed out, aborted, no state came back, too large): the session stays as it
+    was before the command."""
+
+    id: StrictStr
+    cwd: StrictStr | None
+    kept_previous: StrictStr | None = None
+
+
 class _CommandChecks(_Frozen):
     """The checks a request and a spec share, on the fields both have."""
 
@@ -209,6 +225,10 @@ class BashExecRequest(_CommandChecks):
     #: The timeout of a background task (``start``; ``run`` has ``timeout_ms``): at it the task is
     #: killed and ends ``killed``, end cause ``timed_out`` (``R-task-timeout``). None: no timeout.
     task_timeout_ms: float | None = None
+    #: Run in this shell session (``BashExecutor.session``): its state is replayed into the command's
+    #: bash, and the state at its exit becomes the session's (``run``; a task starts from it and
+    #: changes nothing). None: a fresh shell, as always.
+    session: Annotated[SessionId, Strict()] | None = None
 
     @field_validator("timeout_ms", mode="before")
     @classmethod
@@ -243,6 +263,11 @@ class BashExecSpec(_CommandChecks):
     on_output: OutputTap | None = None
     #: As on the request (``resolve`` caps it at ``max_timeout_ms``).
     task_timeout_ms: float | None = None
+    #: As on the request.
+    session: Annotated[SessionId, Strict()] | None = None
+    #: The session's directory is entered (the request named no ``workdir``); False: ``workdir``
+    #: wins over it. Without a session it means nothing.
+    enter_session_cwd: Annotated[bool, Strict()] = True
 
     @model_validator(mode="after")
     def _terminal_input_open(self) -> BashExecSpec:
@@ -300,6 +325,8 @@ class BashRunResult(_Frozen):
     duration_ms: float
     stdout: CollectedOutput
     stderr: CollectedOutput
+    #: A command run in a session: what it did to it. None: no session.
+    session: SessionReport | None = None
 
 
 class BashTask:

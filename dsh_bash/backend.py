@@ -37,6 +37,13 @@ Killing (every kill reaches processes that left the command's group):
 - :class:`SupervisedCommand` and :class:`SupervisedLeftovers`: an executor's running supervisors,
   each able to kill its command's whole tree; what ``aclose`` kills when a command outlived it.
 
+Sessions (``R-session``; the prologue, the capture and the state are the executor's):
+
+- :data:`SESSION_FD`: the descriptor a session command's bash writes its state to at exit; a
+  backend that says yes in ``_supports_sessions`` hands it over (a supervisor's ``--capture-fd``)
+  and feeds what comes out of it to ``launch.session`` (a :class:`SessionCapture`), or names a file
+  of the harness's host in ``_session_capture_file`` that the command opens as it.
+
 Output:
 
 - :class:`OutputStream`: one stream of a command (``launch.stdout``, ``launch.stderr``); the
@@ -97,6 +104,7 @@ from ._protocol import (
     signal_name,
     while_watching,
 )
+from ._session import SESSION_FD, SessionCapture
 
 __all__ = [
     "BUDGET_FIELDS",
@@ -106,6 +114,7 @@ __all__ = [
     "MAX_INLINE_COMMAND",
     "MODEL_FRIENDLY_ENV",
     "RC_FILE_VARIABLES",
+    "SESSION_FD",
     "CoalescedRuns",
     "CommandProcess",
     "ConformanceHooks",
@@ -116,6 +125,7 @@ __all__ = [
     "Killable",
     "Launch",
     "OutputStream",
+    "SessionCapture",
     "SpillFile",
     "StreamName",
     "SupervisedCommand",

@@ -117,6 +117,11 @@ _INSTRUCTIONS: Final = (
     "Shell access. Run commands with the bash tool: each call is a fresh non-interactive bash (use its "
     "workdir argument instead of cd)."
 )
+_SESSION_INSTRUCTIONS: Final = (
+    "Shell access. Run commands with the bash tool: each call is a new non-interactive bash that starts "
+    "where the last one left off (directory, exported variables, functions, aliases, options), as in one "
+    "terminal for this session; its restart argument starts from a fresh shell."
+)
 _BACKGROUND_INSTRUCTIONS: Final = (
     " Long-running commands (servers, watchers) go to the background with run_in_background, or after "
     "yield_ms milliseconds when they have not ended by then; read their "
@@ -182,7 +187,8 @@ class BashMcpServer:
             self._server: Server[Any] = Server(
                 SERVER_NAME,
                 version=_package_version(),
-                instructions=_INSTRUCTIONS + (_BACKGROUND_INSTRUCTIONS if background else ""),
+                instructions=(_SESSION_INSTRUCTIONS if self._template.sessions else _INSTRUCTIONS)
+                + (_BACKGROUND_INSTRUCTIONS if background else ""),
                 on_list_tools=self._list_tools,
                 on_call_tool=self._call_tool,
                 on_set_logging_level=self._set_logging_level,
@@ -285,6 +291,7 @@ class BashMcpServer:
     async def _end_session(self, session: _Session) -> None:
         """The connection ended: stop announcing, kill its running tasks (a DELETE then waits for them)."""
         session.unsubscribe()
+        session.toolset.end_session()
         session.killed = session.toolset.running_tasks()
         try:
             killed = await session.toolset.kill_all()

@@ -51,8 +51,15 @@ class BashForegroundArgs(_Args):
     workdir: str | None = Field(
         default=None,
         description=(
-            "Directory to run the command in (absolute, or relative to the default working directory). "
-            "Use this instead of 'cd DIR && ...'."
+            "Directory to run this command in (absolute, or relative to the default working directory), "
+            "for this call alone."
+        ),
+    )
+    restart: bool | None = Field(
+        default=False,
+        description=(
+            "Start from a fresh shell: forget the current directory, variables, functions, aliases and "
+            "options that earlier calls left, then run the command."
         ),
     )
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -25,6 +26,7 @@ from dsh_bash import (
     DshBashError,
     ExecutorClosedError,
     OwnerToken,
+    SessionId,
     TaskInputError,
     TerminalSize,
     UnknownTaskError,
@@ -130,9 +132,11 @@ class ToolResult(BaseModel):
 class _OwnerBook:
     """Background tasks one owner started through toolsets, plus starts in flight."""
 
-    __slots__ = ("ended", "reserved", "tasks", "waited_on")
+    __slots__ = ("cwd", "ended", "reserved", "tasks", "waited_on")
 
     def __init__(self) -> None:
+        #: The directory of the owner's session the last result showed (None: none shown yet).
+        self.cwd: str | None = None
         self.tasks: dict[BashTaskId, BashTask] = {}
         self.reserved = 0
         #: Tasks a ``bash`` call with ``yield_ms`` still waits for: that call reports their end, so
@@ -184,7 +188,7 @@ def _number(value: object) -> str | None:
     return f"{value:.0f}" if float(value).is_integer() else f"{value:g}"
 
 
-def _bash_description(*, background: bool, config: object) -> str:
+def _bash_description(*, background: bool, config: object, sessions: bool = False) -> str:
     timeout = _number(getattr(config, "timeout_ms", None))
     max_timeout = _number(getattr(config, "max_timeout_ms", None))
     max_output = _number(getattr(config, "max_output_bytes", None))
@@ -192,13 +196,27 @@ def _bash_description(*, background: bool, config: object) -> str:
     if timeout and max_timeout:
         limits = f" (default {timeout}, at most {max_timeout})"
     tail = f"its last {max_output} bytes" if max_output else "its tail"
+    if sessions:
+        carry = [
+            "- Every call runs in a new non-interactive bash that starts where the last one left off: "
+            "the current directory (`cd`), exported variables (`export`, `unset`, `source .venv/bin/"
+            "activate`), functions, aliases, `set -o`/`shopt` options and umask carry over, as in one "
+            "terminal. Plain variables that are not exported do not. A command that times out or is "
+            "killed changes nothing of that state. `restart: true` starts from a fresh shell. "
+            "`workdir` runs one call elsewhere without moving you. A background task (and a call with "
+            "`yield_ms`) starts from that state but does not change it.",
+        ]
+    else:
+        carry = [
+            "- Every call starts a fresh, non-interactive bash: nothing carries over from earlier calls "
+            "(no current directory, variables, aliases or functions). Pass `workdir` instead of using "
+            "`cd`, and chain dependent steps in one command with `&&`.",
+        ]
     text = [
         "Run a bash command and return its output.",
         "",
         "How it runs:",
-        "- Every call starts a fresh, non-interactive bash: nothing carries over from earlier calls "
-        "(no current directory, variables, aliases or functions). Pass `workdir` instead of using "
-        "`cd`, and chain dependent steps in one command with `&&`.",
+        *carry,
         "- Stdin is empty and there is no terminal: give non-interactive flags (`-y`, `--no-edit`, "
         "`git --no-pager`) to anything that would prompt, page or open an editor.",
         f"- The command is killed after `timeout_ms` milliseconds{limits}.",
@@ -214,6 +232,14 @@ def _bash_description(*, background: bool, config: object) -> str:
         "`(no output)` when it wrote nothing.",
         "- A last line `[exit code: N]` when the exit code is not 0, or `[killed by signal: NAME]`; "
         "without such a line the command succeeded. `[timed out after Nms]` means the timeout killed it.",
+        *(
+            [
+                "- `[cwd: DIR]` when the call changed the current directory; `[shell state not kept: WHY]` "
+                "when the command's changes to the shell state were dropped."
+            ]
+            if sessions
+            else []
+        ),
         f"- Each stream shows only {tail}. A line `[output truncated; full output: PATH]` names a file "
         "holding the whole stream: search it with grep or read parts with head, tail or sed -n in a "
         "later call, instead of printing it all again.",
@@ -328,6 +354,9 @@ class BashToolset:
     kill only its owner's background tasks and ownerless ones. ``background=False`` offers ``bash`` alone,
     without ``run_in_background``. ``max_running`` caps the running background tasks of one owner;
     ``max_running_total`` (None: no cap) those of every owner on the executor together.
+    ``sessions`` (default True): ``bash`` runs in the owner's shell session where the executor carries
+    one (``R-tools-session``), so a ``cd`` or an ``export`` holds for the next call; False: every call
+    is a fresh shell.
     """
 
     def __init__(
@@ -338,6 +367,7 @@ class BashToolset:
         background: bool = True,
         max_running: int = 10,
         max_running_total: int | None = None,
+        sessions: bool = True,
     ) -> None:
         if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
             raise ValueError(f"max_running must be a positive int, got {max_running!r}")
@@ -352,6 +382,7 @@ class BashToolset:
         self._background = background
         self._max_running = max_running
         self._max_running_total = max_running_total
+        self._sessions = sessions
         self._callbacks: list[CompletionCallback] = []
         self._unsubscribe_executor: Callable[[], None] | None = None
 
@@ -375,6 +406,46 @@ class BashToolset:
     def max_running_total(self) -> int | None:
         return self._max_running_total
 
+    @property
+    def sessions(self) -> bool:
+        """Whether ``bash`` runs in the owner's shell session: asked for, and carried by the executor."""
+        return self._sessions and self._executor.supports_sessions
+
+    def end_session(self) -> None:
+        """Forget the owner's shell session (an MCP connection that ended): its state is dropped, and
+        a later call of the owner starts a new one."""
+        if self.sessions:
+            with contextlib.suppress(DshBashError):  # the executor closed first: its sessions went too
+                self._executor.end_session(self._executor.session(self._owner), owner=self._owner)
+            _book(self._executor, self._owner).cwd = None
+
+    def _session(self, restart: bool | None) -> SessionId | None:
+        """The owner's session for one ``bash`` call (reset first with ``restart``), or None."""
+        if not self.sessions:
+            return None
+        session = self._executor.session(self._owner)
+        if restart:
+            self._executor.reset_session(session, owner=self._owner)
+            _book(self._executor, self._owner).cwd = None
+        return session
+
+    def _session_lines(self, result: BashRunResult, workdir: str) -> tuple[list[Line], dict[str, Any]]:
+        """What a run's session report adds to its result: ``[cwd: DIR]`` when the directory changed,
+        ``[shell state not kept: WHY]`` when the command's state was dropped."""
+        report = result.session
+        if report is None:
+            return [], {}
+        book = _book(self._executor, self._owner)
+        lines: list[Line] = []
+        shown = book.cwd if book.cwd is not None else workdir
+        if report.cwd is not None and report.cwd != shown:
+            lines.append(Line(f"[cwd: {escape_controls(report.cwd)}]"))
+        if report.cwd is not None:
+            book.cwd = report.cwd
+        if report.kept_previous is not None:
+            lines.append(Line(f"[shell state not kept: {report.kept_previous}]"))
+        return lines, {"cwd": report.cwd, "session_kept_previous": report.kept_previous}
+
     # -- definitions ----------------------------------------------------------------------------------
 
     def _bash_model(self) -> type[BashForegroundArgs]:
@@ -385,6 +456,9 @@ class BashToolset:
         background."""
         config = getattr(self._executor, "config", None)
         bash_schema = input_schema(self._bash_model())
+        if not self.sessions:
+            # Nothing to restart: every call is a fresh shell (the argument is still taken, and ignored).
+            del bash_schema["properties"]["restart"]
         timeout = _number(getattr(config, "timeout_ms", None))
         max_timeout = _number(getattr(config, "max_timeout_ms", None))
         if timeout and max_timeout:
@@ -393,7 +467,9 @@ class BashToolset:
         tools = [
             ToolDefinition(
                 name=BASH,
-                description=_bash_description(background=self._background, config=config),
+                description=_bash_description(
+                    background=self._background, config=config, sessions=self.sessions
+                ),
                 input_schema=bash_schema,
             )
         ]
@@ -539,6 +615,9 @@ class BashToolset:
         return await self._kill(args.task_id)
 
     async def _run(self, args: BashForegroundArgs, signal: AbortSignal | None) -> ToolResult:
+        facts: dict[str, Any] = {"background": False}
+        if args.description is not None:
+            facts["description"] = args.description
         try:
             request = BashExecRequest(
                 command=args.command,
@@ -546,24 +625,22 @@ class BashToolset:
                 timeout_ms=args.timeout_ms,
                 signal=signal,
                 owner=self._owner,
+                session=self._session(args.restart),
             )
-        except ValueError as exc:
-            return _error("invalid_arguments", f"invalid arguments for bash: {_one_line(exc)}", BASH)
-        facts: dict[str, Any] = {"background": False}
-        if args.description is not None:
-            facts["description"] = args.description
-        try:
             spec = self._executor.resolve(request)
             facts["workdir"] = spec.workdir
             result = await self._executor.run(spec)
+        except ValueError as exc:
+            return _error("invalid_arguments", f"invalid arguments for bash: {_one_line(exc)}", BASH)
         except DshBashError as exc:
             if signal is not None and signal.aborted:
                 return _error("aborted", ABORTED_TEXT, BASH, **facts)
             return _failure(exc, "the command could not run", BASH, **facts)
-        data = {"tool": BASH, **facts, **_run_data(result)}
+        lines, session_facts = self._session_lines(result, spec.workdir)
+        data = {"tool": BASH, **facts, **_run_data(result), **session_facts}
         if result.aborted:
             return ToolResult(text=ABORTED_TEXT, is_error=True, data={**data, "error": "aborted"})
-        return ToolResult(text=render_run(result), is_error=False, data=data)
+        return ToolResult(text=join([render_run(result), *lines]), is_error=False, data=data)
 
     async def _start(self, args: BashArgs, signal: AbortSignal | None) -> ToolResult:
         try:
@@ -573,7 +650,10 @@ class BashToolset:
                 owner=self._owner,
                 open_stdin=bool(args.open_stdin),
                 terminal=_TERMINAL if args.terminal else None,
+                session=self._session(args.restart),
             )
+        except DshBashError as exc:
+            return _failure(exc, "the command could not run", BASH)
         except ValueError as exc:
             return _error("invalid_arguments", f"invalid arguments for bash: {_one_line(exc)}", BASH)
         facts: dict[str, Any] = {
@@ -671,8 +751,14 @@ class BashToolset:
         call's signal no longer reaches it."""
         try:
             request = BashExecRequest(
-                command=args.command, workdir=args.workdir, timeout_ms=args.timeout_ms, owner=self._owner
+                command=args.command,
+                workdir=args.workdir,
+                timeout_ms=args.timeout_ms,
+                owner=self._owner,
+                session=self._session(args.restart),
             )
+        except DshBashError as exc:
+            return _failure(exc, "the command could not run", BASH)
         except ValueError as exc:
             return _error("invalid_arguments", f"invalid arguments for bash: {_one_line(exc)}", BASH)
         facts: dict[str, Any] = {"background": False, "yield_ms": yield_ms}

@@ -52,6 +52,8 @@ from dsh_bash import (
     BashTaskRead,
     CollectedOutput,
     OwnerToken,
+    SessionId,
+    SessionReport,
     TaskListener,
     TerminalSize,
 )
@@ -64,6 +66,7 @@ from dsh_bash._output import (
     _skip_continuation,
     merge_streams,
 )
+from dsh_bash._session import SessionState
 from dsh_bash._task_input import TaskInput
 from dsh_bash.backend import (
     MODEL_FRIENDLY_ENV,
@@ -2256,3 +2259,69 @@ class WaitLookFromLastRead(LocalBashExecutor):
     def waiting_for_input(self, task_id: BashTaskId) -> bool | None:
         super().waiting_for_input(task_id)  # refusals as the sound look's
         return self._last_waiting.get(task_id, False)
+
+
+# -- sessions ---------------------------------------------------------------------------------------
+
+
+class SessionCaptureNeverHanded(LocalBashExecutor):
+    """Breaks: a session command's state at its exit becomes the session's.
+
+    The backend says its launch hands the command the capture descriptor (as a supervisor's
+    `--capture-fd` would), but nothing does: the trap writes into a closed fd and no state comes back.
+    """
+
+    def _session_capture_file(self, command_marker: str) -> str | None:
+        return None
+
+
+class SessionKeepsKilledState(LocalBashExecutor):
+    """Breaks: a killed or timed-out session command leaves the session as it was before it.
+
+    Whatever state came back is taken, as if every command had exited by itself (a SIGTERM runs the
+    command's EXIT trap, so a timed-out command's state does come back).
+    """
+
+    def _settle_session(self, command: _Command, exit_code: int | None, signal: str | None) -> SessionReport:
+        command.kill_cause = None
+        return super()._settle_session(command, 0, None)
+
+
+class SessionSharedByOwners(LocalBashExecutor):
+    """Breaks: each owner has a session of its own that no other owner can run in.
+
+    Sessions are looked up without their owner: every owner gets the one session.
+    """
+
+    def session(self, owner: OwnerToken | None = None) -> SessionId:
+        return super().session(None)
+
+    def _session_for(self, session: SessionId, owner: OwnerToken | None) -> Any:
+        return super()._session_for(session, None)
+
+
+class SessionKeepsScrubbedNames(LocalBashExecutor):
+    """Breaks: a name the env policy scrubs never enters a session's state.
+
+    The state is taken from the capture without the policy's scrub globs.
+    """
+
+    def _settle_session(self, command: _Command, exit_code: int | None, signal: str | None) -> SessionReport:
+        config = self._config
+        self._config = config.model_copy(update={"env_scrub": ()})
+        try:
+            return super()._settle_session(command, exit_code, signal)
+        finally:
+            self._config = config
+
+
+class SessionLostOnReconfigure(LocalBashExecutor):
+    """Breaks: a session survives `reconfigure`.
+
+    The sessions are kept with the budgets they were made under and made anew when those change.
+    """
+
+    def reconfigure(self, **fields: Any) -> None:
+        super().reconfigure(**fields)
+        for session in self._sessions.values():
+            session.state = SessionState()

@@ -113,6 +113,12 @@ CAUGHT_BY: list[Row] = [
     Row("background-has-no-timeout", bb.BackgroundTasksTimedOut),
     Row("task-timeout-applies", bb.TaskTimeoutIgnored),
     Row("task-timeout-applies", bb.TaskTimeoutReportedAsKill),
+    # -- sessions ------------------------------------------------------------------------------------
+    Row("session-carries-state", bb.SessionCaptureNeverHanded),
+    Row("session-killed-keeps-previous", bb.SessionKeepsKilledState),
+    Row("session-owners-isolated", bb.SessionSharedByOwners),
+    Row("session-owners-isolated", bb.SessionKeepsScrubbedNames),
+    Row("session-reset-and-reconfigure", bb.SessionLostOnReconfigure),
     Row("task-cap-refused", bb.IgnoresTaskCap),
     Row("kill-running-task", bb.KillWaitsForEnd),
     Row("kill-ended-task-kills-leftovers", bb.KillOfEndedTaskNoop),

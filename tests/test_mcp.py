@@ -175,6 +175,7 @@ async def test_stdio_tools_foreground_background_and_no_orphans(config: Path, ma
             assert bash.input_schema["additionalProperties"] is False
             assert "run_in_background" in bash.input_schema["properties"]
             assert bash.description and "workdir" in bash.description
+            assert "carry over" in bash.description and "restart" in bash.input_schema["properties"]
 
             fg = await client.call_tool("bash", {"command": "echo hi; echo oops >&2; exit 2"})
             assert (_text(fg), fg.is_error) == ("hi\n[stderr]\noops\n[exit code: 2]", False)
@@ -443,6 +444,15 @@ async def test_http_sessions_are_isolated_owners(config: Path, marker: str) -> N
                 assert _text(refused) == f"task {task_b} belongs to another session"
                 mine = await a.call_tool("bash_output", {"task_id": task_a})
                 assert _text(mine) == "(no new output)\n[status: running]"
+
+                # Each connection is a shell session of its own (issue 31): a's cd and export hold
+                # for a's next call, and never reach b.
+                moved = await a.call_tool("bash", {"command": "cd /tmp && export WHO=a"})
+                assert _text(moved) == "(no output)\n[cwd: /tmp]"
+                here = await a.call_tool("bash", {"command": "pwd; echo $WHO"})
+                assert _text(here) == "/tmp\na\n"
+                there = await b.call_tool("bash", {"command": "pwd; echo ${WHO-none}"})
+                assert _text(there) == f"{config.parent}\nnone\n"
 
                 quick = await _start(a, "echo done")
                 text, _ = await _poll(a, quick)

@@ -54,7 +54,9 @@ def step(
         timeout=20,
         check=False,
     )
-    after = state_after(parse_capture(capture.read_bytes()), env, scrub=scrub, allow=())
+    after = state_after(
+        parse_capture(capture.read_bytes()), env, previous=state, explicit=explicit_env, scrub=scrub, allow=()
+    )
     return done, after
 
 
@@ -122,17 +124,14 @@ def test_scrubbed_names_never_enter_a_state(tmp_path: Path) -> None:
     assert state.env == {"OK": "1"}
 
 
-def test_names_the_request_sets_win_over_the_session(tmp_path: Path) -> None:
-    _, state = step(tmp_path, "export A=session; cd /tmp", SessionState())
-    done, _ = step(
-        tmp_path,
-        "echo $A; pwd",
-        state,
-        env={**BASE_ENV, "A": "request"},
-        explicit_env=("A",),
-        explicit_cwd=True,
+def test_names_the_request_sets_win_over_the_session_for_that_command(tmp_path: Path) -> None:
+    _, state = step(tmp_path, "export A=session B=session; cd /tmp", SessionState())
+    request_env = {**BASE_ENV, "A": "request", "B": "request"}
+    done, after = step(
+        tmp_path, "echo $A; pwd; B=own", state, env=request_env, explicit_env=("A", "B"), explicit_cwd=True
     )
     assert done.stdout == f"request\n{tmp_path.resolve()}\n".encode()
+    assert after.env == {"A": "session", "B": "own"}  # B: the command's own change wins
 
 
 def test_a_directory_that_is_gone_is_said_and_the_command_still_runs(tmp_path: Path) -> None:

@@ -770,3 +770,50 @@ def test_works_under_trio() -> None:
             assert reads[-1].data["status"] == "completed"
 
     anyio.run(main, backend="trio")
+
+
+# -- sessions (issue 31) --------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_bash_carries_the_shell_state_from_call_to_call_and_restart_drops_it(tmp_path: Any) -> None:
+    """Issue 31's case: `cd /tmp && export A=1 && f() { echo f; }`, then `pwd; echo $A; f` prints
+    /tmp, 1, f; the directory change is shown once; `restart` starts from a fresh shell."""
+    async with _executor(cwd=str(tmp_path)) as ex:
+        tools = BashToolset(ex)
+        definition = tools.definitions()[0]
+        assert "carry over" in definition.description and "restart" in definition.input_schema["properties"]
+        first = await tools.call("bash", {"command": "cd /tmp && export A=1 && f() { echo f; }"})
+        assert first.text == "(no output)\n[cwd: /tmp]" and first.data["cwd"] == "/tmp"
+        second = await tools.call("bash", {"command": "pwd; echo $A; f"})
+        assert second.text == "/tmp\n1\nf\n"
+        elsewhere = await tools.call("bash", {"command": "pwd", "workdir": str(tmp_path)})
+        assert elsewhere.text == f"{tmp_path}\n"  # for that call alone
+        timed = await tools.call("bash", {"command": "cd /; export A=2; sleep 5", "timeout_ms": 300})
+        assert timed.text.endswith("[shell state not kept: the command timed out]")
+        assert timed.data["session_kept_previous"] == "the command timed out"
+        kept = await tools.call("bash", {"command": "pwd; echo $A"})
+        assert kept.text == "/tmp\n1\n"
+        fresh = await tools.call(
+            "bash", {"command": "pwd; echo ${A-unset}; type -t f || echo none", "restart": True}
+        )
+        assert fresh.text == f"{tmp_path}\nunset\nnone\n"
+        task = await tools.call("bash", {"command": "cd /tmp; pwd", "run_in_background": True})
+        await ex._tasks[BashTaskId(task.data["task_id"])].task.wait()  # type: ignore[union-attr]
+        after = await tools.call("bash", {"command": "pwd"})
+        assert after.text.startswith(f"{tmp_path}\n")  # a task starts from the state, changes nothing
+
+
+@pytest.mark.anyio
+async def test_owners_have_sessions_of_their_own_and_sessions_can_be_turned_off(tmp_path: Any) -> None:
+    async with _executor(cwd=str(tmp_path)) as ex:
+        alice, bob = BashToolset(ex, owner=ALICE), BashToolset(ex, owner=BOB)
+        await alice.call("bash", {"command": "cd /tmp; export SEEN=alice"})
+        theirs = await bob.call("bash", {"command": "pwd; echo ${SEEN-none}"})
+        assert theirs.text == f"{tmp_path}\nnone\n"
+        off = BashToolset(ex, owner=ALICE, sessions=False)
+        definition = off.definitions()[0]
+        assert "nothing carries over" in definition.description
+        assert "restart" not in definition.input_schema["properties"]
+        plain = await off.call("bash", {"command": "pwd; echo ${SEEN-none}"})
+        assert plain.text == f"{tmp_path}\nnone\n" and "cwd" not in plain.data

@@ -100,6 +100,12 @@ GENERIC_HINTS: Mapping[InfraReason, str] = {
         'start the task without open_stdin or terminal, or use a backend (or containment = "subreaper") '
         "that keeps a command's input open"
     ),
+    "session_unknown": (
+        "make the session with executor.session(owner) on this executor, for the owner the request names"
+    ),
+    "session_unsupported": (
+        'run without a session, or use a backend (or containment = "subreaper") whose commands carry one'
+    ),
     "engine_unreachable": "start the container engine, or point the config at one that answers",
     "image_missing": "pull the image, or let the backend pull it",
     "container_missing": "name an existing, running container in the config",

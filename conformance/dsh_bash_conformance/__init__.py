@@ -39,6 +39,7 @@ for _module in (
     "_checks_outcome",
     "_checks_processes",
     "_checks_tasks",
+    "_checks_session",
     "_checks_reads",
     "_checks_input",
     "_checks_output",

@@ -324,6 +324,16 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         # The command's stdin is a pipe from this process, with or without a supervisor.
         return True
 
+    def _supports_sessions(self) -> bool:
+        # The capture comes back in a file of the spill directory (the fork server hands a command
+        # exactly its stdio and status socket).
+        return True
+
+    def _session_capture_file(self, command_marker: str) -> str | None:
+        if self._spill_dir is None:
+            raise OSError("the spill directory is gone")
+        return self._spill_dir.new_capture_file()
+
     # -- the conformance kit's hooks (dsh_bash.backend.ConformanceHooks) ------------------------------
 
     def kit_plant_ambient(self, variables: Mapping[str, str]) -> AbstractContextManager[Mapping[str, Any]]:

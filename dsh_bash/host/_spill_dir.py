@@ -59,6 +59,13 @@ class HostSpillDir:
     def new_file(self, suffix: str) -> HostSpillFile:
         return HostSpillFile(self, f"{secrets.token_hex(12)}.{suffix}")
 
+    def new_capture_file(self) -> str:
+        """A fresh empty file (mode 0600) a session command's bash opens as its capture descriptor:
+        made here first, so that a sandbox can bind just it writable into a read-only view."""
+        name = f"{secrets.token_hex(12)}.session"
+        os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600, dir_fd=self.fd))
+        return os.path.join(self.path, name)
+
     def remove(self) -> None:
         os.close(self.fd)
         shutil.rmtree(self.path, ignore_errors=True)

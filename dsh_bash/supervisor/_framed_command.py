@@ -133,6 +133,7 @@ class FramedCommand(CommandProcess):
             on_stderr=self._on_stderr,
             on_status=self._on_status,
             on_eof=self._on_eof,
+            on_capture=None if launch.session is None else launch.session.feed,
         )
         #: Released (or the pump gave up): the command's output has nowhere to go any more.
         self._discard = False

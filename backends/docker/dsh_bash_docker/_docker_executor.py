@@ -18,6 +18,7 @@ from dsh_bash.backend import (
     MARKER_VAR,
     MAX_INLINE_COMMAND,
     RC_FILE_VARIABLES,
+    SESSION_FD,
     CoalescedRuns,
     CommandProcess,
     Containment,
@@ -438,6 +439,11 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         # run the frames through a line discipline); resized by its 'W' frame.
         return self._supervisor is not None
 
+    def _supports_sessions(self) -> bool:
+        # The state comes back through the supervisor's capture descriptor ('v' frames); without it
+        # the exec's stream carries nothing but the command's output.
+        return self._supervisor is not None
+
     async def _spawn(self, launch: Launch) -> CommandProcess:
         try:
             return await self._spawn_in_with_supervisor(launch)
@@ -534,7 +540,9 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         )
         boot = ["bash", "--noprofile", "--norc", "-c", BOOT_SUPERVISED if supervisor else BOOT]
         boot += ["dsh-bash", spec.workdir, script_path]
-        exec_id, stream = await self._start_exec(container, user, boot, env, spec)
+        exec_id, stream = await self._start_exec(
+            container, user, boot, env, spec, capture=launch.session is not None
+        )
         # What both kinds of process need: the exec, its stream, and the marker kill as the last resort.
         parts: dict[str, Any] = {
             "engine": self._engine,
@@ -668,14 +676,27 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         return writer[1] if spec.user is None else out.decode("utf-8", "surrogateescape").strip()
 
     async def _start_exec(
-        self, container: str, user: str | None, boot: list[str], env: dict[str, str], spec: BashExecSpec
+        self,
+        container: str,
+        user: str | None,
+        boot: list[str],
+        env: dict[str, str],
+        spec: BashExecSpec,
+        *,
+        capture: bool,
     ) -> tuple[str, ExecStream]:
-        """The exec that runs ``boot``: a warm one taken, else a fresh one started."""
+        """The exec that runs ``boot``: a warm one taken, else a fresh one started. ``capture``: a
+        session command, which gets the supervisor's capture descriptor."""
         supervisor = self._supervisor
         terminal = None if spec.terminal is None else (spec.terminal.rows, spec.terminal.cols)
-        if supervisor is not None and (taken := await self._take_spare(container, user, boot, env, terminal)):
+        capture_fd = SESSION_FD if capture else None
+        if supervisor is not None and (
+            taken := await self._take_spare(container, user, boot, env, terminal, capture_fd=capture_fd)
+        ):
             return taken
         tty = [] if terminal is None else ["--tty", f"{terminal[0]}x{terminal[1]}"]
+        if capture_fd is not None:
+            tty += ["--capture-fd", str(capture_fd)]
         argv = [supervisor, "--frame", *tty, "--", *boot] if supervisor is not None else boot
         exec_id = await self._engine.exec_create(
             container, argv, env=env, stdin=supervisor is not None or spec.stdin is not None, user=user
@@ -689,12 +710,14 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         boot: list[str],
         env: dict[str, str],
         terminal: tuple[int, int] | None,
+        *,
+        capture_fd: int | None,
     ) -> tuple[str, ExecStream] | None:
         """A warm exec of the configured user in ``container``, told to run ``boot`` with ``env``;
         None when there is none (or the command cannot go by one): then a fresh exec."""
         if user != self._docker_config.user or container != self._container_id:
             return None
-        payload = spec_payload(boot, env, terminal)
+        payload = spec_payload(boot, env, terminal, capture_fd)
         if payload is None:
             return None
         spare = await self._warm.take()

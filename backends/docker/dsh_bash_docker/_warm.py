@@ -39,13 +39,20 @@ _MAX_SPEC = 1 << 20
 
 
 def spec_payload(
-    argv: list[str], env: dict[str, str], terminal: tuple[int, int] | None = None
+    argv: list[str],
+    env: dict[str, str],
+    terminal: tuple[int, int] | None = None,
+    capture_fd: int | None = None,
 ) -> bytes | None:
     """The ``x`` frame's payload for ``dsh-supervise --spec``; None when it cannot carry them (a NUL
-    in a string, or over the supervisor's frame limit): the command then takes a fresh exec."""
+    in a string, or over the supervisor's frame limit): the command then takes a fresh exec.
+    ``capture_fd``: the fd the command gets the capture pipe at (protocol 8), in the field a
+    ``--fork-server`` request names the status fd in."""
     if any("\0" in text for text in argv) or any("\0" in name + value for name, value in env.items()):
         return None
-    payload = command_payload(argv, env, ".", terminal=terminal)
+    payload = command_payload(
+        argv, env, ".", status_in_program=-1 if capture_fd is None else capture_fd, terminal=terminal
+    )
     return payload if len(payload) <= _MAX_SPEC else None
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import shlex
 
+from dsh_bash.backend import SESSION_FD
 from dsh_bash.remote import (
     BOOT_FAIL,
     BOOT_OK,
@@ -278,12 +279,16 @@ builtin export DSH_BASH_MARK=$_dsh_mark
 # The supervisor gives the command a stdin pipe of its own, closed when the harness says so: no
 # /dev/null here.
 # A terminal task's mode is "fg" and its terminal's size ("fg30x100"): the supervisor makes and owns
-# that pty. A command that gets no input at all (BOOT's $7 "0": neither stdin data nor open input)
-# reads /dev/null (--stdin-null), as without the supervisor, not an empty pipe.
+# that pty. A command in a session has "fgs" ("fgs30x100"): the supervisor hands it the capture
+# descriptor (fd 19, its state at exit comes back as 'v' frames). A command that gets no input at all
+# (BOOT's $7 "0": neither stdin data nor open input) reads /dev/null (--stdin-null), as without the
+# supervisor, not an empty pipe.
 _RUN_SUPERVISED = (
-    '_dsh_tty=${_dsh_mode#fg}; exec SUPERVISOR GRACESTDIN--frame ${_dsh_tty:+--tty "$_dsh_tty"} '
+    "_dsh_tty=${_dsh_mode#fg} _dsh_sess=(); [[ $_dsh_tty == s* ]] && "
+    "{ _dsh_tty=${_dsh_tty#s}; _dsh_sess=(--capture-fd CAPTURE_FD); }; "
+    'exec SUPERVISOR GRACESTDIN--frame ${_dsh_tty:+--tty "$_dsh_tty"} "${_dsh_sess[@]}" '
     '--setenv "DSH_BASH_MARK=$_dsh_mark" -- bash --noprofile --norc COMMAND\n'
-)
+).replace("CAPTURE_FD", str(SESSION_FD))
 # Before the verdict, so that a supervisor removed or replaced since the executor installed it (by a
 # command of the same user, issue 30) is told apart from a command that could not start: the executor
 # installs it again. With a check (see _supervisor: the install's stat program and the file's

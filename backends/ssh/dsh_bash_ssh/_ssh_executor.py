@@ -321,6 +321,11 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         # frames); resized by its 'W' frame.
         return self._supervisor is not None
 
+    def _supports_sessions(self) -> bool:
+        # The state comes back through the supervisor's capture descriptor ('v' frames on the
+        # command's channel); without it the channel carries nothing but the command's output.
+        return self._supervisor is not None
+
     async def _detached_mode(self) -> bool:
         if self._detach is None:
             async with self._detach_lock:
@@ -398,7 +403,8 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                 launch.stderr.prepaid_gone()
                 raise
         size = launch.spec.terminal
-        mode = "bg" if detached else "fg" if size is None else f"fg{size.rows}x{size.cols}"
+        session = "s" if launch.session is not None else ""
+        mode = "bg" if detached else f"fg{session}" + ("" if size is None else f"{size.rows}x{size.cols}")
         plan = self._plan(launch, nonce, mode)
         script = plan.script
         if detached:

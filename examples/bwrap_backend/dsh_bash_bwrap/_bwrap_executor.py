@@ -245,7 +245,7 @@ class BwrapBashExecutor(HostBashExecutor[BwrapConfig]):
             return f"{self._sandbox_dir}/tmp{path[len('/tmp') :]}"
         return path
 
-    def _sandbox_argv(self, argv: list[str], workdir: str) -> list[str]:
+    def _sandbox_argv(self, argv: list[str], workdir: str, capture_file: str | None = None) -> list[str]:
         if self._sandbox_dir is None or not self._prefix:
             raise BashInfrastructureError("the bwrap sandbox is not set up (executor not open)")
         config = self.config
@@ -261,6 +261,9 @@ class BwrapBashExecutor(HostBashExecutor[BwrapConfig]):
         spill_dir = self.spill_directory
         if spill_dir is not None:
             sandbox += ["--ro-bind", spill_dir, spill_dir]
+        if capture_file is not None:
+            # A session command writes its state there: that one file, writable, inside the view.
+            sandbox += ["--bind", capture_file, capture_file]
         sandbox.append("--unshare-pid")
         if not config.network:
             sandbox.append("--unshare-net")
@@ -273,7 +276,8 @@ class BwrapBashExecutor(HostBashExecutor[BwrapConfig]):
         if script is not None and len(argv) >= 3 and argv[-3:-1] == ["-c", "--"]:
             argv = [*argv[:-3], script]  # bash --noprofile --norc SCRIPT
         workdir = launch.spec.workdir
-        return self._sandbox_argv(argv, workdir), self._host_path(workdir)
+        capture_file = None if launch.session is None else launch.session.file
+        return self._sandbox_argv(argv, workdir, capture_file), self._host_path(workdir)
 
     def _write_script(self, command: str) -> str:
         assert self._sandbox_dir is not None
