@@ -62,6 +62,7 @@ from ._session import (
     SessionCapture,
     SessionState,
     parse_capture,
+    session_replay,
     state_after,
     wrap_in_session,
 )
@@ -203,14 +204,44 @@ def _read_capture_file(path: str) -> bytes:
         os.close(fd)
 
 
+#: The largest capture file a session keeps for its next command.
+_SPARE_CAPTURE_BYTES = 64 * 1024
+
+
 class _Session:
     """One shell session: its owner and the state its next command gets."""
 
-    __slots__ = ("owner", "state")
+    __slots__ = ("_replay", "last_capture", "last_env", "owner", "spare_file", "state")
 
     def __init__(self, owner: OwnerToken | None) -> None:
         self.owner = owner
         self.state = SessionState()
+        #: A capture file of this host no command of the session uses now: the next one takes it
+        #: (its bash truncates it), instead of a file made and removed for every command.
+        self.spare_file: str | None = None
+        #: The capture ``state`` was taken from (its id left out) and the environment its command
+        #: started with (the marker left out): a command that leaves the same needs no parse.
+        self.last_capture = b""
+        self.last_env: dict[str, str] | None = None
+        self._replay: tuple[SessionState, str] | None = None
+
+    def replay(self) -> str:
+        """The replay of ``state`` for a request that sets neither env nor workdir, kept while the
+        state stands (the quoting of every value is paid once)."""
+        cached = self._replay
+        if cached is None or cached[0] is not self.state:
+            cached = self._replay = (self.state, session_replay(self.state))
+        return cached[1]
+
+    def reset(self) -> None:
+        self.state = SessionState()
+        self.last_capture, self.last_env = b"", None
+
+    def forget_files(self) -> None:
+        if self.spare_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.spare_file)
+            self.spare_file = None
 
 
 class _Delivered:
@@ -450,6 +481,8 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             await self._closed_event.wait()
             return
         self._state = "closing"
+        for session in self._sessions.values():
+            session.forget_files()
         self._sessions.clear()  # sessions end with the executor
         self._session_of_owner.clear()
         grace_s = self._config.grace_ms / 1000
@@ -602,8 +635,7 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             return self._result(command)
         finally:
             if command.capture_file is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(command.capture_file)
+                self._recycle_capture_file(command)
 
     async def start(self, spec: BashExecSpec) -> BashTask:
         command = await self._launch(spec, background=True)
@@ -745,13 +777,13 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
     def reset_session(self, session: SessionId, *, owner: OwnerToken | None = None) -> None:
         """Forget the state of ``session``: its next command starts as a fresh shell. A session of
         another owner is refused as an unknown one (``session_unknown``)."""
-        self._session_for(session, owner).state = SessionState()
+        self._session_for(session, owner).reset()
 
     def end_session(self, session: SessionId, *, owner: OwnerToken | None = None) -> None:
         """Forget ``session`` altogether (an owner that is gone): its id is unknown from now on, and
         the owner's next ``session`` makes a new one. A command of it still running keeps its result
         but sets no state. Refused as ``reset_session`` is."""
-        self._session_for(session, owner)
+        self._session_for(session, owner).forget_files()
         del self._sessions[session]
         self._session_of_owner.pop(owner, None)
 
@@ -863,16 +895,21 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         launch_spec = spec
         if spec.session is not None:
             session = self._session_for(spec.session, spec.owner)
+            capture_id = ""
             if not background:
-                capture_file = self._session_capture_file(marker)
-                capture = SessionCapture(file=capture_file)
+                capture_file, session.spare_file = session.spare_file, None
+                if capture_file is None:
+                    capture_file = self._session_capture_file(marker)
+                capture_id = secrets.token_hex(6)
+                capture = SessionCapture(file=capture_file, capture_id=capture_id)
+            if spec.env or not spec.enter_session_cwd:
+                replay = session_replay(
+                    session.state, explicit_env=spec.env or (), explicit_cwd=not spec.enter_session_cwd
+                )
+            else:
+                replay = session.replay()
             wrapped = wrap_in_session(
-                spec.command,
-                session.state,
-                capture=not background,
-                capture_file=capture_file,
-                explicit_env=spec.env or (),
-                explicit_cwd=not spec.enter_session_cwd,
+                spec.command, replay, capture=not background, capture_id=capture_id, capture_file=capture_file
             )
             launch_spec = spec.model_copy(update={"command": wrapped})
         launch = Launch(
@@ -1151,6 +1188,21 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             session=None if launch.session is None else self._settle_session(command, exit_code, signal),
         )
 
+    def _recycle_capture_file(self, command: _Command) -> None:
+        """A finished command's capture file becomes its session's spare, or goes."""
+        path = command.capture_file
+        assert path is not None and command.spec.session is not None
+        session = self._sessions.get(command.spec.session)
+        if session is not None and session.spare_file is None and self._state == "open":
+            with contextlib.suppress(OSError):
+                # Overwritten in place by the next command: one that grew large goes (what it holds
+                # past a later capture would count against that capture's size bound).
+                if os.stat(path, follow_symlinks=False).st_size <= _SPARE_CAPTURE_BYTES:
+                    session.spare_file = path
+                    return
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
     def _settle_session(self, command: _Command, exit_code: int | None, signal: str | None) -> SessionReport:
         """The session after one of its commands ended: the state it wrote at its exit when its shell
         exited by itself, else the state it started from (``R-session-killed-keeps``)."""
@@ -1173,11 +1225,27 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         elif capture.overflowed:
             kept = f"its state came back larger than {MAX_SESSION_BYTES} bytes"
         else:
+            data = capture.data
+            started_with = {name: value for name, value in command.launch.env.items() if name != MARKER_VAR}
+            # Without what differs from one command to the next whatever it did: its id and its marker.
+            body = data.replace(capture.id.encode(), b"", 1).replace(command.launch.marker.encode(), b"", 1)
+            if (
+                body == session.last_capture
+                and started_with == session.last_env
+                and command.session_start is session.state
+                and not spec.env
+                and spec.enter_session_cwd
+            ):
+                # What the last taken command left, from the same start: the state stands as it is.
+                return SessionReport.model_construct(
+                    id=spec.session, cwd=session.state.cwd, kept_previous=None
+                )
             try:
-                captured = parse_capture(capture.data)
+                captured = parse_capture(data, capture.id)
             except CaptureError as exc:
                 kept = str(exc)
             else:
+                session.last_capture, session.last_env = body, started_with
                 config = self._config
                 if not spec.enter_session_cwd and captured.cwd == posixpath.normpath(spec.workdir):
                     # The request's workdir held for this command alone, as its env does: a command

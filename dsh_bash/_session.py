@@ -31,6 +31,7 @@ __all__ = [
     "SessionCapture",
     "SessionState",
     "parse_capture",
+    "session_replay",
     "state_after",
     "wrap_in_session",
 ]
@@ -44,19 +45,34 @@ SESSION_FD = 19
 #: kept, and the result says why).
 MAX_SESSION_BYTES = 256 * 1024
 
-_HEADER = b"\0dsh-session-1\0"
-_SECTIONS = ("cwd", "env", "set", "shopt", "umask", "functions", "aliases")
+_HEADER = b"\0dsh-session-2\0"
+#: The capture's sections and how many NUL-ended fields each has.
+_SECTIONS = (("cwd", 1), ("env", 1), ("options", 4), ("umask", 1), ("functions", 1), ("aliases", 1))
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 #: Variables bash sets for itself, or that name the directory (the state's own field). The harness's
 #: marker is the caller's to leave out (it scrubs it).
-_BASH_OWN = frozenset({"PWD", "OLDPWD", "SHLVL", "_"})
+_BASH_OWN = frozenset(
+    {
+        "PWD",
+        "OLDPWD",
+        "SHLVL",
+        "_",
+        "SHELLOPTS",
+        "BASHOPTS",
+        "BASHPID",
+        "BASH_VERSINFO",
+        "EUID",
+        "UID",
+        "PPID",
+    }
+)
 #: `set -o` options that would stop the wrapper itself from running the command (or that bash
 #: cannot take back): never replayed.
 _OPTIONS_NOT_REPLAYED = frozenset({"noexec", "onecmd", "history", "interactive-comments"})
 #: `shopt` options bash keeps read-only.
 _SHOPT_NOT_REPLAYED = frozenset({"login_shell", "restricted_shell"})
-_SET_LINE = re.compile(r"set [-+]o [a-z-]+\Z")
-_SHOPT_LINE = re.compile(r"shopt -[su] [a-z_0-9]+\Z")
+_CAPTURE_ID = re.compile(r"[A-Za-z0-9]*\Z")
+_OPTION_NAME = re.compile(r"[a-z][a-z_0-9-]*\Z")
 _UMASK = re.compile(r"[0-7]{3,4}\Z")
 
 
@@ -93,12 +109,16 @@ class SessionCapture:
     ``_session_capture_file``), which a sandbox must let it write; None when the backend hands the
     descriptor over."""
 
-    __slots__ = ("_data", "_limit", "file", "overflowed")
+    __slots__ = ("_data", "_limit", "file", "id", "overflowed")
 
-    def __init__(self, limit: int = MAX_SESSION_BYTES, *, file: str | None = None) -> None:
+    def __init__(
+        self, limit: int = MAX_SESSION_BYTES, *, file: str | None = None, capture_id: str = ""
+    ) -> None:
         self._data = bytearray()
         self._limit = limit
         self.file = file
+        #: What the command's capture starts with (``wrap_in_session``'s ``capture_id``).
+        self.id = capture_id
         self.overflowed = False
 
     def feed(self, data: bytes | memoryview) -> None:
@@ -118,40 +138,48 @@ class SessionCapture:
 #: The EXIT trap: every part of the state, each after a NUL-framed name, through builtins only, with
 #: its own stderr (a session's `set -x` would trace it) thrown away.
 _CAPTURE = (
-    '{ builtin printf "\\0dsh-session-1\\0cwd\\0"; builtin pwd -P; '
+    '{ builtin printf "\\0dsh-session-2\\0%s\\0cwd\\0" "${_dsh_capture-}"; builtin pwd -P; '
     'builtin printf "\\0env\\0"; builtin export -p; '
-    'builtin printf "\\0set\\0"; builtin set +o; '
-    'builtin printf "\\0shopt\\0"; builtin shopt -p; '
-    'builtin printf "\\0umask\\0"; builtin umask; '
+    'builtin printf "\\0options\\0%s\\0%s\\0%s\\0%s\\0umask\\0" '
+    '"$SHELLOPTS" "$BASHOPTS" "${_dsh_fresh_so-}" "${_dsh_fresh_bo-}"; builtin umask; '
     'builtin printf "\\0functions\\0"; builtin declare -f; '
     'builtin printf "\\0aliases\\0"; builtin alias -p; '
     'builtin printf "\\0end\\0"; } >&' + str(SESSION_FD) + " 2>/dev/null"
 )
+#: The options a fresh shell starts with, kept before the prologue changes any: the capture says
+#: which options differ from them (two variables read, where `set +o` and `shopt -p` would print
+#: some eighty lines that the next prologue would replay one by one).
+_FRESH = "_dsh_fresh_so=$SHELLOPTS _dsh_fresh_bo=$BASHOPTS _dsh_capture="
+
+_TRAP = f"builtin trap {ascii_quote(_CAPTURE)} EXIT"
 
 
-def wrap_in_session(
-    command: str,
-    state: SessionState,
-    *,
-    capture: bool = True,
-    capture_file: str | None,
-    explicit_env: Iterable[str] = (),
-    explicit_cwd: bool = False,
+def _grouped(on: str, off: str, lines: tuple[str, ...]) -> str:
+    """``shopt -s``/``-u`` lines as (at most) two builtins."""
+    names: dict[bool, list[str]] = {True: [], False: []}
+    for line in lines:
+        words = line.split()
+        names[words[1] == "-s"].append(words[2])
+    parts = [
+        f"builtin {verb} {' '.join(names[flag])}" for verb, flag in ((on, True), (off, False)) if names[flag]
+    ]
+    return "{ " + "; ".join(parts) + "; } 2>/dev/null"
+
+
+def _set_options(lines: tuple[str, ...]) -> str:
+    """``set -o``/``set +o`` lines as one ``set`` builtin."""
+    flags = " ".join(f"{line.split()[1]} {line.split()[2]}" for line in lines)
+    return "{ builtin set " + flags + "; } 2>/dev/null"
+
+
+def session_replay(
+    state: SessionState, *, explicit_env: Iterable[str] = (), explicit_cwd: bool = False
 ) -> str:
-    """``command`` as a session's command: the prologue that replays ``state``, the trap that
-    captures the state at exit, then the command's own text, unchanged, from a line of its own.
-
-    ``capture_file``: a path the command's bash opens as :data:`SESSION_FD` first (a backend whose
-    commands run on the harness's host); None when the backend hands the command that descriptor.
-    ``explicit_env``: names the request set itself (they win over the session's values).
-    ``explicit_cwd``: the request named a directory (the session's is not entered).
-    ``capture``: False for a background task, which starts from the state and changes nothing."""
+    """The lines that replay ``state`` into a fresh bash (empty for an empty state), for
+    :func:`wrap_in_session`. ``explicit_env``: names the request set itself (they win over the
+    session's values). ``explicit_cwd``: the request named a directory (the session's is not
+    entered). Depends on nothing else: an executor keeps it while its session's state stands."""
     lines: list[str] = []
-    if capture and capture_file is not None:
-        # A plain exec: a redirection of `builtin exec` lasts only while that builtin runs.
-        lines.append(f"exec {SESSION_FD}>{ascii_quote(capture_file)}")
-    if capture:
-        lines.append(f"builtin trap {ascii_quote(_CAPTURE)} EXIT")
     if state.cwd is not None and not explicit_cwd:
         where = ascii_quote(state.cwd)
         lines.append(
@@ -168,8 +196,9 @@ def wrap_in_session(
     if state.umask is not None:
         lines.append(f"builtin umask {state.umask}")
     if state.shopt:
-        # Before the functions: a body that uses extglob patterns parses only with extglob on.
-        lines.append("{ " + "; ".join(f"builtin {line}" for line in state.shopt) + "; } 2>/dev/null")
+        # Before the functions: a body that uses extglob patterns parses only with extglob on. One
+        # builtin per direction, not one per option: bash pays for every command it parses.
+        lines.append(_grouped("shopt -s", "shopt -u", state.shopt))
     if state.aliases:
         lines.append("builtin shopt -s expand_aliases")
         lines.append(state.aliases.rstrip("\n"))
@@ -177,8 +206,39 @@ def wrap_in_session(
         lines.append(state.functions.rstrip("\n"))
     if state.options:
         # Last: errexit, nounset or xtrace of the session apply to the command, not to this prologue.
-        lines.append("{ " + "; ".join(f"builtin {line}" for line in state.options) + "; } 2>/dev/null")
-    return "\n".join(lines) + "\n" + command
+        lines.append(_set_options(state.options))
+    return "".join(line + "\n" for line in lines)
+
+
+def wrap_in_session(
+    command: str,
+    replay: str,
+    *,
+    capture: bool = True,
+    capture_id: str = "",
+    capture_file: str | None,
+) -> str:
+    """``command`` as a session's command: the trap that captures the state at exit, the
+    ``replay`` of the state (:func:`session_replay`), then the command's own text, unchanged, from a
+    line of its own.
+
+    ``capture_file``: a path the command's bash opens as :data:`SESSION_FD` first (a backend whose
+    commands run on the harness's host); None when the backend hands the command that descriptor.
+    ``capture``: False for a background task, which starts from the state and changes nothing.
+    ``capture_id``: written first in the capture (``[A-Za-z0-9]``), so that a capture file used
+    again for the next command is never read as that command's when it did not get so far."""
+    head = ""
+    if capture:
+        if not _CAPTURE_ID.match(capture_id):
+            raise ValueError(f"a capture id is letters and digits, not {capture_id!r}")
+        if capture_file is not None:
+            # A plain exec: a redirection of `builtin exec` lasts only while that builtin runs. Opened
+            # for reading and writing, not truncated: a file used again is overwritten in place (what
+            # an earlier command left past this capture's end is never read, and the id tells an old
+            # capture from this one), which on ext4 saves a truncate and a block allocation a command.
+            head = f"exec {SESSION_FD}<>{ascii_quote(capture_file)}\n"
+        head += f"{_FRESH}{capture_id}\n{_TRAP}\n"
+    return head + replay + command
 
 
 # -- reading a capture back ---------------------------------------------------------------------------
@@ -195,47 +255,53 @@ class _Captured:
     aliases: str
 
 
-def parse_capture(data: bytes) -> _Captured:
+def parse_capture(data: bytes, capture_id: str = "") -> _Captured:
     """The state a session command's trap wrote; :class:`CaptureError` when ``data`` is none.
 
-    The last capture in ``data`` counts (anything the command itself wrote to the descriptor before
-    is ignored); it must run to its end marker."""
-    start = data.rfind(_HEADER)
+    The last capture in ``data`` with ``capture_id`` counts (anything the command itself wrote to
+    the descriptor before is ignored); it must run to its end marker."""
+    header = _HEADER + capture_id.encode() + b"\0"
+    start = data.rfind(header)
     if start < 0:
         raise CaptureError(
             "no state came back (the command replaced the EXIT trap, exec'd another program, "
             f"or closed fd {SESSION_FD})"
         )
-    parts = data[start + len(_HEADER) :].split(b"\0")
-    # name, body, name, body, ..., "end", trailing
-    sections: dict[str, bytes] = {}
+    parts = data[start + len(header) :].split(b"\0")
+    sections: dict[str, list[bytes]] = {}
     at = 0
-    for name in _SECTIONS:
-        if at + 1 >= len(parts) or parts[at] != name.encode():
+    for name, count in _SECTIONS:
+        if at + count >= len(parts) or parts[at] != name.encode():
             raise CaptureError(f"the state that came back is cut short or garbled (at {name!r})")
-        sections[name] = parts[at + 1]
-        at += 2
+        sections[name] = parts[at + 1 : at + 1 + count]
+        at += 1 + count
     if at >= len(parts) or parts[at] != b"end":
         raise CaptureError("the state that came back is cut short")
-    text = {name: body.decode("utf-8", "surrogateescape") for name, body in sections.items()}
-    cwd = text["cwd"].rstrip("\n") or None
-    umask = text["umask"].strip()
+    text = {
+        name: [field.decode("utf-8", "surrogateescape") for field in fields]
+        for name, fields in sections.items()
+    }
+    now_set, now_shopt, fresh_set, fresh_shopt = text["options"]
+    umask = text["umask"][0].strip()
     return _Captured(
-        cwd=cwd,
-        env=parse_exports(sections["env"]),
-        options=tuple(
-            line
-            for line in text["set"].splitlines()
-            if _SET_LINE.match(line) and line.split()[2] not in _OPTIONS_NOT_REPLAYED
-        ),
-        shopt=tuple(
-            line
-            for line in text["shopt"].splitlines()
-            if _SHOPT_LINE.match(line) and line.split()[2] not in _SHOPT_NOT_REPLAYED
-        ),
+        cwd=text["cwd"][0].rstrip("\n") or None,
+        env=parse_exports(sections["env"][0]),
+        options=_changed_options(now_set, fresh_set, "set -o", "set +o", _OPTIONS_NOT_REPLAYED),
+        shopt=_changed_options(now_shopt, fresh_shopt, "shopt -s", "shopt -u", _SHOPT_NOT_REPLAYED),
         umask=umask if _UMASK.match(umask) else None,
-        functions=text["functions"],
-        aliases=text["aliases"],
+        functions=text["functions"][0],
+        aliases=text["aliases"][0],
+    )
+
+
+def _changed_options(now: str, fresh: str, on: str, off: str, never: frozenset[str]) -> tuple[str, ...]:
+    """The lines that turn a fresh shell's options (``fresh``, as ``$SHELLOPTS`` or ``$BASHOPTS``
+    list them) into ``now``'s."""
+    enabled = {name for name in now.split(":") if _OPTION_NAME.match(name) and name not in never}
+    default = {name for name in fresh.split(":") if _OPTION_NAME.match(name) and name not in never}
+    return tuple(
+        [f"{on} {name}" for name in sorted(enabled - default)]
+        + [f"{off} {name}" for name in sorted(default - enabled)]
     )
 
 
@@ -258,10 +324,11 @@ def state_after(
     def kept(name: str) -> bool:
         return bool(_NAME.match(name)) and name not in _BASH_OWN and not is_scrubbed(name, scrub, allow)
 
+    # The cheap test first: most names are unchanged, and the policy's globs are regular expressions.
     env = {
-        name: value for name, value in captured.env.items() if kept(name) and started_with.get(name) != value
+        name: value for name, value in captured.env.items() if started_with.get(name) != value and kept(name)
     }
-    unset = [name for name in started_with if kept(name) and name not in captured.env]
+    unset = [name for name in started_with if name not in captured.env and kept(name)]
     for name in explicit:
         if name in env or name in unset or not kept(name):
             continue
@@ -346,17 +413,20 @@ def _quoted(data: bytes, at: int) -> tuple[bytes, int]:
 
 def _double_quoted(data: bytes, at: int) -> tuple[bytes, int]:
     value = bytearray()
-    while at < len(data):
-        byte = data[at]
-        if byte == 0x22:  # "
-            return bytes(value), at + 1
-        if byte == 0x5C and at + 1 < len(data) and data[at + 1] in b'"\\$`':
-            value.append(data[at + 1])
-            at += 2
-            continue
-        value.append(byte)
-        at += 1
-    raise CaptureError("export -p: a double-quoted value runs to the end")
+    while True:
+        quote = data.find(b'"', at)
+        if quote < 0:
+            raise CaptureError("export -p: a double-quoted value runs to the end")
+        backslash = data.find(b"\\", at, quote)
+        if backslash < 0:  # the usual case: no escape before the closing quote
+            value += data[at:quote]
+            return bytes(value), quote + 1
+        value += data[at:backslash]
+        if backslash + 1 < len(data) and data[backslash + 1] in b'"\\$`':
+            value.append(data[backslash + 1])
+        else:
+            value += data[backslash : backslash + 2]
+        at = backslash + 2
 
 
 def _ansi_c(data: bytes, at: int) -> tuple[bytes, int]:

@@ -66,7 +66,6 @@ from dsh_bash._output import (
     _skip_continuation,
     merge_streams,
 )
-from dsh_bash._session import SessionState
 from dsh_bash._task_input import TaskInput
 from dsh_bash.backend import (
     MODEL_FRIENDLY_ENV,
@@ -2324,4 +2323,4 @@ class SessionLostOnReconfigure(LocalBashExecutor):
     def reconfigure(self, **fields: Any) -> None:
         super().reconfigure(**fields)
         for session in self._sessions.values():
-            session.state = SessionState()
+            session.reset()

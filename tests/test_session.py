@@ -23,6 +23,7 @@ from dsh_bash._session import (
     SessionState,
     parse_capture,
     parse_exports,
+    session_replay,
     state_after,
     wrap_in_session,
 )
@@ -43,9 +44,8 @@ def step(
 ) -> tuple[subprocess.CompletedProcess[bytes], SessionState]:
     capture = tmp_path / "capture"
     capture.unlink(missing_ok=True)
-    script = wrap_in_session(
-        command, state, capture_file=str(capture), explicit_env=explicit_env, explicit_cwd=explicit_cwd
-    )
+    replay = session_replay(state, explicit_env=explicit_env, explicit_cwd=explicit_cwd)
+    script = wrap_in_session(command, replay, capture_file=str(capture))
     done = subprocess.run(
         [BASH, "--noprofile", "--norc", "-c", script],
         capture_output=True,
@@ -158,7 +158,7 @@ def test_a_capture_cut_short_or_missing_is_refused() -> None:
     with pytest.raises(CaptureError, match="no state came back"):
         parse_capture(b"junk")
     with pytest.raises(CaptureError, match="cut short"):
-        parse_capture(b"\0dsh-session-1\0cwd\0/tmp\n\0env\0")
+        parse_capture(b"\0dsh-session-2\0\0cwd\0/tmp\n\0env\0")
 
 
 def test_the_double_quoted_form_of_older_bash_parses() -> None:
@@ -187,3 +187,24 @@ def test_any_value_survives_capture_and_replay(tmp_path_factory: pytest.TempPath
     done, after = step(tmp_path, 'printf %s "$V"', state)
     assert done.stdout == value.encode("utf-8", "surrogateescape")
     assert after.env["V"] == value
+
+
+def test_a_capture_file_used_again_never_gives_an_earlier_commands_state(tmp_path: Path) -> None:
+    """The local backend keeps a session's capture file for its next command, which overwrites it
+    in place: a command that never gets to write its own capture (it execs another program) must not
+    be read as leaving the state the earlier one wrote there, nor a shorter capture be misread by
+    what a longer one left past its end."""
+    capture = tmp_path / "capture"
+    first = wrap_in_session(
+        "export A=$(printf '%0500d' 0)", "", capture_id="first", capture_file=str(capture)
+    )
+    subprocess.run([BASH, "--noprofile", "--norc", "-c", first], check=True, env=BASE_ENV, timeout=20)
+    assert parse_capture(capture.read_bytes(), "first").env["A"] == "0" * 500
+    second = wrap_in_session("export B=1", "", capture_id="second", capture_file=str(capture))
+    subprocess.run([BASH, "--noprofile", "--norc", "-c", second], check=True, env=BASE_ENV, timeout=20)
+    taken = parse_capture(capture.read_bytes(), "second")
+    assert taken.env.get("B") == "1" and "A" not in taken.env
+    third = wrap_in_session("exec true", "", capture_id="third", capture_file=str(capture))
+    subprocess.run([BASH, "--noprofile", "--norc", "-c", third], check=True, env=BASE_ENV, timeout=20)
+    with pytest.raises(CaptureError, match="no state came back"):
+        parse_capture(capture.read_bytes(), "third")
