@@ -10,6 +10,7 @@ import os
 import posixpath
 import secrets
 import signal as _signal
+import stat
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
@@ -1197,7 +1198,9 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             with contextlib.suppress(OSError):
                 # Overwritten in place by the next command: one that grew large goes (what it holds
                 # past a later capture would count against that capture's size bound).
-                if os.stat(path, follow_symlinks=False).st_size <= _SPARE_CAPTURE_BYTES:
+                # A command may have put a link or a FIFO in its place: only a plain file is kept.
+                found = os.stat(path, follow_symlinks=False)
+                if stat.S_ISREG(found.st_mode) and found.st_size <= _SPARE_CAPTURE_BYTES:
                     session.spare_file = path
                     return
         with contextlib.suppress(OSError):

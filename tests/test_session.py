@@ -208,3 +208,30 @@ def test_a_capture_file_used_again_never_gives_an_earlier_commands_state(tmp_pat
     subprocess.run([BASH, "--noprofile", "--norc", "-c", third], check=True, env=BASE_ENV, timeout=20)
     with pytest.raises(CaptureError, match="no state came back"):
         parse_capture(capture.read_bytes(), "third")
+
+
+@pytest.mark.anyio
+async def test_a_link_a_command_puts_in_place_of_its_capture_file_is_never_written_through(
+    tmp_path: Path,
+) -> None:
+    """Local: the session's capture file is kept for its next command. A command that replaces it
+    with a link to another file must not make the next command's capture overwrite that file."""
+    from dsh_bash_local import LocalBashExecutor  # noqa: PLC0415
+
+    from dsh_bash import BashExecRequest  # noqa: PLC0415
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    async with LocalBashExecutor.from_fields(cwd=str(tmp_path)) as ex:
+        session = ex.session()
+        swap = f'f=$(readlink /proc/$$/fd/19); rm -f "$f"; ln -s {victim} "$f"'
+        first = await ex.run(ex.resolve(BashExecRequest(command=swap, session=session)))
+        assert first.session is not None and first.session.kept_previous is not None
+        second = await ex.run(ex.resolve(BashExecRequest(command="export A=1", session=session)))
+        assert second.session is not None and second.session.kept_previous is None
+    assert victim.read_text() == "precious\n"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
