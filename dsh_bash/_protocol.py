@@ -29,6 +29,7 @@ from ._types import (
 __all__ = [
     "MARKER_VAR",
     "MAX_INLINE_COMMAND",
+    "AtMostEvery",
     "CommandProcess",
     "Containment",
     "ContainmentSetting",
@@ -357,6 +358,27 @@ async def kill_abandoned_start(target: Killable, grace_s: float) -> None:
 
 
 _T = TypeVar("_T")
+
+
+class AtMostEvery:
+    """Runs ``action`` when called, one run at a time, and not again within ``every_s`` of the last
+    run's start: a call meanwhile returns at once, having done nothing. For a remedy that every
+    stalled call asks for and one run serves (continuing processes a command stopped, from outside:
+    each run costs a process, and a command that keeps stopping them must not make the harness spend
+    its time on it)."""
+
+    def __init__(self, action: Callable[[], Awaitable[None]], *, every_s: float) -> None:
+        self._action = action
+        self._every_s = every_s
+        self._lock = anyio.Lock()
+        self._last = -math.inf
+
+    async def __call__(self) -> None:
+        async with self._lock:
+            if anyio.current_time() - self._last < self._every_s:
+                return
+            self._last = anyio.current_time()
+            await self._action()
 
 
 class CoalescedRuns:

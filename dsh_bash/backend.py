@@ -28,7 +28,9 @@ Killing (every kill reaches processes that left the command's group):
   :func:`signal_name` names a signal number for messages; :func:`while_watching` waits for
   something while a watcher runs beside it (the continues and thaws of a helper the command may
   have stopped); :class:`CoalescedRuns` lets many callers at once share one run of an action that
-  costs a process where the commands run (those continues, asked for by every kill at ``aclose``).
+  costs a process where the commands run (those continues, asked for by every kill at ``aclose``);
+  :class:`AtMostEvery` runs such an action at most once in an interval (the thaws every stalled call
+  asks for).
 - :data:`MARKER_VAR`: the variable carrying the command's marker into its environment, by which
   the ``marker`` containment finds processes that escaped.
 - :data:`Containment`, :data:`ContainmentSetting`, :class:`SupervisorInstall` and
@@ -87,6 +89,7 @@ from ._output import OutputStream, SpillFile, StreamName, prepay_spills
 from ._protocol import (
     MARKER_VAR,
     MAX_INLINE_COMMAND,
+    AtMostEvery,
     CoalescedRuns,
     CommandProcess,
     Containment,
@@ -115,6 +118,7 @@ __all__ = [
     "MODEL_FRIENDLY_ENV",
     "RC_FILE_VARIABLES",
     "SESSION_FD",
+    "AtMostEvery",
     "CoalescedRuns",
     "CommandProcess",
     "ConformanceHooks",

@@ -1,11 +1,12 @@
-"""dsh_bash.backend.CoalescedRuns: callers meanwhile share one run (a pure helper; no backend)."""
+"""dsh_bash.backend.CoalescedRuns: callers meanwhile share one run; AtMostEvery: one run an interval
+(pure helpers; no backend)."""
 
 from __future__ import annotations
 
 import anyio
 import pytest
 
-from dsh_bash.backend import CoalescedRuns
+from dsh_bash.backend import AtMostEvery, CoalescedRuns
 
 pytestmark = pytest.mark.anyio
 
@@ -150,3 +151,30 @@ async def test_a_stale_run_no_longer_holds_the_others_back() -> None:
         assert action.ended == 1  # the first is still stuck: the second served the late caller
         action.releases[0].set()
     assert action.ended == 2
+
+
+async def test_at_most_every_runs_once_an_interval_and_one_at_a_time() -> None:
+    """The thaws of the Docker and SSH backends: every stalled call asks, one run serves them all for
+    the interval, and no two runs overlap."""
+    runs: list[float] = []
+    running = 0
+    overlapped = False
+
+    async def action() -> None:
+        nonlocal running, overlapped
+        running += 1
+        overlapped = overlapped or running > 1
+        runs.append(anyio.current_time())
+        await anyio.sleep(0.05)
+        running -= 1
+
+    every = AtMostEvery(action, every_s=0.3)
+    async with anyio.create_task_group() as tg:
+        for _ in range(10):
+            tg.start_soon(every)
+    assert len(runs) == 1 and not overlapped
+    await every()
+    assert len(runs) == 1  # within the interval: nothing
+    await anyio.sleep(0.3)
+    await every()
+    assert len(runs) == 2 and runs[1] - runs[0] >= 0.3

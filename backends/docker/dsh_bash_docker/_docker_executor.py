@@ -19,6 +19,7 @@ from dsh_bash.backend import (
     MAX_INLINE_COMMAND,
     RC_FILE_VARIABLES,
     SESSION_FD,
+    AtMostEvery,
     CoalescedRuns,
     CommandProcess,
     Containment,
@@ -120,8 +121,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         self._host_visible = False
         #: The container's pid namespace, when the host sees its processes (None: it does not).
         self._pid_namespace: str | None = None
-        self._thaw_lock = anyio.Lock()
-        self._thawed_at = -_THAW_EVERY_S
+        self._thaw_runtime = AtMostEvery(self._thaw_runtime_now, every_s=_THAW_EVERY_S)
         self._side_pipes = SidePipes(False)
         self._warm = WarmExecs(
             self._create_spare, self._spare_key, self._start_helper, depth=config.warm_execs
@@ -597,20 +597,18 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             if exc.status not in (404, 409):  # a container gone or stopped holds nothing to continue
                 log.warning("continuing stopped supervisors in the container failed: %s", exc)
 
-    async def _thaw_runtime(self) -> None:
+    async def _thaw_runtime_now(self) -> None:
         """Continue, from the host, the runtime's processes entering the container that a command
-        stopped (see ``_runtime_thaw``), at most once a second: the engine holds every call about the
-        container while one is stopped."""
-        async with self._thaw_lock:
-            namespace = self._pid_namespace
-            if namespace is None or anyio.current_time() - self._thawed_at < _THAW_EVERY_S:
-                return
-            self._thawed_at = anyio.current_time()
-            try:
-                continued = await anyio.to_thread.run_sync(continue_stopped_stages, namespace)
-            except OSError as exc:
-                log.warning("searching the host for stopped runtime processes failed: %s", exc)
-                return
+        stopped (see ``_runtime_thaw``): the engine holds every call about the container while one is
+        stopped. Through ``self._thaw_runtime``: at most once a second."""
+        namespace = self._pid_namespace
+        if namespace is None:
+            return
+        try:
+            continued = await anyio.to_thread.run_sync(continue_stopped_stages, namespace)
+        except OSError as exc:
+            log.warning("searching the host for stopped runtime processes failed: %s", exc)
+            return
         if continued:
             log.warning(
                 "container %s: continued %d stopped runtime process(es) entering it (a command "

@@ -17,7 +17,7 @@ from asyncssh.sftp import MIN_SFTP_VERSION
 from asyncssh.sftp import start_sftp_client as _start_sftp_client
 
 from dsh_bash import BashInfrastructureError
-from dsh_bash.backend import InfraReason, while_watching
+from dsh_bash.backend import AtMostEvery, InfraReason, while_watching
 from dsh_bash.supervisor import CONTINUE_SUPERVISOR
 
 from ._host_keys import Hop, HostKeyPlan, jump_hops, plan_host_keys
@@ -180,8 +180,8 @@ class ChannelPool:
         self.helper_keep: Callable[[], str] | None = None
         #: The warnings about ~/.ssh/config's host-key settings said already (once per pool).
         self._said: set[str] = set()
-        self._thaw_lock = anyio.Lock()
-        self._thawed_at = -_THAW_EVERY_S
+        #: Continues the login's stopped processes from a second connection, at most once a second.
+        self.thaw = AtMostEvery(self._thaw_now, every_s=_THAW_EVERY_S)
 
     # -- the connection ---------------------------------------------------------------------------
 
@@ -553,37 +553,35 @@ class ChannelPool:
         with anyio.CancelScope(shield=True), anyio.move_on_after(_CONTINUE_BOUND_S):
             await self.run_script(CONTINUE_SUPERVISOR, kill=True)
 
-    async def thaw(self) -> None:
+    async def _thaw_now(self) -> None:
         """Continue the login's stopped ``sshd`` session processes and supervisors from a fresh
-        connection (the executor's own may be the one stopped), at most once a second. Bounded;
-        failures are logged: the caller's own deadline decides what it gives up."""
-        async with self._thaw_lock:
-            if self._closed or anyio.current_time() - self._thawed_at < _THAW_EVERY_S:
-                return
-            self._thawed_at = anyio.current_time()
-            conn: asyncssh.SSHClientConnection | None = None
-            try:
-                with anyio.move_on_after(_THAW_BOUND_S):
-                    conn = await self._connect()
-                    done = await conn.run(self.helper_line(THAW), check=False, encoding=None)
-                    stdout = done.stdout if isinstance(done.stdout, bytes) else b""
-                    continued = stdout.rpartition(SCRIPT_BEGIN)[2].decode("ascii", "replace").strip()
-                    if continued not in ("", "0"):
-                        log.warning(
-                            "%s: %s stopped process(es) of the login (sshd sessions, supervisors, "
-                            "channels) continued from a second connection",
-                            self.where,
-                            continued,
-                        )
-            except Exception as exc:
-                log.warning(
-                    "%s: continuing stopped processes from a second connection failed: %s", self.where, exc
-                )
-            finally:
-                if conn is not None:
-                    conn.close()
-                    with anyio.CancelScope(shield=True), anyio.move_on_after(2):
-                        await conn.wait_closed()
+        connection (the executor's own may be the one stopped). Through ``self.thaw``: at most once a
+        second. Bounded; failures are logged: the caller's own deadline decides what it gives up."""
+        if self._closed:
+            return
+        conn: asyncssh.SSHClientConnection | None = None
+        try:
+            with anyio.move_on_after(_THAW_BOUND_S):
+                conn = await self._connect()
+                done = await conn.run(self.helper_line(THAW), check=False, encoding=None)
+                stdout = done.stdout if isinstance(done.stdout, bytes) else b""
+                continued = stdout.rpartition(SCRIPT_BEGIN)[2].decode("ascii", "replace").strip()
+                if continued not in ("", "0"):
+                    log.warning(
+                        "%s: %s stopped process(es) of the login (sshd sessions, supervisors, "
+                        "channels) continued from a second connection",
+                        self.where,
+                        continued,
+                    )
+        except Exception as exc:
+            log.warning(
+                "%s: continuing stopped processes from a second connection failed: %s", self.where, exc
+            )
+        finally:
+            if conn is not None:
+                conn.close()
+                with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                    await conn.wait_closed()
 
     async def _run_script(
         self, script: str, *args: str, stdin: bytes | None = None, kill: bool = False
