@@ -30,7 +30,7 @@ from ._config import (
     config_error_from,
     default_task_cap,
 )
-from ._env import build_command_env
+from ._env import build_command_env, is_scrubbed
 from ._errors import (
     BashInfrastructureError,
     ConfigError,
@@ -236,6 +236,14 @@ class _Session:
 
     def reset(self) -> None:
         self.state = SessionState()
+        self.last_capture, self.last_env = b"", None
+
+    def rescrub(self, scrub: tuple[str, ...], allow: tuple[str, ...]) -> None:
+        state = self.state
+        env = {name: value for name, value in state.env.items() if not is_scrubbed(name, scrub, allow)}
+        unset = tuple(name for name in state.unset if not is_scrubbed(name, scrub, allow))
+        if env != state.env or unset != state.unset:
+            self.state = state.model_copy(update={"env": env, "unset": unset})
         self.last_capture, self.last_env = b"", None
 
     def forget_files(self) -> None:
@@ -576,6 +584,11 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             )
         self._config = self._config.with_changes(**fields)
         self._spill_budget.limit = self._config.max_spill_total_bytes
+        if {"env_scrub", "env_allow"} & set(fields):
+            # A name the policy scrubs from now on leaves every session's state too.
+            config = self._config
+            for session in self._sessions.values():
+                session.rescrub(config.env_scrub, config.env_allow)
 
     # -- the contract's methods -------------------------------------------------------------------
 

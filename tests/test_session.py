@@ -235,3 +235,19 @@ async def test_a_link_a_command_puts_in_place_of_its_capture_file_is_never_writt
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_a_name_the_policy_scrubs_after_a_reconfigure_leaves_the_sessions(tmp_path: Path) -> None:
+    from dsh_bash_local import LocalBashExecutor  # noqa: PLC0415
+
+    from dsh_bash import DEFAULT_ENV_SCRUB, BashExecRequest  # noqa: PLC0415
+
+    async with LocalBashExecutor.from_fields(cwd=str(tmp_path)) as ex:
+        session = ex.session()
+        await ex.run(ex.resolve(BashExecRequest(command="export LATER_HIDDEN=1 KEPT=1", session=session)))
+        ex.reconfigure(env_scrub=(*DEFAULT_ENV_SCRUB, "LATER_*"))
+        seen = await ex.run(
+            ex.resolve(BashExecRequest(command='echo "${LATER_HIDDEN-none} $KEPT"', session=session))
+        )
+        assert seen.stdout.text == "none 1\n"
