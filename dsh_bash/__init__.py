@@ -20,12 +20,15 @@ from ._config import (
     default_task_cap,
 )
 from ._errors import (
+    FILE_REFUSALS,
     INFRA_REASONS,
     INPUT_REFUSALS,
     BashInfrastructureError,
     ConfigError,
     DshBashError,
     ExecutorClosedError,
+    FileOperationError,
+    FileRefusal,
     InfraReason,
     InputRefusal,
     TaskInputError,
@@ -62,6 +65,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_ENV_SCRUB",
     "ENTRY_POINT_GROUP",
+    "FILE_REFUSALS",
     "INFRA_REASONS",
     "INPUT_REFUSALS",
     "MAX_INPUT_BYTES",
@@ -84,6 +88,8 @@ __all__ = [
     "EndCause",
     "ExecutorClosedError",
     "ExecutorFactory",
+    "FileOperationError",
+    "FileRefusal",
     "InfraReason",
     "InputRefusal",
     "OutputTap",

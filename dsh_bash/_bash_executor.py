@@ -399,6 +399,24 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         False refuses a spec with a session (reason ``session_unsupported``)."""
         return False
 
+    def _supports_files(self) -> bool:
+        """True when this executor implements :meth:`_read_file` and :meth:`_write_file`. False (the
+        default) refuses ``read_file``/``write_file`` (reason ``files_unsupported``)."""
+        return False
+
+    async def _read_file(self, path: str, *, user: str | None, max_bytes: int) -> bytes:
+        """The bytes of the file at ``path`` (absolute) where commands run, read as
+        ``user`` would read it; raise :class:`~dsh_bash.FileOperationError` for what is about the file
+        (``file_too_large`` past ``max_bytes``, never a short read), ``BashInfrastructureError`` when
+        the backend fails under it."""
+        raise NotImplementedError
+
+    async def _write_file(self, path: str, data: bytes, *, user: str | None, make_parents: bool) -> None:
+        """Write ``data`` as the file at ``path`` (absolute) where commands run, as
+        ``user`` could: into a fresh file beside it, renamed over it once whole (in place where only
+        the file is writable); a link at ``path`` is replaced, never written through."""
+        raise NotImplementedError
+
     def _session_capture_file(self, command_marker: str) -> str | None:
         """A fresh path on the harness's own host that a session command's bash opens as its capture
         descriptor, which the executor reads back (and removes) once the command ended: for a backend
@@ -776,6 +794,48 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         return unsubscribe
 
     # -- helpers for backends ----------------------------------------------------------------------
+
+    async def read_file(
+        self, path: str, *, owner: OwnerToken | None = None, user: str | None = None
+    ) -> bytes:
+        """The bytes of the file at ``path`` where commands run (``R-file-read``): absolute, or
+        relative to the default working directory; read as a command of ``user`` would. At most
+        ``max_file_bytes``; refusals are :class:`~dsh_bash.FileOperationError` with a reason."""
+        where = self._file_path(path)
+        return await self._read_file(where, user=user, max_bytes=self._config.max_file_bytes)
+
+    async def write_file(
+        self,
+        path: str,
+        data: bytes,
+        *,
+        owner: OwnerToken | None = None,
+        user: str | None = None,
+        make_parents: bool = False,
+    ) -> None:
+        """Write ``data`` as the file at ``path`` where commands run (``R-file-write``): whole or not
+        at all (atomic where the file system allows), as a command of ``user`` could, the directories
+        on the way made with ``make_parents``; a link at ``path`` is replaced, never written through."""
+        if isinstance(data, bytearray | memoryview):
+            data = bytes(data)
+        if not isinstance(data, bytes):
+            raise TypeError(f"write_file takes bytes, not {type(data).__name__} (encode text first)")
+        where = self._file_path(path)
+        await self._write_file(where, data, user=user, make_parents=make_parents)
+
+    def _file_path(self, path: str) -> str:
+        self._ensure_open()
+        if not isinstance(path, str):
+            raise TypeError(f"a file path is a str, not {type(path).__name__}")
+        if not path or "\0" in path:
+            raise ValueError("a file path must be a non-empty string without NUL")
+        if not self._supports_files():
+            raise BashInfrastructureError(
+                f"{type(self).__name__} cannot read or write files here (read_file, write_file); nothing "
+                "was read or written",
+                reason="files_unsupported",
+            )
+        return posixpath.join(self._default_cwd(), path)  # as given: ".." is the kernel's to resolve
 
     def session(self, owner: OwnerToken | None = None) -> SessionId:
         """The shell session of ``owner`` (``R-session``), made at its first use: a request with it

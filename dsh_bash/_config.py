@@ -37,6 +37,7 @@ BUDGET_FIELDS: frozenset[str] = frozenset(
         "env_scrub",
         "env_allow",
         "max_running_tasks",
+        "max_file_bytes",
     }
 )
 
@@ -89,6 +90,8 @@ class BudgetConfig(BaseModel, metaclass=_RaisesConfigError):
     #: Background tasks that may run at once; one more is refused (reason ``task_limit``). None: derived
     #: from this process's descriptor limit when the executor is made (:func:`default_task_cap`).
     max_running_tasks: int | None = None
+    #: The largest file ``read_file`` returns (a larger one is refused, reason ``file_too_large``).
+    max_file_bytes: int = 64 * 1024 * 1024
     cwd: str | None = None
     #: What a foreground run's processes still alive when its shell exits become: ``kill``ed before
     #: the result (a `server &`, a fork bomb's last generations: nothing of one command reaches the
@@ -105,6 +108,7 @@ class BudgetConfig(BaseModel, metaclass=_RaisesConfigError):
         "max_spill_bytes",
         "max_spill_total_bytes",
         "grace_ms",
+        "max_file_bytes",
         mode="before",
     )
     @classmethod

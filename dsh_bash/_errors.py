@@ -5,12 +5,15 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 __all__ = [
+    "FILE_REFUSALS",
     "INFRA_REASONS",
     "INPUT_REFUSALS",
     "BashInfrastructureError",
     "ConfigError",
     "DshBashError",
     "ExecutorClosedError",
+    "FileOperationError",
+    "FileRefusal",
     "InfraReason",
     "InputRefusal",
     "TaskInputError",
@@ -33,6 +36,7 @@ InfraReason = Literal[
     "interactive_unsupported",  # open_stdin was asked of a backend (or mode) that cannot keep stdin open
     "session_unknown",  # the spec's session is not one of this executor's, or belongs to another owner
     "session_unsupported",  # a session was asked of a backend (or mode) that cannot carry one
+    "files_unsupported",  # read_file/write_file on a backend (or mode) that cannot move files
     # Where commands run could not be reached or set up.
     "engine_unreachable",  # the Docker engine does not answer
     "image_missing",  # the image is not there and may not be pulled
@@ -134,3 +138,39 @@ def _rebuild_input_error(cls: type[TaskInputError], message: str, reason: InputR
 
 class ConfigError(DshBashError, ValueError):
     """A configuration value, file or backend name is unusable; the message names which and why."""
+
+
+#: Why ``read_file`` or ``write_file`` refused (:attr:`FileOperationError.reason`); the set only grows.
+FileRefusal = Literal[
+    "file_not_found",  # the path (or, for a write without make_parents, its directory) does not exist
+    "is_a_directory",  # the path is a directory
+    "not_a_regular_file",  # a device, FIFO or socket
+    "permission_denied",  # the user may not read it, or may not write or create it there
+    "file_too_large",  # a read of a file over max_file_bytes
+    "no_space",  # the write ran out of space or quota
+]
+
+#: Every file refusal, in the order above.
+FILE_REFUSALS: tuple[FileRefusal, ...] = get_args(FileRefusal)
+
+
+class FileOperationError(DshBashError):
+    """A file ``read_file`` or ``write_file`` could not read or write; nothing was returned or left
+    half-written. ``reason`` says why, as one of :data:`FILE_REFUSALS`; the message names the path."""
+
+    def __init__(self, message: str, *, reason: FileRefusal) -> None:
+        super().__init__(message)
+        if reason not in FILE_REFUSALS:
+            raise ValueError(f"unknown file refusal reason {reason!r}")
+        self.reason: FileRefusal = reason
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_file_error, (type(self), str(self), self.reason))
+
+
+def _rebuild_file_error(
+    cls: type[FileOperationError], message: str, reason: FileRefusal
+) -> FileOperationError:
+    error = cls.__new__(cls)
+    FileOperationError.__init__(error, message, reason=reason)
+    return error

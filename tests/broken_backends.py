@@ -51,6 +51,7 @@ from dsh_bash import (
     BashTaskId,
     BashTaskRead,
     CollectedOutput,
+    FileOperationError,
     OwnerToken,
     SessionId,
     SessionReport,
@@ -2324,3 +2325,62 @@ class SessionLostOnReconfigure(LocalBashExecutor):
         super().reconfigure(**fields)
         for session in self._sessions.values():
             session.reset()
+
+
+# -- files ------------------------------------------------------------------------------------------
+
+
+class FileReadAsText(LocalBashExecutor):
+    """Breaks: `read_file` gives back exactly the bytes of the file.
+
+    The bytes pass through text on the way (decoded as UTF-8 with replacement, encoded again)."""
+
+    async def _read_file(self, path: str, *, user: str | None, max_bytes: int) -> bytes:
+        data = await super()._read_file(path, user=user, max_bytes=max_bytes)
+        return data.decode("utf-8", "replace").encode()
+
+
+class MissingFileReadAsEmpty(LocalBashExecutor):
+    """Breaks: `read_file` of a missing path raises FileOperationError `file_not_found`.
+
+    A missing file reads as an empty one."""
+
+    async def _read_file(self, path: str, *, user: str | None, max_bytes: int) -> bytes:
+        try:
+            return await super()._read_file(path, user=user, max_bytes=max_bytes)
+        except FileOperationError as exc:
+            if exc.reason == "file_not_found":
+                return b""
+            raise
+
+
+def _write_through(path: str, data: bytes, chunk: int) -> None:
+    with open(path, "wb") as handle:  # follows a link; truncates, then writes in chunks
+        for at in range(0, len(data), chunk):
+            handle.write(data[at : at + chunk])
+            handle.flush()
+            time.sleep(0.0005)
+
+
+class WritesThroughLinks(LocalBashExecutor):
+    """Breaks: `write_file` onto a planted link replaces the link, never writing its target.
+
+    The file is opened for writing as a path, which follows the link."""
+
+    async def _write_file(self, path: str, data: bytes, *, user: str | None, make_parents: bool) -> None:
+        if os.path.islink(path):
+            await anyio.to_thread.run_sync(_write_through, path, data, 1 << 20)
+            return
+        await super()._write_file(path, data, user=user, make_parents=make_parents)
+
+
+class WritesInPlace(LocalBashExecutor):
+    """Breaks: a command never sees a file `write_file` rewrites partly written.
+
+    The file is truncated and written in place, 64 KiB at a time."""
+
+    async def _write_file(self, path: str, data: bytes, *, user: str | None, make_parents: bool) -> None:
+        if os.path.isfile(path):
+            await anyio.to_thread.run_sync(_write_through, path, data, 64 * 1024)
+            return
+        await super()._write_file(path, data, user=user, make_parents=make_parents)

@@ -60,6 +60,17 @@ INPUT_NOT_YET: dict[str, frozenset[str]] = {
 }
 
 
+#: The checks of files moved without a shell (R-file-*), and where the kit reports them
+#: ``not_applicable`` (reason ``files_unsupported``): Docker's archive API path is not built yet
+#: (issue 32); the bwrap example's commands see a sandbox, not the host's files (its README).
+FILE_CHECKS = frozenset(name for name, each in CHECKS.items() if each.clause.startswith("R-file-"))
+FILES_NOT_YET: dict[str, frozenset[str]] = {
+    "docker": FILE_CHECKS,
+    "ssh": frozenset(),
+    "bwrap": FILE_CHECKS,
+}
+
+
 #: Contract checks a backend of this repository is known to fail, now and then, each with why: the
 #: test then takes "failed" as well as "passed" (and nothing else). The bwrap example: a command that
 #: stops the supervisor inside the sandbox and then exits is reported about 11 s later in some runs
@@ -75,7 +86,8 @@ KNOWN_RACING: dict[str, frozenset[str]] = {
 def expected_outcome(backend: str, name: str) -> CheckOutcome:
     """What check ``name`` must report against this repository's ``backend`` (``docker``, ``ssh``,
     ``bwrap``)."""
-    return "not_applicable" if name in INPUT_NOT_YET[backend] else "passed"
+    not_yet = INPUT_NOT_YET[backend] | FILES_NOT_YET[backend]
+    return "not_applicable" if name in not_yet else "passed"
 
 
 _TARGETS: dict[tuple[Hashable, ...], KitTarget] = {}

@@ -119,6 +119,11 @@ CAUGHT_BY: list[Row] = [
     Row("session-owners-isolated", bb.SessionSharedByOwners),
     Row("session-owners-isolated", bb.SessionKeepsScrubbedNames),
     Row("session-reset-and-reconfigure", bb.SessionLostOnReconfigure),
+    # -- files ---------------------------------------------------------------------------------------
+    Row("file-round-trip", bb.FileReadAsText),
+    Row("file-refusals", bb.MissingFileReadAsEmpty),
+    Row("file-link-replaced", bb.WritesThroughLinks),
+    Row("file-write-atomic", bb.WritesInPlace),
     Row("task-cap-refused", bb.IgnoresTaskCap),
     Row("kill-running-task", bb.KillWaitsForEnd),
     Row("kill-ended-task-kills-leftovers", bb.KillOfEndedTaskNoop),

@@ -106,6 +106,10 @@ GENERIC_HINTS: Mapping[InfraReason, str] = {
     "session_unsupported": (
         'run without a session, or use a backend (or containment = "subreaper") whose commands carry one'
     ),
+    "files_unsupported": (
+        "move the file with a command (cat, base64), or use a backend that moves files (local, SSH with "
+        "SFTP or exec_sftp_server)"
+    ),
     "engine_unreachable": "start the container engine, or point the config at one that answers",
     "image_missing": "pull the image, or let the backend pull it",
     "container_missing": "name an existing, running container in the config",

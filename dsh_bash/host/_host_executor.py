@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 
 from .._bash_executor import (
     BashExecutor,
@@ -38,6 +39,7 @@ from .._protocol import (
     choose_containment,
     refuse_other_user,
 )
+from ._files import read_host_file, write_host_file
 from ._fork_server import (
     SupervisorServer,
     server_problem,
@@ -323,6 +325,21 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
     def _supports_open_stdin(self) -> bool:
         # The command's stdin is a pipe from this process, with or without a supervisor.
         return True
+
+    def _supports_files(self) -> bool:
+        return True
+
+    async def _read_file(self, path: str, *, user: str | None, max_bytes: int) -> bytes:
+        if user is not None:
+            refuse_other_user(user, _this_user(), "on this host")
+        return await anyio.to_thread.run_sync(read_host_file, path, max_bytes)
+
+    async def _write_file(self, path: str, data: bytes, *, user: str | None, make_parents: bool) -> None:
+        if user is not None:
+            refuse_other_user(user, _this_user(), "on this host")
+        await anyio.to_thread.run_sync(
+            functools.partial(write_host_file, path, data, make_parents=make_parents)
+        )
 
     def _supports_sessions(self) -> bool:
         # The capture comes back in a file of the spill directory (the fork server hands a command

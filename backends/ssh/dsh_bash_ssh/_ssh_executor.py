@@ -42,6 +42,7 @@ from dsh_bash.supervisor import SUPERVISOR_KEY_SIZE, continue_runs
 
 from ._connection import ChannelPool
 from ._detached import DetachedProcess, DetachedSpill, DetachedSupervisors, Follower
+from ._files import RemoteFiles
 from ._framed_channel import FramedSshProcess
 from ._hints import INFRA_HINTS
 from ._process import CommandSession, RemoteMarked, SshProcess, SupervisorMissing
@@ -111,6 +112,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         self._spill_dir = ""
         self._spills = CommandSpills(self._start_helper, _SPILL_FLUSH_BOUND_S)
         self._follower = Follower(self._pool, self._start_helper)
+        self._files = RemoteFiles(self._pool)
         #: Whether background tasks run detached: None until the first one asks the server (SFTP).
         self._detach: bool | None = None
         self._detach_lock = anyio.Lock()
@@ -205,6 +207,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
     async def _release(self) -> None:
         self._warm.close()
         self._follower.close()
+        self._files.close()
         if self._spill_dir.startswith("/"):  # a failed open may have parsed no path, or a bad one
             try:
                 with anyio.move_on_after(5):
@@ -320,6 +323,18 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         # A pty the supervisor makes on the host and owns (not an SSH pty-req: the channel carries
         # frames); resized by its 'W' frame.
         return self._supervisor is not None
+
+    def _supports_files(self) -> bool:
+        # Over SFTP (or the host's sftp-server over an exec channel): see _files.
+        return True
+
+    async def _read_file(self, path: str, *, user: str | None, max_bytes: int) -> bytes:
+        refuse_other_user(user, self._login_names(), f"on {self._pool.where}")
+        return await self._files.read(path, max_bytes)
+
+    async def _write_file(self, path: str, data: bytes, *, user: str | None, make_parents: bool) -> None:
+        refuse_other_user(user, self._login_names(), f"on {self._pool.where}")
+        await self._files.write(path, data, make_parents=make_parents)
 
     def _supports_sessions(self) -> bool:
         # The state comes back through the supervisor's capture descriptor ('v' frames on the

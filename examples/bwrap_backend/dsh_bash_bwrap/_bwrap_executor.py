@@ -296,6 +296,11 @@ class BwrapBashExecutor(HostBashExecutor[BwrapConfig]):
         # stdin would never be seen to (writes would pile up, not fail as the contract says).
         return False
 
+    def _supports_files(self) -> bool:
+        # Its commands see a sandbox (a private /tmp, a read-only root but for `writable`): the host's
+        # files are not theirs. Files through the sandbox's view wait for the sandbox policy (issue 33).
+        return False
+
     def _supports_terminal(self) -> bool:
         # A terminal's input is open input, refused above.
         return False

@@ -37,7 +37,7 @@ from inspect_ai.util import (
     concurrency as inspect_concurrency,
 )
 
-from dsh_bash import BashExecutor, BashInfrastructureError, BashRunResult, load_executor
+from dsh_bash import BashExecutor, BashInfrastructureError, BashRunResult, FileOperationError, load_executor
 
 from ._commands import (
     BROKEN,
@@ -173,6 +173,8 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
         #: until it refuses one (``user_unsupported``: local and SSH), then runuser as root.
         self.switches_users = True
         self._entered_by_others = False
+        #: The backend moves no files without a shell (``files_unsupported``): commands move them.
+        self._files_unsupported = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -380,6 +382,22 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
 
     # -- files -------------------------------------------------------------------------------------
 
+    async def _through_seam(self, call: Any, path: str, data: bytes | None, file: str, **fields: Any) -> bool:
+        """``call`` (the executor's ``read_file``/``write_file``) done; False where the backend moves
+        no files (then the commands do, as before). Its refusals as inspect's exceptions."""
+        if self._files_unsupported:
+            return False
+        try:
+            await (call(path, **fields) if data is None else call(path, data, **fields))
+        except BashInfrastructureError as exc:
+            if exc.reason != "files_unsupported":
+                raise
+            self._files_unsupported = True
+            return False
+        except FileOperationError as exc:
+            raise _inspect_error(exc, file) from None
+        return True
+
     def _file_error(self, result: BashRunResult, file: str) -> Exception | None:
         code = result.exit_code
         if code == 0:
@@ -398,7 +416,12 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
 
     async def write_file(self, file: str, contents: str | bytes) -> None:
         data = contents.encode("utf-8") if isinstance(contents, str) else bytes(contents)
-        # The bytes go to the command's stdin, exact; the script creates parents and says why it failed.
+        if await self._through_seam(
+            self.executor.write_file, self._path(file), data, file, make_parents=True
+        ):
+            return
+        # No files in the seam here: the bytes go to the command's stdin, exact; the script creates
+        # parents and says why it failed.
         result = await self._run(write_script(self._path(file)), stdin=data, timeout_ms=_HOUSEKEEPING_MS)
         error = self._file_error(result, file)
         if error is not None:
@@ -412,6 +435,13 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
 
     async def read_file(self, file: str, text: bool = True) -> str | bytes:
         path = self._path(file)
+        read: list[bytes] = []
+
+        async def keep(path: str) -> None:
+            read.append(await self.executor.read_file(path))
+
+        if await self._through_seam(keep, path, None, file):
+            return read[0].decode("utf-8") if text else read[0]
         # Output is text (invalid UTF-8 replaced), so bytes travel in base64, in chunks that stay
         # inside the executor's output limit.
         limit = self.executor.config.max_output_bytes
@@ -480,3 +510,18 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
         raise NotImplementedError(
             "dsh-bash: this backend has no connection to offer (the local backend runs commands here)"
         )
+
+
+def _inspect_error(exc: FileOperationError, file: str) -> Exception:
+    """A refusal of the seam as the exception inspect's sandbox API names for it."""
+    if exc.reason == "file_not_found":
+        return FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), file)
+    if exc.reason == "is_a_directory":
+        return IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), file)
+    if exc.reason == "permission_denied":
+        return PermissionError(errno.EACCES, os.strerror(errno.EACCES), file)
+    if exc.reason == "file_too_large":
+        limit = SandboxEnvironmentLimits.MAX_READ_FILE_SIZE_STR
+        too_large: Exception = OutputLimitExceededError(limit_str=limit, truncated_output=None)
+        return too_large
+    return OSError(errno.EIO, f"dsh-bash: {exc}", file)
