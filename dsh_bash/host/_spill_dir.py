@@ -62,9 +62,15 @@ class HostSpillDir:
     def new_capture_file(self) -> str:
         """A fresh empty file (mode 0600) a session command's bash opens as its capture descriptor:
         made here first, so that a sandbox can bind just it writable into a read-only view."""
-        name = f"{secrets.token_hex(12)}.session"
-        os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600, dir_fd=self.fd))
-        return os.path.join(self.path, name)
+        for _ in range(8):
+            name = f"{secrets.token_hex(10)}.session"  # not a spill file's width: names of their own
+            try:
+                fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600, dir_fd=self.fd)
+            except FileExistsError:
+                continue  # something (planted, or chance) has that name: another one
+            os.close(fd)
+            return os.path.join(self.path, name)
+        raise OSError(f"no fresh name for a capture file in {self.path}")
 
     def remove(self) -> None:
         os.close(self.fd)
