@@ -395,6 +395,10 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
             self._files_unsupported = True
             return False
         except FileOperationError as exc:
+            if exc.reason == "file_too_large" and (
+                self.executor.config.max_file_bytes < SandboxEnvironmentLimits.MAX_READ_FILE_SIZE
+            ):
+                return False  # inspect allows more than the executor reads at once: in chunks, as before
             raise _inspect_error(exc, file) from None
         return True
 
@@ -441,6 +445,10 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
             read.append(await self.executor.read_file(path))
 
         if await self._through_seam(keep, path, None, file):
+            if len(read[0]) > SandboxEnvironmentLimits.MAX_READ_FILE_SIZE:  # inspect's limit, as it is now
+                raise OutputLimitExceededError(
+                    limit_str=SandboxEnvironmentLimits.MAX_READ_FILE_SIZE_STR, truncated_output=None
+                )
             return read[0].decode("utf-8") if text else read[0]
         # Output is text (invalid UTF-8 replaced), so bytes travel in base64, in chunks that stay
         # inside the executor's output limit.
