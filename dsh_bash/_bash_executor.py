@@ -34,6 +34,7 @@ from ._env import build_command_env, is_scrubbed
 from ._errors import (
     BashInfrastructureError,
     ConfigError,
+    DshBashError,
     ExecutorClosedError,
     InfraReason,
     InputRefusal,
@@ -180,6 +181,13 @@ class _Command:
         if code is not None and code > 128 and status.exit_code_only and (code - 128) in self.sent_signals:
             return None, signal_name(code - 128)
         return code, None
+
+
+def _file_failure(exc: Exception, doing: str, path: str) -> BashInfrastructureError:
+    """A backend's own exception under ``read_file``/``write_file``, as the contract's error."""
+    return BashInfrastructureError(
+        f"could not {doing} {path}: {type(exc).__name__}: {exc}", reason="unclassified"
+    )
 
 
 def _read_capture_file(path: str) -> bytes:
@@ -802,7 +810,12 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         relative to the default working directory; read as a command of ``user`` would. At most
         ``max_file_bytes``; refusals are :class:`~dsh_bash.FileOperationError` with a reason."""
         where = self._file_path(path)
-        return await self._read_file(where, user=user, max_bytes=self._config.max_file_bytes)
+        try:
+            return await self._read_file(where, user=user, max_bytes=self._config.max_file_bytes)
+        except (DshBashError, ValueError, TypeError):
+            raise
+        except Exception as exc:
+            raise _file_failure(exc, "read", where) from exc
 
     async def write_file(
         self,
@@ -821,7 +834,12 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         if not isinstance(data, bytes):
             raise TypeError(f"write_file takes bytes, not {type(data).__name__} (encode text first)")
         where = self._file_path(path)
-        await self._write_file(where, data, user=user, make_parents=make_parents)
+        try:
+            await self._write_file(where, data, user=user, make_parents=make_parents)
+        except (DshBashError, ValueError, TypeError):
+            raise
+        except Exception as exc:
+            raise _file_failure(exc, "write", where) from exc
 
     def _file_path(self, path: str) -> str:
         self._ensure_open()

@@ -76,3 +76,15 @@ async def test_bad_paths_and_other_users_are_refused_before_anything_happens(tmp
             await ex.read_file("a", user="nobody-such-user")
     assert other.value.reason == "user_unsupported"
     assert os.listdir(tmp_path) == []
+
+
+class _FailingFiles(LocalBashExecutor):
+    async def _read_file(self, path: str, *, user: str | None, max_bytes: int) -> bytes:
+        raise OSError(5, "Input/output error", path)
+
+
+async def test_a_backends_own_exception_comes_as_the_contracts_error(tmp_path: Path) -> None:
+    async with _FailingFiles.from_fields(cwd=str(tmp_path)) as ex:
+        with pytest.raises(BashInfrastructureError) as failed:
+            await ex.read_file("f")
+    assert failed.value.reason == "unclassified" and "Input/output error" in str(failed.value)

@@ -67,10 +67,20 @@ class RemoteFiles:
             f"the SFTP channel to {self._pool.where} failed on {path}: {exc}", reason="connection_lost"
         )
 
-    def _refused(self, exc: asyncssh.SFTPError, path: str, doing: str) -> FileOperationError:
+    def _translated(self, exc: BaseException, path: str, doing: str) -> Exception:
+        """What the caller gets for ``exc`` of an SFTP operation: the server's refusal as a
+        :class:`FileOperationError`, the channel failing as the backend failing."""
+        if isinstance(exc, asyncssh.SFTPError) and not isinstance(exc, asyncssh.SFTPConnectionLost):
+            return self._refused(exc, path, doing)
+        return self._broken(exc, path)
+
+    def _refused(self, exc: asyncssh.SFTPError, path: str, doing: str) -> Exception:
         reason = _REFUSALS.get(exc.code)
-        if reason is None:
-            raise exc
+        if reason is None:  # a server's generic failure says nothing a caller could act on
+            return BashInfrastructureError(
+                f"cannot {doing} {path} on {self._pool.where}: SFTP status {exc.code}: {exc.reason}",
+                reason="unclassified",
+            )
         return FileOperationError(f"cannot {doing} {path}: {exc.reason}", reason=reason)
 
     async def read(self, path: str, max_bytes: int) -> bytes:
@@ -86,12 +96,8 @@ class RemoteFiles:
             async with sftp.open(path, "rb", encoding=None) as handle:
                 data = await handle.read(max_bytes + 1)
             assert isinstance(data, bytes)  # binary mode, no encoding
-        except asyncssh.SFTPError as exc:
-            if isinstance(exc, asyncssh.SFTPConnectionLost):
-                raise self._broken(exc, path) from None
-            raise self._refused(exc, path, "read") from None
         except (asyncssh.Error, OSError) as exc:
-            raise self._broken(exc, path) from None
+            raise self._translated(exc, path, "read") from None
         if len(data) > max_bytes:
             raise FileOperationError(
                 f"{path} grew past max_file_bytes ({max_bytes}) while it was read", reason="file_too_large"
@@ -135,12 +141,8 @@ class RemoteFiles:
                 await handle.write(data)
             await sftp.posix_rename(temp, path)
             created = False
-        except asyncssh.SFTPError as exc:
-            if isinstance(exc, asyncssh.SFTPConnectionLost):
-                raise self._broken(exc, path) from None
-            raise self._refused(exc, path, "write") from None
         except (asyncssh.Error, OSError) as exc:
-            raise self._broken(exc, path) from None
+            raise self._translated(exc, path, "write") from None
         finally:
             if created:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(5):
