@@ -3,6 +3,7 @@ that cannot move files refuses them with reason ``files_unsupported``: N/A."""
 
 from __future__ import annotations
 
+import posixpath
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -72,14 +73,14 @@ async def file_round_trip(ctx: CheckContext) -> None:
         ctx.expect(written.exit_code == 0, f"the command could not write: {written.stderr.text!r}")
         got = await ex.read_file(f"{where}/by-command")
         ctx.expect(got == b"a\x00b\xff\n", f"read_file of a command's file gave {got!r}")
-        parent, inside = where.rsplit("/", 1)
-        async with ctx.executor(cwd=parent or "/") as elsewhere:
-            await elsewhere.write_file(f"{inside}/relative", b"relative")
-            back = await elsewhere.read_file(f"{inside}/relative")
+        home = (await _sh(ex, "builtin pwd -P")).stdout.text.strip()
+        relative = posixpath.relpath(f"{where}/relative", home)  # climbs from the default directory
+        await ex.write_file(relative, b"relative")
+        back = await ex.read_file(relative)
         seen = await _sh(ex, f"cat '{where}/relative'")
         ctx.expect(
             seen.stdout.text == "relative" and back == b"relative",
-            f"a relative path, with the default working directory {parent!r}: a command read "
+            f"the relative path {relative!r} (default working directory {home!r}): a command read "
             f"{seen.stdout.text!r}, read_file gave {back!r}",
         )
 
@@ -88,19 +89,21 @@ async def file_round_trip(ctx: CheckContext) -> None:
     "file-refusals",
     kind="contract",
     clause="R-file-refusals",
-    rule="`read_file` of a missing path, a directory, a device or a file over `max_file_bytes`, and "
+    rule="`read_file` of a missing path, a directory, a FIFO or a file over `max_file_bytes`, and "
     "`write_file` into a missing directory (without `make_parents`) or onto a directory, raise "
     "FileOperationError with the matching reason and change nothing; `make_parents` makes the "
     "directories.",
 )
 async def file_refusals(ctx: CheckContext) -> None:
     async with ctx.executor(max_file_bytes=1000) as ex, _scratch(ctx, ex) as where:
+        fifo = await _sh(ex, f"mkfifo '{where}/fifo'")
+        ctx.expect(fifo.exit_code == 0, f"mkfifo failed: {fifo.stderr.text!r}")
         await ex.write_file(f"{where}/big", b"x" * 1001)
         await ex.write_file(f"{where}/fits", b"x" * 1000)
         cases: tuple[tuple[str, Callable[[], Awaitable[Any]], str], ...] = (
             ("a missing file", partial(ex.read_file, f"{where}/missing"), "file_not_found"),
             ("a directory", partial(ex.read_file, where), "is_a_directory"),
-            ("/dev/null", partial(ex.read_file, "/dev/null"), "not_a_regular_file"),
+            ("a FIFO", partial(ex.read_file, f"{where}/fifo"), "not_a_regular_file"),
             ("a file over max_file_bytes", partial(ex.read_file, f"{where}/big"), "file_too_large"),
             (
                 "a write into a missing directory",
@@ -116,7 +119,7 @@ async def file_refusals(ctx: CheckContext) -> None:
         ctx.expect(len(await ex.read_file(f"{where}/fits")) == 1000, "a file of max_file_bytes was refused")
         left = await _sh(ex, f"ls -A '{where}'")
         ctx.expect(
-            sorted(left.stdout.text.split()) == ["big", "fits"],
+            sorted(left.stdout.text.split()) == ["big", "fifo", "fits"],
             f"the refused writes left {left.stdout.text.split()} in the directory",
         )
         await ex.write_file(f"{where}/made/on/the/way", b"deep", make_parents=True)

@@ -44,6 +44,7 @@ from dsh_bash.supervisor import CONTINUE_SUPERVISOR, continue_runs, encode_frame
 from ._docker_config import DockerConfig, memory_bytes
 from ._docker_kit_hooks import find_container_processes, find_open_leftovers, kit_notes, plant_in_environment
 from ._engine import Endpoint, EngineClient, EngineError, ExecStream
+from ._files import commands_run_as_root, read_container_file, write_container_file
 from ._framed_exec import FramedDockerProcess, SidePipes, SupervisorMissing
 from ._hints import INFRA_HINTS
 from ._process import ContainerMarked, DockerProcess, diagnose_refusal, run_script, start_script
@@ -114,6 +115,9 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         self._engine = EngineClient(Endpoint.from_config(config))
         self._container_id = ""
         self._cwd = "/"
+        #: The container's configured user (its image's, or the one it was made with): a command's
+        #: user when neither the config nor the request names one.
+        self._image_user = ""
         self._ambient: dict[str, str] = {}
         self._spill_dir = ""
         self._spills = CommandSpills(self._start_helper, _SPILL_FLUSH_BOUND_S)
@@ -311,6 +315,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         self._side_pipes = SidePipes(self._host_visible and self._docker_config.direct_output)
         container_config = info.get("Config") or {}
         self._cwd = container_config.get("WorkingDir") or "/"
+        self._image_user = str(container_config.get("User") or "")
         self._ambient = dict(item.split("=", 1) for item in container_config.get("Env") or [] if "=" in item)
         self._engine.unset_names = self._unset_names
         user = self._docker_config.user
@@ -438,6 +443,27 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         # A pty the supervisor makes in the container and owns (not an engine TTY exec, which would
         # run the frames through a line discipline); resized by its 'W' frame.
         return self._supervisor is not None
+
+    def _supports_files(self) -> bool:
+        # Through the engine's archive API (see _files); refused per call for a user other than root.
+        return True
+
+    def _files_as(self, user: str | None) -> None:
+        if not commands_run_as_root(user if user is not None else self.config.user, self._image_user):
+            raise BashInfrastructureError(
+                f"{type(self).__name__} moves files only for commands that run as root (the engine's "
+                "archive API reads and writes as root, past a user's permissions); move the file with a "
+                "command meanwhile; nothing was read or written",
+                reason="files_unsupported",
+            )
+
+    async def _read_file(self, path: str, *, user: str | None, max_bytes: int) -> bytes:
+        self._files_as(user)
+        return await read_container_file(self._engine, self._container_id, path, max_bytes)
+
+    async def _write_file(self, path: str, data: bytes, *, user: str | None, make_parents: bool) -> None:
+        self._files_as(user)
+        await write_container_file(self._engine, self._container_id, path, data, make_parents=make_parents)
 
     def _supports_sessions(self) -> bool:
         # The state comes back through the supervisor's capture descriptor ('v' frames); without it

@@ -288,11 +288,23 @@ class EngineClient:
 
     async def request_raw(self, method: str, path: str, body: Any | None = None) -> tuple[int, bytes]:
         """(status, body) of one call, whatever the status; a HEAD request's body is empty."""
+        status, _, data = await self.request_with_headers(method, path, body)
+        return status, data
 
-        async def call() -> tuple[int, bytes]:
+    async def request_with_headers(
+        self, method: str, path: str, body: Any | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
+        """(status, headers with lower-case names, body) of one call, whatever the status."""
+
+        async def call() -> tuple[int, dict[str, str], bytes]:
             response = await self._pool.handle_async_request(self._request(method, path, body, []))
             try:
-                return response.status, await response.aread()
+                data = await response.aread()
+                headers = {
+                    name.decode("latin-1").lower(): value.decode("latin-1")
+                    for name, value in response.headers
+                }
+                return response.status, headers, data
             finally:
                 await response.aclose()
 
