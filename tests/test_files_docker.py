@@ -28,7 +28,9 @@ async def test_a_rewritten_file_keeps_its_mode_and_leaves_no_temporary_file(dock
         made = await ex.exec("printf old > /tmp/mine && chmod 640 /tmp/mine")
         assert made.exit_code == 0, made.stderr.text
         await ex.write_file("/tmp/mine", b"new")
-        seen = await ex.exec("stat -c %a /tmp/mine; cat /tmp/mine; ls -A /tmp | grep -c '^[.]dsh-bash-.*[.]tmp$'")
+        seen = await ex.exec(
+            "stat -c %a /tmp/mine; cat /tmp/mine; ls -A /tmp | grep -c '^[.]dsh-bash-.*[.]tmp$'"
+        )
         assert seen.stdout.text == "640\nnew0\n"
 
 
