@@ -504,10 +504,13 @@ async def _until(condition: Callable[[], bool], seconds: float = 5.0) -> bool:
 
 
 async def test_a_warm_channel_waits_while_open_and_is_gone_after_aclose(ssh_server: SshServer) -> None:
+    # What this executor starts and leaves, apart from what another test of this worker's login left
+    # (the login is shared by every test of a pytest-xdist worker).
+    before = set(_waiters(TEST_USER))
     with ssh_server.plant({"DSHTEST_WARM_TOKEN": "warm-secret-value"}):
         async with ssh_server.executor() as ex:
             assert await ex.warm_up()
-            waiters = _waiters(TEST_USER)
+            waiters = [pid for pid in _waiters(TEST_USER) if pid not in before]
             assert len(waiters) == 2  # two spares (see dsh_bash_ssh._warm)
             for waiter in waiters:
                 # The waiting process holds no value of the login's environment (env -i).
@@ -517,15 +520,16 @@ async def test_a_warm_channel_waits_while_open_and_is_gone_after_aclose(ssh_serv
             assert result.stdout.text.startswith("on a warm channel\n")
             assert "DSHTEST_WARM_TOKEN" not in result.stdout.text
             assert await ex.warm_up()
-            assert len(_waiters(TEST_USER)) == 2
-    assert await _until(lambda: _waiters(TEST_USER) == []), _waiters(TEST_USER)
+            assert len(set(_waiters(TEST_USER)) - before) == 2
+    assert await _until(lambda: not set(_waiters(TEST_USER)) - before), _waiters(TEST_USER)
 
 
 async def test_without_a_warm_channel_none_waits(ssh_server: SshServer) -> None:
+    before = set(_waiters(TEST_USER))  # another test's leftovers are not this executor's
     async with ssh_server.executor(warm_channel=False) as ex:
         assert not await ex.warm_up()
         assert (await ex.exec("echo cold")).stdout.text == "cold\n"
-        assert _waiters(TEST_USER) == []
+        assert set(_waiters(TEST_USER)) - before == set()
 
 
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
