@@ -36,6 +36,7 @@ from ._errors import (
     ConfigError,
     DshBashError,
     ExecutorClosedError,
+    FileOperationError,
     InfraReason,
     InputRefusal,
     TaskInputError,
@@ -834,6 +835,8 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         if not isinstance(data, bytes):
             raise TypeError(f"write_file takes bytes, not {type(data).__name__} (encode text first)")
         where = self._file_path(path)
+        if posixpath.basename(where) in ("", ".", ".."):
+            raise FileOperationError(f"{where} names a directory", reason="is_a_directory")
         try:
             await self._write_file(where, data, user=user, make_parents=make_parents)
         except (DshBashError, ValueError, TypeError):

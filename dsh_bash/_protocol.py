@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import signal as _signal
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Coroutine
@@ -44,6 +45,7 @@ __all__ = [
     "kill_sequence",
     "refuse_other_user",
     "signal_name",
+    "temporary_file_name",
     "while_watching",
 ]
 
@@ -358,6 +360,12 @@ async def kill_abandoned_start(target: Killable, grace_s: float) -> None:
 
 
 _T = TypeVar("_T")
+
+
+def temporary_file_name() -> str:
+    """A fresh name for a file that ``_write_file`` writes beside its target and renames over it once
+    whole (``R-file-write``): hidden, and never one a command would guess."""
+    return f".dsh-bash-{secrets.token_hex(8)}.tmp"
 
 
 class AtMostEvery:

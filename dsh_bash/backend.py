@@ -60,6 +60,11 @@ The environment policy (``docs/contract.md`` R-env):
   environment, the policy drops; :data:`MODEL_FRIENDLY_ENV` (what every command gets) and
   :data:`RC_FILE_VARIABLES` (names that make bash read a file at startup).
 
+Files (``R-file-*``; the path checks and the error wrapping are the executor's):
+
+- :func:`temporary_file_name`: the name a write puts its bytes under, beside the target, before the
+  rename over it.
+
 Errors and configuration:
 
 - :data:`InfraReason`: the machine-readable reason a :class:`dsh_bash.BashInfrastructureError`
@@ -105,6 +110,7 @@ from ._protocol import (
     kill_sequence,
     refuse_other_user,
     signal_name,
+    temporary_file_name,
     while_watching,
 )
 from ._session import SESSION_FD, SessionCapture
@@ -146,5 +152,6 @@ __all__ = [
     "refuse_other_user",
     "run_in_fresh_loop",
     "signal_name",
+    "temporary_file_name",
     "while_watching",
 ]

@@ -72,6 +72,10 @@ async def test_bad_paths_and_other_users_are_refused_before_anything_happens(tmp
             await ex.read_file("a\0b")
         with pytest.raises(TypeError, match="bytes"):
             await ex.write_file("a", "text")  # type: ignore[arg-type]
+        for names_a_directory in (f"{tmp_path}/", "sub/..", "."):
+            with pytest.raises(FileOperationError) as directory:
+                await ex.write_file(names_a_directory, b"x")
+            assert directory.value.reason == "is_a_directory"
         with pytest.raises(BashInfrastructureError) as other:
             await ex.read_file("a", user="nobody-such-user")
     assert other.value.reason == "user_unsupported"

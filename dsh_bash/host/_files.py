@@ -11,10 +11,10 @@ import contextlib
 import errno
 import os
 import posixpath
-import secrets
 import stat
 
 from .._errors import FileOperationError, FileRefusal
+from .._protocol import temporary_file_name
 
 __all__ = ["read_host_file", "write_host_file"]
 
@@ -88,9 +88,7 @@ def write_host_file(path: str, data: bytes, *, make_parents: bool) -> None:
     """``data`` as the file ``path``: written whole into a fresh file of its directory and renamed over
     it; where only the file is writable (its directory is not), or it is another user's, rewritten in
     place (not atomic: nothing else can keep its owner)."""
-    directory, name = posixpath.split(path)
-    if name in ("", ".", ".."):
-        raise FileOperationError(f"{path} names a directory", reason="is_a_directory")
+    directory = posixpath.dirname(path)  # the executor refused a path that names a directory
     if make_parents and directory:
         try:
             os.makedirs(directory, exist_ok=True)
@@ -115,7 +113,7 @@ def write_host_file(path: str, data: bytes, *, make_parents: bool) -> None:
     if regular and existing is not None and existing.st_uid != os.geteuid():
         _write_in_place(path, data)
         return
-    temp = posixpath.join(directory, f".dsh-bash-{secrets.token_hex(8)}.tmp")
+    temp = posixpath.join(directory, temporary_file_name())
     try:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     except OSError as exc:

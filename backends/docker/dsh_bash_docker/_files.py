@@ -17,12 +17,12 @@ import base64
 import io
 import json
 import posixpath
-import secrets
 import tarfile
 from typing import Any
 from urllib.parse import quote
 
 from dsh_bash import BashInfrastructureError, FileOperationError, FileRefusal
+from dsh_bash.backend import temporary_file_name
 
 from ._engine import EngineClient
 from ._process import run_script
@@ -149,9 +149,7 @@ def _one_file_tar(name: str, data: bytes, mode: int, parents: list[str]) -> byte
 async def write_container_file(
     engine: EngineClient, container: str, path: str, data: bytes, *, make_parents: bool
 ) -> None:
-    directory, name = posixpath.split(path)
-    if name in ("", ".", ".."):
-        raise FileOperationError(f"{path} names a directory", reason="is_a_directory")
+    directory = posixpath.dirname(path)  # the executor refused a path that names a directory
     existing = await _stat(engine, container, path)
     mode = 0o644
     if existing is not None:
@@ -169,7 +167,7 @@ async def write_container_file(
         missing.insert(0, posixpath.basename(base))
         base = posixpath.dirname(base)
     parents = ["/".join(missing[: index + 1]) for index in range(len(missing))]
-    temp_name = f".dsh-bash-{secrets.token_hex(8)}.tmp"
+    temp_name = temporary_file_name()
     inside = "/".join([*missing, temp_name])
     body = _one_file_tar(inside, data, mode, parents)
     status, answer = await engine.request_raw("PUT", _archive_path(container, base), body)

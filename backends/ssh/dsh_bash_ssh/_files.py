@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 import posixpath
-import secrets
 import stat
 
 import anyio
 import asyncssh
 
 from dsh_bash import BashInfrastructureError, FileOperationError, FileRefusal
+from dsh_bash.backend import temporary_file_name
 
 from ._connection import ChannelPool, RequestRefused
 
@@ -106,10 +106,8 @@ class RemoteFiles:
 
     async def write(self, path: str, data: bytes, *, make_parents: bool) -> None:
         sftp = await self._sftp()
-        directory, name = posixpath.split(path)
-        if name in ("", ".", ".."):
-            raise FileOperationError(f"{path} names a directory", reason="is_a_directory")
-        temp = posixpath.join(directory, f".dsh-bash-{secrets.token_hex(8)}.tmp")
+        directory = posixpath.dirname(path)  # the executor refused a path that names a directory
+        temp = posixpath.join(directory, temporary_file_name())
         created = False
         try:
             if make_parents and directory:
