@@ -18,8 +18,9 @@ import contextlib
 import errno
 import os
 import posixpath
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, nullcontext
-from typing import Any, ClassVar, Literal, overload
+from typing import Any, ClassVar, Literal, TypeVar, overload
 
 import anyio
 from inspect_ai.util import (
@@ -71,6 +72,9 @@ _WORKDIR_ERRORS: dict[str, tuple[type[OSError], int]] = {
     "workdir_not_directory": (NotADirectoryError, errno.ENOTDIR),
     "workdir_not_accessible": (PermissionError, errno.EACCES),
 }
+
+
+_T = TypeVar("_T")
 
 
 class _Holder:
@@ -382,25 +386,27 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
 
     # -- files -------------------------------------------------------------------------------------
 
-    async def _through_seam(self, call: Any, path: str, data: bytes | None, file: str, **fields: Any) -> bool:
-        """``call`` (the executor's ``read_file``/``write_file``) done; False where the backend moves
-        no files (then the commands do, as before). Its refusals as inspect's exceptions."""
+    async def _through_seam(
+        self, operation: Callable[[], Awaitable[_T]], file: str
+    ) -> tuple[bool, _T | None]:
+        """``(True, what operation returned)`` (the executor's ``read_file``/``write_file``); ``(False,
+        None)`` where the backend moves no files, or reads less at once than inspect allows (then the
+        commands move it, as before). Its refusals as inspect's exceptions."""
         if self._files_unsupported:
-            return False
+            return False, None
         try:
-            await (call(path, **fields) if data is None else call(path, data, **fields))
+            return True, await operation()
         except BashInfrastructureError as exc:
             if exc.reason != "files_unsupported":
                 raise
             self._files_unsupported = True
-            return False
+            return False, None
         except FileOperationError as exc:
             if exc.reason == "file_too_large" and (
                 self.executor.config.max_file_bytes < SandboxEnvironmentLimits.MAX_READ_FILE_SIZE
             ):
-                return False  # inspect allows more than the executor reads at once: in chunks, as before
+                return False, None
             raise _inspect_error(exc, file) from None
-        return True
 
     def _file_error(self, result: BashRunResult, file: str) -> Exception | None:
         code = result.exit_code
@@ -420,13 +426,15 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
 
     async def write_file(self, file: str, contents: str | bytes) -> None:
         data = contents.encode("utf-8") if isinstance(contents, str) else bytes(contents)
-        if await self._through_seam(
-            self.executor.write_file, self._path(file), data, file, make_parents=True
-        ):
+        path = self._path(file)
+        done, _ = await self._through_seam(
+            lambda: self.executor.write_file(path, data, make_parents=True), file
+        )
+        if done:
             return
         # No files in the seam here: the bytes go to the command's stdin, exact; the script creates
         # parents and says why it failed.
-        result = await self._run(write_script(self._path(file)), stdin=data, timeout_ms=_HOUSEKEEPING_MS)
+        result = await self._run(write_script(path), stdin=data, timeout_ms=_HOUSEKEEPING_MS)
         error = self._file_error(result, file)
         if error is not None:
             raise error
@@ -439,17 +447,13 @@ class DshBashSandboxEnvironment(SandboxEnvironment):
 
     async def read_file(self, file: str, text: bool = True) -> str | bytes:
         path = self._path(file)
-        read: list[bytes] = []
-
-        async def keep(path: str) -> None:
-            read.append(await self.executor.read_file(path))
-
-        if await self._through_seam(keep, path, None, file):
-            if len(read[0]) > SandboxEnvironmentLimits.MAX_READ_FILE_SIZE:  # inspect's limit, as it is now
+        done, read = await self._through_seam(lambda: self.executor.read_file(path), file)
+        if done and read is not None:
+            if len(read) > SandboxEnvironmentLimits.MAX_READ_FILE_SIZE:  # inspect's limit, as it is now
                 raise OutputLimitExceededError(
                     limit_str=SandboxEnvironmentLimits.MAX_READ_FILE_SIZE_STR, truncated_output=None
                 )
-            return read[0].decode("utf-8") if text else read[0]
+            return read.decode("utf-8") if text else read
         # Output is text (invalid UTF-8 replaced), so bytes travel in base64, in chunks that stay
         # inside the executor's output limit.
         limit = self.executor.config.max_output_bytes
