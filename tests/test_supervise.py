@@ -961,21 +961,25 @@ def test_supervisor_holds_none_of_the_commands_stdio(runs: list[Supervised], mar
     for a leftover that holds no end of it."""
     read_end, write_end = os.pipe()
     try:
-        script = f"(exec -a {marker} sleep 3) </dev/null >/dev/null 2>&1 & echo hi"
+        # The leftover outlives any EOF a test could wait for: were EOF to wait for it, it would be
+        # gone when looked for below (no wall-clock assertion, which a loaded CI machine can break).
+        script = f"(exec -a {marker} sleep 120) </dev/null >/dev/null 2>&1 & echo hi"
         run = Supervised(["bash", "-c", script], stdout=write_end)
         runs.append(run)
     finally:
         os.close(write_end)
     try:
         run.started_pid()
-        started = time.monotonic()
         data = b""
         while chunk := os.read(read_end, 4096):  # blocks until EOF
             data += chunk
         assert data == b"hi\n"
-        assert time.monotonic() - started < 2, "EOF waited for the leftover"
+        # The subshell let go of the pipe before its exec renamed it: give the exec a moment.
+        deadline = time.monotonic() + 10
+        while not _marked(marker) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _marked(marker), "EOF waited for the leftover (it no longer runs)"
         assert run.process.poll() is None, "the supervisor should live on for its leftover"
-        assert _marked(marker), "the leftover should still run"
     finally:
         os.close(read_end)
         os.kill(run.process.pid, signal.SIGUSR2)
