@@ -37,12 +37,13 @@ BENCH = Path(__file__).resolve().parent
 TESTS = BENCH.parent / "tests"
 sys.path[:0] = [str(BENCH), str(TESTS)]
 
+import files  # noqa: E402
 import latency  # noqa: E402
 import startup  # noqa: E402
 import throughput  # noqa: E402
 from targets import BACKENDS  # noqa: E402
 
-PARTS = ("latency", "throughput", "background", "conformance", "startup")
+PARTS = ("latency", "throughput", "background", "conformance", "startup", "files")
 QUICK_KIT_CHECKS = [
     "exit-code-reported",
     "timeout-classified",
@@ -249,6 +250,26 @@ def conformance_rows(backends: list[str], quick: bool, context: dict[str, Any], 
     return rows
 
 
+def files_rows(backends: list[str], runs: int, context: dict[str, Any], server: Any) -> list[Row]:
+    """50 MiB written and read back (issue 32), Docker and SSH (local has no channel to compare)."""
+    results = []
+    if "docker" in backends:
+        results.append(asyncio.run(files.bench_docker(50, runs, context["image"], context["labels"])))
+    if "ssh" in backends:
+        results.append(asyncio.run(files.bench_ssh(50, runs, server)))
+    rows = []
+    for result in results:
+        _raw["files"].append(result)
+        for backend, baseline, subject_s, baseline_s, target, at_most in files.rows(result):
+            ratio = subject_s / baseline_s
+            verdict = "-" if at_most is None else _ratio_verdict(ratio, at_most=at_most)
+            rows.append(
+                Row("50 MiB written and read back, median s", backend, baseline, f"{subject_s:.2f}",
+                    f"{baseline_s:.2f}", ratio, target, verdict, at_most)
+            )  # fmt: skip
+    return rows
+
+
 def startup_rows(runs: int) -> list[Row]:
     """``dsh-bash run true`` and ``dsh-bash --help`` against ``python -c pass`` and ``bash -c true``."""
     result = startup.measure(runs)
@@ -274,7 +295,7 @@ def startup_rows(runs: int) -> list[Row]:
     ]  # fmt: skip
 
 
-_raw: dict[str, list[Any]] = {"throughput": [], "background": [], "conformance": [], "startup": []}
+_raw: dict[str, list[Any]] = {part: [] for part in PARTS if part != "latency"}
 
 
 # -- output -----------------------------------------------------------------------------------------
@@ -501,6 +522,7 @@ def main() -> None:
     tasks = args.tasks or (20 if quick else 200)
     read_seconds = args.read_seconds or (3.0 if quick else 15.0)
     startup_runs = args.startup_runs or (5 if quick else 30)
+    files_runs = 1 if quick else 5
 
     about = machine()
     notes: list[str] = []
@@ -519,6 +541,9 @@ def main() -> None:
         if "conformance" in parts:
             print("conformance kit ...", file=sys.stderr, flush=True)
             rows += _parted("conformance", conformance_rows(backends, quick, context, server))
+        if "files" in parts and set(backends) & {"docker", "ssh"}:
+            print("files ...", file=sys.stderr, flush=True)
+            rows += _parted("files", files_rows(backends, files_runs, context, server))
         if "startup" in parts and "local" in backends:
             print("start-up ...", file=sys.stderr, flush=True)
             rows += _parted("startup", startup_rows(startup_runs))
@@ -532,6 +557,7 @@ def main() -> None:
         "each in a fresh interpreter",
         "background": f"{tasks} background tasks; read_output over {read_seconds:g} s",
         "startup": f"start-up medians of {startup_runs} starts of each program",
+        "files": f"50 MiB round trips, medians of {files_runs} alternating runs",
     }
     settings = f"{'QUICK SMOKE RUN (not results): ' if quick else ''}" + "; ".join(
         text for part, text in by_part.items() if part in parts

@@ -13,7 +13,7 @@ import contextlib
 import json
 import ssl
 import struct
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
 from urllib.parse import quote
@@ -75,11 +75,21 @@ def _lost(endpoint: Endpoint, exc: BaseException) -> EngineError:
     )
 
 
-def _body(body: Any | None) -> tuple[bytes, bytes]:
-    """(payload, content type): a ``bytes`` body goes as it is (a tar archive), anything else as JSON."""
+def _body(body: Any | None) -> tuple[bytes | list[bytes], int, bytes]:
+    """(payload, its length, content type): ``bytes`` go as they are (a tar archive), and so does a
+    list of ``bytes`` (the parts of one archive, sent one after the other: a large file is never
+    copied into one buffer); anything else as JSON."""
     if isinstance(body, bytes):
-        return body, b"application/x-tar"
-    return (b"" if body is None else json.dumps(body).encode()), b"application/json"
+        return body, len(body), b"application/x-tar"
+    if isinstance(body, list):
+        return body, sum(len(part) for part in body), b"application/x-tar"
+    payload = b"" if body is None else json.dumps(body).encode()
+    return payload, len(payload), b"application/json"
+
+
+async def _one_by_one(parts: list[bytes]) -> AsyncIterator[bytes]:
+    for part in parts:
+        yield part
 
 
 def _error_text(status: int, body: bytes) -> str:
@@ -262,17 +272,17 @@ class EngineClient:
     def _request(
         self, method: str, path: str, body: Any | None, extra: list[tuple[bytes, bytes]]
     ) -> httpcore2.Request:
-        payload, kind = _body(body)
+        payload, length, kind = _body(body)
         headers = [
             (b"Host", b"docker"),
             (b"Content-Type", kind),
-            (b"Content-Length", str(len(payload)).encode()),
+            (b"Content-Length", str(length).encode()),
         ]
         return httpcore2.Request(
             method.encode(),
             self.endpoint.url(f"/{API_VERSION}{path}"),
             headers=headers + extra,
-            content=payload,
+            content=payload if isinstance(payload, bytes) else _one_by_one(payload),
         )
 
     async def request(self, method: str, path: str, body: Any | None = None) -> Any:
@@ -295,16 +305,24 @@ class EngineClient:
         self, method: str, path: str, body: Any | None = None
     ) -> tuple[int, dict[str, str], bytes]:
         """(status, headers with lower-case names, body) of one call, whatever the status."""
+        status, headers, parts = await self.request_parts(method, path, body)
+        return status, headers, b"".join(parts)
 
-        async def call() -> tuple[int, dict[str, str], bytes]:
+    async def request_parts(
+        self, method: str, path: str, body: Any | None = None
+    ) -> tuple[int, dict[str, str], list[bytes]]:
+        """As :meth:`request_with_headers`, the body left in the parts it came in: a caller that
+        wants a slice of a large body (a file in an archive) joins only that, once."""
+
+        async def call() -> tuple[int, dict[str, str], list[bytes]]:
             response = await self._pool.handle_async_request(self._request(method, path, body, []))
             try:
-                data = await response.aread()
+                parts = [part async for part in response.aiter_stream()]
                 headers = {
                     name.decode("latin-1").lower(): value.decode("latin-1")
                     for name, value in response.headers
                 }
-                return response.status, headers, data
+                return response.status, headers, parts
             finally:
                 await response.aclose()
 
