@@ -249,9 +249,7 @@ def ssh_target(
     )
 
 
-@pytest.fixture(scope="session")
-def ssh_server() -> Iterator[SshServer]:
-    """A running sshd for the session (skips with ``backend unavailable: ...`` without root or sshd)."""
+def _serve(*, sftp: bool) -> Iterator[SshServer]:
     reason = _unavailable()
     if reason is not None:
         pytest.skip(f"{BACKEND_UNAVAILABLE} {reason}")
@@ -261,8 +259,21 @@ def ssh_server() -> Iterator[SshServer]:
         pytest.skip(
             f"{BACKEND_UNAVAILABLE} dsh_bash_ssh cannot be imported (pip install 'dsh-bash[ssh]'): {exc}"
         )
-    server = start_server()
+    server = start_server(sftp=sftp)
     try:
         yield server
     finally:
         stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def ssh_server() -> Iterator[SshServer]:
+    """A running sshd for the session (skips with ``backend unavailable: ...`` without root or sshd)."""
+    yield from _serve(sftp=True)
+
+
+@pytest.fixture(scope="session")
+def server_without_sftp() -> Iterator[SshServer]:
+    """A running sshd without an SFTP subsystem (the backend runs the host's sftp-server over an exec
+    channel, unless ``exec_sftp_server=False``)."""
+    yield from _serve(sftp=False)

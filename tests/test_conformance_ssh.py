@@ -6,9 +6,18 @@ A throwaway sshd is started by ``tests/ssh_support.py``; without root or sshd ev
 
 from __future__ import annotations
 
+from dataclasses import replace
+from functools import partial
+
 import pytest
-from dsh_bash_conformance import CHECKS, run_kit
-from kit_targets import MARKER_CONTAINMENT_FAILS, MARKER_CONTAINMENT_RACES, expected_outcome, reused_target
+from dsh_bash_conformance import CHECKS, KitTarget, run_kit
+from kit_targets import (
+    FILE_CHECKS,
+    MARKER_CONTAINMENT_FAILS,
+    MARKER_CONTAINMENT_RACES,
+    expected_outcome,
+    reused_target,
+)
 from ssh_support import SshServer, ssh_target
 
 pytestmark = [pytest.mark.kit, pytest.mark.ssh]
@@ -27,3 +36,27 @@ def test_check(name: str, ssh_server: SshServer) -> None:
     assert name not in MARKER_CONTAINMENT_RACES["ssh"] | MARKER_CONTAINMENT_FAILS["ssh"]
     expected = expected_outcome("ssh", name)
     assert result.outcome == expected, f"{result.name} ({result.kind}) {result.outcome}: {result.message}"
+
+
+@pytest.mark.parametrize("name", sorted(FILE_CHECKS))
+def test_file_check_without_an_sftp_subsystem(name: str, server_without_sftp: SshServer) -> None:
+    """Files move through the host's sftp-server over an exec channel where sshd offers no SFTP."""
+    target = reused_target(
+        ("ssh-without-sftp", server_without_sftp.port), lambda: ssh_target(server_without_sftp, "asyncio")
+    )
+    [result] = run_kit(target, only=[name]).results
+    assert result.outcome == "passed", f"{result.name} {result.outcome}: {result.message}"
+
+
+@pytest.mark.parametrize("name", sorted(FILE_CHECKS))
+def test_file_check_without_any_sftp(name: str, server_without_sftp: SshServer) -> None:
+    """With no sftp-server to run either (``exec_sftp_server=False``) the backend says files are
+    unsupported (``files_unsupported``): the kit reports the check not applicable, never failed."""
+
+    def make() -> KitTarget:
+        target = ssh_target(server_without_sftp, "asyncio")
+        return replace(target, make_executor=partial(server_without_sftp.executor, exec_sftp_server=False))
+
+    target = reused_target(("ssh-no-sftp-at-all", server_without_sftp.port), make)
+    [result] = run_kit(target, only=[name]).results
+    assert result.outcome == "not_applicable", f"{result.name} {result.outcome}: {result.message}"

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -235,20 +235,6 @@ async def test_an_interactive_task_under_a_cut_ends_lost_once(
 
 
 # -- a server without an SFTP subsystem --------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def server_without_sftp() -> Iterator[SshServer]:
-    from ssh_support import _unavailable, start_server, stop_server  # noqa: PLC0415
-
-    reason = _unavailable()
-    if reason is not None:
-        pytest.skip(f"backend unavailable: {reason}")
-    server = start_server(sftp=False)
-    try:
-        yield server
-    finally:
-        stop_server(server)
 
 
 def _hundred_tasks(marker: str) -> list[str]:

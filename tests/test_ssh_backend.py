@@ -311,19 +311,6 @@ async def test_a_flooding_detached_task_reads_only_the_tail(ssh_server: SshServe
         assert task.exit_code == 0
 
 
-@pytest.fixture(scope="module")
-def server_without_sftp() -> Iterator[SshServer]:
-    from ssh_support import start_server, stop_server  # noqa: PLC0415
-
-    if os.geteuid() != 0:
-        pytest.skip("backend unavailable: the SSH tests start their own sshd and need root")
-    server = start_server(sftp=False)
-    try:
-        yield server
-    finally:
-        stop_server(server)
-
-
 async def test_without_sftp_background_tasks_stay_attached(
     server_without_sftp: SshServer, caplog: pytest.LogCaptureFixture
 ) -> None:
