@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 
-__all__ = ["CLOSED_AT_START", "claim_standard_fds"]
+__all__ = ["CLOSED_AT_START", "claim_standard_fds", "discard_stdout"]
 
 #: The standard descriptors (0, 1, 2) that were closed when the program started (``>&-``). They are
 #: held open on /dev/null from then on (:func:`claim_standard_fds`), so that no file, pipe or socket
@@ -23,3 +25,12 @@ def claim_standard_fds() -> None:
                 os.dup2(opened, fd)
                 os.close(opened)
             CLOSED_AT_START.add(fd)
+
+
+def discard_stdout() -> None:
+    """Point stdout's descriptor at /dev/null once writing to it failed: what Python still holds for it
+    goes nowhere when the interpreter exits, instead of failing again there (a traceback, status 120)."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)

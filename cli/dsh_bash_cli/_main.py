@@ -26,6 +26,14 @@ Subcommands:
     executor closes, and prints that path. Those files are not cleaned up. A backend whose spill
     files live elsewhere (in a container, on an SSH host) reports ``(unavailable)``.
 
+``dsh-bash cp [--config FILE] [--cwd DIR] [--user USER] [--parents] SRC DEST``
+    Copy one file into or out of where the backend runs commands, as ``docker cp`` does (``_cp``):
+    exactly one of SRC and DEST is ``:PATH`` (absolute, or relative to the executor's working
+    directory, which ``--cwd`` sets as for ``run``), the other a local path or ``-`` (stdin, stdout).
+    The executor is loaded as for ``run``; the file moves with ``read_file`` or ``write_file``
+    (``--user`` and ``--parents`` passed on). Prints nothing; exit status 0, or 2 with one
+    ``dsh-bash: error:`` line (a refusal names the ``:PATH`` and its reason).
+
 ``dsh-bash conformance --config FILE [--check NAME ...] [--json] [--anyio-backend B] [--check-timeout S]``
     Run the conformance kit against the configured backend (``dsh_bash_conformance.config_target``):
     one line per check as it finishes (on a terminal, a progress counter on stderr), then the
@@ -59,12 +67,15 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
+from ._fds import discard_stdout
 from ._text import one_line, write
 
 # Everything else is imported by the subcommand that needs it, when it runs: ``dsh-bash run`` must not
 # pay for the kit, the tools, the registry or the backends it does not use.
 if TYPE_CHECKING:
     from dsh_bash_conformance import CheckResult
+
+    from dsh_bash import BashExecutor
 
     from ._doctor import Finding
 
@@ -164,6 +175,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("command", nargs="+", metavar="COMMAND", help="the bash command line")
     run.set_defaults(handler=_cmd_run)
+    _add_cp_parser(commands)
     _add_conformance_parser(commands)
     _add_doctor_parser(commands)
     _add_mcp_parser(commands)
@@ -188,22 +200,28 @@ def _error(message: str) -> int:
 LOCAL_SOURCE: dict[str, object] = {"backend": "dsh_bash_local:LocalBashExecutor.from_fields"}
 
 
+def _load_executor(config: str | None, cwd: str | None) -> BashExecutor:
+    """The executor of ``--config FILE`` (without it: the local backend), unopened, its ``cwd`` set by
+    ``--cwd`` when given; ``DSH_BASH_<FIELD>`` variables apply either way (``run`` and ``cp``)."""
+    from dsh_bash import load_executor
+
+    if config is None and cwd is not None:
+        # Only here: with a file, the directory is where the backend's commands run (not this host).
+        given = cwd
+        cwd = os.path.abspath(cwd)
+        if not os.path.isdir(cwd):
+            raise _CliError(f"--cwd {given}: not a directory")
+    source = LOCAL_SOURCE if config is None else config
+    return load_executor(source, **({"cwd": cwd} if cwd is not None else {}))
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     import anyio
-
-    from dsh_bash import load_executor
 
     from . import _run
 
     command = " ".join(args.command)
-    cwd: str | None = args.cwd
-    if args.config is None and cwd is not None:
-        # Only here: with a file, the directory is where the backend's commands run (not this host).
-        cwd = os.path.abspath(cwd)
-        if not os.path.isdir(cwd):
-            raise _CliError(f"--cwd {args.cwd}: not a directory")
-    source = LOCAL_SOURCE if args.config is None else args.config
-    executor = load_executor(source, **({"cwd": cwd} if cwd is not None else {}))
+    executor = _load_executor(args.config, args.cwd)
     if args.timeout_ms is not None:
         # As without --config: an explicit timeout raises the configured cap rather than being clamped.
         cap = max(args.timeout_ms, executor.config.max_timeout_ms)
@@ -214,6 +232,55 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return _run.finish_streamed(anyio.run(_run.run_streaming, executor, command))
     except _run.RunFailed as exc:
         raise _CliError(str(exc)) from exc
+
+
+# -- cp -----------------------------------------------------------------------------------------------
+
+
+def _add_cp_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    cp = commands.add_parser(
+        "cp",
+        help="copy a file into or out of where commands run",
+        description=(
+            "Copy one file between this machine and where the backend runs commands, as docker cp does: "
+            "exactly one of SRC and DEST is :PATH (absolute, or relative to the backend's working "
+            "directory), the other a local path, or '-' for stdin (SRC) or stdout (DEST). A directory "
+            "as DEST (a local one, or :PATH/) gets a file of SRC's name. Exit status 0, printing nothing; "
+            "2 on usage, configuration, file and backend errors."
+        ),
+        epilog="A local name that starts with ':' is written ./:NAME.",
+    )
+    cp.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a TOML or YAML backend configuration (default: the local backend with default settings)",
+    )
+    cp.add_argument(
+        "--cwd", metavar="DIR", help="the directory a relative :PATH is in (default: the backend's own)"
+    )
+    cp.add_argument(
+        "--user", metavar="USER", help="read or write the file as USER would (where the backend can)"
+    )
+    cp.add_argument("--parents", action="store_true", help="make the missing directories of a :DEST")
+    cp.add_argument("src", metavar="SRC", help=":PATH, a local file, or '-' for stdin")
+    cp.add_argument("dest", metavar="DEST", help=":PATH, a local file or directory, or '-' for stdout")
+    cp.set_defaults(handler=_cmd_cp)
+
+
+def _cmd_cp(args: argparse.Namespace) -> int:
+    from . import _cp
+
+    try:
+        how = _cp.plan(args.src, args.dest)
+        _cp.copy(
+            how,
+            lambda: _load_executor(args.config, args.cwd),
+            user=args.user,
+            make_parents=args.parents,
+        )
+    except _cp.CopyFailed as exc:
+        raise _CliError(str(exc)) from exc
+    return 0
 
 
 # -- conformance --------------------------------------------------------------------------------------
@@ -566,9 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (``dsh-bash run ... | head``): say nothing more, as other tools do.
-        with contextlib.suppress(OSError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
+        discard_stdout()
         return 141
     except Exception as exc:
         message = _error_message(exc)
