@@ -17,7 +17,10 @@
  *                 the name of ARGV[0]'s last component (the kernel named it after the fd, "N")
  *   --capture-fd N (version 8, --frame; with --spec the payload's second string): the command gets a
  *                 pipe at fd N whose bytes come back as 'v' frames (framed.c)
- *   dsh-supervise --version      (prints "dsh-supervise 8": the protocol's version)
+ *   dsh-supervise --read-file PATH --max-bytes N
+ *   dsh-supervise --write-file PATH --temp-name NAME --size N [--make-parents]
+ *                 (version 9: a file read or written as this process's user, files.c)
+ *   dsh-supervise --version      (prints "dsh-supervise 9": the protocol's version)
  *   dsh-supervise --sha256 | --hmac-sha256 KEYHEX   (digest of stdin in hex: for the tests)
  *
  * It makes itself a child subreaper and non-dumpable, forks PROGRAM into a session and process group
@@ -43,6 +46,7 @@
  * Exit status: 0 after `empty`; 125 for usage and setup errors (a message on stderr).
  */
 #include "common.h"
+#include "files.h"
 #include "pty.h"
 #include "sha256.h"
 #include "supervisor.h"
@@ -274,6 +278,8 @@ int main(int argc, char **argv)
      * --detach key) or open its fds through /proc, nor ptrace it. */
     if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
         die("prctl(PR_SET_DUMPABLE): %s", strerror(errno));
+    if (argc > 1 && (strcmp(argv[1], "--read-file") == 0 || strcmp(argv[1], "--write-file") == 0))
+        return run_file_mode(argc, argv); /* no command, no supervision: files.c */
     struct options o = {
         .status_fd = -1, .control_fd = -1, .cap_bytes = -1, .grace_ms = -1, .capture_fd = -1, .argc = argc, .argv = argv};
     struct command_line c = {0, 0, 0, 1};

@@ -23,6 +23,7 @@ from dsh_bash_conformance import CHECKS, run_kit
 from kit_targets import (
     BUSYBOX_NOT_APPLICABLE,
     DEBIAN_CHECKS,
+    FILE_CHECKS,
     MARKER_CONTAINMENT_FAILS,
     MARKER_CONTAINMENT_RACES,
     expected_outcome,
@@ -117,12 +118,14 @@ def test_check(
 
 #: Issue 30's kit checks as a non-root user in the container (uid 65534), image mode: a command that
 #: cannot signal root's processes may still stop its own supervisor, spares and leftovers. The
-#: terminal check needs perl or python3: on the Debian image only.
+#: terminal check needs perl or python3: on the Debian image only. And the file checks: files of a
+#: user other than root move through the supervisor's file mode, exec'd as that user.
 NOBODY_CASES = [
     ("stopped-supervisor-killed-on-time", "busybox"),
     ("stopped-spares-next-command-on-time", "busybox"),
     ("foreground-leftovers-killed", "busybox"),
     ("terminal-injection-refused", "debian"),
+    *((name, "busybox") for name in sorted(FILE_CHECKS)),
 ]
 
 

@@ -962,11 +962,6 @@ def test_frame_excludes_the_version_1_channels(option: list[str]) -> None:
     assert done.stderr.startswith("dsh-supervise: --frame "), done.stderr
 
 
-def test_version() -> None:
-    done = subprocess.run([SUPERVISE, "--version"], capture_output=True, text=True, timeout=5, check=True)
-    assert done.stdout == "dsh-supervise 8\n"
-
-
 @pytest.mark.skipif(
     QEMU is None,
     reason="backend unavailable: qemu-aarch64-static is not installed (apt-get install qemu-user-static)",

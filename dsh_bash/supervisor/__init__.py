@@ -19,12 +19,17 @@ their commands run. Imports only the seam; see ``README.md`` beside this file.
   backend passes ``FramedCommand`` its ``continues``: :func:`continue_runs` of running
   :data:`CONTINUE_SUPERVISOR` (a bash script: SIGCONT to every stopped supervisor of the user) where
   the commands run, shared by all the executor's commands of that user.
+- The file mode (protocol 9): :func:`file_read_argv` and :func:`file_write_argv`, a file read or
+  written as the user the supervisor runs as (for a backend whose own channel cannot take that
+  user's permissions), and :func:`check_file_mode`, its exit status as a refusal
+  (:data:`FILE_MODE_REFUSALS`) or a failure.
 - The detached mode's signed status file: :class:`SignedRecords` verifies it with a key of
   :data:`SUPERVISOR_KEY_SIZE` bytes.
 """
 
 from __future__ import annotations
 
+from ._file_mode import FILE_MODE_REFUSALS, check_file_mode, file_read_argv, file_write_argv
 from ._framed_command import CONTINUE_SUPERVISOR, FramedCommand, continue_runs
 from ._frames import SupervisorRecords, command_payload, encode_frame
 from ._native import PROTOCOL_VERSION as SUPERVISOR_PROTOCOL
@@ -34,15 +39,19 @@ from ._signed_records import SignedRecords
 
 __all__ = [
     "CONTINUE_SUPERVISOR",
+    "FILE_MODE_REFUSALS",
     "SUPERVISOR_KEY_SIZE",
     "SUPERVISOR_PROTOCOL",
     "FramedCommand",
     "SignedRecords",
     "SupervisorPayload",
     "SupervisorRecords",
+    "check_file_mode",
     "command_payload",
     "continue_runs",
     "encode_frame",
+    "file_read_argv",
+    "file_write_argv",
     "supervisor_binary",
     "supervisor_payload",
     "supervisor_problem",

@@ -39,7 +39,14 @@ from dsh_bash.remote import (
     CommandSpills,
     spill_file_path,
 )
-from dsh_bash.supervisor import CONTINUE_SUPERVISOR, continue_runs, encode_frame
+from dsh_bash.supervisor import (
+    CONTINUE_SUPERVISOR,
+    check_file_mode,
+    continue_runs,
+    encode_frame,
+    file_read_argv,
+    file_write_argv,
+)
 
 from ._docker_config import DockerConfig, memory_bytes
 from ._docker_kit_hooks import find_container_processes, find_open_leftovers, kit_notes, plant_in_environment
@@ -445,25 +452,61 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         return self._supervisor is not None
 
     def _supports_files(self) -> bool:
-        # Through the engine's archive API (see _files); refused per call for a user other than root.
+        # As root through the engine's archive API (see _files); as another user through the
+        # supervisor's file mode, exec'd as that user (refused per call without the supervisor).
         return True
 
-    def _files_as(self, user: str | None) -> None:
-        if not commands_run_as_root(user if user is not None else self.config.user, self._image_user):
+    def _file_mode_user(self, user: str | None) -> str | None:
+        """None when a command of ``user`` runs as root (the archive API moves its files); else the exec
+        user that moves them through the supervisor's file mode, which takes that user's permissions."""
+        who = user if user is not None else self.config.user
+        if commands_run_as_root(who, self._image_user):
+            return None
+        if self._supervisor is None:
             raise BashInfrastructureError(
-                f"{type(self).__name__} moves files only for commands that run as root (the engine's "
-                "archive API reads and writes as root, past a user's permissions); move the file with a "
-                "command meanwhile; nothing was read or written",
+                f"{type(self).__name__} moves files of a user other than root through dsh-supervise, "
+                "which this container does not run (containment = marker); the engine's archive API "
+                "would read and write as root, past that user's permissions; nothing was read or written",
                 reason="files_unsupported",
             )
+        return who or ""
+
+    async def _in_file_mode(
+        self, user: str, argv: list[str], path: str, doing: str, data: bytes | None
+    ) -> bytes:
+        # Bounded: a command of the same user may stop (SIGSTOP) the helper, which must not hang the
+        # harness; a stopped helper is left to the container (it ends with it).
+        bound_s = self.config.timeout_ms / 1000
+        with anyio.move_on_after(bound_s):
+            code, out, err = await run_script(
+                self._engine, self._container_id, user or None, 'exec "$@"', *argv, stdin=data
+            )
+            check_file_mode(code, err, path, doing)
+            return out
+        raise BashInfrastructureError(
+            f"could not {doing} {path}: dsh-supervise's file mode did not finish within timeout_ms "
+            f"({bound_s:g} s; a command of the same user may have stopped it)",
+            reason="unclassified",
+        )
 
     async def _read_file(self, path: str, *, user: str | None, max_bytes: int) -> bytes:
-        self._files_as(user)
-        return await read_container_file(self._engine, self._container_id, path, max_bytes)
+        as_user = self._file_mode_user(user)
+        if as_user is None:
+            return await read_container_file(self._engine, self._container_id, path, max_bytes)
+        assert self._supervisor is not None  # _file_mode_user said so
+        argv = file_read_argv(self._supervisor, path, max_bytes)
+        return await self._in_file_mode(as_user, argv, path, "read", None)
 
     async def _write_file(self, path: str, data: bytes, *, user: str | None, make_parents: bool) -> None:
-        self._files_as(user)
-        await write_container_file(self._engine, self._container_id, path, data, make_parents=make_parents)
+        as_user = self._file_mode_user(user)
+        if as_user is None:
+            await write_container_file(
+                self._engine, self._container_id, path, data, make_parents=make_parents
+            )
+            return
+        assert self._supervisor is not None
+        argv = file_write_argv(self._supervisor, path, len(data), make_parents=make_parents)
+        await self._in_file_mode(as_user, argv, path, "write", data)
 
     def _supports_sessions(self) -> bool:
         # The state comes back through the supervisor's capture descriptor ('v' frames); without it
