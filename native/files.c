@@ -99,15 +99,21 @@ static long long parse_count(const char *s, const char *opt)
     return v;
 }
 
+/* PATH opened with FLAGS (non-blocking among them: a FIFO never blocks the open), refused unless a
+ * regular file; its stat in *ST. */
+static int open_regular(const char *path, int flags, const char *doing, struct stat *st)
+{
+    int fd = open(path, flags | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+    if (fd < 0 || fstat(fd, st) < 0)
+        refuse_errno(errno, doing, path);
+    check_kind(st->st_mode, doing, path);
+    return fd;
+}
+
 static int read_file(const char *path, long long max_bytes)
 {
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-    if (fd < 0)
-        refuse_errno(errno, "read", path);
     struct stat st;
-    if (fstat(fd, &st) < 0)
-        refuse_errno(errno, "read", path);
-    check_kind(st.st_mode, "read", path);
+    int fd = open_regular(path, O_RDONLY, "read", &st);
     if (st.st_size > max_bytes)
         refuse(FILE_TOO_LARGE, "read", path, "larger than max_file_bytes");
     static char buf[READ_SIZE];
@@ -170,13 +176,8 @@ static void write_failed(int err, long long came, long long size, const char *pa
 
 static int write_in_place(const char *path, long long size)
 {
-    int fd = open(path, O_WRONLY | O_TRUNC | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0)
-        refuse_errno(errno, "write", path);
     struct stat st;
-    if (fstat(fd, &st) < 0)
-        refuse_errno(errno, "write", path);
-    check_kind(st.st_mode, "write", path);
+    int fd = open_regular(path, O_WRONLY | O_TRUNC | O_NOFOLLOW, "write", &st);
     long long came;
     int err = copy_stdin(fd, size, &came);
     if (err == 0 && close(fd) < 0)
