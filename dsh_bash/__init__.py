@@ -34,6 +34,7 @@ from ._errors import (
     TaskInputError,
     UnknownTaskError,
 )
+from ._policy import CommandLimits, PolicyWidened, SandboxPolicy
 from ._registry import (
     ENTRY_POINT_GROUP,
     ExecutorFactory,
@@ -83,6 +84,7 @@ __all__ = [
     "BashTaskStatus",
     "BudgetConfig",
     "CollectedOutput",
+    "CommandLimits",
     "ConfigError",
     "DshBashError",
     "EndCause",
@@ -94,6 +96,8 @@ __all__ = [
     "InputRefusal",
     "OutputTap",
     "OwnerToken",
+    "PolicyWidened",
+    "SandboxPolicy",
     "SessionId",
     "SessionReport",
     "TaskInputError",

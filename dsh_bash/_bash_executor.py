@@ -49,6 +49,7 @@ from ._output import (
     StreamName,
     merge_streams,
 )
+from ._policy import confine_options, narrowed
 from ._protocol import (
     MARKER_VAR,
     UNKNOWN_PREFIX,
@@ -345,6 +346,10 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         #: Background tasks started or starting and not finalized yet, against max_running_tasks.
         self._running_tasks = 0
         self._default_task_cap = default_task_cap()
+        #: The sandbox policy's step where commands run: whether it was checked, and why it cannot run.
+        self._confinement_checked = False
+        self._confinement_gap: str | None = None
+        self._policy_gap_said = False
         self._listeners: list[TaskListener] = []
         self._spill_budget = SpillBudget(config.max_spill_total_bytes)
         self._helper_scopes: set[anyio.CancelScope] = set()
@@ -413,6 +418,18 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         default) refuses ``read_file``/``write_file`` (reason ``files_unsupported``)."""
         return False
 
+    def _confine_prefix(self) -> list[str] | None:
+        """The argv that starts the sandbox policy's step where commands run (``[PATH, "--confine"]``,
+        PATH the ``dsh-supervise`` there), which the backend then puts before each confined command's
+        bash (``launch.confine``); None (the default): this backend cannot, and an active policy is
+        refused (reason ``policy_unenforceable``) unless its enforcement is ``best_effort``."""
+        return None
+
+    async def _landlock_abi(self) -> int:
+        """The Landlock ABI where commands run (``dsh-supervise --confine --probe`` there); 0: none.
+        Asked once, when the first active policy needs it."""
+        return 0
+
     async def _read_file(self, path: str, *, user: str | None, max_bytes: int) -> bytes:
         """The bytes of the file at ``path`` (absolute) where commands run, read as
         ``user`` would read it; raise :class:`~dsh_bash.FileOperationError` for what is about the file
@@ -463,6 +480,15 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         self._closed_event = anyio.Event()
         try:
             await self._open()
+            policy = self._config.policy
+            if policy.active and policy.enforcement == "required":
+                problem = await self._confinement_problem()
+                if problem is not None:
+                    raise BashInfrastructureError(
+                        f"{type(self).__name__} cannot apply its sandbox policy where its commands run: "
+                        f'{problem} (enforcement = "best_effort" runs without it)',
+                        reason="policy_unenforceable",
+                    )
         except BaseException as exc:
             self._state = "closed"
             # What _open acquired before it failed (a container, a connection, a spill directory, a
@@ -648,6 +674,7 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             ),
             session=request.session,
             enter_session_cwd=request.workdir is None,
+            policy=narrowed(config.policy, request.policy),
         )
 
     async def exec(self, command: str, **request_fields: Any) -> BashRunResult:
@@ -1007,6 +1034,7 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
                 spec.command, replay, capture=not background, capture_id=capture_id, capture_file=capture_file
             )
             launch_spec = spec.model_copy(update={"command": wrapped})
+        confine = await self._confine_argv(spec, () if capture_file is None else (capture_file,))
         launch = Launch(
             spec=launch_spec,
             env=env,
@@ -1015,6 +1043,7 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             stderr=streams[1],
             background=background,
             session=capture,
+            confine=confine,
         )
         started_at = time.monotonic()
         try:
@@ -1055,6 +1084,41 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             raise ExecutorClosedError(f"{type(self).__name__} closed while the command was starting")
         self._live.add(command)
         return command
+
+    async def _confine_argv(
+        self, spec: BashExecSpec, also_writable: tuple[str, ...]
+    ) -> tuple[str, ...] | None:
+        """The policy's step for ``spec`` (``launch.confine``): the executor's policy narrowed by the
+        spec's (a spec made by hand cannot widen it either); None when it confines nothing."""
+        policy = narrowed(self._config.policy, spec.policy)
+        options = confine_options(policy, spec.workdir, also_writable=also_writable)
+        if options is None:
+            return None
+        problem = await self._confinement_problem()
+        prefix = self._confine_prefix()
+        if problem is None and prefix is not None:
+            return (*prefix, *options, "--")
+        if policy.enforcement == "best_effort":
+            if not self._policy_gap_said:
+                self._policy_gap_said = True
+                name = type(self).__name__
+                log.warning("%s runs commands without their sandbox policy (best_effort): %s", name, problem)
+            return None
+        raise BashInfrastructureError(
+            f"{type(self).__name__} cannot apply the sandbox policy where its commands run: {problem}; "
+            'nothing was started (enforcement = "best_effort" runs without it)',
+            reason="policy_unenforceable",
+        )
+
+    async def _confinement_problem(self) -> str | None:
+        """Why the policy's step cannot run where commands run (None: it can); asked of the backend once."""
+        if not self._confinement_checked:
+            if self._confine_prefix() is None:
+                self._confinement_gap = "this backend has no confinement step (dsh-supervise --confine)"
+            elif await self._landlock_abi() < 1:
+                self._confinement_gap = "the kernel there has no Landlock (or it is disabled)"
+            self._confinement_checked = True
+        return self._confinement_gap
 
     async def _supervise(self, command: _Command, timeout_s: float | None) -> None:
         """Run one command to its end: exit, timeout, abort or kill, then the bounded drain."""

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 from pydantic._internal._model_construction import ModelMetaclass
 
 from ._errors import ConfigError
+from ._policy import SandboxPolicy
 
 __all__ = ["DEFAULT_ENV_SCRUB", "BudgetConfig", "config_error_from"]
 
@@ -100,6 +101,10 @@ class BudgetConfig(BaseModel, metaclass=_RaisesConfigError):
     foreground_leftovers: Literal["kill", "keep"] = "kill"
     env_scrub: tuple[str, ...] = DEFAULT_ENV_SCRUB
     env_allow: tuple[str, ...] = ()
+    #: What every command may write and read, and its limits (``docs/design/policy.md``); a request
+    #: may narrow it, never widen it. In a config file also ``"unrestricted"`` or ``"workspace-write"``
+    #: (the preset: :meth:`SandboxPolicy.workspace_write`). Default: unrestricted, no step runs.
+    policy: SandboxPolicy = SandboxPolicy()
 
     @field_validator(
         "timeout_ms",
@@ -137,6 +142,24 @@ class BudgetConfig(BaseModel, metaclass=_RaisesConfigError):
     def _patterns(cls, value: object) -> object:
         if isinstance(value, str):
             raise ValueError("must be a list of glob patterns, not a single string")
+        return value
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _policy(cls, value: object) -> object:
+        if value == "unrestricted":
+            return SandboxPolicy()
+        if value == "workspace-write":
+            return SandboxPolicy.workspace_write()
+        if isinstance(value, str):
+            raise ValueError(f"{value!r} is not a preset: 'unrestricted', 'workspace-write' or a table")
+        if isinstance(value, dict) and value.get("preset") is not None:
+            fields = {name: item for name, item in value.items() if name != "preset"}
+            if value["preset"] == "workspace-write":
+                return SandboxPolicy.workspace_write(**fields)
+            if value["preset"] == "unrestricted":
+                return SandboxPolicy.model_validate(fields)
+            raise ValueError(f"preset {value['preset']!r}: 'unrestricted' or 'workspace-write'")
         return value
 
     @field_validator("cwd", mode="after")

@@ -37,6 +37,7 @@ InfraReason = Literal[
     "session_unknown",  # the spec's session is not one of this executor's, or belongs to another owner
     "session_unsupported",  # a session was asked of a backend (or mode) that cannot carry one
     "files_unsupported",  # read_file/write_file on a backend (or mode) that cannot move files
+    "policy_unenforceable",  # a sandbox policy rule that cannot be applied where commands run (required)
     # Where commands run could not be reached or set up.
     "engine_unreachable",  # the Docker engine does not answer
     "image_missing",  # the image is not there and may not be pulled

@@ -93,6 +93,10 @@ class Launch:
     #: A foreground command in a session: where what it writes to its capture descriptor
     #: (:data:`SESSION_FD`) goes. None: no session, or a task (which captures nothing).
     session: SessionCapture | None = None
+    #: The sandbox policy's step, to put before the command's bash in its own process: the argv of
+    #: ``dsh-supervise --confine ... --`` where commands run (the backend's
+    #: :meth:`~dsh_bash.BashExecutor._confine_prefix` and the policy's options). None: no policy.
+    confine: tuple[str, ...] | None = None
 
 
 class Killable(Protocol):

@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from ._abort import AbortSignal
+from ._policy import SandboxPolicy
 
 __all__ = [
     "BashExecRequest",
@@ -229,6 +230,9 @@ class BashExecRequest(_CommandChecks):
     #: bash, and the state at its exit becomes the session's (``run``; a task starts from it and
     #: changes nothing). None: a fresh shell, as always.
     session: Annotated[SessionId, Strict()] | None = None
+    #: Narrow the executor's sandbox policy for this command (``resolve`` refuses a widening one:
+    #: :class:`PolicyWidened`). None: the executor's policy.
+    policy: SandboxPolicy | None = None
 
     @field_validator("timeout_ms", mode="before")
     @classmethod
@@ -268,6 +272,10 @@ class BashExecSpec(_CommandChecks):
     #: The session's directory is entered (the request named no ``workdir``); False: ``workdir``
     #: wins over it. Without a session it means nothing.
     enter_session_cwd: Annotated[bool, Strict()] = True
+    #: The policy the command runs under (``resolve``: the executor's, narrowed by the request's). The
+    #: executor narrows its own policy by this one again when it starts the command: a spec made by
+    #: hand cannot widen it. None: the executor's.
+    policy: SandboxPolicy | None = None
 
     @model_validator(mode="after")
     def _terminal_input_open(self) -> BashExecSpec:

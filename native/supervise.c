@@ -20,7 +20,11 @@
  *   dsh-supervise --read-file PATH --max-bytes N
  *   dsh-supervise --write-file PATH --temp-name NAME --size N [--make-parents]
  *                 (version 9: a file read or written as this process's user, files.c)
- *   dsh-supervise --version      (prints "dsh-supervise 9": the protocol's version)
+ *   dsh-supervise --confine [--write PATH]... [--deny-read PATH]... [--cpu-seconds N] [--file-bytes N]
+ *                 [--memory-bytes N] [--open-files N] -- PROGRAM [ARGS...]
+ *   dsh-supervise --confine --probe
+ *                 (version 10: the sandbox policy's step, exec'd before the command: confine.c)
+ *   dsh-supervise --version      (prints "dsh-supervise 10": the protocol's version)
  *   dsh-supervise --sha256 | --hmac-sha256 KEYHEX   (digest of stdin in hex: for the tests)
  *
  * It makes itself a child subreaper and non-dumpable, forks PROGRAM into a session and process group
@@ -46,6 +50,7 @@
  * Exit status: 0 after `empty`; 125 for usage and setup errors (a message on stderr).
  */
 #include "common.h"
+#include "confine.h"
 #include "files.h"
 #include "pty.h"
 #include "sha256.h"
@@ -280,6 +285,8 @@ int main(int argc, char **argv)
         die("prctl(PR_SET_DUMPABLE): %s", strerror(errno));
     if (argc > 1 && (strcmp(argv[1], "--read-file") == 0 || strcmp(argv[1], "--write-file") == 0))
         return run_file_mode(argc, argv); /* no command, no supervision: files.c */
+    if (argc > 1 && strcmp(argv[1], "--confine") == 0)
+        return run_confine(argc, argv); /* the command's own process, before it: confine.c */
     struct options o = {
         .status_fd = -1, .control_fd = -1, .cap_bytes = -1, .grace_ms = -1, .capture_fd = -1, .argc = argc, .argv = argv};
     struct command_line c = {0, 0, 0, 1};

@@ -67,6 +67,7 @@ from dsh_bash._output import (
     _skip_continuation,
     merge_streams,
 )
+from dsh_bash._policy import confine_options
 from dsh_bash._task_input import TaskInput
 from dsh_bash.backend import (
     MODEL_FRIENDLY_ENV,
@@ -2384,3 +2385,86 @@ class WritesInPlace(LocalBashExecutor):
             await anyio.to_thread.run_sync(_write_through, path, data, 64 * 1024)
             return
         await super()._write_file(path, data, user=user, make_parents=make_parents)
+
+
+# -- sandbox policy ---------------------------------------------------------------------------------
+
+
+_DENY = frozenset({"--deny-read"})
+_LIMITS = frozenset({"--cpu-seconds", "--file-bytes", "--memory-bytes", "--open-files"})
+
+
+def _without_options(confine: tuple[str, ...] | None, dropped: frozenset[str]) -> tuple[str, ...] | None:
+    """``confine`` (``PATH --confine OPTIONS... --``) without the options named in ``dropped`` (and
+    their values)."""
+    if confine is None:
+        return None
+    kept: list[str] = list(confine[:2])
+    rest = list(confine[2:-1])
+    while rest:
+        option, value = rest.pop(0), rest.pop(0)
+        if option not in dropped:
+            kept += [option, value]
+    return (*kept, "--")
+
+
+class PolicyIgnored(LocalBashExecutor):
+    """Breaks: under workspace-write a command writes beneath its working directory only.
+
+    The policy is resolved and checked, and then nothing applies it: the step is left out."""
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        return await super()._spawn(replace(launch, confine=None))
+
+
+class DeniedReadsAllowed(LocalBashExecutor):
+    """Breaks: a path of deny_read can be neither read nor written.
+
+    The step confines writes and limits, without the denied paths."""
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        return await super()._spawn(replace(launch, confine=_without_options(launch.confine, _DENY)))
+
+
+class LimitsDropped(LocalBashExecutor):
+    """Breaks: a policy's limits hold in the command's process.
+
+    The step confines the files only."""
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        return await super()._spawn(replace(launch, confine=_without_options(launch.confine, _LIMITS)))
+
+
+class LimitsByTheShell(LocalBashExecutor):
+    """Breaks: a command cannot lift its policy (raise a hard limit).
+
+    The limit on open files is set by the command's own shell, as a soft limit (``ulimit -S``): a
+    cooperative rule, which the command raises again."""
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        confine = launch.confine
+        if confine is None or "--open-files" not in confine:
+            return await super()._spawn(launch)
+        limit = confine[confine.index("--open-files") + 1]
+        command = f"ulimit -S -n {limit}\n{launch.spec.command}"
+        spec = launch.spec.model_copy(update={"command": command})
+        return await super()._spawn(replace(launch, spec=spec, confine=_without_options(confine, _LIMITS)))
+
+
+class WideningAccepted(LocalBashExecutor):
+    """Breaks: resolve refuses a request's policy that widens the executor's.
+
+    The request's policy is taken as it is."""
+
+    def resolve(self, request: BashExecRequest) -> BashExecSpec:
+        spec = super().resolve(request.model_copy(update={"policy": None}))
+        return spec.model_copy(update={"policy": request.policy or spec.policy})
+
+    async def _confine_argv(
+        self, spec: BashExecSpec, also_writable: tuple[str, ...]
+    ) -> tuple[str, ...] | None:
+        if spec.policy is None:
+            return await super()._confine_argv(spec, also_writable)
+        options = confine_options(spec.policy, spec.workdir, also_writable=also_writable)
+        prefix = self._confine_prefix()
+        return None if options is None or prefix is None else (*prefix, *options, "--")

@@ -124,6 +124,12 @@ CAUGHT_BY: list[Row] = [
     Row("file-refusals", bb.MissingFileReadAsEmpty),
     Row("file-link-replaced", bb.WritesThroughLinks),
     Row("file-write-atomic", bb.WritesInPlace),
+    # -- sandbox policy ------------------------------------------------------------------------------
+    Row("policy-write-confined", bb.PolicyIgnored),
+    Row("policy-deny-read", bb.DeniedReadsAllowed),
+    Row("policy-limits", bb.LimitsDropped),
+    Row("policy-not-liftable", bb.LimitsByTheShell),
+    Row("policy-narrowed", bb.WideningAccepted),
     Row("task-cap-refused", bb.IgnoresTaskCap),
     Row("kill-running-task", bb.KillWaitsForEnd),
     Row("kill-ended-task-kills-leftovers", bb.KillOfEndedTaskNoop),

@@ -110,6 +110,10 @@ GENERIC_HINTS: Mapping[InfraReason, str] = {
         "move the file with a command (cat, base64), or use a backend that moves files (local, SSH with "
         "SFTP or exec_sftp_server)"
     ),
+    "policy_unenforceable": (
+        'run on a backend and kernel that apply the policy (local with Landlock), set the policy\'s '
+        'enforcement = "best_effort" to run without what cannot hold, or drop the policy'
+    ),
     "engine_unreachable": "start the container engine, or point the config at one that answers",
     "image_missing": "pull the image, or let the backend pull it",
     "container_missing": "name an existing, running container in the config",

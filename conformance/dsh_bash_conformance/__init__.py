@@ -41,6 +41,7 @@ for _module in (
     "_checks_tasks",
     "_checks_session",
     "_checks_files",
+    "_checks_policy",
     "_checks_reads",
     "_checks_input",
     "_checks_output",

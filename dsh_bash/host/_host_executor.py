@@ -329,6 +329,20 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
     def _supports_files(self) -> bool:
         return True
 
+    def _confine_prefix(self) -> list[str] | None:
+        # The same binary as the supervisor's (with marker containment too: the step supervises
+        # nothing, it only confines the process it runs in before it execs the command).
+        path = self._supervisor_path or _find_supervisor()[0]
+        return None if path is None else [path, "--confine"]
+
+    async def _landlock_abi(self) -> int:
+        prefix = self._confine_prefix()
+        if prefix is None:
+            return 0
+        done = await anyio.run_process([*prefix, "--probe"], check=False)
+        said = done.stdout.decode("ascii", "replace").split()
+        return int(said[1]) if done.returncode == 0 and len(said) == 2 and said[1].isdigit() else 0
+
     async def _read_file(self, path: str, *, user: str | None, max_bytes: int) -> bytes:
         if user is not None:
             refuse_other_user(user, _this_user(), "on this host")

@@ -812,6 +812,8 @@ async def spawn_host_process(
     time, while the previous command starts.
     """
     argv, script = _bash_argv(launch.spec.command, bash, spill_dir)
+    if launch.confine is not None:
+        argv = [*launch.confine, *argv]  # the policy's step, in the command's own process
     try:
         nested = supervisor is not None and inner_supervisor is not None
         if nested:

@@ -305,6 +305,11 @@ class BwrapBashExecutor(HostBashExecutor[BwrapConfig]):
         # A terminal's input is open input, refused above.
         return False
 
+    def _confine_prefix(self) -> list[str] | None:
+        # Its sandbox is its own (bwrap's view of the host): the project's policy, which names the
+        # host's paths, is not applied inside it (an active one is refused: policy_unenforceable).
+        return None
+
     async def _spawn(self, launch: Launch) -> CommandProcess:
         if self._sandbox_dir is None:
             raise BashInfrastructureError("the bwrap sandbox is gone (executor closing)")

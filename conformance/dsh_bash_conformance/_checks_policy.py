@@ -1,0 +1,217 @@
+"""Checks of the sandbox policy (``R-policy-*``): what a command may write and read and its limits, applied
+where it runs whatever the command does. A target that cannot apply a policy refuses it with reason
+``policy_unenforceable`` (fail closed): N/A."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import anyio
+
+from dsh_bash import (
+    BashExecRequest,
+    BashExecutor,
+    BashInfrastructureError,
+    BashRunResult,
+    CommandLimits,
+    PolicyWidened,
+    SandboxPolicy,
+)
+
+from ._harness import CheckContext, check
+from ._support import expect_raises, expect_raises_sync
+
+#: Nothing writable but the working directory (and what a request adds): not /tmp, where the kit's
+#: trees are.
+_WORKSPACE_ONLY = SandboxPolicy(filesystem="workspace-write", writable=("/dev",))
+
+
+async def _sh(ex: BashExecutor, command: str, **fields: Any) -> BashRunResult:
+    return await ex.run(ex.resolve(BashExecRequest(command=command, **fields)))
+
+
+@asynccontextmanager
+async def _tree(ctx: CheckContext) -> AsyncIterator[tuple[BashExecutor, str]]:
+    """An unconfined executor and a fresh tree made with it: work/ and other/ (a file ``present``),
+    secret/ (a file ``key`` holding a token); removed afterwards."""
+    async with ctx.executor() as free:
+        token = secrets.token_hex(8)
+        made = await _sh(
+            free,
+            'd=$(mktemp -d) && chmod 755 "$d" && mkdir "$d/work" "$d/other" "$d/secret" && '
+            f'printf present > "$d/other/present" && printf {token} > "$d/secret/key" && printf %s "$d"',
+        )
+        ctx.expect(made.exit_code == 0, f"making the tree failed: {made.stderr.text!r}")
+        where = made.stdout.text
+        try:
+            yield free, where
+        finally:
+            with anyio.CancelScope(shield=True):
+                await _sh(free, f"rm -rf -- '{where}'")
+
+
+@asynccontextmanager
+async def _confined(ctx: CheckContext, policy: SandboxPolicy, **fields: Any) -> AsyncIterator[BashExecutor]:
+    """An executor of ``policy``; N/A where the target refuses to apply one (``policy_unenforceable``)."""
+    try:
+        async with ctx.executor(policy=policy, **fields) as ex:
+            yield ex
+    except BashInfrastructureError as exc:
+        if exc.reason == "policy_unenforceable":
+            ctx.not_applicable(f"the target applies no sandbox policy: {exc}")
+        raise
+
+
+def _lines(result: BashRunResult) -> list[str]:
+    return result.stdout.text.split()
+
+
+@check(
+    "policy-write-confined",
+    kind="contract",
+    clause="R-policy-write",
+    rule="Under `workspace-write` a command writes beneath its working directory and the writable paths "
+    "only: a new file, an append, a rename in or out, a hard link, a removal or a directory elsewhere "
+    "fail, for the command's children too.",
+)
+async def policy_write_confined(ctx: CheckContext) -> None:
+    async with _tree(ctx) as (free, where), _confined(ctx, _WORKSPACE_ONLY) as ex:
+        script = (
+            f"cd '{where}'; echo in > work/new && echo wrote-inside; "
+            "echo out > other/new || echo refused-new; echo out >> other/present || echo refused-append; "
+            "mv work/new other/moved || echo refused-move-out; mv other/present work/taken || echo "
+            "refused-move-in; ln other/present work/hard || echo refused-link; rm other/present || echo "
+            "refused-remove; mkdir other/d || echo refused-mkdir; "
+            "bash -c 'echo child > other/child' || echo refused-child"
+        )
+        done = await _sh(ex, script, workdir=f"{where}/work")
+        expected = [
+            "wrote-inside", "refused-new", "refused-append", "refused-move-out", "refused-move-in",
+            "refused-link", "refused-remove", "refused-mkdir", "refused-child",
+        ]  # fmt: skip
+        ctx.expect(
+            _lines(done) == expected, f"under workspace-write: {_lines(done)}, stderr {done.stderr.text!r}"
+        )
+        left = await _sh(free, f"ls -A '{where}/other'; cat '{where}/other/present'")
+        ctx.expect(
+            left.stdout.text == "present\npresent",
+            f"outside the workspace after the command: {left.stdout.text!r}",
+        )
+
+
+@check(
+    "policy-deny-read",
+    kind="contract",
+    clause="R-policy-deny-read",
+    rule="A path of `deny_read` can be neither read nor written: not directly, not through a symlink, "
+    "`..` or `/proc/self/root`, not by a hard link made to it; the rest of the tree reads as before.",
+)
+async def policy_deny_read(ctx: CheckContext) -> None:
+    async with _tree(ctx) as (free, where):
+        token = (await _sh(free, f"cat '{where}/secret/key'")).stdout.text
+        linked = await _sh(free, f"ln -s '{where}/secret/key' '{where}/work/link'")
+        ctx.expect(linked.exit_code == 0, f"planting the link failed: {linked.stderr.text!r}")
+        policy = _WORKSPACE_ONLY.model_copy(update={"deny_read": (f"{where}/secret",)})
+        async with _confined(ctx, policy) as ex:
+            script = (
+                f"cat '{where}/secret/key' || echo refused-direct; cat link || echo refused-link; "
+                f"cat '{where}/work/../secret/key' || echo refused-dotdot; "
+                f"cat '/proc/self/root{where}/secret/key' || echo refused-proc-root; "
+                f"ln '{where}/secret/key' hard || echo refused-hard-link; "
+                f"echo planted > '{where}/secret/new' || echo refused-write; "
+                f"cat '{where}/other/present'"
+            )
+            done = await _sh(ex, script, workdir=f"{where}/work")
+        expected = [
+            "refused-direct", "refused-link", "refused-dotdot", "refused-proc-root", "refused-hard-link",
+            "refused-write", "present",
+        ]  # fmt: skip
+        ctx.expect(token not in done.stdout.text + done.stderr.text, "the command read the denied file")
+        ctx.expect(_lines(done) == expected, f"with {where}/secret denied: {_lines(done)}")
+
+
+@check(
+    "policy-limits",
+    kind="contract",
+    clause="R-policy-limits",
+    rule="`limits` hold in the command's process and its children: past `file_bytes` a write fails "
+    "(SIGXFSZ), past `cpu_seconds` the command gets SIGXCPU, `open_files` is its descriptor limit, "
+    "`memory_bytes` its address space.",
+)
+async def policy_limits(ctx: CheckContext) -> None:
+    limits = CommandLimits(file_bytes=4096, cpu_seconds=1, open_files=64, memory_bytes=1 << 31)
+    async with _tree(ctx) as (_free, where), _confined(ctx, SandboxPolicy(limits=limits)) as ex:
+        shown = await _sh(ex, "ulimit -n; ulimit -v; bash -c 'ulimit -f'")
+        ctx.expect(
+            _lines(shown) == ["64", str((1 << 31) // 1024), "4"],
+            f"ulimit -n, -v, -f in the command: {_lines(shown)}",
+        )
+        big = await _sh(ex, f"exec head -c 8192 /dev/zero > '{where}/work/big'")
+        ctx.expect(
+            big.signal == "SIGXFSZ", f"a write past file_bytes: exit {big.exit_code}, signal {big.signal}"
+        )
+        spin = await _sh(ex, "while :; do :; done")
+        ctx.expect(
+            spin.signal == "SIGXCPU" and not spin.timed_out,
+            f"a busy loop past cpu_seconds: signal {spin.signal}, timed out {spin.timed_out}",
+        )
+
+
+@check(
+    "policy-not-liftable",
+    kind="contract",
+    clause="R-policy-lift",
+    rule="A command cannot lift its policy for itself or its children: it cannot raise a hard limit, "
+    "no setuid program sheds the rules (`no_new_privs`), and a child it starts under a new session "
+    "is as confined.",
+)
+async def policy_not_liftable(ctx: CheckContext) -> None:
+    policy = _WORKSPACE_ONLY.model_copy(update={"limits": CommandLimits(open_files=64)})
+    async with _tree(ctx) as (_free, where), _confined(ctx, policy) as ex:
+        script = (
+            "ulimit -Hn 4096 2>/dev/null && echo raised || echo refused-raise; "
+            "grep -q '^NoNewPrivs:[[:space:]]*1' /proc/self/status && echo no-new-privs; "
+            f"setsid bash -c 'echo x > {where}/other/escaped' 2>/dev/null; "
+            f"[ -e '{where}/other/escaped' ] && echo escaped || echo refused-setsid"
+        )
+        done = await _sh(ex, script, workdir=f"{where}/work")
+        ctx.expect(
+            _lines(done) == ["refused-raise", "no-new-privs", "refused-setsid"],
+            f"lifting the policy from inside: {_lines(done)}",
+        )
+
+
+@check(
+    "policy-narrowed",
+    kind="contract",
+    clause="R-policy-narrow",
+    rule="A request's `policy` narrows the executor's (fewer writable paths, more denied reads, lower "
+    "limits) and `resolve` refuses one that would widen it (`PolicyWidened`, naming the field); a spec "
+    "made by hand cannot widen it either.",
+)
+async def policy_narrowed(ctx: CheckContext) -> None:
+    async with _tree(ctx) as (_free, where):
+        base = SandboxPolicy(filesystem="workspace-write", writable=("/dev", where))
+        async with _confined(ctx, base) as ex:
+            narrow = SandboxPolicy(filesystem="workspace-write", writable=("/dev",))
+            script = "echo x > ../other/n || echo refused; echo y > here && echo wrote"
+            done = await _sh(ex, script, workdir=f"{where}/work", policy=narrow)
+            ctx.expect(_lines(done) == ["refused", "wrote"], f"a narrowed request: {_lines(done)}")
+            for wider, field in (
+                (SandboxPolicy(), "policy.filesystem"),
+                (SandboxPolicy(filesystem="workspace-write", writable=("/",)), "policy.writable"),
+            ):
+                error = expect_raises_sync(
+                    PolicyWidened,
+                    partial(ex.resolve, BashExecRequest(command="true", policy=wider)),
+                    f"a request widening {field}",
+                )
+                ctx.expect(field in str(error), f"the refusal names no field: {error}")
+            spec = ex.resolve(BashExecRequest(command=f"echo x > '{where}/other/by-hand' || echo refused"))
+            by_hand = spec.model_copy(update={"policy": SandboxPolicy()})
+            error = await expect_raises(PolicyWidened, lambda: ex.run(by_hand), "a spec made by hand, wider")
+            ctx.expect(error is not None, "a wider spec made by hand ran")

@@ -1,0 +1,158 @@
+"""The sandbox policy (issue 33, ``docs/design/policy.md``): what a command may write and read and the
+limits it runs under, the same words on every backend; applied where the command runs by the
+supervisor's ``--confine`` step (:func:`confine_options`), never by the command's cooperation."""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+
+__all__ = [
+    "DEFAULT_DENY_READ",
+    "WORKSPACE_WRITABLE",
+    "CommandLimits",
+    "PolicyWidened",
+    "SandboxPolicy",
+    "confine_options",
+    "narrowed",
+]
+
+#: Never readable under the ``workspace-write`` preset: the credentials a steered command would go
+#: for first. ``~`` is the home of the command's user where it runs (its ``HOME``).
+DEFAULT_DENY_READ: tuple[str, ...] = ("~/.ssh", "~/.aws", "~/.config/gcloud", "~/.docker", "~/.netrc")
+#: Writable under the ``workspace-write`` preset, beside each command's working directory: programs
+#: that cannot write a temporary file or ``/dev/null`` fail in ways a model cannot read.
+WORKSPACE_WRITABLE: tuple[str, ...] = ("/tmp", "/dev")
+
+_Count = Annotated[int, Strict(), Field(ge=1)]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
+
+
+class PolicyWidened(ValueError):
+    """A request asked for more than the executor's policy allows; nothing was started."""
+
+
+class CommandLimits(_Frozen):
+    """Per-command limits (``setrlimit`` in the command's process, soft and hard); None: no limit."""
+
+    cpu_seconds: _Count | None = None
+    file_bytes: _Count | None = None
+    memory_bytes: _Count | None = None
+    open_files: _Count | None = None
+
+
+def _path(value: str, field: str) -> str:
+    if not (value.startswith("/") or value == "~" or value.startswith("~/")) or "\0" in value:
+        raise ValueError(f"{field}: {value!r} is neither absolute nor under ~/")
+    return value if value.startswith("~") else posixpath.normpath(value)
+
+
+class SandboxPolicy(_Frozen):
+    """What a command may write and read, and its limits.
+
+    ``filesystem``: ``unrestricted`` (wherever its user may write: the behaviour before policies) or
+    ``workspace-write`` (its working directory and ``writable`` only, everything else read-only, for
+    root too). ``deny_read``: never read nor written, whatever ``filesystem`` says (absolute, or under
+    ``~/``: the command's home where it runs). ``enforcement``: ``required`` refuses to run where a rule
+    cannot be applied (reason ``policy_unenforceable``); ``best_effort`` runs without it."""
+
+    filesystem: Literal["unrestricted", "workspace-write"] = "unrestricted"
+    writable: tuple[str, ...] = ()
+    deny_read: tuple[str, ...] = ()
+    limits: CommandLimits = CommandLimits()
+    enforcement: Literal["required", "best_effort"] = "required"
+
+    @field_validator("writable", "deny_read", mode="after")
+    @classmethod
+    def _paths(cls, value: tuple[str, ...], info: object) -> tuple[str, ...]:
+        field = getattr(info, "field_name", "path")
+        return tuple(dict.fromkeys(_path(each, str(field)) for each in value))
+
+    @classmethod
+    def workspace_write(cls, **changes: object) -> SandboxPolicy:
+        """The ``workspace-write`` preset: the working directory, ``/tmp`` and ``/dev`` writable, the
+        credentials of :data:`DEFAULT_DENY_READ` unreadable."""
+        fields: dict[str, object] = {
+            "filesystem": "workspace-write",
+            "writable": WORKSPACE_WRITABLE,
+            "deny_read": DEFAULT_DENY_READ,
+            **changes,
+        }
+        return cls.model_validate(fields)
+
+    @property
+    def active(self) -> bool:
+        """Whether any rule confines a command (an inactive policy costs nothing: no step runs)."""
+        limits = self.limits
+        return (
+            self.filesystem != "unrestricted"
+            or bool(self.deny_read)
+            or any(value is not None for value in limits.model_dump().values())
+        )
+
+
+def _within(path: str, directory: str) -> bool:
+    return directory in ("/", path) or path.startswith(directory.rstrip("/") + "/")
+
+
+def narrowed(base: SandboxPolicy, request: SandboxPolicy | None) -> SandboxPolicy:
+    """``base`` as ``request`` narrows it: a request may make the filesystem read-only beyond its
+    working directory, name fewer writable paths (each within one of ``base``'s), deny more reads and
+    lower limits, never the reverse (:class:`PolicyWidened`, naming the field)."""
+    if request is None or request == base:
+        return base
+    if base.filesystem == "workspace-write" and request.filesystem == "unrestricted":
+        raise PolicyWidened("policy.filesystem: the executor's policy is workspace-write, not unrestricted")
+    if base.enforcement == "required" and request.enforcement == "best_effort":
+        raise PolicyWidened("policy.enforcement: the executor's policy requires its rules to hold")
+    writable = request.writable
+    if base.filesystem == "workspace-write":
+        for path in writable:
+            if not any(_within(path, allowed) for allowed in base.writable):
+                raise PolicyWidened(
+                    f"policy.writable: {path} is not within the executor's writable paths "
+                    f"({', '.join(base.writable) or 'its working directory only'})"
+                )
+    limits: dict[str, int | None] = {}
+    for name, ceiling in base.limits.model_dump().items():
+        asked = getattr(request.limits, name)
+        if ceiling is not None and (asked is None or asked > ceiling):
+            if asked is not None:
+                raise PolicyWidened(f"policy.limits.{name}: {asked} is above the executor's {ceiling}")
+            asked = ceiling
+        limits[name] = asked
+    return SandboxPolicy(
+        filesystem=request.filesystem,
+        writable=writable,
+        deny_read=tuple(dict.fromkeys((*base.deny_read, *request.deny_read))),
+        limits=CommandLimits(**limits),
+        enforcement=request.enforcement,
+    )
+
+
+def confine_options(
+    policy: SandboxPolicy, workdir: str, *, also_writable: tuple[str, ...] = ()
+) -> tuple[str, ...] | None:
+    """The options of ``dsh-supervise --confine`` that apply ``policy`` to a command that runs in
+    ``workdir`` (before ``--``); None when the policy confines nothing. A ``~/`` path goes as it is:
+    the step expands it with the command's ``HOME`` where it runs. ``also_writable``: files the
+    backend's own machinery has the command write (a session's capture file)."""
+    if not policy.active:
+        return None
+    options: list[str] = []
+    writable = ("/",) if policy.filesystem == "unrestricted" else (workdir, *policy.writable, *also_writable)
+    for path in writable:
+        options += ["--write", path]
+    for path in policy.deny_read:
+        options += ["--deny-read", path]
+    names = {"cpu_seconds": "--cpu-seconds", "file_bytes": "--file-bytes", "memory_bytes": "--memory-bytes",
+             "open_files": "--open-files"}  # fmt: skip
+    for name, value in policy.limits.model_dump().items():
+        if value is not None:
+            options += [names[name], str(value)]
+    return tuple(options)

@@ -1,0 +1,88 @@
+"""The sandbox policy's model (dsh_bash._policy): presets, the config's spellings, narrowing, and the
+options of the supervisor's --confine step. Pure: the step itself is tested in
+test_supervise_confine.py, the policy held by every backend in the kit's policy-* checks."""
+
+from __future__ import annotations
+
+import pytest
+from dsh_bash_local import LocalConfig
+
+from dsh_bash import CommandLimits, ConfigError, PolicyWidened, SandboxPolicy
+from dsh_bash._policy import DEFAULT_DENY_READ, confine_options, narrowed
+
+WORKSPACE = SandboxPolicy.workspace_write()
+
+
+def test_the_default_confines_nothing_and_costs_no_step() -> None:
+    assert not SandboxPolicy().active
+    assert confine_options(SandboxPolicy(), "/w") is None
+    assert LocalConfig().policy == SandboxPolicy()
+
+
+def test_the_workspace_preset_writes_the_workspace_tmp_and_dev_and_denies_credentials() -> None:
+    assert WORKSPACE.filesystem == "workspace-write" and WORKSPACE.active
+    assert WORKSPACE.writable == ("/tmp", "/dev")
+    assert WORKSPACE.deny_read == DEFAULT_DENY_READ and "~/.ssh" in WORKSPACE.deny_read
+    options = confine_options(WORKSPACE, "/w", also_writable=("/spill/capture",))
+    assert options is not None
+    assert options[:8] == ("--write", "/w", "--write", "/tmp", "--write", "/dev", "--write", "/spill/capture")
+    assert options[8:10] == ("--deny-read", "~/.ssh")
+
+
+def test_a_config_names_the_policy_by_preset_or_table() -> None:
+    assert LocalConfig(policy="workspace-write").policy == WORKSPACE  # type: ignore[arg-type]
+    assert LocalConfig(policy="unrestricted").policy == SandboxPolicy()  # type: ignore[arg-type]
+    table = {"preset": "workspace-write", "writable": ["/srv/cache"], "limits": {"cpu_seconds": 60}}
+    made = LocalConfig(policy=table).policy  # type: ignore[arg-type]
+    assert made.writable == ("/srv/cache",) and made.deny_read == DEFAULT_DENY_READ
+    assert made.limits == CommandLimits(cpu_seconds=60)
+    for bad, said in (
+        ("read-only", "not a preset"),
+        ({"writable": ["relative"]}, "neither absolute"),
+        ({"limits": {"open_files": 0}}, "open_files"),
+        ({"preset": "nothing"}, "preset"),
+        ({"filesystem": "workspace-write", "network": "none"}, "network"),  # not a field (yet)
+    ):
+        with pytest.raises(ConfigError, match=said):
+            LocalConfig(policy=bad)  # type: ignore[arg-type]
+
+
+def test_limits_alone_make_a_policy_active_and_go_to_the_step_as_numbers() -> None:
+    policy = SandboxPolicy(limits=CommandLimits(file_bytes=10, open_files=64))
+    assert policy.active
+    assert confine_options(policy, "/w") == ("--write", "/", "--file-bytes", "10", "--open-files", "64")
+
+
+def test_a_request_narrows_the_policy() -> None:
+    base = SandboxPolicy.workspace_write(limits=CommandLimits(cpu_seconds=60))
+    asked = SandboxPolicy(
+        filesystem="workspace-write",
+        writable=("/tmp/sub",),
+        deny_read=("/srv/secret",),
+        limits=CommandLimits(cpu_seconds=5, file_bytes=100),
+    )
+    got = narrowed(base, asked)
+    assert got.writable == ("/tmp/sub",)
+    assert got.deny_read == (*DEFAULT_DENY_READ, "/srv/secret")  # the executor's denials stay
+    assert got.limits == CommandLimits(cpu_seconds=5, file_bytes=100)
+    # A limit the request leaves out is the executor's, not none.
+    assert narrowed(base, SandboxPolicy.workspace_write()).limits.cpu_seconds == 60
+    assert narrowed(base, None) is base
+    # An unrestricted executor: any request narrows it.
+    assert narrowed(SandboxPolicy(), asked) == asked
+
+
+@pytest.mark.parametrize(
+    ("asked", "field"),
+    [
+        (SandboxPolicy(), "policy.filesystem"),
+        (SandboxPolicy(filesystem="workspace-write", writable=("/etc",)), "policy.writable"),
+        (SandboxPolicy(filesystem="workspace-write", writable=("/tmpfoo",)), "policy.writable"),
+        (SandboxPolicy.workspace_write(limits=CommandLimits(cpu_seconds=61)), "policy.limits.cpu_seconds"),
+        (SandboxPolicy.workspace_write(enforcement="best_effort"), "policy.enforcement"),
+    ],
+)
+def test_a_request_never_widens_the_policy(asked: SandboxPolicy, field: str) -> None:
+    base = SandboxPolicy.workspace_write(limits=CommandLimits(cpu_seconds=60))
+    with pytest.raises(PolicyWidened, match=field):
+        narrowed(base, asked)
