@@ -34,32 +34,41 @@ async def _sh(ex: BashExecutor, command: str, **fields: Any) -> BashRunResult:
     return await ex.run(ex.resolve(BashExecRequest(command=command, **fields)))
 
 
-@asynccontextmanager
-async def _tree(ctx: CheckContext) -> AsyncIterator[tuple[BashExecutor, str]]:
-    """An unconfined executor and a fresh tree made with it: work/ and other/ (a file ``present``),
-    secret/ (a file ``key`` holding a token); removed afterwards."""
-    async with ctx.executor() as free:
-        token = secrets.token_hex(8)
-        made = await _sh(
-            free,
-            'd=$(mktemp -d) && chmod 755 "$d" && mkdir "$d/work" "$d/other" "$d/secret" && '
-            f'printf present > "$d/other/present" && printf {token} > "$d/secret/key" && printf %s "$d"',
-        )
-        ctx.expect(made.exit_code == 0, f"making the tree failed: {made.stderr.text!r}")
-        where = made.stdout.text
-        try:
-            yield free, where
-        finally:
-            with anyio.CancelScope(shield=True):
-                await _sh(free, f"rm -rf -- '{where}'")
+_MAKE_TREE = (
+    'd=$(mktemp -d) && chmod 755 "$d" && mkdir "$d/work" "$d/other" "$d/secret" && '
+    'printf present > "$d/other/present" && printf %s "$1" > "$d/secret/key" && printf %s "$d"'
+)
 
 
 @asynccontextmanager
-async def _confined(ctx: CheckContext, policy: SandboxPolicy, **fields: Any) -> AsyncIterator[BashExecutor]:
-    """An executor of ``policy``; N/A where the target refuses to apply one (``policy_unenforceable``)."""
+async def _tree(ctx: CheckContext, **config: Any) -> AsyncIterator[tuple[BashExecutor, str]]:
+    """An executor (of ``config``'s fields; N/A where it refuses its policy, ``policy_unenforceable``)
+    and a fresh tree made by its commands: work/ and other/ (a file ``present``), secret/ (a file
+    ``key`` holding a token); removed afterwards. One executor: on a backend whose every executor has
+    a machine of its own (Docker's image mode), a tree made by another would not be there."""
     try:
-        async with ctx.executor(policy=policy, **fields) as ex:
-            yield ex
+        async with ctx.executor(**config) as ex:
+            token = secrets.token_hex(8)
+            made = await _sh(ex, f"set -- {token}\n{_MAKE_TREE}")
+            ctx.expect(made.exit_code == 0, f"making the tree failed: {made.stderr.text!r}")
+            where = made.stdout.text
+            try:
+                yield ex, where
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await _sh(ex, f"rm -rf -- '{where}'")
+    except BashInfrastructureError as exc:
+        if exc.reason == "policy_unenforceable":
+            ctx.not_applicable(f"the target applies no sandbox policy: {exc}")
+        raise
+
+
+async def _confined(
+    ctx: CheckContext, ex: BashExecutor, command: str, policy: SandboxPolicy, **fields: Any
+) -> BashRunResult:
+    """``command`` under the request's ``policy``; N/A where the target refuses to apply one."""
+    try:
+        return await _sh(ex, command, policy=policy, **fields)
     except BashInfrastructureError as exc:
         if exc.reason == "policy_unenforceable":
             ctx.not_applicable(f"the target applies no sandbox policy: {exc}")
@@ -79,7 +88,7 @@ def _lines(result: BashRunResult) -> list[str]:
     "fail, for the command's children too.",
 )
 async def policy_write_confined(ctx: CheckContext) -> None:
-    async with _tree(ctx) as (free, where), _confined(ctx, _WORKSPACE_ONLY) as ex:
+    async with _tree(ctx) as (ex, where):
         script = (
             f"cd '{where}'; echo in > work/new && echo wrote-inside; "
             "echo out > other/new || echo refused-new; echo out >> other/present || echo refused-append; "
@@ -88,15 +97,14 @@ async def policy_write_confined(ctx: CheckContext) -> None:
             "refused-remove; mkdir other/d || echo refused-mkdir; "
             "bash -c 'echo child > other/child' || echo refused-child"
         )
-        done = await _sh(ex, script, workdir=f"{where}/work")
+        done = await _confined(ctx, ex, script, _WORKSPACE_ONLY, workdir=f"{where}/work")
         expected = [
             "wrote-inside", "refused-new", "refused-append", "refused-move-out", "refused-move-in",
             "refused-link", "refused-remove", "refused-mkdir", "refused-child",
         ]  # fmt: skip
-        ctx.expect(
-            _lines(done) == expected, f"under workspace-write: {_lines(done)}, stderr {done.stderr.text!r}"
-        )
-        left = await _sh(free, f"ls -A '{where}/other'; cat '{where}/other/present'")
+        said = f"under workspace-write: {_lines(done)}, stderr {done.stderr.text!r}"
+        ctx.expect(_lines(done) == expected, said)
+        left = await _sh(ex, f"ls -A '{where}/other'; cat '{where}/other/present'")
         ctx.expect(
             left.stdout.text == "present\npresent",
             f"outside the workspace after the command: {left.stdout.text!r}",
@@ -111,21 +119,20 @@ async def policy_write_confined(ctx: CheckContext) -> None:
     "`..` or `/proc/self/root`, not by a hard link made to it; the rest of the tree reads as before.",
 )
 async def policy_deny_read(ctx: CheckContext) -> None:
-    async with _tree(ctx) as (free, where):
-        token = (await _sh(free, f"cat '{where}/secret/key'")).stdout.text
-        linked = await _sh(free, f"ln -s '{where}/secret/key' '{where}/work/link'")
+    async with _tree(ctx) as (ex, where):
+        token = (await _sh(ex, f"cat '{where}/secret/key'")).stdout.text
+        linked = await _sh(ex, f"ln -s '{where}/secret/key' '{where}/work/link'")
         ctx.expect(linked.exit_code == 0, f"planting the link failed: {linked.stderr.text!r}")
         policy = _WORKSPACE_ONLY.model_copy(update={"deny_read": (f"{where}/secret",)})
-        async with _confined(ctx, policy) as ex:
-            script = (
-                f"cat '{where}/secret/key' || echo refused-direct; cat link || echo refused-link; "
-                f"cat '{where}/work/../secret/key' || echo refused-dotdot; "
-                f"cat '/proc/self/root{where}/secret/key' || echo refused-proc-root; "
-                f"ln '{where}/secret/key' hard || echo refused-hard-link; "
-                f"echo planted > '{where}/secret/new' || echo refused-write; "
-                f"cat '{where}/other/present'"
-            )
-            done = await _sh(ex, script, workdir=f"{where}/work")
+        script = (
+            f"cat '{where}/secret/key' || echo refused-direct; cat link || echo refused-link; "
+            f"cat '{where}/work/../secret/key' || echo refused-dotdot; "
+            f"cat '/proc/self/root{where}/secret/key' || echo refused-proc-root; "
+            f"ln '{where}/secret/key' hard || echo refused-hard-link; "
+            f"echo planted > '{where}/secret/new' || echo refused-write; "
+            f"cat '{where}/other/present'"
+        )
+        done = await _confined(ctx, ex, script, policy, workdir=f"{where}/work")
         expected = [
             "refused-direct", "refused-link", "refused-dotdot", "refused-proc-root", "refused-hard-link",
             "refused-write", "present",
@@ -144,17 +151,17 @@ async def policy_deny_read(ctx: CheckContext) -> None:
 )
 async def policy_limits(ctx: CheckContext) -> None:
     limits = CommandLimits(file_bytes=4096, cpu_seconds=1, open_files=64, memory_bytes=1 << 31)
-    async with _tree(ctx) as (_free, where), _confined(ctx, SandboxPolicy(limits=limits)) as ex:
-        shown = await _sh(ex, "ulimit -n; ulimit -v; bash -c 'ulimit -f'")
+    policy = SandboxPolicy(limits=limits)
+    async with _tree(ctx) as (ex, where):
+        shown = await _confined(ctx, ex, "ulimit -n; ulimit -v; bash -c 'ulimit -f'", policy)
         ctx.expect(
             _lines(shown) == ["64", str((1 << 31) // 1024), "4"],
             f"ulimit -n, -v, -f in the command: {_lines(shown)}",
         )
-        big = await _sh(ex, f"exec head -c 8192 /dev/zero > '{where}/work/big'")
-        ctx.expect(
-            big.signal == "SIGXFSZ", f"a write past file_bytes: exit {big.exit_code}, signal {big.signal}"
-        )
-        spin = await _sh(ex, "while :; do :; done")
+        big = await _confined(ctx, ex, f"exec head -c 8192 /dev/zero > '{where}/work/big'", policy)
+        said = f"a write past file_bytes: exit {big.exit_code}, signal {big.signal}"
+        ctx.expect(big.signal == "SIGXFSZ", said)
+        spin = await _confined(ctx, ex, "while :; do :; done", policy)
         ctx.expect(
             spin.signal == "SIGXCPU" and not spin.timed_out,
             f"a busy loop past cpu_seconds: signal {spin.signal}, timed out {spin.timed_out}",
@@ -171,14 +178,14 @@ async def policy_limits(ctx: CheckContext) -> None:
 )
 async def policy_not_liftable(ctx: CheckContext) -> None:
     policy = _WORKSPACE_ONLY.model_copy(update={"limits": CommandLimits(open_files=64)})
-    async with _tree(ctx) as (_free, where), _confined(ctx, policy) as ex:
+    async with _tree(ctx) as (ex, where):
         script = (
             "ulimit -Hn 4096 2>/dev/null && echo raised || echo refused-raise; "
             "grep -q '^NoNewPrivs:[[:space:]]*1' /proc/self/status && echo no-new-privs; "
             f"setsid bash -c 'echo x > {where}/other/escaped' 2>/dev/null; "
             f"[ -e '{where}/other/escaped' ] && echo escaped || echo refused-setsid"
         )
-        done = await _sh(ex, script, workdir=f"{where}/work")
+        done = await _confined(ctx, ex, script, policy, workdir=f"{where}/work")
         ctx.expect(
             _lines(done) == ["refused-raise", "no-new-privs", "refused-setsid"],
             f"lifting the policy from inside: {_lines(done)}",
@@ -194,24 +201,26 @@ async def policy_not_liftable(ctx: CheckContext) -> None:
     "made by hand cannot widen it either.",
 )
 async def policy_narrowed(ctx: CheckContext) -> None:
-    async with _tree(ctx) as (_free, where):
-        base = SandboxPolicy(filesystem="workspace-write", writable=("/dev", where))
-        async with _confined(ctx, base) as ex:
-            narrow = SandboxPolicy(filesystem="workspace-write", writable=("/dev",))
-            script = "echo x > ../other/n || echo refused; echo y > here && echo wrote"
-            done = await _sh(ex, script, workdir=f"{where}/work", policy=narrow)
-            ctx.expect(_lines(done) == ["refused", "wrote"], f"a narrowed request: {_lines(done)}")
-            for wider, field in (
-                (SandboxPolicy(), "policy.filesystem"),
-                (SandboxPolicy(filesystem="workspace-write", writable=("/",)), "policy.writable"),
-            ):
-                error = expect_raises_sync(
-                    PolicyWidened,
-                    partial(ex.resolve, BashExecRequest(command="true", policy=wider)),
-                    f"a request widening {field}",
-                )
-                ctx.expect(field in str(error), f"the refusal names no field: {error}")
-            spec = ex.resolve(BashExecRequest(command=f"echo x > '{where}/other/by-hand' || echo refused"))
-            by_hand = spec.model_copy(update={"policy": SandboxPolicy()})
-            error = await expect_raises(PolicyWidened, lambda: ex.run(by_hand), "a spec made by hand, wider")
-            ctx.expect(error is not None, "a wider spec made by hand ran")
+    # The executor's own policy this time (refused at open where it cannot hold): /tmp writable, where
+    # the tree is made; each request below narrows it.
+    base = SandboxPolicy(filesystem="workspace-write", writable=("/dev", "/tmp"))
+    async with _tree(ctx, policy=base) as (ex, where):
+        narrow = SandboxPolicy(filesystem="workspace-write", writable=("/dev",))
+        script = "echo x > ../other/n || echo refused; echo y > here && echo wrote"
+        done = await _sh(ex, script, workdir=f"{where}/work", policy=narrow)
+        ctx.expect(_lines(done) == ["refused", "wrote"], f"a narrowed request: {_lines(done)}")
+        for wider, field in (
+            (SandboxPolicy(), "policy.filesystem"),
+            (SandboxPolicy(filesystem="workspace-write", writable=("/",)), "policy.writable"),
+        ):
+            error = expect_raises_sync(
+                PolicyWidened,
+                partial(ex.resolve, BashExecRequest(command="true", policy=wider)),
+                f"a request widening {field}",
+            )
+            ctx.expect(field in str(error), f"the refusal names no field: {error}")
+        spec = ex.resolve(BashExecRequest(command=f"echo x > '{where}/other/by-hand' || echo refused"))
+        by_hand = spec.model_copy(update={"policy": SandboxPolicy()})
+        await expect_raises(PolicyWidened, lambda: ex.run(by_hand), "a spec made by hand, wider")
+        left = await _sh(ex, f"ls -A '{where}/other'")
+        ctx.expect(left.stdout.text == "present\n", f"the other directory now holds {left.stdout.text!r}")

@@ -456,6 +456,25 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         # supervisor's file mode, exec'd as that user (refused per call without the supervisor).
         return True
 
+    def _confine_prefix(self) -> list[str] | None:
+        # The supervisor's binary in the container (without it, containment = marker: no step).
+        return None if self._supervisor is None else [self._supervisor, "--confine"]
+
+    async def _landlock_abi(self) -> int:
+        if self._supervisor is None:
+            return 0
+        code, out, _ = await run_script(
+            self._engine,
+            self._container_id,
+            self.config.user,
+            'exec "$@"',
+            self._supervisor,
+            "--confine",
+            "--probe",
+        )
+        said = out.decode("ascii", "replace").split()
+        return int(said[1]) if code == 0 and len(said) == 2 and said[1].isdigit() else 0
+
     def _file_mode_user(self, user: str | None) -> str | None:
         """None when a command of ``user`` runs as root (the archive API moves its files); else the exec
         user that moves them through the supervisor's file mode, which takes that user's permissions."""
@@ -609,6 +628,10 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         )
         boot = ["bash", "--noprofile", "--norc", "-c", BOOT_SUPERVISED if supervisor else BOOT]
         boot += ["dsh-bash", spec.workdir, script_path]
+        if launch.confine is not None:
+            # The policy's step before the boot script, which then execs the command's bash: the
+            # script only looks (the directory, the pids limit) before it, so it may run confined.
+            boot = [*launch.confine, *boot]
         exec_id, stream = await self._start_exec(
             container, user, boot, env, spec, capture=launch.session is not None
         )
