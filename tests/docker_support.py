@@ -255,6 +255,14 @@ class _Planted:
             return dict(self.variables)
 
 
+def docker_config(image: str, **fields: Any) -> Any:
+    """A ``DockerConfig`` of ``image`` for a test: a short grace, and this session's label (the session
+    removes every container it made)."""
+    from dsh_bash_docker import DockerConfig  # noqa: PLC0415
+
+    return DockerConfig(image=image, grace_ms=300, labels={SESSION_LABEL: SESSION_ID}, **fields)
+
+
 def docker_target(
     mode: DockerMode,
     anyio_backend: str,

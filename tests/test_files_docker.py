@@ -9,8 +9,8 @@ from __future__ import annotations
 from functools import partial
 
 import pytest
-from docker_support import SESSION_ID, SESSION_LABEL
-from dsh_bash_docker import DockerBashExecutor, DockerConfig
+from docker_support import docker_config
+from dsh_bash_docker import DockerBashExecutor
 
 from dsh_bash import BashInfrastructureError, FileOperationError
 
@@ -22,12 +22,8 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def _config(image: str, **fields: object) -> DockerConfig:
-    return DockerConfig(image=image, grace_ms=300, labels={SESSION_LABEL: SESSION_ID}, **fields)  # type: ignore[arg-type]
-
-
 async def test_a_rewritten_file_keeps_its_mode_and_leaves_no_temporary_file(docker_test_image: str) -> None:
-    async with DockerBashExecutor(_config(docker_test_image)) as ex:
+    async with DockerBashExecutor(docker_config(docker_test_image)) as ex:
         made = await ex.exec("printf old > /tmp/mine && chmod 640 /tmp/mine")
         assert made.exit_code == 0, made.stderr.text
         await ex.write_file("/tmp/mine", b"new")
@@ -40,7 +36,7 @@ async def test_a_rewritten_file_keeps_its_mode_and_leaves_no_temporary_file(dock
 async def test_files_of_another_user_than_root_move_with_its_permissions(docker_test_image: str) -> None:
     """Through the supervisor's file mode, exec'd as the user: what the user may not read or write
     stays unread and unwritten, though the engine (root) could; root's requests use the archive API."""
-    async with DockerBashExecutor(_config(docker_test_image, user="65534")) as ex:
+    async with DockerBashExecutor(docker_config(docker_test_image, user="65534")) as ex:
         made = await ex.exec(
             "printf secret > /tmp/root-only && chmod 600 /tmp/root-only && mkdir -m 755 /tmp/roots"
             " && printf open > /tmp/roots/readable",
@@ -66,7 +62,7 @@ async def test_files_of_another_user_than_root_move_with_its_permissions(docker_
 async def test_without_the_supervisor_files_of_another_user_than_root_are_refused(
     docker_test_image: str,
 ) -> None:
-    async with DockerBashExecutor(_config(docker_test_image, user="65534", containment="marker")) as ex:
+    async with DockerBashExecutor(docker_config(docker_test_image, user="65534", containment="marker")) as ex:
         with pytest.raises(BashInfrastructureError) as refused:
             await ex.read_file("/tmp/anything")
         assert refused.value.reason == "files_unsupported"

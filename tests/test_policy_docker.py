@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from docker_support import SESSION_ID, SESSION_LABEL
-from dsh_bash_docker import DockerBashExecutor, DockerConfig
+from docker_support import docker_config
+from dsh_bash_docker import DockerBashExecutor
 
 from dsh_bash import BashInfrastructureError, SandboxPolicy
 
@@ -20,21 +20,19 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def _config(image: str, **fields: object) -> DockerConfig:
-    return DockerConfig(image=image, grace_ms=300, labels={SESSION_LABEL: SESSION_ID}, **fields)  # type: ignore[arg-type]
-
-
 async def test_without_the_supervisor_a_policy_is_refused_or_run_without(
     docker_test_image: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    required = _config(docker_test_image, containment="marker", policy="workspace-write")
+    required = docker_config(docker_test_image, containment="marker", policy="workspace-write")
     with pytest.raises(BashInfrastructureError) as refused:
         async with DockerBashExecutor(required):
             pass
     assert refused.value.reason == "policy_unenforceable"
     assert "no confinement step" in str(refused.value)
     weaker = SandboxPolicy.workspace_write(enforcement="best_effort")
-    async with DockerBashExecutor(_config(docker_test_image, containment="marker", policy=weaker)) as ex:
+    async with DockerBashExecutor(
+        docker_config(docker_test_image, containment="marker", policy=weaker)
+    ) as ex:
         with caplog.at_level(logging.WARNING):
             done = await ex.exec("echo x > /etc/written && cat /etc/written", workdir="/tmp")
     assert done.stdout.text == "x\n"  # unconfined, as it said

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.abc
 import pytest
-from docker_support import SESSION_ID, SESSION_LABEL
-from dsh_bash_docker import DockerBashExecutor, DockerConfig
+from docker_support import docker_config
+from dsh_bash_docker import DockerBashExecutor
 from ssh_support import SshServer
 
 from dsh_bash.remote._bash_protocol import (
@@ -191,16 +191,14 @@ async def _stream_past_the_spill_cap(ex: DockerBashExecutor | SshBashExecutor) -
 
 @pytest.mark.docker
 async def test_docker_streaming_keeps_the_spill_queue_bounded(docker_test_image: str) -> None:
-    config = DockerConfig(image=docker_test_image, grace_ms=300, labels={SESSION_LABEL: SESSION_ID})
+    config = docker_config(docker_test_image)
     async with DockerBashExecutor(config) as ex:
         await _stream_and_watch_the_spill_queue(ex)
 
 
 @pytest.mark.docker
 async def test_docker_stream_outgrowing_its_spill_is_not_held_back(docker_test_image: str) -> None:
-    config = DockerConfig(
-        image=docker_test_image, grace_ms=300, max_spill_bytes=2 * MIB, labels={SESSION_LABEL: SESSION_ID}
-    )
+    config = docker_config(docker_test_image, max_spill_bytes=2 * MIB)
     async with DockerBashExecutor(config) as ex:
         await _stream_past_the_spill_cap(ex)
 
