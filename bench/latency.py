@@ -98,6 +98,23 @@ async def in_session(ex: Any) -> Timed:
     return call
 
 
+#: The row of a command under the sandbox policy (issue 33), beside the same executor's plain `true`.
+POLICY = "`true` under the workspace-write policy (a request's) vs the same executor's plain `true`"
+
+
+def under_policy(ex: Any) -> Timed:
+    """A call of `true` under the ``workspace-write`` preset, asked by the request (the same executor,
+    the same container: only the policy's step differs)."""
+    from dsh_bash import BashExecRequest, SandboxPolicy  # noqa: PLC0415
+
+    policy = SandboxPolicy.workspace_write()
+
+    async def call() -> None:
+        await ex.run(ex.resolve(BashExecRequest(command="true", policy=policy)))
+
+    return call
+
+
 async def round_trip(ex: Any, runs: int) -> float:
     """Median ms of one interactive round trip: a line written to ``cat`` running on a terminal task,
     until a read shows it twice (the terminal's echo, then cat's copy); reads as a tool loop polls."""
@@ -138,7 +155,8 @@ async def bench_local(runs: int) -> list[tuple[str, str, float, float]]:
             await marker_ex.exec("true")
 
         session = await in_session(ex)
-        medians = await _alternate(runs, subject, {"raw": raw, "marker": marker_only, "session": session})
+        baselines = {"raw": raw, "marker": marker_only, "session": session, "policy": under_policy(ex)}
+        medians = await _alternate(runs, subject, baselines)
         interactive = await round_trip(ex, runs)
     return [
         ("local", 'asyncio.create_subprocess_exec("bash","-c","true")', medians["subject"], medians["raw"]),
@@ -146,6 +164,7 @@ async def bench_local(runs: int) -> list[tuple[str, str, float, float]]:
         ("local", "the local executor with containment = marker", medians["subject"], medians["marker"]),
         ("local", ROUND_TRIP, interactive, medians["subject"]),
         ("local", SESSION, medians["session"], medians["subject"]),
+        ("local", POLICY, medians["policy"], medians["subject"]),
     ]
 
 
@@ -182,7 +201,10 @@ async def bench_docker(runs: int, image: str) -> list[tuple[str, str, float, flo
         # dsh_bash_docker._warm) while a command runs; waiting for it, untimed, keeps that work
         # out of the baselines' timing. An agent's commands come seconds apart: warm is the usual
         # case. Back to back, and 50 at once, most commands find no spare and pay a fresh exec.
-        baselines = {"cli": cli, "sdk": sdk, "marker": marker_only, "session": await in_session(ex)}
+        baselines = {
+            "cli": cli, "sdk": sdk, "marker": marker_only, "session": await in_session(ex),
+            "policy": under_policy(ex),
+        }  # fmt: skip
         medians = await _alternate(runs, subject, baselines, settle=settle)
         burst = await _back_to_back(runs, subject, cli)
         await settle()
@@ -210,6 +232,7 @@ async def bench_docker(runs: int, image: str) -> list[tuple[str, str, float, flo
         ("docker", "the Docker executor with containment = marker", medians["subject"], medians["marker"]),
         ("docker", ROUND_TRIP, interactive, medians["subject"]),
         ("docker", SESSION, medians["session"], medians["subject"]),
+        ("docker", POLICY, medians["policy"], medians["subject"]),
     ]
 
 
