@@ -287,9 +287,8 @@ async def bench_ssh(runs: int, server: Any = None) -> list[tuple[str, str, float
             # usual case. Back to back, the next command may wait for part of it.
             session = await in_session(ex)
             await settle()
-            medians = await _alternate(
-                runs, subject, {"raw": raw, "marker": marker_only, "session": session}, settle=settle
-            )
+            baselines = {"raw": raw, "marker": marker_only, "session": session, "policy": under_policy(ex)}
+            medians = await _alternate(runs, subject, baselines, settle=settle)
             burst = await _back_to_back(runs, subject, raw)
 
             async def ssh_cli() -> None:
@@ -323,6 +322,7 @@ async def bench_ssh(runs: int, server: Any = None) -> list[tuple[str, str, float
         ("ssh", "the SSH executor with containment = marker", medians["subject"], medians["marker"]),
         ("ssh", ROUND_TRIP, interactive, medians["subject"]),
         ("ssh", SESSION, medians["session"], medians["subject"]),
+        ("ssh", POLICY, medians["policy"], medians["subject"]),
     ]
 
 

@@ -48,7 +48,7 @@ EXPECTED = {
 #: The prefix sweep BOOT falls back to, and the check that decides it.
 SWEEP = "builtin declare +x -- ${!_@}"
 CHECK = "builtin compgen -e ||"
-ARGS = ("0123456789abcdef", "fg", "env", "/", "dsh-boot-test-1", "0", "0", KEEP, *PUBLIC)
+ARGS = ("0123456789abcdef", "fg", "env", "/", "dsh-boot-test-1", "0", "0", KEEP, "", *PUBLIC)
 
 
 def _run(
@@ -159,7 +159,7 @@ def test_a_login_without_exported_variables(spill: Path) -> None:
 
 #: A warm request's arguments: no header, no kept names; the whole environment as entries.
 WARM_ARGS = (
-    "0123456789abcdef", "fg", "env", "/", "dsh-boot-test-1", "0", "0", "",
+    "0123456789abcdef", "fg", "env", "/", "dsh-boot-test-1", "0", "0", "", "",
     "PATH=/usr/bin:/bin", "HOME=/nonexistent-home", "LANG=C.UTF-8", *PUBLIC,
 )  # fmt: skip
 

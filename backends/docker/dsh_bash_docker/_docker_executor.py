@@ -457,8 +457,10 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         return True
 
     def _confine_prefix(self) -> list[str] | None:
-        # The supervisor's binary in the container (without it, containment = marker: no step).
-        return None if self._supervisor is None else [self._supervisor, "--confine"]
+        # The step is exec'd by the command's supervisor: /proc/self/exe is then the supervisor's own
+        # image, never a file a command could have replaced since (root in an attached container
+        # can write /.dsh-bash). Without the supervisor (containment = marker): no step.
+        return None if self._supervisor is None else ["/proc/self/exe", "--confine"]
 
     async def _landlock_abi(self) -> int:
         if self._supervisor is None:

@@ -114,7 +114,9 @@ exit 0
 # BOOT's arguments: spill directory, nonce, mode ("fg", or "bg" for a detached task, see
 # SUPERVISOR), the command text (empty when it is long and comes in the header; it then runs from a
 # 0600 file: one execve argument is limited to 128 KiB), workdir, the command's marker, "1" when stdin data follows, "1" when a header comes on stdin,
-# the names of the login's variables the command keeps as they are (space-separated), then
+# the names of the login's variables the command keeps as they are (space-separated), the sandbox
+# policy's step as shell words (ASCII-quoted by the executor, empty without a policy: the supervisor
+# execs them before the command's bash, see SshBashExecutor._confine_prefix), then
 # NAME=VALUE entries whose values are the library's own constants (the model-friendly set, SHLVL).
 # None of that is secret: the command's own `bash -c COMMAND` shows its text to `ps` anyway.
 #
@@ -145,7 +147,9 @@ exit 0
 _PRELUDE = r"""
 builtin set +euvx +o pipefail +o noglob +o noclobber; builtin trap - DEBUG ERR RETURN; IFS=$' \t\n'
 _dsh_spill=$1 _dsh_nonce=$2 _dsh_mode=$3 _dsh_command=$4 _dsh_workdir=$5 _dsh_mark=$6 _dsh_input=$7 _dsh_header=$8 _dsh_keep=$9
-builtin shift 9
+_dsh_c=()
+[[ -n ${10} ]] && builtin eval "_dsh_c=(${10})"
+builtin shift 10
 _dsh_set=("$@") _dsh_script=
 """
 _READ_HEADER = r"""
@@ -253,7 +257,7 @@ _dsh_cap=()
 builtin printf '\0dsh-bash-boot-ok\0'
 builtin printf '\0dsh-bash-stderr-ok\0' >&2
 exec SUPERVISOR GRACE--detach --status-file "$_dsh_base.status" "${_dsh_in[@]}" --stdout-file "$_dsh_base.stdout" \
-  --stderr-file "$_dsh_base.stderr" "${_dsh_cap[@]}" --setenv "DSH_BASH_MARK=$_dsh_mark" -- bash --noprofile --norc "${_dsh_run[@]}"
+  --stderr-file "$_dsh_base.stderr" "${_dsh_cap[@]}" --setenv "DSH_BASH_MARK=$_dsh_mark" -- "${_dsh_c[@]}" bash --noprofile --norc "${_dsh_run[@]}"
 """
 # Plain `exec` from here: no function is defined (see above), and `builtin exec <file` would undo
 # its redirection once the builtin returned.
@@ -287,7 +291,7 @@ _RUN_SUPERVISED = (
     "_dsh_tty=${_dsh_mode#fg} _dsh_sess=(); [[ $_dsh_tty == s* ]] && "
     "{ _dsh_tty=${_dsh_tty#s}; _dsh_sess=(--capture-fd CAPTURE_FD); }; "
     'exec SUPERVISOR GRACESTDIN--frame ${_dsh_tty:+--tty "$_dsh_tty"} "${_dsh_sess[@]}" '
-    '--setenv "DSH_BASH_MARK=$_dsh_mark" -- bash --noprofile --norc COMMAND\n'
+    '--setenv "DSH_BASH_MARK=$_dsh_mark" -- "${_dsh_c[@]}" bash --noprofile --norc COMMAND\n'
 ).replace("CAPTURE_FD", str(SESSION_FD))
 # Before the verdict, so that a supervisor removed or replaced since the executor installed it (by a
 # command of the same user, issue 30) is told apart from a command that could not start: the executor

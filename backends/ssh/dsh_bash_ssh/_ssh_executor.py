@@ -36,6 +36,7 @@ from dsh_bash.backend import (
 )
 from dsh_bash.remote import (
     CommandSpills,
+    ascii_quote,
     spill_file_path,
 )
 from dsh_bash.supervisor import SUPERVISOR_KEY_SIZE, continue_runs
@@ -271,6 +272,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
                 "0" if spec.stdin is None and not spec.open_stdin else "1",
                 "1" if header else "0",
                 " ".join(keep),
+                "" if launch.confine is None else " ".join(ascii_quote(word) for word in launch.confine),
                 *public,
             )
 
@@ -327,6 +329,19 @@ class SshBashExecutor(BashExecutor[SshConfig]):
     def _supports_files(self) -> bool:
         # Over SFTP (or the host's sftp-server over an exec channel): see _files.
         return True
+
+    def _confine_prefix(self) -> list[str] | None:
+        # The step is exec'd by the command's supervisor: /proc/self/exe is then the supervisor's own
+        # image (a warm channel's sealed copy, or the file BOOT checked), never a file a command of
+        # the login could have replaced since (issue 30).
+        return None if self._supervisor is None else ["/proc/self/exe", "--confine"]
+
+    async def _landlock_abi(self) -> int:
+        if self._supervisor is None:
+            return 0
+        code, out, _ = await self._pool.run_script('exec "$@"', self._supervisor, "--confine", "--probe")
+        said = out.decode("ascii", "replace").split()
+        return int(said[1]) if code == 0 and len(said) == 2 and said[1].isdigit() else 0
 
     async def _read_file(self, path: str, *, user: str | None, max_bytes: int) -> bytes:
         refuse_other_user(user, self._login_names(), f"on {self._pool.where}")
@@ -769,9 +784,9 @@ class _Boot:
 
     def warm_request(self) -> bytes:
         # No header (the environment is in the arguments) and no kept names: WAITER's bash has an
-        # empty environment, so each value comes from here.
+        # empty environment, so each value comes from here. The policy's step (the tenth) as it is.
         return boot_request(
-            (*self.args[:7], "0", "", *self.environment),
+            (*self.args[:7], "0", "", self.args[9], *self.environment),
             self.long_command,
             self.supervisor,
             self.grace_ms,
