@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dsh_bash.supervisor import supervisor_binary
+from dsh_bash.supervisor import confine_probe_argv, landlock_abi_from_probe, supervisor_binary
 
 BINARY = str(supervisor_binary())  # bin/test builds it before the tests run
 
@@ -46,6 +46,11 @@ def test_the_probe_names_the_landlock_abi() -> None:
     assert done.returncode == 0
     word, abi = done.stdout.split()
     assert word == "landlock" and int(abi) >= 1  # MECHANICS.md: ABI 7 on these machines
+    assert landlock_abi_from_probe(done.returncode, done.stdout.encode()) == int(abi)
+    # A binary without the step (protocol 9 and older) answers with a usage error: no Landlock.
+    assert landlock_abi_from_probe(125, b"") == 0
+    assert landlock_abi_from_probe(0, b"dsh-supervise 9\n") == 0
+    assert confine_probe_argv(BINARY) == [BINARY, "--confine", "--probe"]
 
 
 def test_writes_go_only_beneath_the_writable_paths(tree: Path) -> None:

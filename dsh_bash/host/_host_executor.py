@@ -339,9 +339,10 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         prefix = self._confine_prefix()
         if prefix is None:
             return 0
+        from ..supervisor import landlock_abi_from_probe  # noqa: PLC0415
+
         done = await anyio.run_process([*prefix, "--probe"], check=False)
-        said = done.stdout.decode("ascii", "replace").split()
-        return int(said[1]) if done.returncode == 0 and len(said) == 2 and said[1].isdigit() else 0
+        return landlock_abi_from_probe(done.returncode, done.stdout)
 
     async def _read_file(self, path: str, *, user: str | None, max_bytes: int) -> bytes:
         if user is not None:

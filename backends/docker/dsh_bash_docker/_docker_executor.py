@@ -40,12 +40,15 @@ from dsh_bash.remote import (
     spill_file_path,
 )
 from dsh_bash.supervisor import (
+    CONFINE_FROM_SUPERVISOR,
     CONTINUE_SUPERVISOR,
     check_file_mode,
+    confine_probe_argv,
     continue_runs,
     encode_frame,
     file_read_argv,
     file_write_argv,
+    landlock_abi_from_probe,
 )
 
 from ._docker_config import DockerConfig, memory_bytes
@@ -457,25 +460,18 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         return True
 
     def _confine_prefix(self) -> list[str] | None:
-        # The step is exec'd by the command's supervisor: /proc/self/exe is then the supervisor's own
-        # image, never a file a command could have replaced since (root in an attached container
-        # can write /.dsh-bash). Without the supervisor (containment = marker): no step.
-        return None if self._supervisor is None else ["/proc/self/exe", "--confine"]
+        # Exec'd by the command's supervisor as its own image (root in an attached container can write
+        # /.dsh-bash). Without the supervisor (containment = marker): no step.
+        return None if self._supervisor is None else list(CONFINE_FROM_SUPERVISOR)
 
     async def _landlock_abi(self) -> int:
         if self._supervisor is None:
             return 0
+        argv = confine_probe_argv(self._supervisor)
         code, out, _ = await run_script(
-            self._engine,
-            self._container_id,
-            self.config.user,
-            'exec "$@"',
-            self._supervisor,
-            "--confine",
-            "--probe",
+            self._engine, self._container_id, self.config.user, 'exec "$@"', *argv
         )
-        said = out.decode("ascii", "replace").split()
-        return int(said[1]) if code == 0 and len(said) == 2 and said[1].isdigit() else 0
+        return landlock_abi_from_probe(code, out)
 
     def _file_mode_user(self, user: str | None) -> str | None:
         """None when a command of ``user`` runs as root (the archive API moves its files); else the exec

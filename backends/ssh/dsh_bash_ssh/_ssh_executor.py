@@ -39,7 +39,13 @@ from dsh_bash.remote import (
     ascii_quote,
     spill_file_path,
 )
-from dsh_bash.supervisor import SUPERVISOR_KEY_SIZE, continue_runs
+from dsh_bash.supervisor import (
+    CONFINE_FROM_SUPERVISOR,
+    SUPERVISOR_KEY_SIZE,
+    confine_probe_argv,
+    continue_runs,
+    landlock_abi_from_probe,
+)
 
 from ._connection import ChannelPool
 from ._detached import DetachedProcess, DetachedSpill, DetachedSupervisors, Follower
@@ -331,17 +337,15 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         return True
 
     def _confine_prefix(self) -> list[str] | None:
-        # The step is exec'd by the command's supervisor: /proc/self/exe is then the supervisor's own
-        # image (a warm channel's sealed copy, or the file BOOT checked), never a file a command of
-        # the login could have replaced since (issue 30).
-        return None if self._supervisor is None else ["/proc/self/exe", "--confine"]
+        # Exec'd by the command's supervisor as its own image: a warm channel's sealed copy, or the
+        # file BOOT checked, never one a command of the login replaced since.
+        return None if self._supervisor is None else list(CONFINE_FROM_SUPERVISOR)
 
     async def _landlock_abi(self) -> int:
         if self._supervisor is None:
             return 0
-        code, out, _ = await self._pool.run_script('exec "$@"', self._supervisor, "--confine", "--probe")
-        said = out.decode("ascii", "replace").split()
-        return int(said[1]) if code == 0 and len(said) == 2 and said[1].isdigit() else 0
+        code, out, _ = await self._pool.run_script('exec "$@"', *confine_probe_argv(self._supervisor))
+        return landlock_abi_from_probe(code, out)
 
     async def _read_file(self, path: str, *, user: str | None, max_bytes: int) -> bytes:
         refuse_other_user(user, self._login_names(), f"on {self._pool.where}")
