@@ -371,11 +371,19 @@ def _container_processes(label: str, needle: str) -> list[str] | None:
 
     client = docker.from_env()
     try:
+        # docker-py lists the ids, then inspects each: one removed in between (the executor removes
+        # its container when the eval is cancelled) is gone, as if it had not been listed.
         containers = client.containers.list(all=True, filters={"label": label})
         if not containers:
             return None
         top = containers[0].top(ps_args="-eo pid,args") if containers[0].status == "running" else {}
         return [row[0] for row in top.get("Processes") or [] if needle in row[-1]]
+    except docker.errors.NotFound:
+        return None
+    except docker.errors.APIError as exc:
+        if exc.status_code != 409:  # 409: it stopped between the look at its status and `top`
+            raise
+        return []
     finally:
         client.close()
 
