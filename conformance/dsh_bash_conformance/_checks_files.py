@@ -12,7 +12,7 @@ from typing import Any
 
 import anyio
 
-from dsh_bash import BashExecRequest, BashExecutor, BashInfrastructureError, BashRunResult, FileOperationError
+from dsh_bash import BashExecRequest, BashExecutor, BashInfrastructureError, FileOperationError
 
 from ._harness import CheckContext, check
 from ._support import expect_raises, read_to_end, wait_task
@@ -20,14 +20,10 @@ from ._support import expect_raises, read_to_end, wait_task
 _MIB = 1 << 20
 
 
-async def _sh(ex: BashExecutor, command: str, **fields: Any) -> BashRunResult:
-    return await ex.run(ex.resolve(BashExecRequest(command=command, **fields)))
-
-
 @asynccontextmanager
 async def _scratch(ctx: CheckContext, ex: BashExecutor) -> AsyncIterator[str]:
     """A fresh directory where commands run, removed afterwards; N/A on a target without files."""
-    made = await _sh(ex, 'd=$(mktemp -d) && chmod 755 "$d" && printf %s "$d"')
+    made = await ex.exec('d=$(mktemp -d) && chmod 755 "$d" && printf %s "$d"')
     ctx.expect(made.exit_code == 0 and made.stdout.text.startswith("/"), f"mktemp -d: {made.stderr.text!r}")
     where = made.stdout.text
     try:
@@ -42,7 +38,7 @@ async def _scratch(ctx: CheckContext, ex: BashExecutor) -> AsyncIterator[str]:
         yield where
     finally:
         with anyio.CancelScope(shield=True):
-            await _sh(ex, f"rm -rf -- '{where}'")
+            await ex.exec(f"rm -rf -- '{where}'")
 
 
 @check(
@@ -65,19 +61,19 @@ async def file_round_trip(ctx: CheckContext) -> None:
                 f"{name}: read_file gave {len(back)} bytes back for {len(data)} written"
                 + ("" if len(back) != len(data) else " (different bytes)"),
             )
-        seen = await _sh(ex, f"cat '{where}/every'")
+        seen = await ex.exec(f"cat '{where}/every'")
         ctx.expect(
             seen.stdout.data == every, f"a command read {seen.stdout.total_bytes} bytes of 768 written"
         )
-        written = await _sh(ex, f"printf 'a\\000b\\377\\n' > '{where}/by-command'")
+        written = await ex.exec(f"printf 'a\\000b\\377\\n' > '{where}/by-command'")
         ctx.expect(written.exit_code == 0, f"the command could not write: {written.stderr.text!r}")
         got = await ex.read_file(f"{where}/by-command")
         ctx.expect(got == b"a\x00b\xff\n", f"read_file of a command's file gave {got!r}")
-        home = (await _sh(ex, "builtin pwd -P")).stdout.text.strip()
+        home = (await ex.exec("builtin pwd -P")).stdout.text.strip()
         relative = posixpath.relpath(f"{where}/relative", home)  # climbs from the default directory
         await ex.write_file(relative, b"relative")
         back = await ex.read_file(relative)
-        seen = await _sh(ex, f"cat '{where}/relative'")
+        seen = await ex.exec(f"cat '{where}/relative'")
         ctx.expect(
             seen.stdout.text == "relative" and back == b"relative",
             f"the relative path {relative!r} (default working directory {home!r}): a command read "
@@ -96,7 +92,7 @@ async def file_round_trip(ctx: CheckContext) -> None:
 )
 async def file_refusals(ctx: CheckContext) -> None:
     async with ctx.executor(max_file_bytes=1000) as ex, _scratch(ctx, ex) as where:
-        fifo = await _sh(ex, f"mkfifo '{where}/fifo'")
+        fifo = await ex.exec(f"mkfifo '{where}/fifo'")
         ctx.expect(fifo.exit_code == 0, f"mkfifo failed: {fifo.stderr.text!r}")
         await ex.write_file(f"{where}/big", b"x" * 1001)
         await ex.write_file(f"{where}/fits", b"x" * 1000)
@@ -117,13 +113,13 @@ async def file_refusals(ctx: CheckContext) -> None:
             assert isinstance(error, FileOperationError)
             ctx.expect(error.reason == reason, f"{what}: reason {error.reason!r}, expected {reason!r}")
         ctx.expect(len(await ex.read_file(f"{where}/fits")) == 1000, "a file of max_file_bytes was refused")
-        left = await _sh(ex, f"ls -A '{where}'")
+        left = await ex.exec(f"ls -A '{where}'")
         ctx.expect(
             sorted(left.stdout.text.split()) == ["big", "fifo", "fits"],
             f"the refused writes left {left.stdout.text.split()} in the directory",
         )
         await ex.write_file(f"{where}/made/on/the/way", b"deep", make_parents=True)
-        deep = await _sh(ex, f"cat '{where}/made/on/the/way'")
+        deep = await ex.exec(f"cat '{where}/made/on/the/way'")
         ctx.expect(deep.stdout.text == "deep", f"make_parents: a command read {deep.stdout.text!r}")
 
 
@@ -136,10 +132,10 @@ async def file_refusals(ctx: CheckContext) -> None:
 )
 async def file_link_replaced(ctx: CheckContext) -> None:
     async with ctx.executor() as ex, _scratch(ctx, ex) as where:
-        planted = await _sh(ex, f"cd '{where}' && printf precious > victim && ln -s victim link")
+        planted = await ex.exec(f"cd '{where}' && printf precious > victim && ln -s victim link")
         ctx.expect(planted.exit_code == 0, f"planting the link failed: {planted.stderr.text!r}")
         await ex.write_file(f"{where}/link", b"written")
-        after = await _sh(ex, f"cd '{where}' && cat victim; echo; [ -L link ] && echo link || cat link")
+        after = await ex.exec(f"cd '{where}' && cat victim; echo; [ -L link ] && echo link || cat link")
         ctx.expect(
             after.stdout.text == "precious\nwritten",
             f"after a write onto a planted link: {after.stdout.text!r} (the victim first)",

@@ -30,10 +30,6 @@ from ._support import expect_raises, expect_raises_sync
 _WORKSPACE_ONLY = SandboxPolicy(filesystem="workspace-write", writable=("/dev",))
 
 
-async def _sh(ex: BashExecutor, command: str, **fields: Any) -> BashRunResult:
-    return await ex.run(ex.resolve(BashExecRequest(command=command, **fields)))
-
-
 _MAKE_TREE = (
     'd=$(mktemp -d) && chmod 755 "$d" && mkdir "$d/work" "$d/other" "$d/secret" && '
     'printf present > "$d/other/present" && printf %s "$1" > "$d/secret/key" && printf %s "$d"'
@@ -49,14 +45,14 @@ async def _tree(ctx: CheckContext, **config: Any) -> AsyncIterator[tuple[BashExe
     try:
         async with ctx.executor(**config) as ex:
             token = secrets.token_hex(8)
-            made = await _sh(ex, f"set -- {token}\n{_MAKE_TREE}")
+            made = await ex.exec(f"set -- {token}\n{_MAKE_TREE}")
             ctx.expect(made.exit_code == 0, f"making the tree failed: {made.stderr.text!r}")
             where = made.stdout.text
             try:
                 yield ex, where
             finally:
                 with anyio.CancelScope(shield=True):
-                    await _sh(ex, f"rm -rf -- '{where}'")
+                    await ex.exec(f"rm -rf -- '{where}'")
     except BashInfrastructureError as exc:
         if exc.reason == "policy_unenforceable":
             ctx.not_applicable(f"the target applies no sandbox policy: {exc}")
@@ -68,7 +64,7 @@ async def _confined(
 ) -> BashRunResult:
     """``command`` under the request's ``policy``; N/A where the target refuses to apply one."""
     try:
-        return await _sh(ex, command, policy=policy, **fields)
+        return await ex.exec(command, policy=policy, **fields)
     except BashInfrastructureError as exc:
         if exc.reason == "policy_unenforceable":
             ctx.not_applicable(f"the target applies no sandbox policy: {exc}")
@@ -104,7 +100,7 @@ async def policy_write_confined(ctx: CheckContext) -> None:
         ]  # fmt: skip
         said = f"under workspace-write: {_lines(done)}, stderr {done.stderr.text!r}"
         ctx.expect(_lines(done) == expected, said)
-        left = await _sh(ex, f"ls -A '{where}/other'; cat '{where}/other/present'")
+        left = await ex.exec(f"ls -A '{where}/other'; cat '{where}/other/present'")
         ctx.expect(
             left.stdout.text == "present\npresent",
             f"outside the workspace after the command: {left.stdout.text!r}",
@@ -120,8 +116,8 @@ async def policy_write_confined(ctx: CheckContext) -> None:
 )
 async def policy_deny_read(ctx: CheckContext) -> None:
     async with _tree(ctx) as (ex, where):
-        token = (await _sh(ex, f"cat '{where}/secret/key'")).stdout.text
-        linked = await _sh(ex, f"ln -s '{where}/secret/key' '{where}/work/link'")
+        token = (await ex.exec(f"cat '{where}/secret/key'")).stdout.text
+        linked = await ex.exec(f"ln -s '{where}/secret/key' '{where}/work/link'")
         ctx.expect(linked.exit_code == 0, f"planting the link failed: {linked.stderr.text!r}")
         policy = _WORKSPACE_ONLY.model_copy(update={"deny_read": (f"{where}/secret",)})
         script = (
@@ -207,7 +203,7 @@ async def policy_narrowed(ctx: CheckContext) -> None:
     async with _tree(ctx, policy=base) as (ex, where):
         narrow = SandboxPolicy(filesystem="workspace-write", writable=("/dev",))
         script = "echo x > ../other/n || echo refused; echo y > here && echo wrote"
-        done = await _sh(ex, script, workdir=f"{where}/work", policy=narrow)
+        done = await ex.exec(script, workdir=f"{where}/work", policy=narrow)
         ctx.expect(_lines(done) == ["refused", "wrote"], f"a narrowed request: {_lines(done)}")
         for wider, field in (
             (SandboxPolicy(), "policy.filesystem"),
@@ -222,5 +218,5 @@ async def policy_narrowed(ctx: CheckContext) -> None:
         spec = ex.resolve(BashExecRequest(command=f"echo x > '{where}/other/by-hand' || echo refused"))
         by_hand = spec.model_copy(update={"policy": SandboxPolicy()})
         await expect_raises(PolicyWidened, lambda: ex.run(by_hand), "a spec made by hand, wider")
-        left = await _sh(ex, f"ls -A '{where}/other'")
+        left = await ex.exec(f"ls -A '{where}/other'")
         ctx.expect(left.stdout.text == "present\n", f"the other directory now holds {left.stdout.text!r}")

@@ -176,6 +176,8 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         self._bash: str | None = None
         self._server: SupervisorServer | None = None
         self._supervisor_path: str | None = None
+        #: The binary of the policy's step ("": none here), once a confined command needed it.
+        self._confine_binary: str | None = None
         self._supervised: set[SupervisedProcess] = set()
         self._channels = ChannelPool()
         #: Whether processes may exist that no live supervisor holds (a command ran without one, or a
@@ -331,9 +333,11 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
 
     def _confine_prefix(self) -> list[str] | None:
         # The same binary as the supervisor's (with marker containment too: the step supervises
-        # nothing, it only confines the process it runs in before it execs the command).
-        path = self._supervisor_path or _find_supervisor()[0]
-        return None if path is None else [path, "--confine"]
+        # nothing, it only confines the process it runs in before it execs the command). Looked
+        # for once: this runs before every confined command.
+        if self._confine_binary is None:
+            self._confine_binary = self._supervisor_path or _find_supervisor()[0] or ""
+        return [self._confine_binary, "--confine"] if self._confine_binary else None
 
     async def _landlock_abi(self) -> int:
         prefix = self._confine_prefix()
