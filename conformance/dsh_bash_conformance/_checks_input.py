@@ -367,7 +367,7 @@ async def terminal_kill_leaves_nothing(ctx: CheckContext) -> None:
             hiding = f"setsid {body} >/dev/null 2>&1 &"
             tasks.append(await _start_terminal(ctx, ex, f"{hiding} {loop(mark, trap_term=True)}"))
         for mark in marks:
-            await started(ctx, mark, "a terminal task's processes", 2 + ctx.allowance_s)
+            await started(ctx, mark, "a terminal task's processes")
         await ex.kill(tasks[0].id)
         await wait_task(tasks[0], 2 * 0.3 + 2 + ctx.allowance_s, "a killed terminal task")
         await gone(ctx, marks[0], 2 * 0.3 + 2 + ctx.allowance_s, "after kill of a terminal task")

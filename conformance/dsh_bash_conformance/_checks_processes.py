@@ -12,6 +12,7 @@ from dsh_bash import BashExecRequest, BashExecutor, BashInfrastructureError, Bas
 
 from ._harness import CheckContext, check
 from ._support import (
+    SETUP_S,
     Box,
     alive,
     elapsed,
@@ -466,7 +467,7 @@ async def aclose_kills_leftovers(ctx: CheckContext) -> None:
         task = await ex.start(
             ex.resolve(BashExecRequest(command=f"{loop(bg, trap_term=True)} >/dev/null 2>&1 & echo started"))
         )
-        await wait_task(task, ctx.allowance_s)
+        await wait_task(task, SETUP_S)
         await started(ctx, bg, "the background task's server")
         await ex.aclose()
     await gone(ctx, bg, 0.25, "right after aclose, the server a finished background task left")

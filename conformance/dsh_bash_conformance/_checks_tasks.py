@@ -20,6 +20,7 @@ from dsh_bash import (
 
 from ._harness import CheckContext, check
 from ._support import (
+    SETUP_S,
     elapsed,
     expect_raises,
     gone,
@@ -210,7 +211,7 @@ async def kill_ended(ctx: CheckContext) -> None:
     async with ctx.executor() as ex:
         mark = ctx.marker()
         task = await _start(ex, f"{loop(mark, trap_term=True)} >/dev/null 2>&1 & printf started")
-        await wait_task(task, ctx.allowance_s)
+        await wait_task(task, SETUP_S)
         ctx.expect(
             _final(task) == ("completed", "exited", 0, None),
             f"the task should have completed with exit 0: {show_task(task)}",
