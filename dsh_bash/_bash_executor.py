@@ -49,7 +49,7 @@ from ._output import (
     StreamName,
     merge_streams,
 )
-from ._policy import confine_options, narrowed
+from ._policy import ConfinementProbe, SandboxPolicy, confine_options, narrowed
 from ._protocol import (
     MARKER_VAR,
     UNKNOWN_PREFIX,
@@ -347,8 +347,7 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         self._running_tasks = 0
         self._default_task_cap = default_task_cap()
         #: The sandbox policy's step where commands run: whether it was checked, and why it cannot run.
-        self._confinement_checked = False
-        self._confinement_gap: str | None = None
+        self._confinement_probe: ConfinementProbe | None = None
         self._policy_gap_said = False
         self._listeners: list[TaskListener] = []
         self._spill_budget = SpillBudget(config.max_spill_total_bytes)
@@ -425,10 +424,11 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         refused (reason ``policy_unenforceable``) unless its enforcement is ``best_effort``."""
         return None
 
-    async def _landlock_abi(self) -> int:
-        """The Landlock ABI where commands run (``dsh-supervise --confine --probe`` there); 0: none.
-        Asked once, when the first active policy needs it."""
-        return 0
+    async def _probe_confinement(self) -> ConfinementProbe:
+        """What the policy's step can apply where commands run (``dsh-supervise --confine --probe``
+        there, :func:`dsh_bash.supervisor.confinement_from_probe`); the default: nothing. Asked once,
+        when the first active policy needs it."""
+        return ConfinementProbe()
 
     async def _read_file(self, path: str, *, user: str | None, max_bytes: int) -> bytes:
         """The bytes of the file at ``path`` (absolute) where commands run, read as
@@ -482,7 +482,7 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             await self._open()
             policy = self._config.policy
             if policy.active and policy.enforcement == "required":
-                problem = await self._confinement_problem()
+                problem = await self._confinement_problem(policy)
                 if problem is not None:
                     raise BashInfrastructureError(
                         f"{type(self).__name__} cannot apply its sandbox policy where its commands run: "
@@ -1094,7 +1094,7 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         options = confine_options(policy, spec.workdir, also_writable=also_writable)
         if options is None:
             return None
-        problem = await self._confinement_problem()
+        problem = await self._confinement_problem(policy)
         prefix = self._confine_prefix()
         if problem is None and prefix is not None:
             return (*prefix, *options, "--")
@@ -1110,15 +1110,13 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             reason="policy_unenforceable",
         )
 
-    async def _confinement_problem(self) -> str | None:
-        """Why the policy's step cannot run where commands run (None: it can); asked of the backend once."""
-        if not self._confinement_checked:
-            if self._confine_prefix() is None:
-                self._confinement_gap = "this backend has no confinement step (dsh-supervise --confine)"
-            elif await self._landlock_abi() < 1:
-                self._confinement_gap = "the kernel there has no Landlock (or it is disabled)"
-            self._confinement_checked = True
-        return self._confinement_gap
+    async def _confinement_problem(self, policy: SandboxPolicy) -> str | None:
+        """Why ``policy`` cannot be applied where commands run (None: it can); the backend is probed once."""
+        if self._confine_prefix() is None:
+            return "this backend has no confinement step (dsh-supervise --confine)"
+        if self._confinement_probe is None:
+            self._confinement_probe = await self._probe_confinement()
+        return self._confinement_probe.problem(policy)
 
     async def _supervise(self, command: _Command, timeout_s: float | None) -> None:
         """Run one command to its end: exit, timeout, abort or kill, then the bounded drain."""

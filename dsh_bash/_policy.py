@@ -13,6 +13,8 @@ __all__ = [
     "DEFAULT_DENY_READ",
     "WORKSPACE_WRITABLE",
     "CommandLimits",
+    "ConfinementProbe",
+    "NetworkRule",
     "PolicyWidened",
     "SandboxPolicy",
     "confine_options",
@@ -27,6 +29,11 @@ DEFAULT_DENY_READ: tuple[str, ...] = ("~/.ssh", "~/.aws", "~/.config/gcloud", "~
 WORKSPACE_WRITABLE: tuple[str, ...] = ("/tmp", "/dev")
 
 _Count = Annotated[int, Strict(), Field(ge=1)]
+
+#: What a command may reach: ``all`` (as its machine may), ``loopback`` (a network of its own with
+#: nothing in it but loopback), ``none`` (no socket but a unix one). Widest first.
+NetworkRule = Literal["all", "loopback", "none"]
+_NETWORK_WIDTH: dict[str, int] = {"all": 2, "loopback": 1, "none": 0}
 
 
 class _Frozen(BaseModel):
@@ -58,12 +65,14 @@ class SandboxPolicy(_Frozen):
     ``filesystem``: ``unrestricted`` (wherever its user may write: the behaviour before policies) or
     ``workspace-write`` (its working directory and ``writable`` only, everything else read-only, for
     root too). ``deny_read``: never read nor written, whatever ``filesystem`` says (absolute, or under
-    ``~/``: the command's home where it runs). ``enforcement``: ``required`` refuses to run where a rule
-    cannot be applied (reason ``policy_unenforceable``); ``best_effort`` runs without it."""
+    ``~/``: the command's home where it runs). ``network``: see :data:`NetworkRule`. ``enforcement``:
+    ``required`` refuses to run where a rule cannot be applied (reason ``policy_unenforceable``);
+    ``best_effort`` runs without it."""
 
     filesystem: Literal["unrestricted", "workspace-write"] = "unrestricted"
     writable: tuple[str, ...] = ()
     deny_read: tuple[str, ...] = ()
+    network: NetworkRule = "all"
     limits: CommandLimits = CommandLimits()
     enforcement: Literal["required", "best_effort"] = "required"
 
@@ -92,6 +101,7 @@ class SandboxPolicy(_Frozen):
         return (
             self.filesystem != "unrestricted"
             or bool(self.deny_read)
+            or self.network != "all"
             or any(value is not None for value in limits.model_dump().values())
         )
 
@@ -102,8 +112,9 @@ def _within(path: str, directory: str) -> bool:
 
 def narrowed(base: SandboxPolicy, request: SandboxPolicy | None) -> SandboxPolicy:
     """``base`` as ``request`` narrows it: a request may make the filesystem read-only beyond its
-    working directory, name fewer writable paths (each within one of ``base``'s), deny more reads and
-    lower limits, never the reverse (:class:`PolicyWidened`, naming the field)."""
+    working directory, name fewer writable paths (each within one of ``base``'s), deny more reads,
+    reach less of the network and lower limits, never the reverse (:class:`PolicyWidened`, naming the
+    field). A network rule or limit the request leaves out is the executor's."""
     if request is None or request == base:
         return base
     if base.filesystem == "workspace-write" and request.filesystem == "unrestricted":
@@ -118,6 +129,11 @@ def narrowed(base: SandboxPolicy, request: SandboxPolicy | None) -> SandboxPolic
                     f"policy.writable: {path} is not within the executor's writable paths "
                     f"({', '.join(base.writable) or 'its working directory only'})"
                 )
+    network = request.network
+    if _NETWORK_WIDTH[network] > _NETWORK_WIDTH[base.network]:
+        if "network" in request.model_fields_set:
+            raise PolicyWidened(f"policy.network: {network} is wider than the executor's {base.network}")
+        network = base.network
     limits: dict[str, int | None] = {}
     for name, ceiling in base.limits.model_dump().items():
         asked = getattr(request.limits, name)
@@ -130,6 +146,7 @@ def narrowed(base: SandboxPolicy, request: SandboxPolicy | None) -> SandboxPolic
         filesystem=request.filesystem,
         writable=writable,
         deny_read=tuple(dict.fromkeys((*base.deny_read, *request.deny_read))),
+        network=network,
         limits=CommandLimits(**limits),
         enforcement=request.enforcement,
     )
@@ -155,4 +172,26 @@ def confine_options(
     for name, value in policy.limits.model_dump().items():
         if value is not None:
             options += [names[name], str(value)]
+    if policy.network != "all":
+        options += ["--network", policy.network]
     return tuple(options)
+
+
+class ConfinementProbe(_Frozen):
+    """What the policy's step can apply where commands run (``dsh-supervise --confine --probe``
+    there): the kernel's Landlock ABI (0: none), and whether ``network = "loopback"`` can hold (a
+    network namespace can be made, or the one there has nothing but loopback already)."""
+
+    landlock_abi: Annotated[int, Strict(), Field(ge=0)] = 0
+    loopback: bool = False
+
+    def problem(self, policy: SandboxPolicy) -> str | None:
+        """Why ``policy`` cannot be applied there (None: it can)."""
+        if self.landlock_abi < 1:
+            return "the kernel there has no Landlock (or it is disabled)"
+        if policy.network == "loopback" and not self.loopback:
+            return (
+                'network = "loopback": no network namespace can be made there (user namespaces are '
+                "refused) and its network has interfaces besides loopback"
+            )
+        return None

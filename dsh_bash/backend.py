@@ -91,6 +91,7 @@ from ._env import MODEL_FRIENDLY_ENV, RC_FILE_VARIABLES, dropped_names, is_scrub
 from ._errors import INFRA_REASONS, InfraReason
 from ._kit_hooks import FIND_PROCESSES, ConformanceHooks, parse_pids, run_in_fresh_loop
 from ._output import OutputStream, SpillFile, StreamName, prepay_spills
+from ._policy import ConfinementProbe
 from ._protocol import (
     MARKER_VAR,
     MAX_INLINE_COMMAND,
@@ -127,6 +128,7 @@ __all__ = [
     "AtMostEvery",
     "CoalescedRuns",
     "CommandProcess",
+    "ConfinementProbe",
     "ConformanceHooks",
     "Containment",
     "ContainmentSetting",

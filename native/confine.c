@@ -1,11 +1,12 @@
 /*
- * --confine (version 10): the sandbox policy's step (docs/design/policy.md). Exec'd in the command's own
+ * --confine (version 10; --network: 11): the sandbox policy's step (docs/design/policy.md). Exec'd in the command's own
  * process, before the command, it restricts itself and execs PROGRAM; what it applies is irreversible
  * and inherited by every child, and the supervisor that started it stays unconfined.
  *
  *   dsh-supervise --confine [--write PATH]... [--deny-read PATH]... [--cpu-seconds N] [--file-bytes N]
- *                 [--memory-bytes N] [--open-files N] -- PROGRAM [ARGS...]
- *   dsh-supervise --confine --probe      (prints "landlock ABI": 0 where the kernel has none)
+ *                 [--memory-bytes N] [--open-files N] [--network none|loopback] -- PROGRAM [ARGS...]
+ *   dsh-supervise --confine --probe      (prints "landlock ABI" (0 where the kernel has none) and
+ *                                         "loopback 1|0": whether --network loopback can hold here)
  *
  * - Files, by Landlock (ABI 1 and later; the rights the running kernel knows are all handled): every
  *   path may be read and executed, and written (written, made, removed, renamed, truncated) only
@@ -20,6 +21,16 @@
  *   runs outside its domain (its supervisor, the harness).
  * - no_new_privs first: Landlock needs it without CAP_SYS_ADMIN, and a setuid program must not shed
  *   the rules.
+ * - Network (version 11). none: seccomp makes socket() fail with EACCES, unix sockets included (a
+ *   socket file is reached by path, which no rule here can see; socketpair() stays): TCP, UDP, raw,
+ *   netlink alike, DNS too; io_uring_setup too (its socket operation would pass
+ *   by seccomp); a foreign architecture's system calls (int 0x80, x32) fail the same way. loopback:
+ *   a new network namespace with nothing in it but its own loopback, brought up, made in a new user
+ *   namespace (for root too: root of a child user namespace cannot setns back into the host's);
+ *   the user's ids map to themselves (root: every id, so root's rights on files stay root's).
+ *   Where no user namespace can be made (Docker's default seccomp profile), a namespace that has no
+ *   interface but loopback already (a container without a network) holds the rule as it is; else
+ *   the rule cannot be applied.
  * - Limits, by setrlimit, soft and hard alike (raising a hard limit needs CAP_SYS_RESOURCE); CPU time's
  *   hard limit a second past the soft one (SIGXCPU, then SIGKILL).
  *
@@ -32,6 +43,12 @@
 #include "confine.h"
 #include <dirent.h>
 #include <limits.h>
+#include <linux/audit.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <net/if.h>
+#include <sched.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #ifndef SYS_landlock_create_ruleset
@@ -205,10 +222,184 @@ static void set_limit(int resource, rlim_t value, const char *opt)
         die("--confine: %s %llu: %s", opt, (unsigned long long)value, strerror(errno));
 }
 
+/* --- network ---------------------------------------------------------------------------------- */
+
+#if defined(__x86_64__)
+#define THIS_AUDIT_ARCH AUDIT_ARCH_X86_64
+#elif defined(__aarch64__)
+#define THIS_AUDIT_ARCH AUDIT_ARCH_AARCH64
+#else
+#error "--network none: this architecture's seccomp filter is not written"
+#endif
+#ifndef __NR_io_uring_setup
+#define __NR_io_uring_setup 425
+#endif
+
+/* --network none: no socket at all (socketpair stays: it reaches nothing), and the ways around
+ * seccomp's view closed. Unix sockets too: a socket file (a Docker engine's) is reached by its path,
+ * which neither seccomp nor Landlock (to ABI 7) can tell apart. */
+static void refuse_sockets(void)
+{
+    struct sock_filter program[] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, THIS_AUDIT_ARCH, 1, 0),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EACCES), /* int 0x80 and the like */
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JGE | BPF_K, 0x40000000, 0, 1), /* x32's numbers */
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EACCES),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_io_uring_setup, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EACCES),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_socket, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EACCES),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+    };
+    struct sock_fprog filter = {.len = sizeof program / sizeof program[0], .filter = program};
+    if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &filter, 0, 0) < 0)
+        die("--confine: --network none: cannot install the seccomp filter: %s", strerror(errno));
+}
+
+/* Whether this network namespace has no interface but loopback. */
+static int only_loopback(void)
+{
+    struct if_nameindex *names = if_nameindex();
+    if (names == NULL)
+        return 0;
+    int only = 1;
+    for (struct if_nameindex *n = names; n->if_index != 0 || n->if_name != NULL; n++)
+        if (strcmp(n->if_name, "lo") != 0)
+            only = 0;
+    if_freenameindex(names);
+    return only;
+}
+
+static int write_text(const char *path, const char *text)
+{
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    ssize_t n = write(fd, text, strlen(text));
+    int saved = errno;
+    close(fd);
+    errno = saved;
+    return n == (ssize_t)strlen(text) ? 0 : -1;
+}
+
+/* A new user and network namespace, loopback up; -1 (errno set) where none can be made. Dies when one
+ * was made but cannot be set up: a half-made namespace never runs the command. */
+/* Root's ids, every one of them, mapped for process TARGET once it has made its namespace: written by
+ * a child that stays in the parent namespace (a process may map no more than its own id for itself).
+ * Returns the helper's pid; it maps when GO is written to, and does nothing on EOF. */
+static pid_t root_mapper(int *go)
+{
+    int pipe_fds[2];
+    if (pipe2(pipe_fds, O_CLOEXEC) < 0)
+        die("--confine: --network loopback: pipe: %s", strerror(errno));
+    pid_t target = getpid(), pid = fork();
+    if (pid < 0)
+        die("--confine: --network loopback: fork: %s", strerror(errno));
+    if (pid == 0) {
+        close(pipe_fds[1]);
+        char byte, path[64];
+        if (read(pipe_fds[0], &byte, 1) != 1)
+            _exit(2);
+        snprintf(path, sizeof path, "/proc/%d/uid_map", (int)target);
+        if (write_text(path, "0 0 4294967295") < 0)
+            _exit(1);
+        snprintf(path, sizeof path, "/proc/%d/gid_map", (int)target);
+        _exit(write_text(path, "0 0 4294967295") < 0 ? 1 : 0);
+    }
+    close(pipe_fds[0]);
+    *go = pipe_fds[1];
+    return pid;
+}
+
+static int reaped_status(pid_t pid)
+{
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+}
+
+static int new_loopback_namespace(void)
+{
+    uid_t uid = geteuid();
+    gid_t gid = getegid();
+    int go = -1;
+    pid_t mapper = uid == 0 ? root_mapper(&go) : 0;
+    if (unshare(CLONE_NEWUSER | CLONE_NEWNET) < 0) {
+        int why = errno;
+        if (mapper > 0) {
+            close(go);
+            reaped_status(mapper);
+        }
+        errno = why;
+        return -1;
+    }
+    char map[64];
+    if (uid == 0) {
+        ssize_t said = write(go, "m", 1);
+        close(go);
+        if (said != 1 || reaped_status(mapper) != 0)
+            die("--confine: --network loopback: cannot map root's ids in the new user namespace");
+    } else {
+        /* The maps are files of this process, owned by root while it is not dumpable (supervise.c
+         * makes every mode so): dumpable for these three writes, then not again. */
+        if (prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) < 0)
+            die("--confine: prctl(PR_SET_DUMPABLE): %s", strerror(errno));
+        snprintf(map, sizeof map, "%u %u 1", (unsigned)uid, (unsigned)uid);
+        if (write_text("/proc/self/uid_map", map) < 0)
+            die("--confine: --network loopback: cannot map uid %u: %s", (unsigned)uid, strerror(errno));
+        if (write_text("/proc/self/setgroups", "deny") < 0 && errno != ENOENT)
+            die("--confine: --network loopback: cannot deny setgroups: %s", strerror(errno));
+        snprintf(map, sizeof map, "%u %u 1", (unsigned)gid, (unsigned)gid);
+        if (write_text("/proc/self/gid_map", map) < 0)
+            die("--confine: --network loopback: cannot map gid %u: %s", (unsigned)gid, strerror(errno));
+        if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
+            die("--confine: prctl(PR_SET_DUMPABLE): %s", strerror(errno));
+    }
+    int sock = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    struct ifreq lo;
+    memset(&lo, 0, sizeof lo);
+    strcpy(lo.ifr_name, "lo");
+    if (sock < 0 || ioctl(sock, SIOCGIFFLAGS, &lo) < 0)
+        die("--confine: --network loopback: cannot read loopback's flags: %s", strerror(errno));
+    lo.ifr_flags |= IFF_UP;
+    if (ioctl(sock, SIOCSIFFLAGS, &lo) < 0)
+        die("--confine: --network loopback: cannot bring loopback up: %s", strerror(errno));
+    close(sock);
+    return 0;
+}
+
+static void loopback_only(void)
+{
+    if (new_loopback_namespace() == 0)
+        return;
+    int why = errno;
+    if (!only_loopback())
+        die("--confine: --network loopback: no network namespace can be made here (%s) and this one "
+            "has interfaces besides loopback",
+            strerror(why));
+}
+
+/* Whether --network loopback can hold here: a child tries (the probe itself stays as it was). */
+static int loopback_possible(void)
+{
+    if (only_loopback())
+        return 1;
+    pid_t pid = fork();
+    if (pid < 0)
+        return 0;
+    if (pid == 0)
+        _exit(unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0 ? 0 : 1);
+    return reaped_status(pid) == 0;
+}
+
 int run_confine(int argc, char **argv)
 {
     char *writable[MAX_PATHS];
     int writable_count = 0, i = 2; /* argv[1] is --confine */
+    const char *network = NULL;
     for (; i < argc; i++) {
         const char *a = argv[i];
         if (strcmp(a, "--") == 0) {
@@ -216,7 +407,7 @@ int run_confine(int argc, char **argv)
             break;
         }
         if (strcmp(a, "--probe") == 0 && argc == 3) {
-            printf("landlock %d\n", landlock_abi());
+            printf("landlock %d\nloopback %d\n", landlock_abi(), loopback_possible());
             return 0;
         }
         if (i + 1 >= argc)
@@ -241,14 +432,21 @@ int run_confine(int argc, char **argv)
             set_limit(RLIMIT_AS, parse_limit(v, a), a);
         } else if (strcmp(a, "--open-files") == 0) {
             set_limit(RLIMIT_NOFILE, parse_limit(v, a), a);
+        } else if (strcmp(a, "--network") == 0) {
+            if (strcmp(v, "none") != 0 && strcmp(v, "loopback") != 0)
+                die("--confine: --network wants none or loopback, not '%s'", v);
+            network = v;
         } else {
             die("--confine: %s is not one of its options", a);
         }
     }
     if (i >= argc)
         die("usage: dsh-supervise --confine [--write PATH]... [--deny-read PATH]... [--cpu-seconds N] "
-            "[--file-bytes N] [--memory-bytes N] [--open-files N] -- PROGRAM [ARGS...]\n"
+            "[--file-bytes N] [--memory-bytes N] [--open-files N] [--network none|loopback] -- PROGRAM "
+            "[ARGS...]\n"
             "       dsh-supervise --confine --probe");
+    if (network != NULL && strcmp(network, "loopback") == 0)
+        loopback_only();
     int abi = landlock_abi();
     if (abi < 1)
         die("--confine: this kernel has no Landlock (or it is disabled): the file rules cannot be applied");
@@ -267,6 +465,8 @@ int run_confine(int argc, char **argv)
     if (syscall(SYS_landlock_restrict_self, ruleset_fd, 0) < 0)
         die("--confine: landlock_restrict_self: %s", strerror(errno));
     close(ruleset_fd);
+    if (network != NULL && strcmp(network, "none") == 0)
+        refuse_sockets();
     execvp(argv[i], argv + i);
     die("--confine: cannot run %s: %s", argv[i], strerror(errno));
 }

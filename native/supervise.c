@@ -21,10 +21,10 @@
  *   dsh-supervise --write-file PATH --temp-name NAME --size N [--make-parents]
  *                 (version 9: a file read or written as this process's user, files.c)
  *   dsh-supervise --confine [--write PATH]... [--deny-read PATH]... [--cpu-seconds N] [--file-bytes N]
- *                 [--memory-bytes N] [--open-files N] -- PROGRAM [ARGS...]
+ *                 [--memory-bytes N] [--open-files N] [--network none|loopback] -- PROGRAM [ARGS...]
  *   dsh-supervise --confine --probe
- *                 (version 10: the sandbox policy's step, exec'd before the command: confine.c)
- *   dsh-supervise --version      (prints "dsh-supervise 10": the protocol's version)
+ *                 (version 10, --network 11: the sandbox policy's step, exec'd before the command: confine.c)
+ *   dsh-supervise --version      (prints "dsh-supervise 11": the protocol's version)
  *   dsh-supervise --sha256 | --hmac-sha256 KEYHEX   (digest of stdin in hex: for the tests)
  *
  * It makes itself a child subreaper and non-dumpable, forks PROGRAM into a session and process group

@@ -2392,6 +2392,7 @@ class WritesInPlace(LocalBashExecutor):
 
 _DENY = frozenset({"--deny-read"})
 _LIMITS = frozenset({"--cpu-seconds", "--file-bytes", "--memory-bytes", "--open-files"})
+_NETWORK = frozenset({"--network"})
 
 
 def _without_options(confine: tuple[str, ...] | None, dropped: frozenset[str]) -> tuple[str, ...] | None:
@@ -2449,6 +2450,42 @@ class LimitsByTheShell(LocalBashExecutor):
         command = f"ulimit -S -n {limit}\n{launch.spec.command}"
         spec = launch.spec.model_copy(update={"command": command})
         return await super()._spawn(replace(launch, spec=spec, confine=_without_options(confine, _LIMITS)))
+
+
+class NetworkIgnored(LocalBashExecutor):
+    """Breaks: under network = "none" a command can make no socket but a unix one.
+
+    The step confines files and limits, and leaves the network rule out."""
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        return await super()._spawn(replace(launch, confine=_without_options(launch.confine, _NETWORK)))
+
+
+def _network_as(confine: tuple[str, ...] | None, asked: str, applied: str) -> tuple[str, ...] | None:
+    """``confine`` with the network rule ``asked`` swapped for ``applied``."""
+    if confine is None or "--network" not in confine:
+        return confine
+    at = confine.index("--network") + 1
+    return (*confine[:at], applied, *confine[at + 1 :]) if confine[at] == asked else confine
+
+
+class LoopbackMeansNone(LocalBashExecutor):
+    """Breaks: under network = "loopback" a command reaches its own loopback.
+
+    Loopback is taken for no network at all: safe, and a command's own server on 127.0.0.1 is
+    unreachable."""
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        return await super()._spawn(replace(launch, confine=_network_as(launch.confine, "loopback", "none")))
+
+
+class NoneMeansLoopback(LocalBashExecutor):
+    """Breaks: under network = "none" nothing is reachable, not even loopback.
+
+    None is taken for loopback only: a command still reaches whatever listens in its namespace."""
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        return await super()._spawn(replace(launch, confine=_network_as(launch.confine, "none", "loopback")))
 
 
 class WideningAccepted(LocalBashExecutor):

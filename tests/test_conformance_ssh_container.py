@@ -167,7 +167,7 @@ def test_cli_conformance_passes_every_check(sshd_container: SshdContainer, tmp_p
     failed = [
         (r["name"], r["outcome"], r["message"])
         for r in report["results"]
-        if r["outcome"] != expected_outcome("ssh", r["name"])
+        if r["outcome"] != expected_outcome("ssh", r["name"], "ssh-container")
     ]
     # Every check passes, the containment and outcome ones included: foreground commands and
     # detached background tasks run under dsh-supervise in the container too.

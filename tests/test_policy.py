@@ -41,7 +41,8 @@ def test_a_config_names_the_policy_by_preset_or_table() -> None:
         ({"writable": ["relative"]}, "neither absolute"),
         ({"limits": {"open_files": 0}}, "open_files"),
         ({"preset": "nothing"}, "preset"),
-        ({"filesystem": "workspace-write", "network": "none"}, "network"),  # not a field (yet)
+        ({"filesystem": "workspace-write", "network": "proxy"}, "network"),
+        ({"network": "none", "allow_hosts": ["example.com"]}, "allow_hosts"),  # not a field (yet)
     ):
         with pytest.raises(ConfigError, match=said):
             LocalConfig(policy=bad)  # type: ignore[arg-type]
@@ -70,6 +71,22 @@ def test_a_request_narrows_the_policy() -> None:
     assert narrowed(base, None) is base
     # An unrestricted executor: any request narrows it.
     assert narrowed(SandboxPolicy(), asked) == asked
+
+
+def test_the_network_rule_goes_to_the_step_and_narrows_from_all_to_none() -> None:
+    assert LocalConfig(policy={"network": "loopback"}).policy.network == "loopback"  # type: ignore[arg-type]
+    alone = SandboxPolicy(network="none")
+    assert alone.active
+    assert confine_options(alone, "/w") == ("--write", "/", "--network", "none")
+    assert confine_options(SandboxPolicy(), "/w") is None  # network "all" costs no step
+    loopback = SandboxPolicy(network="loopback")
+    assert narrowed(loopback, SandboxPolicy(network="none")).network == "none"
+    # A request that leaves the network out keeps the executor's; one that names a wider rule is refused.
+    assert narrowed(loopback, SandboxPolicy(limits=CommandLimits(cpu_seconds=5))).network == "loopback"
+    assert narrowed(SandboxPolicy(), loopback).network == "loopback"
+    for wider in ("all", "loopback"):
+        with pytest.raises(PolicyWidened, match=f"policy.network: {wider} is wider than the executor's none"):
+            narrowed(SandboxPolicy(network="none"), SandboxPolicy(network=wider))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

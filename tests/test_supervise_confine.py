@@ -9,13 +9,19 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from dsh_bash.supervisor import confine_probe_argv, landlock_abi_from_probe, supervisor_binary
+from dsh_bash.backend import ConfinementProbe
+from dsh_bash.supervisor import confine_probe_argv, confinement_from_probe, supervisor_binary
 
 BINARY = str(supervisor_binary())  # bin/test builds it before the tests run
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False, cwd="/")
 
 
 def _confined(options: list[str], script: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
@@ -44,12 +50,12 @@ def test_the_probe_names_the_landlock_abi() -> None:
         [BINARY, "--confine", "--probe"], capture_output=True, text=True, timeout=10, check=False
     )
     assert done.returncode == 0
-    word, abi = done.stdout.split()
+    word, abi = done.stdout.split()[:2]
     assert word == "landlock" and int(abi) >= 1  # MECHANICS.md: ABI 7 on these machines
-    assert landlock_abi_from_probe(done.returncode, done.stdout.encode()) == int(abi)
+    assert confinement_from_probe(done.returncode, done.stdout.encode()).landlock_abi == int(abi)
     # A binary without the step (protocol 9 and older) answers with a usage error: no Landlock.
-    assert landlock_abi_from_probe(125, b"") == 0
-    assert landlock_abi_from_probe(0, b"dsh-supervise 9\n") == 0
+    assert confinement_from_probe(125, b"").landlock_abi == 0
+    assert confinement_from_probe(0, b"dsh-supervise 9\n").landlock_abi == 0
     assert confine_probe_argv(BINARY) == [BINARY, "--confine", "--probe"]
 
 
@@ -175,6 +181,7 @@ def test_cpu_time_is_limited() -> None:
         (["--write", "relative", "--", "true"], "absolute"),
         (["--cpu-seconds", "-1", "--", "true"], "number"),
         (["--bogus", "x", "--", "true"], "not one of its options"),
+        (["--network", "some", "--", "true"], "none or loopback"),
         (["--write", "/tmp"], "usage"),
         (["--", "/no/such/program"], "cannot run"),
     ],
@@ -204,3 +211,89 @@ def test_a_path_under_home_is_the_commands_home(tree: Path) -> None:
         check=False,
     )
     assert done.returncode == 1 and "Permission denied" in done.stderr, done
+
+
+# -- network (protocol 11) ---------------------------------------------------------------------------
+
+_SOCKETS = """
+import ctypes, errno, socket
+def attempt(name, make):
+    try:
+        make().close()
+        print(name, "ok")
+    except OSError as exc:
+        print(name, errno.errorcode.get(exc.errno, exc.errno))
+attempt("tcp", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+attempt("udp6", lambda: socket.socket(socket.AF_INET6, socket.SOCK_DGRAM))
+attempt("netlink", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW))
+attempt("unix", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+attempt("socketpair", lambda: socket.socketpair()[0])
+libc = ctypes.CDLL(None, use_errno=True)
+params = ctypes.create_string_buffer(120)
+fd = libc.syscall(425, 1, params)  # io_uring_setup: its socket operation would pass by seccomp
+print("io_uring", "ok" if fd >= 0 else errno.errorcode.get(ctypes.get_errno()))
+"""
+
+
+def test_network_none_leaves_no_socket() -> None:
+    """Not even a unix one: a socket file (a Docker engine's) is reached by its path, and nothing
+    here can tell one path from another; a socketpair reaches nothing and stays."""
+    done = subprocess.run(
+        [BINARY, "--confine", "--write", "/", "--network", "none", "--", sys.executable, "-c", _SOCKETS],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.stdout.split("\n")[:-1] == [
+        "tcp EACCES", "udp6 EACCES", "netlink EACCES", "unix EACCES", "socketpair ok", "io_uring EACCES"
+    ], done.stderr  # fmt: skip
+    unconfined = _run([sys.executable, "-c", _SOCKETS])
+    assert unconfined.stdout.split("\n")[:5] == [
+        "tcp ok",
+        "udp6 ok",
+        "netlink ok",
+        "unix ok",
+        "socketpair ok",
+    ]
+
+
+_LOOPBACK = """
+echo x > /dev/udp/127.0.0.1/9 && echo own-loopback
+echo x > /dev/udp/198.51.100.1/9 && echo outside
+tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '
+id -u
+"""
+
+
+@pytest.mark.parametrize("uid", [0, 65534])
+def test_network_loopback_is_a_network_of_its_own(uid: int) -> None:
+    """Its own loopback, up; no other interface, so no route out."""
+    as_user = [] if uid == 0 else ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    argv = [*as_user, BINARY, "--confine", "--write", "/", "--network", "loopback", "--", "bash", "-c"]
+    done = _run([*argv, _LOOPBACK])
+    assert done.stdout.split() == ["own-loopback", "lo", str(uid)], done.stderr
+    assert "Network is unreachable" in done.stderr
+    # Unconfined, the same user sees this machine's interfaces (and reaches the outside where it has a
+    # route: not asserted, a machine may have none).
+    baseline = _run([*as_user, "bash", "-c", _LOOPBACK]).stdout.split()
+    assert baseline[0] == "own-loopback"
+    assert set(baseline) - {"own-loopback", "outside", "lo", str(uid)}, baseline
+
+
+def test_root_under_network_loopback_keeps_its_files_and_cannot_go_back(tmp_path: Path) -> None:
+    """Every id maps to itself (root reads another user's private file as before); root of the new
+    user namespace has no right over the host's network namespace."""
+    private = tmp_path / "private"
+    private.write_text("mine")
+    os.chown(private, 65534, 65534)
+    private.chmod(0o600)
+    script = f"cat {private}; echo; stat -c %u {private}; nsenter --net=/proc/1/ns/net true || echo refused"
+    done = _confined(["--write", "/", "--network", "loopback"], script)
+    assert done.stdout.split() == ["mine", "65534", "refused"], done.stderr
+
+
+def test_the_probe_says_where_loopback_can_hold() -> None:
+    done = subprocess.run([BINARY, "--confine", "--probe"], capture_output=True, timeout=10, check=False)
+    probe = confinement_from_probe(done.returncode, done.stdout)
+    assert probe.loopback is True  # user namespaces work on this host (MECHANICS.md)
+    assert confinement_from_probe(0, b"landlock 7\n") == ConfinementProbe(landlock_abi=7, loopback=False)
+    assert confinement_from_probe(0, b"landlock 7\nloopback 0\n").loopback is False
+    assert confinement_from_probe(1, b"landlock 7\nloopback 1\n") == ConfinementProbe()

@@ -111,7 +111,7 @@ GENERIC_HINTS: Mapping[InfraReason, str] = {
         "SFTP or exec_sftp_server)"
     ),
     "policy_unenforceable": (
-        'run on a backend and kernel that apply the policy (local with Landlock), set the policy\'s '
+        "run on a backend and kernel that apply the policy (local with Landlock), set the policy's "
         'enforcement = "best_effort" to run without what cannot hold, or drop the policy'
     ),
     "engine_unreachable": "start the container engine, or point the config at one that answers",

@@ -164,6 +164,59 @@ async def policy_limits(ctx: CheckContext) -> None:
         )
 
 
+#: What a command reaches: its loopback and (routable wherever the machine has a default route, a
+#: TEST-NET-2 address no one answers: UDP needs no listener) the outside, from its shell and from a
+#: child; then the network's interfaces as the command sees them.
+_REACH = (
+    "echo x > /dev/udp/127.0.0.1/9 && echo loopback; echo x > /dev/udp/198.51.100.1/9 && echo outside; "
+    "bash -c 'echo x > /dev/udp/127.0.0.1/9' && echo child-loopback; "
+    "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | sort | tr '\\n' ' '"
+)
+
+
+async def _reach(ctx: CheckContext, ex: BashExecutor, policy: SandboxPolicy | None) -> tuple[list[str], str]:
+    done = await (ex.exec(_REACH) if policy is None else _confined(ctx, ex, _REACH, policy))
+    said = done.stdout.text.split("\n")
+    return said[:-1], said[-1].strip()
+
+
+@check(
+    "policy-network-none",
+    kind="contract",
+    clause="R-policy-network",
+    rule='Under `network = "none"` a command and its children can make no socket: nothing reaches '
+    "even its own loopback.",
+)
+async def policy_network_none(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        unconfined, _ = await _reach(ctx, ex, None)
+        ctx.expect(
+            {"loopback", "child-loopback"} <= set(unconfined),
+            f"without a policy a command should reach its loopback (else this proves nothing): {unconfined}",
+        )
+        confined, _ = await _reach(ctx, ex, SandboxPolicy(network="none"))
+        ctx.expect(confined == [], f'under network = "none" the command still reached: {confined}')
+
+
+@check(
+    "policy-network-loopback",
+    kind="contract",
+    clause="R-policy-network",
+    rule='Under `network = "loopback"` a command and its children reach their own loopback and nothing '
+    "else: the network they see has no interface but `lo`.",
+)
+async def policy_network_loopback(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        confined, interfaces = await _reach(ctx, ex, SandboxPolicy(network="loopback"))
+        ctx.expect(
+            confined == ["loopback", "child-loopback"],
+            f'under network = "loopback": reached {confined} (expected its loopback only)',
+        )
+        ctx.expect(
+            interfaces == "lo", f'under network = "loopback" the command sees interfaces {interfaces!r}'
+        )
+
+
 @check(
     "policy-not-liftable",
     kind="contract",

@@ -29,6 +29,7 @@ from .._bash_executor import (
 from .._config import BudgetConfig
 from .._errors import BashInfrastructureError
 from .._output import SpillFile
+from .._policy import ConfinementProbe
 from .._protocol import (
     CommandProcess,
     Containment,
@@ -339,14 +340,14 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
             self._confine_binary = self._supervisor_path or _find_supervisor()[0] or ""
         return [self._confine_binary, "--confine"] if self._confine_binary else None
 
-    async def _landlock_abi(self) -> int:
+    async def _probe_confinement(self) -> ConfinementProbe:
         prefix = self._confine_prefix()
         if prefix is None:
-            return 0
-        from ..supervisor import landlock_abi_from_probe  # noqa: PLC0415
+            return ConfinementProbe()
+        from ..supervisor import confinement_from_probe  # noqa: PLC0415
 
         done = await anyio.run_process([*prefix, "--probe"], check=False)
-        return landlock_abi_from_probe(done.returncode, done.stdout)
+        return confinement_from_probe(done.returncode, done.stdout)
 
     async def _read_file(self, path: str, *, user: str | None, max_bytes: int) -> bytes:
         if user is not None:

@@ -23,16 +23,17 @@ their commands run. Imports only the seam; see ``README.md`` beside this file.
   written as the user the supervisor runs as (for a backend whose own channel cannot take that
   user's permissions), and :func:`check_file_mode`, its exit status as a refusal
   (:data:`FILE_MODE_REFUSALS`) or a failure.
-- The sandbox policy's step (protocol 10): :data:`CONFINE_FROM_SUPERVISOR` (its argv prefix where
-  the command's supervisor execs it), :func:`confine_probe_argv` and :func:`landlock_abi_from_probe`
-  (which Landlock ABI the kernel where commands run has).
+- The sandbox policy's step (protocol 10; its network rules 11): :data:`CONFINE_FROM_SUPERVISOR` (its
+  argv prefix where the command's supervisor execs it), :func:`confine_probe_argv` and
+  :func:`confinement_from_probe` (what the step can apply where commands run: the kernel's Landlock
+  ABI, whether a loopback-only network can hold).
 - The detached mode's signed status file: :class:`SignedRecords` verifies it with a key of
   :data:`SUPERVISOR_KEY_SIZE` bytes.
 """
 
 from __future__ import annotations
 
-from ._confine import CONFINE_FROM_SUPERVISOR, confine_probe_argv, landlock_abi_from_probe
+from ._confine import CONFINE_FROM_SUPERVISOR, confine_probe_argv, confinement_from_probe
 from ._file_mode import FILE_MODE_REFUSALS, check_file_mode, file_read_argv, file_write_argv
 from ._framed_command import CONTINUE_SUPERVISOR, FramedCommand, continue_runs
 from ._frames import SupervisorRecords, command_payload, encode_frame
@@ -54,11 +55,11 @@ __all__ = [
     "check_file_mode",
     "command_payload",
     "confine_probe_argv",
+    "confinement_from_probe",
     "continue_runs",
     "encode_frame",
     "file_read_argv",
     "file_write_argv",
-    "landlock_abi_from_probe",
     "supervisor_binary",
     "supervisor_payload",
     "supervisor_problem",

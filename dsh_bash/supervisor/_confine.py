@@ -1,9 +1,12 @@
-"""The sandbox policy's step (protocol 10, ``native/confine.c``) as a backend runs it: exec'd by the
-command's supervisor as its own image, and asked where commands run which Landlock ABI the kernel has."""
+"""The sandbox policy's step (protocol 10, its network rules 11, ``native/confine.c``) as a backend runs
+it: exec'd by the command's supervisor as its own image, and asked where commands run what it can
+apply there."""
 
 from __future__ import annotations
 
-__all__ = ["CONFINE_FROM_SUPERVISOR", "confine_probe_argv", "landlock_abi_from_probe"]
+from .._policy import ConfinementProbe
+
+__all__ = ["CONFINE_FROM_SUPERVISOR", "confine_probe_argv", "confinement_from_probe"]
 
 #: The step's argv prefix for a backend whose commands' supervisor execs them: ``/proc/self/exe`` is
 #: then the supervisor's own image (a sealed copy, or the file checked before its exec), never a file
@@ -12,12 +15,15 @@ CONFINE_FROM_SUPERVISOR: tuple[str, ...] = ("/proc/self/exe", "--confine")
 
 
 def confine_probe_argv(supervisor: str) -> list[str]:
-    """Run where commands run: prints ``landlock ABI`` (0 without Landlock)."""
+    """Run where commands run: prints ``landlock ABI`` (0 without Landlock) and ``loopback 1|0``."""
     return [supervisor, "--confine", "--probe"]
 
 
-def landlock_abi_from_probe(exit_code: int | None, stdout: bytes) -> int:
-    """The ABI the probe printed; 0 for anything else (a binary without the step, a failure)."""
-    said = stdout.decode("ascii", "replace").split()
-    ok = exit_code == 0 and len(said) == 2 and said[0] == "landlock" and said[1].isdigit()
-    return int(said[1]) if ok else 0
+def confinement_from_probe(exit_code: int | None, stdout: bytes) -> ConfinementProbe:
+    """What the probe printed; nothing applicable for anything else (a binary without the step, a
+    failure). A binary of protocol 10 prints no ``loopback`` line: it has no network rules."""
+    said = dict(line.split(" ", 1) for line in stdout.decode("ascii", "replace").splitlines() if " " in line)
+    abi, loopback = said.get("landlock", ""), said.get("loopback", "0")
+    if exit_code != 0 or not abi.isdigit():
+        return ConfinementProbe()
+    return ConfinementProbe(landlock_abi=int(abi), loopback=loopback == "1")

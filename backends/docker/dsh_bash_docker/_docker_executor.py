@@ -22,6 +22,7 @@ from dsh_bash.backend import (
     AtMostEvery,
     CoalescedRuns,
     CommandProcess,
+    ConfinementProbe,
     Containment,
     InfraReason,
     Killable,
@@ -44,11 +45,11 @@ from dsh_bash.supervisor import (
     CONTINUE_SUPERVISOR,
     check_file_mode,
     confine_probe_argv,
+    confinement_from_probe,
     continue_runs,
     encode_frame,
     file_read_argv,
     file_write_argv,
-    landlock_abi_from_probe,
 )
 
 from ._docker_config import DockerConfig, memory_bytes
@@ -464,14 +465,14 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         # /.dsh-bash). Without the supervisor (containment = marker): no step.
         return None if self._supervisor is None else list(CONFINE_FROM_SUPERVISOR)
 
-    async def _landlock_abi(self) -> int:
+    async def _probe_confinement(self) -> ConfinementProbe:
         if self._supervisor is None:
-            return 0
+            return ConfinementProbe()
         argv = confine_probe_argv(self._supervisor)
         code, out, _ = await run_script(
             self._engine, self._container_id, self.config.user, 'exec "$@"', *argv
         )
-        return landlock_abi_from_probe(code, out)
+        return confinement_from_probe(code, out)
 
     def _file_mode_user(self, user: str | None) -> str | None:
         """None when a command of ``user`` runs as root (the archive API moves its files); else the exec

@@ -20,6 +20,7 @@ from dsh_bash.backend import (
     MAX_INLINE_COMMAND,
     MODEL_FRIENDLY_ENV,
     CommandProcess,
+    ConfinementProbe,
     Containment,
     InfraReason,
     Killable,
@@ -43,8 +44,8 @@ from dsh_bash.supervisor import (
     CONFINE_FROM_SUPERVISOR,
     SUPERVISOR_KEY_SIZE,
     confine_probe_argv,
+    confinement_from_probe,
     continue_runs,
-    landlock_abi_from_probe,
 )
 
 from ._connection import ChannelPool
@@ -341,11 +342,11 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         # file BOOT checked, never one a command of the login replaced since.
         return None if self._supervisor is None else list(CONFINE_FROM_SUPERVISOR)
 
-    async def _landlock_abi(self) -> int:
+    async def _probe_confinement(self) -> ConfinementProbe:
         if self._supervisor is None:
-            return 0
+            return ConfinementProbe()
         code, out, _ = await self._pool.run_script('exec "$@"', *confine_probe_argv(self._supervisor))
-        return landlock_abi_from_probe(code, out)
+        return confinement_from_probe(code, out)
 
     async def _read_file(self, path: str, *, user: str | None, max_bytes: int) -> bytes:
         refuse_other_user(user, self._login_names(), f"on {self._pool.where}")
