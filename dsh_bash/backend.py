@@ -65,6 +65,14 @@ Files (``R-file-*``; the path checks and the error wrapping are the executor's):
 - :func:`temporary_file_name`: the name a write puts its bytes under, beside the target, before the
   rename over it.
 
+The sandbox policy (``R-policy-*``; the narrowing, the step's options and the refusals are the
+executor's):
+
+- :class:`ConfinementProbe`: what the policy's step can apply where commands run (the kernel's
+  Landlock ABI; whether ``network = "loopback"`` can hold), which ``_probe_confinement`` returns
+  (:func:`dsh_bash.supervisor.confinement_from_probe` reads it from ``dsh-supervise --confine
+  --probe``).
+
 Errors and configuration:
 
 - :data:`InfraReason`: the machine-readable reason a :class:`dsh_bash.BashInfrastructureError`

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-from dsh_bash import BashRunResult, BashTaskStatus, CollectedOutput, EndCause
+from dsh_bash import BashRunResult, BashTaskStatus, CollectedOutput, EndCause, SandboxPolicy
 
 __all__ = [
     "NO_NEW_OUTPUT",
@@ -22,6 +22,7 @@ __all__ = [
     "escape_controls",
     "join",
     "lossy_line",
+    "policy_line",
     "render_output",
     "render_run",
     "status_line",
@@ -116,6 +117,37 @@ def render_run(result: BashRunResult) -> str:
     elif result.exit_code is not None and result.exit_code != 0:
         pieces.append(Line(f"[exit code: {result.exit_code}]"))
     return join(pieces)
+
+
+#: What a command that ran into its sandbox policy prints (the errors the policy's rules give), and the
+#: signals of its limits.
+_POLICY_ERRORS = ("Permission denied", "Read-only file system", "Network is unreachable")
+_LIMIT_SIGNALS = ("SIGXCPU", "SIGXFSZ")
+
+
+def policy_line(policy: SandboxPolicy | None, workdir: str, result: BashRunResult) -> Line | None:
+    """``[sandbox policy: ...]`` when ``result`` shows what ``policy`` refuses (an error its rules give
+    on stderr, a limit's signal), else None: the model is told the refusal came from outside the
+    command, and that it cannot be lifted from inside."""
+    if policy is None or not policy.active:
+        return None
+    refused = result.signal in _LIMIT_SIGNALS or any(said in result.stderr.text for said in _POLICY_ERRORS)
+    if not refused:
+        return None
+    rules: list[str] = []
+    if policy.filesystem == "workspace-write":
+        rules.append(f"writes only beneath {', '.join((workdir, *policy.writable))}")
+    if policy.deny_read:
+        rules.append(f"unreadable: {', '.join(policy.deny_read)}")
+    if policy.network != "all":
+        rules.append("no network" if policy.network == "none" else "network: its own loopback only")
+    limits = [f"{name} {value}" for name, value in policy.limits.model_dump().items() if value is not None]
+    if limits:
+        rules.append(f"limits: {', '.join(limits)}")
+    return Line(
+        f"[sandbox policy: {'; '.join(rules)}. An error above may be the policy's, which nothing in "
+        "the command can lift: work within it]"
+    )
 
 
 def status_summary(

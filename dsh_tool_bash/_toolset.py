@@ -38,6 +38,7 @@ from ._render import (
     completion_notice,
     escape_controls,
     join,
+    policy_line,
     render_output,
     render_run,
     status_line,
@@ -637,6 +638,10 @@ class BashToolset:
                 return _error("aborted", ABORTED_TEXT, BASH, **facts)
             return _failure(exc, "the command could not run", BASH, **facts)
         lines, session_facts = self._session_lines(result, spec.workdir)
+        refused = policy_line(spec.policy, spec.workdir, result)
+        if refused is not None:
+            lines.append(refused)
+            facts["policy_refusal"] = True
         data = {"tool": BASH, **facts, **_run_data(result), **session_facts}
         if result.aborted:
             return ToolResult(text=ABORTED_TEXT, is_error=True, data={**data, "error": "aborted"})

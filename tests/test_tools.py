@@ -30,6 +30,7 @@ from dsh_bash import (
     BashTaskId,
     CollectedOutput,
     OwnerToken,
+    SandboxPolicy,
 )
 from dsh_bash.testing import Chunk, InfraFailure, Script, ScriptedConfig, ScriptedExecutor
 from dsh_tool_bash import BashToolset, ToolDefinition, ToolResult
@@ -817,3 +818,24 @@ async def test_owners_have_sessions_of_their_own_and_sessions_can_be_turned_off(
         assert "restart" not in definition.input_schema["properties"]
         plain = await off.call("bash", {"command": "pwd; echo ${SEEN-none}"})
         assert plain.text == f"{tmp_path}\nnone\n" and "cwd" not in plain.data
+
+
+@pytest.mark.anyio
+async def test_the_model_is_told_when_its_sandbox_policy_refused_a_command(tmp_path: Any) -> None:
+    policy = SandboxPolicy.workspace_write(network="none")
+    refused = "echo x > /etc/dsh-policy-probe; echo x > /dev/udp/127.0.0.1/9"
+    async with _executor(policy=policy, cwd=str(tmp_path)) as ex:
+        tools = BashToolset(ex)
+        result = await tools.call("bash", {"command": refused})
+        assert result.data["policy_refusal"] is True
+        assert result.text.endswith(
+            f"[sandbox policy: writes only beneath {tmp_path}, /tmp, /dev; unreadable: ~/.ssh, ~/.aws, "
+            "~/.config/gcloud, ~/.docker, ~/.netrc; no network. An error above may be the policy's, which "
+            "nothing in the command can lift: work within it]"
+        ), result.text
+        fine = await tools.call("bash", {"command": "echo fine > here && cat here"})
+        assert fine.text == "fine\n" and "policy_refusal" not in fine.data
+    async with _executor(cwd=str(tmp_path)) as ex:  # no policy: the same errors are the machine's own
+        result = await BashToolset(ex).call("bash", {"command": "echo 'Permission denied' >&2; exit 1"})
+        assert "Permission denied" in result.text
+        assert "sandbox policy" not in result.text and "policy_refusal" not in result.data
