@@ -284,11 +284,33 @@ def test_doctor_local_ok(local_toml: str, tmp_path: Path) -> None:
     lines = _lines(result)
     assert [line.split()[:2] for line in lines[:-1]] == [
         ["ok", step]
-        for step in ("config", "open", "containment", "bash", "workdir", "spill", "setsid", "close")
+        for step in ("config", "open", "containment", "bash", "workdir", "spill", "setsid", "policy", "close")
     ]
     assert "subreaper" in lines[2]
     assert str(tmp_path / "work") in lines[4]
+    # Every rule can hold on this host (Landlock, seccomp, user namespaces: MECHANICS.md).
+    assert lines[7].split(None, 2)[2] == (
+        "configured: unrestricted; can hold here: workspace-write: yes, network none: yes, "
+        "network loopback: yes"
+    )
     assert lines[-1] == "dsh-bash doctor: all ok"
+
+
+def test_doctor_fails_a_policy_that_does_not_hold_where_commands_run(tmp_path: Path) -> None:
+    """best_effort opens without what cannot hold: the doctor says so (the scripted backend has no
+    confinement step); a required policy that cannot hold fails at open, with the hint."""
+    scripted = 'backend = "dsh_bash.testing:ScriptedExecutor.from_fields"\n'
+    table = '[policy]\npreset = "workspace-write"\nnetwork = "none"\n'
+    gap = dsh("doctor", "--config", config(tmp_path, f'{scripted}{table}enforcement = "best_effort"\n'))
+    [line] = [each for each in _lines(gap) if each.split()[1:2] == ["policy"]]
+    assert line.startswith(
+        "FAIL  policy   configured: workspace-write, 5 path(s) unreadable, network none, "
+        "enforcement best_effort; it does not hold here and commands run without it: "
+    ), line
+    assert "has no confinement step" in line and gap.code == 1
+    refused = dsh("doctor", "--config", config(tmp_path, f"{scripted}{table}"))
+    assert [each.split()[:2] for each in _lines(refused)][1] == ["FAIL", "open"], refused
+    assert "policy_unenforceable" in refused.out or "sandbox policy" in refused.out
 
 
 def _docker_open_reason(socket: Path) -> str:

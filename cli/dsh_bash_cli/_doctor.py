@@ -3,7 +3,10 @@
 Steps, in order: ``config`` (the file loads), ``open`` (the backend is reached within the bound),
 ``bash`` (``$BASH_VERSION``), ``workdir`` (``pwd`` in the default working directory), ``spill``
 (output beyond ``max_output_bytes`` lands in a spill file that ``test -f`` finds), ``setsid``
-(``command -v setsid``, a failure only for a backend whose ``needs_setsid`` is true), ``close``. A
+(``command -v setsid``, a failure only for a backend whose ``needs_setsid`` is true), ``policy``
+(the configured sandbox policy, and which of its rules can hold where commands run: each is tried
+on ``true``, narrowing the configured policy; a failure only when the configured policy's own rules
+do not all hold, which ``enforcement = "best_effort"`` lets the executor open with), ``close``. A
 failed ``config`` or ``open`` ends the run.
 
 Each failure carries a fix, chosen by the reason of the error behind it
@@ -38,6 +41,8 @@ from dsh_bash import (
     ConfigError,
     DshBashError,
     InfraReason,
+    PolicyWidened,
+    SandboxPolicy,
     load_executor,
 )
 
@@ -46,7 +51,14 @@ from ._text import one_line
 __all__ = ["GENERIC_HINTS", "STEPS", "Finding", "hint", "run_doctor"]
 
 #: Every step, in the order it runs.
-STEPS = ("config", "open", "bash", "workdir", "spill", "setsid", "close")
+STEPS = ("config", "open", "bash", "workdir", "spill", "setsid", "policy", "close")
+
+#: The rules the ``policy`` step tries, each as fields that narrow the configured policy.
+_POLICY_RULES: tuple[tuple[str, dict[str, str]], ...] = (
+    ("workspace-write", {"filesystem": "workspace-write"}),
+    ("network none", {"network": "none"}),
+    ("network loopback", {"network": "loopback"}),
+)
 
 #: ``max_output_bytes`` for the spill step, and how much the step prints (beyond it, so it spills).
 _SPILL_LIMIT = 1024
@@ -55,6 +67,10 @@ _SPILL_PRINT = 4096
 _WATCHDOG_SLACK_S = 5.0
 
 _SET_CWD = "set cwd in the config to an existing directory, where the commands run, that this user may enter"
+_POLICY_GAP = (
+    "run where the rule can hold (the reason above names what is missing there), or drop the rule from "
+    "the policy; best_effort lets commands run without it"
+)
 _BACKEND_FAILED = "the backend failed under the command: check that where commands run is healthy, then retry"
 
 
@@ -229,6 +245,7 @@ class _Doctor:
                         ("workdir", self._workdir),
                         ("spill", self._spill),
                         ("setsid", self._setsid),
+                        ("policy", self._policy),
                     ):
                         try:
                             self.put(step, True, await probe(ex))
@@ -321,6 +338,56 @@ class _Doctor:
             "setsid not found where the commands run (`command -v setsid` failed)",
             f"install setsid there (util-linux, or busybox): {type(ex).__name__} needs it",
         )
+
+    async def _policy(self, ex: BashExecutor) -> str:
+        configured = ex.config.policy
+        detail = f"configured: {_describe_policy(configured)}"
+        if configured.active and configured.enforcement == "best_effort":
+            problem = await self._policy_problem(
+                ex, configured.model_copy(update={"enforcement": "required"})
+            )
+            if problem is not None:
+                raise _StepFailed(
+                    f"{detail}; it does not hold here and commands run without it: {problem}",
+                    _POLICY_GAP,
+                )
+        holds: list[str] = []
+        for name, fields in _POLICY_RULES:
+            try:
+                asked = SandboxPolicy.model_validate({**configured.model_dump(), **fields})
+                problem = await self._policy_problem(ex, asked)
+            except PolicyWidened:
+                holds.append(f"{name}: wider than configured")
+                continue
+            holds.append(f"{name}: yes" if problem is None else f"{name}: no: {problem}")
+        return f"{detail}; can hold here: {', '.join(holds)}"
+
+    async def _policy_problem(self, ex: BashExecutor, policy: SandboxPolicy) -> str | None:
+        """None when ``true`` runs under ``policy`` (in ``/``, which every backend has), else why not."""
+        try:
+            result = await ex.exec("true", workdir="/", policy=policy, timeout_ms=self.timeout_s * 1000)
+        except BashInfrastructureError as exc:
+            if exc.reason != "policy_unenforceable":
+                raise _StepFailed(one_line(exc), hint(self.backend, "policy", exc)) from None
+            return one_line(exc)
+        if result.exit_code != 0:
+            return f"`true` under it failed ({_show(result)})"
+        return None
+
+
+def _describe_policy(policy: SandboxPolicy) -> str:
+    if not policy.active:
+        return "unrestricted"
+    words = [policy.filesystem]
+    if policy.deny_read:
+        words.append(f"{len(policy.deny_read)} path(s) unreadable")
+    if policy.network != "all":
+        words.append(f"network {policy.network}")
+    limits = [f"{name}={value}" for name, value in policy.limits.model_dump().items() if value is not None]
+    if limits:
+        words.append(f"limits {' '.join(limits)}")
+    words.append(f"enforcement {policy.enforcement}")
+    return ", ".join(words)
 
 
 def run_doctor(
