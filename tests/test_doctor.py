@@ -98,7 +98,9 @@ def test_the_reason_beats_the_step() -> None:
     findings = doctor("WorkdirGone.from_fields")
     failed = {f.step: f.fix for f in findings if not f.ok}
     # The bash step alone would say "install bash"; the error's reason says the workdir is the problem.
-    assert failed == dict.fromkeys(["bash", "workdir", "spill", "setsid"], GENERIC_HINTS["workdir_missing"])
+    assert failed == dict.fromkeys(
+        ["bash", "workdir", "spill", "setsid", "policy"], GENERIC_HINTS["workdir_missing"]
+    )
 
 
 @pytest.mark.parametrize(("backend", "ok"), [("needs_setsid", False), ("does_not_need_setsid", True)])
