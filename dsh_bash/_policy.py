@@ -45,12 +45,14 @@ class PolicyWidened(ValueError):
 
 
 class CommandLimits(_Frozen):
-    """Per-command limits (``setrlimit`` in the command's process, soft and hard); None: no limit."""
+    """Per-command limits (``setrlimit`` in the command's process, soft and hard; ``processes``: a
+    pids cgroup of the command's own, counting every process it starts); None: no limit."""
 
     cpu_seconds: _Count | None = None
     file_bytes: _Count | None = None
     memory_bytes: _Count | None = None
     open_files: _Count | None = None
+    processes: _Count | None = None
 
 
 def _path(value: str, field: str) -> str:
@@ -168,7 +170,7 @@ def confine_options(
     for path in policy.deny_read:
         options += ["--deny-read", path]
     names = {"cpu_seconds": "--cpu-seconds", "file_bytes": "--file-bytes", "memory_bytes": "--memory-bytes",
-             "open_files": "--open-files"}  # fmt: skip
+             "open_files": "--open-files", "processes": "--processes"}  # fmt: skip
     for name, value in policy.limits.model_dump().items():
         if value is not None:
             options += [names[name], str(value)]
@@ -179,11 +181,13 @@ def confine_options(
 
 class ConfinementProbe(_Frozen):
     """What the policy's step can apply where commands run (``dsh-supervise --confine --probe``
-    there): the kernel's Landlock ABI (0: none), and whether ``network = "loopback"`` can hold (a
-    network namespace can be made, or the one there has nothing but loopback already)."""
+    there): the kernel's Landlock ABI (0: none), whether ``network = "loopback"`` can hold (a
+    network namespace can be made, or the one there has nothing but loopback already), and whether
+    ``limits.processes`` can (a pids cgroup can be made)."""
 
     landlock_abi: Annotated[int, Strict(), Field(ge=0)] = 0
     loopback: bool = False
+    processes: bool = False
 
     def problem(self, policy: SandboxPolicy) -> str | None:
         """Why ``policy`` cannot be applied there (None: it can)."""
@@ -193,5 +197,10 @@ class ConfinementProbe(_Frozen):
             return (
                 'network = "loopback": no network namespace can be made there (user namespaces are '
                 "refused) and its network has interfaces besides loopback"
+            )
+        if policy.limits.processes is not None and not self.processes:
+            return (
+                "limits.processes: no pids cgroup can be made there (cgroups are writable by root on a "
+                "host, not inside a container nor for other users)"
             )
         return None

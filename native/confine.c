@@ -4,9 +4,11 @@
  * and inherited by every child, and the supervisor that started it stays unconfined.
  *
  *   dsh-supervise --confine [--write PATH]... [--deny-read PATH]... [--cpu-seconds N] [--file-bytes N]
- *                 [--memory-bytes N] [--open-files N] [--network none|loopback] -- PROGRAM [ARGS...]
+ *                 [--memory-bytes N] [--open-files N] [--processes N] [--network none|loopback]
+ *                 -- PROGRAM [ARGS...]
  *   dsh-supervise --confine --probe      (prints "landlock ABI" (0 where the kernel has none) and
- *                                         "loopback 1|0": whether --network loopback can hold here)
+ *                                         "loopback 1|0": whether --network loopback can hold here,
+ *                                         "processes 1|0": whether --processes can)
  *
  * - Files, by Landlock (ABI 1 and later; the rights the running kernel knows are all handled): every
  *   path may be read and executed, and written (written, made, removed, renamed, truncated) only
@@ -31,6 +33,12 @@
  *   Where no user namespace can be made (Docker's default seccomp profile), a namespace that has no
  *   interface but loopback already (a container without a network) holds the rule as it is; else
  *   the rule cannot be applied.
+ * - Processes (version 11): a pids cgroup of the command's own (cgroup v1's pids hierarchy, or v2
+ *   with the pids controller), made beneath "dsh-bash" at the hierarchy's root, its pids.max N; the
+ *   process moves itself in before anything else. Writable as root on a host; not inside a container
+ *   (a read-only /sys/fs/cgroup) nor for other users: there the rule cannot be applied. Empty cgroups
+ *   that earlier commands left are removed by the next step (and the probe). RLIMIT_NPROC is never
+ *   used: it counts every process of the user, the harness's too.
  * - Limits, by setrlimit, soft and hard alike (raising a hard limit needs CAP_SYS_RESOURCE); CPU time's
  *   hard limit a second past the soft one (SIGXCPU, then SIGKILL).
  *
@@ -395,11 +403,153 @@ static int loopback_possible(void)
     return reaped_status(pid) == 0;
 }
 
+/* --- processes: a pids cgroup of the command's own --------------------------------------------- */
+
+/* The pids controller's hierarchy as this process sees it: its mount point in ROOT (v1: a cgroup
+ * mount whose options name pids; v2: a cgroup2 mount whose cgroup.controllers lists pids); V2 set
+ * for the second. 0 when there is none. */
+static int pids_hierarchy(char *root, size_t size, int *v2)
+{
+    FILE *mounts = fopen("/proc/self/mountinfo", "re");
+    if (mounts == NULL)
+        return 0;
+    char line[4096];
+    int found = 0;
+    while (!found && fgets(line, sizeof line, mounts) != NULL) {
+        char *dash = strstr(line, " - ");
+        if (dash == NULL)
+            continue;
+        char point[PATH_MAX], fstype[64], source[256], options[1024];
+        if (sscanf(line, "%*s %*s %*s %*s %4095s", point) != 1)
+            continue;
+        if (sscanf(dash + 3, "%63s %255s %1023s", fstype, source, options) != 3)
+            continue;
+        if (strcmp(fstype, "cgroup") == 0) {
+            for (char *save = NULL, *word = strtok_r(options, ",", &save); word != NULL;
+                 word = strtok_r(NULL, ",", &save))
+                if (strcmp(word, "pids") == 0)
+                    found = 1;
+            *v2 = 0;
+        } else if (strcmp(fstype, "cgroup2") == 0) {
+            char controllers[PATH_MAX + 32], listed[512] = "";
+            snprintf(controllers, sizeof controllers, "%s/cgroup.controllers", point);
+            FILE *f = fopen(controllers, "re");
+            if (f != NULL) {
+                if (fgets(listed, sizeof listed, f) != NULL)
+                    for (char *save = NULL, *word = strtok_r(listed, " \n", &save); word != NULL;
+                         word = strtok_r(NULL, " \n", &save))
+                        if (strcmp(word, "pids") == 0)
+                            found = 1;
+                fclose(f);
+            }
+            *v2 = 1;
+        }
+        if (found && (size_t)snprintf(root, size, "%s", point) >= size)
+            found = 0;
+    }
+    fclose(mounts);
+    return found;
+}
+
+/* "+pids" into a v2 cgroup's subtree_control, unless it is there already. */
+static int enable_pids_below(const char *cgroup)
+{
+    char path[PATH_MAX], listed[512] = "";
+    snprintf(path, sizeof path, "%s/cgroup.subtree_control", cgroup);
+    FILE *f = fopen(path, "re");
+    if (f != NULL) {
+        if (fgets(listed, sizeof listed, f) == NULL)
+            listed[0] = '\0';
+        fclose(f);
+    }
+    for (char *save = NULL, *word = strtok_r(listed, " \n", &save); word != NULL; word = strtok_r(NULL, " \n", &save))
+        if (strcmp(word, "pids") == 0)
+            return 0;
+    return write_text(path, "+pids");
+}
+
+/* The directory the commands' pids cgroups live in (made once, shared: "dsh-bash" at the hierarchy's
+ * root), in BASE; -1 (errno set) where it cannot be made or used. Empty ones that commands left are
+ * removed first (a cgroup with a live process in it refuses rmdir: EBUSY). */
+static int pids_base(char *base, size_t size)
+{
+    char root[PATH_MAX];
+    int v2 = 0;
+    if (!pids_hierarchy(root, sizeof root, &v2)) {
+        errno = ENOENT;
+        return -1;
+    }
+    if ((size_t)snprintf(base, size, "%s/dsh-bash", root) >= size) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    if (v2 && enable_pids_below(root) < 0)
+        return -1;
+    if (mkdir(base, 0755) < 0 && errno != EEXIST)
+        return -1;
+    if (v2 && enable_pids_below(base) < 0)
+        return -1;
+    DIR *dir = opendir(base);
+    if (dir != NULL) {
+        struct dirent *entry;
+        char stale[PATH_MAX];
+        while ((entry = readdir(dir)) != NULL)
+            if (strncmp(entry->d_name, "cmd-", 4) == 0 &&
+                (size_t)snprintf(stale, sizeof stale, "%s/%s", base, entry->d_name) < sizeof stale)
+                rmdir(stale);
+        closedir(dir);
+    }
+    return 0;
+}
+
+/* A fresh cgroup beneath BASE for this command; its path in OUT. */
+static int new_pids_cgroup(const char *base, const char *prefix, char *out, size_t size)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    snprintf(out, size, "%s/%s-%d-%lld%09ld", base, prefix, (int)getpid(), (long long)now.tv_sec, now.tv_nsec);
+    return mkdir(out, 0755);
+}
+
+/* --processes N: this process (and so the command and all it starts) in a pids cgroup of its own
+ * whose pids.max is N; fork fails with EAGAIN past it. A sweep by another command's step may remove
+ * the fresh cgroup before this one joins it: tried again. */
+static void limit_processes(const char *value)
+{
+    char base[PATH_MAX], cgroup[PATH_MAX], file[PATH_MAX + 32], pid[32];
+    if (pids_base(base, sizeof base) < 0)
+        die("--confine: --processes: no pids cgroup can be made here: %s", strerror(errno));
+    snprintf(pid, sizeof pid, "%d", (int)getpid());
+    for (int attempt = 0;; attempt++) {
+        if (new_pids_cgroup(base, "cmd", cgroup, sizeof cgroup) < 0)
+            die("--confine: --processes: no pids cgroup can be made here (in %s: %s)", base, strerror(errno));
+        snprintf(file, sizeof file, "%s/pids.max", cgroup);
+        int set = write_text(file, value);
+        snprintf(file, sizeof file, "%s/cgroup.procs", cgroup);
+        if (set == 0 && write_text(file, pid) == 0)
+            return;
+        if (errno != ENOENT || attempt == 4)
+            die("--confine: --processes: cannot put this command in %s: %s", cgroup, strerror(errno));
+    }
+}
+
+/* Whether --processes can hold here: a cgroup made and removed again. */
+static int processes_possible(void)
+{
+    char base[PATH_MAX], cgroup[PATH_MAX], limit[PATH_MAX + 32];
+    if (pids_base(base, sizeof base) < 0 || new_pids_cgroup(base, "probe", cgroup, sizeof cgroup) < 0)
+        return 0;
+    snprintf(limit, sizeof limit, "%s/pids.max", cgroup);
+    int ok = access(limit, W_OK) == 0;
+    rmdir(cgroup);
+    return ok;
+}
+
 int run_confine(int argc, char **argv)
 {
     char *writable[MAX_PATHS];
     int writable_count = 0, i = 2; /* argv[1] is --confine */
-    const char *network = NULL;
+    const char *network = NULL, *processes = NULL;
     for (; i < argc; i++) {
         const char *a = argv[i];
         if (strcmp(a, "--") == 0) {
@@ -407,7 +557,8 @@ int run_confine(int argc, char **argv)
             break;
         }
         if (strcmp(a, "--probe") == 0 && argc == 3) {
-            printf("landlock %d\nloopback %d\n", landlock_abi(), loopback_possible());
+            printf("landlock %d\nloopback %d\nprocesses %d\n", landlock_abi(), loopback_possible(),
+                   processes_possible());
             return 0;
         }
         if (i + 1 >= argc)
@@ -432,6 +583,9 @@ int run_confine(int argc, char **argv)
             set_limit(RLIMIT_AS, parse_limit(v, a), a);
         } else if (strcmp(a, "--open-files") == 0) {
             set_limit(RLIMIT_NOFILE, parse_limit(v, a), a);
+        } else if (strcmp(a, "--processes") == 0) {
+            parse_limit(v, a);
+            processes = v;
         } else if (strcmp(a, "--network") == 0) {
             if (strcmp(v, "none") != 0 && strcmp(v, "loopback") != 0)
                 die("--confine: --network wants none or loopback, not '%s'", v);
@@ -442,9 +596,12 @@ int run_confine(int argc, char **argv)
     }
     if (i >= argc)
         die("usage: dsh-supervise --confine [--write PATH]... [--deny-read PATH]... [--cpu-seconds N] "
-            "[--file-bytes N] [--memory-bytes N] [--open-files N] [--network none|loopback] -- PROGRAM "
-            "[ARGS...]\n"
+            "[--file-bytes N] [--memory-bytes N] [--open-files N] [--processes N] [--network none|loopback] "
+            "-- PROGRAM [ARGS...]\n"
             "       dsh-supervise --confine --probe");
+    /* The cgroup first: its files are written before a user namespace would make them another's. */
+    if (processes != NULL)
+        limit_processes(processes);
     if (network != NULL && strcmp(network, "loopback") == 0)
         loopback_only();
     int abi = landlock_abi();

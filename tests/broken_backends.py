@@ -2393,6 +2393,7 @@ class WritesInPlace(LocalBashExecutor):
 _DENY = frozenset({"--deny-read"})
 _LIMITS = frozenset({"--cpu-seconds", "--file-bytes", "--memory-bytes", "--open-files"})
 _NETWORK = frozenset({"--network"})
+_PROCESSES = frozenset({"--processes"})
 
 
 def _without_options(confine: tuple[str, ...] | None, dropped: frozenset[str]) -> tuple[str, ...] | None:
@@ -2450,6 +2451,16 @@ class LimitsByTheShell(LocalBashExecutor):
         command = f"ulimit -S -n {limit}\n{launch.spec.command}"
         spec = launch.spec.model_copy(update={"command": command})
         return await super()._spawn(replace(launch, spec=spec, confine=_without_options(confine, _LIMITS)))
+
+
+class ProcessesDropped(LocalBashExecutor):
+    """Breaks: limits.processes bounds how many processes a command has at once.
+
+    The step applies every other limit: the processes limit is dropped (as a backend would that
+    set it with RLIMIT_NPROC where the command runs as root, which the kernel never holds to it)."""
+
+    async def _spawn(self, launch: Launch) -> CommandProcess:
+        return await super()._spawn(replace(launch, confine=_without_options(launch.confine, _PROCESSES)))
 
 
 class NetworkIgnored(LocalBashExecutor):

@@ -73,11 +73,14 @@ FILES_NOT_YET: dict[str, frozenset[str]] = {
 
 #: The checks of the sandbox policy (R-policy-*), and where the kit reports them ``not_applicable``
 #: (the executor refuses an active policy, reason ``policy_unenforceable``): the bwrap example keeps its
-#: own sandbox, whose view of the host the policy's paths do not describe.
+#: own sandbox, whose view of the host the policy's paths do not describe. A processes limit needs a
+#: pids cgroup the command's user can make: root on a host (local); not inside a container (Docker,
+#: the containerized sshd) nor for another user (the SSH login, the harness as another user).
 POLICY_CHECKS = frozenset(name for name, each in CHECKS.items() if each.clause.startswith("R-policy-"))
+CGROUP_CHECKS = frozenset({"policy-processes"})
 POLICY_NOT_YET: dict[str, frozenset[str]] = {
-    "docker": frozenset(),
-    "ssh": frozenset(),
+    "docker": CGROUP_CHECKS,
+    "ssh": CGROUP_CHECKS,
     "bwrap": POLICY_CHECKS,
 }
 

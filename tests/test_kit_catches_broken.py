@@ -128,6 +128,7 @@ CAUGHT_BY: list[Row] = [
     Row("policy-write-confined", bb.PolicyIgnored),
     Row("policy-deny-read", bb.DeniedReadsAllowed),
     Row("policy-limits", bb.LimitsDropped),
+    Row("policy-processes", bb.ProcessesDropped, message_contains=("forked 40 of 40",)),
     Row("policy-not-liftable", bb.LimitsByTheShell),
     Row("policy-narrowed", bb.WideningAccepted),
     Row("policy-network-none", bb.NetworkIgnored, message_contains=("still reached: ['loopback'",)),

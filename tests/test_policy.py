@@ -49,9 +49,11 @@ def test_a_config_names_the_policy_by_preset_or_table() -> None:
 
 
 def test_limits_alone_make_a_policy_active_and_go_to_the_step_as_numbers() -> None:
-    policy = SandboxPolicy(limits=CommandLimits(file_bytes=10, open_files=64))
+    policy = SandboxPolicy(limits=CommandLimits(file_bytes=10, open_files=64, processes=32))
     assert policy.active
-    assert confine_options(policy, "/w") == ("--write", "/", "--file-bytes", "10", "--open-files", "64")
+    assert confine_options(policy, "/w") == (
+        "--write", "/", "--file-bytes", "10", "--open-files", "64", "--processes", "32"
+    )  # fmt: skip
 
 
 def test_a_request_narrows_the_policy() -> None:

@@ -297,3 +297,56 @@ def test_the_probe_says_where_loopback_can_hold() -> None:
     assert confinement_from_probe(0, b"landlock 7\n") == ConfinementProbe(landlock_abi=7, loopback=False)
     assert confinement_from_probe(0, b"landlock 7\nloopback 0\n").loopback is False
     assert confinement_from_probe(1, b"landlock 7\nloopback 1\n") == ConfinementProbe()
+
+
+# -- processes (protocol 11) -------------------------------------------------------------------------
+
+#: Forks a subshell at a time (each sleeps) and counts aloud; dash gives up at the first fork that
+#: fails ("Cannot fork"), where bash would retry for seconds.
+_FORKS = "n=0; while [ $n -lt 40 ]; do (sleep 5) >/dev/null 2>&1 & n=$((n+1)); echo $n; done; echo all"
+
+
+def _pids_cgroups() -> set[str]:
+    base = Path("/sys/fs/cgroup/pids/dsh-bash")
+    return {p.name for p in base.iterdir() if p.name.startswith("cmd-")} if base.is_dir() else set()
+
+
+def test_processes_are_limited_in_a_pids_cgroup_of_the_commands_own() -> None:
+    done = _run(
+        [
+            BINARY,
+            "--confine",
+            "--write",
+            "/",
+            "--processes",
+            "12",
+            "--",
+            "sh",
+            "-c",
+            _FORKS + "; cat /proc/self/cgroup",
+        ]
+    )
+    counted = [line for line in done.stdout.split() if line.isdigit()]
+    assert "Cannot fork" in done.stderr and "all" not in done.stdout.split(), done
+    assert 8 <= len(counted) < 12, counted  # the step's shell and its subshells count too
+    unconfined = _run(["sh", "-c", _FORKS.replace("sleep 5", "true")])
+    assert unconfined.stdout.split()[-1] == "all"
+
+
+def test_a_cgroup_left_empty_is_removed_by_the_next_step() -> None:
+    first = _run([BINARY, "--confine", "--write", "/", "--processes", "4", "--", "cat", "/proc/self/cgroup"])
+    [mine] = [line.split(":", 2)[2] for line in first.stdout.splitlines() if ":pids:" in line]
+    left = mine.rsplit("/", 1)[-1]
+    assert left.startswith("cmd-") and left in _pids_cgroups(), (mine, _pids_cgroups())
+    _run([BINARY, "--confine", "--write", "/", "--processes", "4", "--", "true"])
+    assert left not in _pids_cgroups()
+
+
+def test_processes_cannot_be_limited_by_a_user_without_cgroups() -> None:
+    argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", BINARY, "--confine"]
+    refused = _run([*argv, "--write", "/", "--processes", "4", "--", "echo", "ran"])
+    assert refused.returncode == 125 and refused.stdout == "", refused
+    assert "--processes: no pids cgroup can be made here" in refused.stderr
+    probe = confinement_from_probe(0, _run([*argv, "--probe"]).stdout.encode())
+    assert (probe.processes, probe.loopback) == (False, True)
+    assert confinement_from_probe(0, _run([BINARY, "--confine", "--probe"]).stdout.encode()).processes

@@ -54,10 +54,11 @@ __all__ = ["GENERIC_HINTS", "STEPS", "Finding", "hint", "run_doctor"]
 STEPS = ("config", "open", "bash", "workdir", "spill", "setsid", "policy", "close")
 
 #: The rules the ``policy`` step tries, each as fields that narrow the configured policy.
-_POLICY_RULES: tuple[tuple[str, dict[str, str]], ...] = (
+_POLICY_RULES: tuple[tuple[str, dict[str, object]], ...] = (
     ("workspace-write", {"filesystem": "workspace-write"}),
     ("network none", {"network": "none"}),
     ("network loopback", {"network": "loopback"}),
+    ("processes", {"limits": {"processes": 64}}),
 )
 
 #: ``max_output_bytes`` for the spill step, and how much the step prints (beyond it, so it spills).

@@ -23,7 +23,7 @@ from dsh_bash import (
 )
 
 from ._harness import CheckContext, check
-from ._support import expect_raises, expect_raises_sync
+from ._support import expect_raises, expect_raises_sync, show
 
 #: Nothing writable but the working directory (and what a request adds): not /tmp, where the kit's
 #: trees are.
@@ -161,6 +161,34 @@ async def policy_limits(ctx: CheckContext) -> None:
         ctx.expect(
             spin.signal == "SIGXCPU" and not spin.timed_out,
             f"a busy loop past cpu_seconds: signal {spin.signal}, timed out {spin.timed_out}",
+        )
+
+
+#: Forks one subshell at a time (each sleeps, holding no output pipe) and counts aloud; sh gives up at
+#: the first fork that fails, where bash would retry for seconds.
+_FORKS = "n=0; while [ $n -lt 40 ]; do (sleep 5) >/dev/null 2>&1 & n=$((n+1)); echo $n; done; echo all"
+
+
+@check(
+    "policy-processes",
+    kind="contract",
+    clause="R-policy-limits",
+    rule="`limits.processes` bounds how many processes a command and everything it starts have at once: "
+    "a fork past it fails (`EAGAIN`).",
+)
+async def policy_processes(ctx: CheckContext) -> None:
+    async with ctx.executor() as ex:
+        unconfined = await ex.exec(f"sh -c '{_FORKS}'")
+        ctx.expect(
+            unconfined.stdout.text.split()[-1:] == ["all"],
+            f"without a policy 40 forks should succeed (else this proves nothing): {show(unconfined)}",
+        )
+        policy = SandboxPolicy(limits=CommandLimits(processes=12))
+        done = await _confined(ctx, ex, f"sh -c '{_FORKS}'", policy)
+        counted = [word for word in done.stdout.text.split() if word.isdigit()]
+        ctx.expect(
+            "all" not in done.stdout.text.split() and 1 <= len(counted) < 12,
+            f"under processes = 12 a command forked {len(counted)} of 40 subshells: {show(done)}",
         )
 
 

@@ -15,7 +15,8 @@ CONFINE_FROM_SUPERVISOR: tuple[str, ...] = ("/proc/self/exe", "--confine")
 
 
 def confine_probe_argv(supervisor: str) -> list[str]:
-    """Run where commands run: prints ``landlock ABI`` (0 without Landlock) and ``loopback 1|0``."""
+    """Run where commands run: prints ``landlock ABI`` (0 without Landlock), ``loopback 1|0`` and
+    ``processes 1|0``."""
     return [supervisor, "--confine", "--probe"]
 
 
@@ -23,7 +24,9 @@ def confinement_from_probe(exit_code: int | None, stdout: bytes) -> ConfinementP
     """What the probe printed; nothing applicable for anything else (a binary without the step, a
     failure). A binary of protocol 10 prints no ``loopback`` line: it has no network rules."""
     said = dict(line.split(" ", 1) for line in stdout.decode("ascii", "replace").splitlines() if " " in line)
-    abi, loopback = said.get("landlock", ""), said.get("loopback", "0")
+    abi = said.get("landlock", "")
     if exit_code != 0 or not abi.isdigit():
         return ConfinementProbe()
-    return ConfinementProbe(landlock_abi=int(abi), loopback=loopback == "1")
+    return ConfinementProbe(
+        landlock_abi=int(abi), loopback=said.get("loopback") == "1", processes=said.get("processes") == "1"
+    )
