@@ -379,7 +379,7 @@ class _Doctor:
 def _describe_policy(policy: SandboxPolicy) -> str:
     if not policy.active:
         return "unrestricted"
-    words = [policy.filesystem]
+    words: list[str] = [policy.filesystem]
     if policy.deny_read:
         words.append(f"{len(policy.deny_read)} path(s) unreadable")
     if policy.network != "all":
