@@ -85,7 +85,7 @@ async def closed_refuses(ctx: CheckContext) -> None:
     await _all_refused(ctx, ex, spec, BashTaskId("kit-no-such-task"), "before the block was entered")
     async with ex:
         task = await ex.start(ex.resolve(BashExecRequest(command="printf hi")))
-        await wait_task(task, ctx.allowance_s)
+        await wait_task(task, SETUP_S)
         await ex.aclose()
         await _all_refused(ctx, ex, spec, task.id, "after aclose, inside the block")
     await _all_refused(ctx, ex, spec, task.id, "after the block")

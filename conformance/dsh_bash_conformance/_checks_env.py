@@ -13,7 +13,7 @@ import anyio.to_thread
 from dsh_bash import BashExecRequest, BashExecutor, BashRunResult
 
 from ._harness import CheckContext, check
-from ._support import Box, read_to_end, show, spawn, wait_task
+from ._support import SETUP_S, Box, read_to_end, show, spawn, wait_task
 
 # Every exported variable as NAME=VALUE, NUL-terminated (values may hold newlines), with builtins only.
 _DUMP = 'for n in $(compgen -e); do printf "%s=%s\\0" "$n" "${!n}"; done'
@@ -50,7 +50,7 @@ async def _envs(
         result.exit_code == 0 and result.stdout.text, f"dumping the environment failed: {show(result)}"
     )
     task = await ex.start(ex.resolve(BashExecRequest(command=_DUMP, env=explicit)))
-    await wait_task(task, ctx.allowance_s)
+    await wait_task(task, SETUP_S)
     background = await read_to_end(ctx, ex, task.id)
     return {"a foreground run": _parse(result.stdout.text), "a background task": _parse(background)}
 
@@ -236,7 +236,7 @@ async def values_not_on_command_line(ctx: CheckContext) -> None:
                 for i in range(20):
                     if i % 2:
                         quick = await ex.start(ex.resolve(BashExecRequest(command=probe, env=explicit)))
-                        await wait_task(quick, ctx.allowance_s)
+                        await wait_task(quick, SETUP_S)
                         delta = await read_to_end(ctx, ex, quick.id)
                     else:
                         delta = (await ex.exec(probe, env=explicit)).stdout.text

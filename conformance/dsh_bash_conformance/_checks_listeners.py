@@ -9,7 +9,7 @@ import anyio
 from dsh_bash import BashExecRequest, BashExecutor, BashTask, BashTaskId
 
 from ._harness import CheckContext, check
-from ._support import loop, read_to_end, repeat, sh, show_task, wait_task
+from ._support import SETUP_S, loop, read_to_end, repeat, sh, show_task, wait_task
 
 GRACE_S = 0.3
 
@@ -84,13 +84,13 @@ async def unsubscribe(ctx: CheckContext) -> None:
         unsubscribe_a()
         unsubscribe_a()
         first = await _start(ex, "printf one")
-        await wait_task(first, ctx.allowance_s)
+        await wait_task(first, SETUP_S)
         await anyio.sleep(0.1)
         ctx.expect(a_calls == [], f"an unsubscribed listener was called for {a_calls}")
         ctx.expect(b_calls == [first.id], f"the subscribed listener saw {b_calls}, expected [{first.id!r}]")
         unsubscribe_b()
         second = await _start(ex, "printf two")
-        await wait_task(second, ctx.allowance_s)
+        await wait_task(second, SETUP_S)
         await anyio.sleep(0.1)
         ctx.expect(b_calls == [first.id], f"a listener unsubscribed later was still called: {b_calls}")
 
@@ -111,7 +111,7 @@ async def raising_listener(ctx: CheckContext) -> None:
         ex.on_task_done(bad)
         ex.on_task_done(lambda task: good.append(task.id))
         first = await _start(ex, "printf one")
-        await wait_task(first, ctx.allowance_s)
+        await wait_task(first, SETUP_S)
         await anyio.sleep(0.1)
         ctx.expect(good == [first.id], f"after a raising listener, the next listener saw {good}")
         ctx.expect(
@@ -123,7 +123,7 @@ async def raising_listener(ctx: CheckContext) -> None:
         ok = await sh(ex, "printf ok")
         ctx.expect(ok == "ok", f"after a raising listener, exec printed {ok!r}")
         second = await _start(ex, "exit 2")
-        await wait_task(second, ctx.allowance_s)
+        await wait_task(second, SETUP_S)
         await anyio.sleep(0.1)
         ctx.expect(good == [first.id, second.id], f"listeners stopped after one raised: {good}")
 

@@ -11,7 +11,7 @@ import anyio
 from dsh_bash import BashExecRequest, BashExecutor, CollectedOutput
 
 from ._harness import CheckContext, check
-from ._support import differing_chars, elapsed, exists, read_to_end, repeat, sh, show, wait_task
+from ._support import SETUP_S, differing_chars, elapsed, exists, read_to_end, repeat, sh, show, wait_task
 
 
 def _show(stream: CollectedOutput) -> str:
@@ -202,7 +202,7 @@ async def spill_cap(ctx: CheckContext) -> None:
         assert early is not None
         ctx.expect(await exists(ex, early), f"the spill path {early} a read gave does not exist")
         await sh(ex, f": > {go}")
-        await wait_task(task, ctx.allowance_s)
+        await wait_task(task, SETUP_S)
         read = await ex.read_output(task.id)
         ctx.expect(
             read.stdout_spill_path is None,
@@ -295,7 +295,7 @@ async def invalid_utf8(ctx: CheckContext) -> None:
         )
         ctx.expect(result.stderr.text == "\ufffd\n", f"stderr of '\\xfe\\n': {_show(result.stderr)}")
         task = await ex.start(ex.resolve(BashExecRequest(command=command)))
-        await wait_task(task, ctx.allowance_s)
+        await wait_task(task, SETUP_S)
         delta = await read_to_end(ctx, ex, task.id)
         ctx.expect(
             delta == "a\ufffdb\x00c\n[stderr]\n\ufffd\n",

@@ -104,7 +104,7 @@ async def stdin_delivered(ctx: CheckContext) -> None:
             f"(bound {bound:.2f} s)",
         )
         task = await ex.start(ex.resolve(BashExecRequest(command="cat", stdin="bg-in\n")))
-        await wait_task(task, ctx.allowance_s, "background `cat` with stdin")
+        await wait_task(task, SETUP_S, "background `cat` with stdin")
         delta = await read_to_end(ctx, ex, task.id)
         ctx.expect(delta == "bg-in\n", f"background stdin came back as {delta!r}")
 
@@ -124,7 +124,7 @@ async def command_beginning_with_dash(ctx: CheckContext) -> None:
                 f"{command!r} did not run as a command (bash took it for its options?): {show(result)}",
             )
         task = await ex.start(ex.resolve(BashExecRequest(command="-x")))
-        await wait_task(task, ctx.allowance_s)
+        await wait_task(task, SETUP_S)
         ctx.expect(task.exit_code == 127, f"a background '-x' did not run as a command: {show_task(task)}")
 
 
@@ -154,7 +154,7 @@ async def no_rc_files(ctx: CheckContext) -> None:
                     f"the command's shell read an rc file or is login/interactive: {show(result)}",
                 )
                 task = await ex.start(ex.resolve(BashExecRequest(command=probe)))
-                await wait_task(task, ctx.allowance_s)
+                await wait_task(task, SETUP_S)
                 delta = await read_to_end(ctx, ex, task.id)
                 ctx.expect(
                     delta == "done\n", f"a background shell read an rc file or is interactive: {delta!r}"
