@@ -430,6 +430,13 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         when the first active policy needs it."""
         return ConfinementProbe()
 
+    async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> str | None:
+        """Where commands run, the path of a unix socket that serves the egress proxy of
+        ``network = "allow-list"`` for ``allow_hosts`` (:class:`dsh_bash.backend.EgressProxy`, run
+        in the executor's task group; the same path for the same list); None (the default): this
+        backend serves none, and the allow-list is refused (``policy_unenforceable``)."""
+        return None
+
     async def _read_file(self, path: str, *, user: str | None, max_bytes: int) -> bytes:
         """The bytes of the file at ``path`` (absolute) where commands run, read as
         ``user`` would read it; raise :class:`~dsh_bash.FileOperationError` for what is about the file
@@ -1091,13 +1098,16 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         """The policy's step for ``spec`` (``launch.confine``): the executor's policy narrowed by the
         spec's (a spec made by hand cannot widen it either); None when it confines nothing."""
         policy = narrowed(self._config.policy, spec.policy)
-        options = confine_options(policy, spec.workdir, also_writable=also_writable)
-        if options is None:
+        if not policy.active:
             return None
         problem = await self._confinement_problem(policy)
         prefix = self._confine_prefix()
         if problem is None and prefix is not None:
-            return (*prefix, *options, "--")
+            # Asked again: the same list's proxy is already serving (the problem's look started it).
+            proxy = await self._egress_socket(policy.allow_hosts) if policy.network == "allow-list" else None
+            options = confine_options(policy, spec.workdir, also_writable=also_writable, proxy_socket=proxy)
+            if options is not None:
+                return (*prefix, *options, "--")
         if policy.enforcement == "best_effort":
             if not self._policy_gap_said:
                 self._policy_gap_said = True
@@ -1116,7 +1126,11 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             return "this backend has no confinement step (dsh-supervise --confine)"
         if self._confinement_probe is None:
             self._confinement_probe = await self._probe_confinement()
-        return self._confinement_probe.problem(policy)
+        problem = self._confinement_probe.problem(policy)
+        allow_list = problem is None and policy.network == "allow-list"
+        if allow_list and await self._egress_socket(policy.allow_hosts) is None:
+            problem = 'network = "allow-list": this backend serves no egress proxy where its commands run'
+        return problem
 
     async def _supervise(self, command: _Command, timeout_s: float | None) -> None:
         """Run one command to its end: exit, timeout, abort or kill, then the bounded drain."""

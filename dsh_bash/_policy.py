@@ -5,9 +5,10 @@ supervisor's ``--confine`` step (:func:`confine_options`), never by the command'
 from __future__ import annotations
 
 import posixpath
+import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 __all__ = [
     "DEFAULT_DENY_READ",
@@ -18,6 +19,7 @@ __all__ = [
     "PolicyWidened",
     "SandboxPolicy",
     "confine_options",
+    "host_allowed",
     "narrowed",
 ]
 
@@ -30,10 +32,57 @@ WORKSPACE_WRITABLE: tuple[str, ...] = ("/tmp", "/dev")
 
 _Count = Annotated[int, Strict(), Field(ge=1)]
 
-#: What a command may reach: ``all`` (as its machine may), ``loopback`` (a network of its own with
-#: nothing in it but loopback), ``none`` (no socket but a unix one). Widest first.
-NetworkRule = Literal["all", "loopback", "none"]
-_NETWORK_WIDTH: dict[str, int] = {"all": 2, "loopback": 1, "none": 0}
+#: What a command may reach: ``all`` (as its machine may), ``allow-list`` (a loopback network of its
+#: own, and through an HTTP proxy there the hosts of ``allow_hosts`` only), ``loopback`` (a network of
+#: its own with nothing in it but loopback), ``none`` (no socket at all). Widest first.
+NetworkRule = Literal["all", "allow-list", "loopback", "none"]
+_NETWORK_WIDTH: dict[str, int] = {"all": 3, "allow-list": 2, "loopback": 1, "none": 0}
+
+#: ``host``, ``host:port``, ``*.domain`` (its subdomains), ``*.domain:port``, or an IPv4 address; a
+#: name is matched without regard to case; no port: 80 and 443.
+_HOST = re.compile(r"(\*\.)?[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*(:[0-9]{1,5})?")
+DEFAULT_PORTS: tuple[int, ...] = (80, 443)
+
+
+def _allowed_host(entry: str) -> str:
+    entry = entry.strip().lower()
+    port = entry.rpartition(":")[2] if ":" in entry else ""
+    if not _HOST.fullmatch(entry) or (port and not 1 <= int(port) <= 65535):
+        raise ValueError(
+            f"allow_hosts: {entry!r} is not a host, host:port, *.domain or *.domain:port (ports 1-65535)"
+        )
+    return entry
+
+
+def _entry(entry: str) -> tuple[str, tuple[int, ...]]:
+    name, _, port = entry.partition(":")
+    return name, (int(port),) if port else DEFAULT_PORTS
+
+
+def host_allowed(allow_hosts: tuple[str, ...], host: str, port: int) -> bool:
+    """Whether ``host:port`` is one of ``allow_hosts`` (see :data:`_HOST`): the egress proxy's rule."""
+    host = host.lower().rstrip(".")
+    for entry in allow_hosts:
+        name, ports = _entry(entry)
+        if port in ports and (host == name or (name.startswith("*.") and host.endswith(name[1:]))):
+            return True
+    return False
+
+
+def _within_allowed(entry: str, base: tuple[str, ...]) -> bool:
+    """Whether everything ``entry`` allows, ``base`` allows too."""
+    name, ports = _entry(entry)
+    for port in ports:
+        if not name.startswith("*."):
+            covered = host_allowed(base, name, port)
+        else:  # a wildcard, within one of the same or a parent domain
+            covered = any(
+                port in each_ports and each.startswith("*.") and (name == each or name.endswith(each[1:]))
+                for each, each_ports in map(_entry, base)
+            )
+        if not covered:
+            return False
+    return True
 
 
 class _Frozen(BaseModel):
@@ -67,7 +116,8 @@ class SandboxPolicy(_Frozen):
     ``filesystem``: ``unrestricted`` (wherever its user may write: the behaviour before policies) or
     ``workspace-write`` (its working directory and ``writable`` only, everything else read-only, for
     root too). ``deny_read``: never read nor written, whatever ``filesystem`` says (absolute, or under
-    ``~/``: the command's home where it runs). ``network``: see :data:`NetworkRule`. ``enforcement``:
+    ``~/``: the command's home where it runs). ``network``: see :data:`NetworkRule`; ``allow_hosts``
+    what ``allow-list`` lets through its proxy. ``enforcement``:
     ``required`` refuses to run where a rule cannot be applied (reason ``policy_unenforceable``);
     ``best_effort`` runs without it."""
 
@@ -75,6 +125,7 @@ class SandboxPolicy(_Frozen):
     writable: tuple[str, ...] = ()
     deny_read: tuple[str, ...] = ()
     network: NetworkRule = "all"
+    allow_hosts: tuple[str, ...] = ()
     limits: CommandLimits = CommandLimits()
     enforcement: Literal["required", "best_effort"] = "required"
 
@@ -83,6 +134,17 @@ class SandboxPolicy(_Frozen):
     def _paths(cls, value: tuple[str, ...], info: object) -> tuple[str, ...]:
         field = getattr(info, "field_name", "path")
         return tuple(dict.fromkeys(_path(each, str(field)) for each in value))
+
+    @field_validator("allow_hosts", mode="after")
+    @classmethod
+    def _hosts(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(_allowed_host(each) for each in value))
+
+    @model_validator(mode="after")
+    def _hosts_need_the_allow_list(self) -> SandboxPolicy:
+        if self.allow_hosts and self.network != "allow-list":
+            raise ValueError(f'allow_hosts: only with network = "allow-list" (network is {self.network!r})')
+        return self
 
     @classmethod
     def workspace_write(cls, **changes: object) -> SandboxPolicy:
@@ -131,11 +193,16 @@ def narrowed(base: SandboxPolicy, request: SandboxPolicy | None) -> SandboxPolic
                     f"policy.writable: {path} is not within the executor's writable paths "
                     f"({', '.join(base.writable) or 'its working directory only'})"
                 )
-    network = request.network
+    network, allow_hosts = request.network, request.allow_hosts
     if _NETWORK_WIDTH[network] > _NETWORK_WIDTH[base.network]:
         if "network" in request.model_fields_set:
             raise PolicyWidened(f"policy.network: {network} is wider than the executor's {base.network}")
-        network = base.network
+        network, allow_hosts = base.network, base.allow_hosts
+    elif network == "allow-list" and base.network == "allow-list":
+        for entry in allow_hosts:
+            if not _within_allowed(entry, base.allow_hosts):
+                allowed = ", ".join(base.allow_hosts)
+                raise PolicyWidened(f"policy.allow_hosts: {entry} is not within the executor's ({allowed})")
     limits: dict[str, int | None] = {}
     for name, ceiling in base.limits.model_dump().items():
         asked = getattr(request.limits, name)
@@ -149,18 +216,24 @@ def narrowed(base: SandboxPolicy, request: SandboxPolicy | None) -> SandboxPolic
         writable=writable,
         deny_read=tuple(dict.fromkeys((*base.deny_read, *request.deny_read))),
         network=network,
+        allow_hosts=allow_hosts,
         limits=CommandLimits(**limits),
         enforcement=request.enforcement,
     )
 
 
 def confine_options(
-    policy: SandboxPolicy, workdir: str, *, also_writable: tuple[str, ...] = ()
+    policy: SandboxPolicy,
+    workdir: str,
+    *,
+    also_writable: tuple[str, ...] = (),
+    proxy_socket: str | None = None,
 ) -> tuple[str, ...] | None:
     """The options of ``dsh-supervise --confine`` that apply ``policy`` to a command that runs in
     ``workdir`` (before ``--``); None when the policy confines nothing. A ``~/`` path goes as it is:
     the step expands it with the command's ``HOME`` where it runs. ``also_writable``: files the
-    backend's own machinery has the command write (a session's capture file)."""
+    backend's own machinery has the command write (a session's capture file). ``proxy_socket``: where
+    commands run, the unix socket of the egress proxy that serves ``allow-list`` (required for it)."""
     if not policy.active:
         return None
     options: list[str] = []
@@ -174,7 +247,11 @@ def confine_options(
     for name, value in policy.limits.model_dump().items():
         if value is not None:
             options += [names[name], str(value)]
-    if policy.network != "all":
+    if policy.network == "allow-list":
+        if proxy_socket is None:
+            raise ValueError('network = "allow-list" needs the egress proxy\'s socket')
+        options += ["--network", policy.network, "--proxy", proxy_socket]
+    elif policy.network != "all":
         options += ["--network", policy.network]
     return tuple(options)
 
@@ -193,9 +270,9 @@ class ConfinementProbe(_Frozen):
         """Why ``policy`` cannot be applied there (None: it can)."""
         if self.landlock_abi < 1:
             return "the kernel there has no Landlock (or it is disabled)"
-        if policy.network == "loopback" and not self.loopback:
+        if policy.network in ("loopback", "allow-list") and not self.loopback:
             return (
-                'network = "loopback": no network namespace can be made there (user namespaces are '
+                f'network = "{policy.network}": no network namespace can be made there (user namespaces are '
                 "refused) and its network has interfaces besides loopback"
             )
         if policy.limits.processes is not None and not self.processes:

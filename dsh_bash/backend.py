@@ -72,6 +72,10 @@ executor's):
   Landlock ABI; whether ``network = "loopback"`` can hold), which ``_probe_confinement`` returns
   (:func:`dsh_bash.supervisor.confinement_from_probe` reads it from ``dsh-supervise --confine
   --probe``).
+- :class:`EgressProxy` and :data:`PROXY_PORT`: the HTTP proxy of ``network = "allow-list"``, which a
+  backend runs (``EgressProxy.listen(path)``, then ``serve`` as a helper of the executor) where the
+  confinement step's forwarder can reach its unix socket, and names in ``_egress_socket``; the
+  forwarder listens on ``127.0.0.1:PROXY_PORT`` in the command's own network.
 
 Errors and configuration:
 
@@ -95,6 +99,7 @@ not, and no code outside :mod:`dsh_bash` imports them.
 from __future__ import annotations
 
 from ._config import BUDGET_FIELDS, config_error_from
+from ._egress import PROXY_PORT, EgressProxy
 from ._env import MODEL_FRIENDLY_ENV, RC_FILE_VARIABLES, dropped_names, is_scrubbed
 from ._errors import INFRA_REASONS, InfraReason
 from ._kit_hooks import FIND_PROCESSES, ConformanceHooks, parse_pids, run_in_fresh_loop
@@ -131,6 +136,7 @@ __all__ = [
     "MARKER_VAR",
     "MAX_INLINE_COMMAND",
     "MODEL_FRIENDLY_ENV",
+    "PROXY_PORT",
     "RC_FILE_VARIABLES",
     "SESSION_FD",
     "AtMostEvery",
@@ -140,6 +146,7 @@ __all__ = [
     "ConformanceHooks",
     "Containment",
     "ContainmentSetting",
+    "EgressProxy",
     "ExitStatus",
     "InfraReason",
     "Killable",

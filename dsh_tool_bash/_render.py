@@ -121,7 +121,7 @@ def render_run(result: BashRunResult) -> str:
 
 #: What a command that ran into its sandbox policy prints (the errors the policy's rules give), and the
 #: signals of its limits.
-_POLICY_ERRORS = ("Permission denied", "Read-only file system", "Network is unreachable")
+_POLICY_ERRORS = ("Permission denied", "Read-only file system", "Network is unreachable", " 403")
 _LIMIT_SIGNALS = ("SIGXCPU", "SIGXFSZ")
 
 
@@ -139,7 +139,10 @@ def policy_line(policy: SandboxPolicy | None, workdir: str, result: BashRunResul
         rules.append(f"writes only beneath {', '.join((workdir, *policy.writable))}")
     if policy.deny_read:
         rules.append(f"unreadable: {', '.join(policy.deny_read)}")
-    if policy.network != "all":
+    if policy.network == "allow-list":
+        hosts = ", ".join(policy.allow_hosts) or "none"
+        rules.append(f"network: only through its HTTP proxy (HTTPS_PROXY), to {hosts}")
+    elif policy.network != "all":
         rules.append("no network" if policy.network == "none" else "network: its own loopback only")
     limits = [f"{name} {value}" for name, value in policy.limits.model_dump().items() if value is not None]
     if limits:

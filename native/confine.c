@@ -4,8 +4,8 @@
  * and inherited by every child, and the supervisor that started it stays unconfined.
  *
  *   dsh-supervise --confine [--write PATH]... [--deny-read PATH]... [--cpu-seconds N] [--file-bytes N]
- *                 [--memory-bytes N] [--open-files N] [--processes N] [--network none|loopback]
- *                 -- PROGRAM [ARGS...]
+ *                 [--memory-bytes N] [--open-files N] [--processes N]
+ *                 [--network none|loopback|allow-list --proxy PATH] -- PROGRAM [ARGS...]
  *   dsh-supervise --confine --probe      (prints "landlock ABI" (0 where the kernel has none) and
  *                                         "loopback 1|0": whether --network loopback can hold here,
  *                                         "processes 1|0": whether --processes can)
@@ -32,7 +32,10 @@
  *   the user's ids map to themselves (root: every id, so root's rights on files stay root's).
  *   Where no user namespace can be made (Docker's default seccomp profile), a namespace that has no
  *   interface but loopback already (a container without a network) holds the rule as it is; else
- *   the rule cannot be applied.
+ *   the rule cannot be applied. allow-list: loopback's network, and in it a forwarder (a child
+ *   of the command's, ended by its parent's death) from 127.0.0.1:3128 to the unix socket --proxy
+ *   PATH, the harness's egress proxy, which lets the allowed hosts through; HTTP_PROXY and its kin
+ *   name the forwarder.
  * - Processes (version 11): a pids cgroup of the command's own (cgroup v1's pids hierarchy, or v2
  *   with the pids controller), made beneath "dsh-bash" at the hierarchy's root, its pids.max N; the
  *   process moves itself in before anything else. Writable as root on a host; not inside a container
@@ -55,6 +58,8 @@
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <net/if.h>
+#include <netinet/in.h>
+#include <sys/un.h>
 #include <sched.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -545,11 +550,116 @@ static int processes_possible(void)
     return ok;
 }
 
+/* --- network allow-list: a forwarder to the harness's egress proxy ----------------------------- */
+
+#define PROXY_PORT 3128 /* dsh_bash._egress.PROXY_PORT */
+#define PROXY_URL "http://127.0.0.1:3128"
+
+/* Bytes both ways between A and B until both ends are done (each direction half-closed on its EOF). */
+static void relay(int a, int b)
+{
+    char buf[65536];
+    int open_a = 1, open_b = 1;
+    while (open_a || open_b) {
+        struct pollfd fds[2] = {{a, open_a ? POLLIN : 0, 0}, {b, open_b ? POLLIN : 0, 0}};
+        if (poll(fds, 2, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            return;
+        }
+        for (int k = 0; k < 2; k++) {
+            int from = k == 0 ? a : b, to = k == 0 ? b : a;
+            int *still = k == 0 ? &open_a : &open_b;
+            if (!*still || !(fds[k].revents & (POLLIN | POLLHUP | POLLERR)))
+                continue;
+            ssize_t n = read(from, buf, sizeof buf);
+            if (n <= 0) {
+                *still = 0;
+                shutdown(to, SHUT_WR);
+                continue;
+            }
+            for (ssize_t off = 0; off < n;) {
+                ssize_t w = write(to, buf + off, (size_t)(n - off));
+                if (w < 0 && errno == EINTR)
+                    continue;
+                if (w <= 0)
+                    return;
+                off += w;
+            }
+        }
+    }
+}
+
+/* A process of the command's (its parent's death ends it) that listens on 127.0.0.1:PROXY_PORT in the
+ * command's own network and carries each connection to the unix socket PATH, the harness's egress
+ * proxy: the command's one way out. Holds none of the command's descriptors (its output pipes least
+ * of all: a background task's end must not wait for it). */
+static void start_forwarder(const char *path)
+{
+    struct sockaddr_un proxy = {.sun_family = AF_UNIX};
+    if (strlen(path) >= sizeof proxy.sun_path)
+        die("--confine: --proxy %s: a unix socket path that long cannot be reached", path);
+    strcpy(proxy.sun_path, path);
+    int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in here = {.sin_family = AF_INET, .sin_port = htons(PROXY_PORT),
+                               .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    int one = 1;
+    if (listener < 0 || setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) < 0 ||
+        bind(listener, (struct sockaddr *)&here, sizeof here) < 0 || listen(listener, 64) < 0)
+        die("--confine: --proxy: cannot listen on 127.0.0.1:%d: %s", PROXY_PORT, strerror(errno));
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid < 0)
+        die("--confine: --proxy: fork: %s", strerror(errno));
+    if (pid > 0) {
+        close(listener);
+        return;
+    }
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent)
+        _exit(0);
+    int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+    for (int fd = 0; fd < 3; fd++)
+        dup2(null, fd);
+    for (int fd = 3; fd < 1024; fd++)
+        if (fd != listener)
+            close(fd);
+    signal(SIGCHLD, SIG_IGN); /* each connection's process is reaped by the kernel */
+    for (;;) {
+        int conn = accept4(listener, NULL, NULL, SOCK_CLOEXEC);
+        if (conn < 0) {
+            if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE)
+                continue;
+            _exit(1);
+        }
+        pid_t one_conn = fork();
+        if (one_conn == 0) {
+            prctl(PR_SET_PDEATHSIG, SIGKILL);
+            close(listener);
+            int up = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+            if (up >= 0 && connect(up, (struct sockaddr *)&proxy, sizeof proxy) == 0)
+                relay(conn, up);
+            _exit(0);
+        }
+        close(conn);
+    }
+}
+
+/* The variables that send a command's HTTP clients to the forwarder (and their own loopback past it). */
+static void set_proxy_variables(void)
+{
+    const char *names[] = {"HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"};
+    for (size_t k = 0; k < sizeof names / sizeof names[0]; k++)
+        setenv(names[k], PROXY_URL, 1);
+    setenv("NO_PROXY", "localhost,127.0.0.1,::1", 1);
+    setenv("no_proxy", "localhost,127.0.0.1,::1", 1);
+}
+
 int run_confine(int argc, char **argv)
 {
     char *writable[MAX_PATHS];
     int writable_count = 0, i = 2; /* argv[1] is --confine */
-    const char *network = NULL, *processes = NULL;
+    const char *network = NULL, *processes = NULL, *proxy = NULL;
     for (; i < argc; i++) {
         const char *a = argv[i];
         if (strcmp(a, "--") == 0) {
@@ -587,22 +697,29 @@ int run_confine(int argc, char **argv)
             parse_limit(v, a);
             processes = v;
         } else if (strcmp(a, "--network") == 0) {
-            if (strcmp(v, "none") != 0 && strcmp(v, "loopback") != 0)
-                die("--confine: --network wants none or loopback, not '%s'", v);
+            if (strcmp(v, "none") != 0 && strcmp(v, "loopback") != 0 && strcmp(v, "allow-list") != 0)
+                die("--confine: --network wants none, loopback or allow-list, not '%s'", v);
             network = v;
+        } else if (strcmp(a, "--proxy") == 0) {
+            if (v[0] != '/')
+                die("--confine: --proxy wants the absolute path of a unix socket, not '%s'", v);
+            proxy = v;
         } else {
             die("--confine: %s is not one of its options", a);
         }
     }
     if (i >= argc)
         die("usage: dsh-supervise --confine [--write PATH]... [--deny-read PATH]... [--cpu-seconds N] "
-            "[--file-bytes N] [--memory-bytes N] [--open-files N] [--processes N] [--network none|loopback] "
-            "-- PROGRAM [ARGS...]\n"
+            "[--file-bytes N] [--memory-bytes N] [--open-files N] [--processes N] "
+            "[--network none|loopback|allow-list --proxy PATH] -- PROGRAM [ARGS...]\n"
             "       dsh-supervise --confine --probe");
     /* The cgroup first: its files are written before a user namespace would make them another's. */
     if (processes != NULL)
         limit_processes(processes);
-    if (network != NULL && strcmp(network, "loopback") == 0)
+    int allow_list = network != NULL && strcmp(network, "allow-list") == 0;
+    if (allow_list != (proxy != NULL))
+        die("--confine: --network allow-list and --proxy PATH go together");
+    if (network != NULL && (strcmp(network, "loopback") == 0 || allow_list))
         loopback_only();
     int abi = landlock_abi();
     if (abi < 1)
@@ -624,6 +741,10 @@ int run_confine(int argc, char **argv)
     close(ruleset_fd);
     if (network != NULL && strcmp(network, "none") == 0)
         refuse_sockets();
+    if (allow_list) {
+        start_forwarder(proxy);
+        set_proxy_variables();
+    }
     execvp(argv[i], argv + i);
     die("--confine: cannot run %s: %s", argv[i], strerror(errno));
 }

@@ -30,6 +30,7 @@ import os
 import shlex
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -72,6 +73,7 @@ from dsh_bash._task_input import TaskInput
 from dsh_bash.backend import (
     MODEL_FRIENDLY_ENV,
     CommandProcess,
+    EgressProxy,
     ExitStatus,
     Killable,
     Launch,
@@ -2392,7 +2394,7 @@ class WritesInPlace(LocalBashExecutor):
 
 _DENY = frozenset({"--deny-read"})
 _LIMITS = frozenset({"--cpu-seconds", "--file-bytes", "--memory-bytes", "--open-files"})
-_NETWORK = frozenset({"--network"})
+_NETWORK = frozenset({"--network", "--proxy"})
 _PROCESSES = frozenset({"--processes"})
 
 
@@ -2478,6 +2480,25 @@ def _network_as(confine: tuple[str, ...] | None, asked: str, applied: str) -> tu
         return confine
     at = confine.index("--network") + 1
     return (*confine[:at], applied, *confine[at + 1 :]) if confine[at] == asked else confine
+
+
+class _AnyHost(EgressProxy):
+    def allows(self, host: str, port: int) -> bool:
+        return True
+
+
+class ProxyAllowsAnyHost(LocalBashExecutor):
+    """Breaks: under network = "allow-list" a host the list lacks gets 403 from the proxy.
+
+    The command's network is its own and the proxy its one way out, but the proxy lets every host
+    through."""
+
+    async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> str | None:
+        if not hasattr(self, "_any_host_socket"):
+            where = tempfile.mkdtemp(prefix="dsh-kit-any-")
+            self._any_host_socket = f"{where}/proxy.sock"
+            self._start_helper(_AnyHost(()).serve, await EgressProxy.listen(self._any_host_socket))
+        return self._any_host_socket
 
 
 class LoopbackMeansNone(LocalBashExecutor):

@@ -78,9 +78,12 @@ FILES_NOT_YET: dict[str, frozenset[str]] = {
 #: the containerized sshd) nor for another user (the SSH login, the harness as another user).
 POLICY_CHECKS = frozenset(name for name, each in CHECKS.items() if each.clause.startswith("R-policy-"))
 CGROUP_CHECKS = frozenset({"policy-processes"})
+#: The network allow-list's proxy runs in the harness: a backend whose commands run on this host can
+#: serve it (local); Docker and SSH do not yet.
+EGRESS_CHECKS = frozenset({"policy-network-allow-list"})
 POLICY_NOT_YET: dict[str, frozenset[str]] = {
-    "docker": CGROUP_CHECKS,
-    "ssh": CGROUP_CHECKS,
+    "docker": CGROUP_CHECKS | EGRESS_CHECKS,
+    "ssh": CGROUP_CHECKS | EGRESS_CHECKS,
     "bwrap": POLICY_CHECKS,
 }
 

@@ -10,6 +10,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -181,7 +183,7 @@ def test_cpu_time_is_limited() -> None:
         (["--write", "relative", "--", "true"], "absolute"),
         (["--cpu-seconds", "-1", "--", "true"], "number"),
         (["--bogus", "x", "--", "true"], "not one of its options"),
-        (["--network", "some", "--", "true"], "none or loopback"),
+        (["--network", "some", "--", "true"], "none, loopback or allow-list"),
         (["--write", "/tmp"], "usage"),
         (["--", "/no/such/program"], "cannot run"),
     ],
@@ -350,3 +352,77 @@ def test_processes_cannot_be_limited_by_a_user_without_cgroups() -> None:
     probe = confinement_from_probe(0, _run([*argv, "--probe"]).stdout.encode())
     assert (probe.processes, probe.loopback) == (False, True)
     assert confinement_from_probe(0, _run([BINARY, "--confine", "--probe"]).stdout.encode()).processes
+
+
+# -- network allow-list: the forwarder (protocol 11) ------------------------------------------------
+
+_VIA_PROXY = """
+echo "proxy $HTTPS_PROXY $http_proxy $NO_PROXY"
+exec 3<>/dev/tcp/127.0.0.1/3128 && printf 'hello proxy\\n' >&3 && IFS= read -r line <&3 && echo "got $line"
+"""
+
+
+def test_allow_list_forwards_its_port_to_the_proxy_socket_and_leaves_nothing(tmp_path: Path) -> None:
+    """127.0.0.1:3128 in the command's own network reaches the unix socket (here: an echo server
+    that says which it is), the proxy variables name it, and the forwarder ends with the command."""
+    where = Path(tempfile.mkdtemp(prefix="dsh-fwd-"))  # a unix socket's path is short
+    socket_path = str(where / "proxy.sock")
+    server = subprocess.Popen(
+        [sys.executable, "-c", _UNIX_ECHO, socket_path], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert server.stdout is not None and server.stdout.readline() == "listening\n"
+        argv = [BINARY, "--confine", "--write", "/", "--network", "allow-list", "--proxy", socket_path, "--"]
+        done = _run([*argv, "bash", "-c", _VIA_PROXY])
+        assert done.stdout.splitlines() == [
+            "proxy http://127.0.0.1:3128 http://127.0.0.1:3128 localhost,127.0.0.1,::1",
+            "got unix-side: hello proxy",
+        ], done.stderr
+        time.sleep(0.2)  # SIGKILL at its parent's death: the kernel's, at once; then reaped by init
+        assert [pid for pid in _pids_with_in_cmdline(socket_path.encode()) if pid != server.pid] == []
+    finally:
+        server.kill()
+        server.wait()
+        shutil.rmtree(where, ignore_errors=True)
+
+
+_UNIX_ECHO = """
+import os, socket, sys, threading
+path = sys.argv[1]
+listener = socket.socket(socket.AF_UNIX)
+listener.bind(path)
+listener.listen()
+print("listening", flush=True)
+def serve(conn):
+    with conn:
+        data = conn.recv(1024)
+        conn.sendall(b"unix-side: " + data)
+while True:
+    conn, _ = listener.accept()
+    threading.Thread(target=serve, args=(conn,), daemon=True).start()
+"""
+
+
+def _pids_with_in_cmdline(needle: bytes) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--network", "allow-list"],
+        ["--proxy", "/tmp/x.sock"],
+        ["--network", "loopback", "--proxy", "/tmp/x.sock"],
+    ],
+)
+def test_allow_list_and_its_proxy_go_together(options: list[str]) -> None:
+    done = _run([BINARY, "--confine", "--write", "/", *options, "--", "echo", "ran"])
+    assert done.returncode == 125 and "go together" in done.stderr and done.stdout == "", done

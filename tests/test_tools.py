@@ -38,6 +38,7 @@ from dsh_tool_bash._render import (
     Line,
     completion_notice,
     join,
+    policy_line,
     render_output,
     render_run,
     status_line,
@@ -839,3 +840,20 @@ async def test_the_model_is_told_when_its_sandbox_policy_refused_a_command(tmp_p
         result = await BashToolset(ex).call("bash", {"command": "echo 'Permission denied' >&2; exit 1"})
         assert "Permission denied" in result.text
         assert "sandbox policy" not in result.text and "policy_refusal" not in result.data
+
+
+def test_the_policy_line_names_each_rule_and_only_follows_what_the_policy_refuses() -> None:
+    policy = SandboxPolicy(
+        network="allow-list", allow_hosts=("pypi.org", "*.github.com"), limits={"processes": 64}
+    )  # type: ignore[arg-type]
+    refused = _result(_out(), _out("curl: (56) CONNECT tunnel failed, response 403\n"), exit_code=56)
+    line = policy_line(policy, "/w", refused)
+    assert line == Line(
+        "[sandbox policy: network: only through its HTTP proxy (HTTPS_PROXY), to pypi.org, *.github.com; "
+        "limits: processes 64. An error above may be the policy's, which nothing in the command can lift: "
+        "work within it]"
+    )
+    assert policy_line(policy, "/w", _result(_out("fine\n"))) is None
+    assert policy_line(None, "/w", refused) is None
+    spun = _result(_out(), signal="SIGXCPU", exit_code=None)
+    assert policy_line(SandboxPolicy(limits={"cpu_seconds": 1}), "/w", spun) is not None  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ from functools import partial
 from typing import Any
 
 import anyio
+import anyio.abc
 
 from dsh_bash import (
     BashExecRequest,
@@ -243,6 +244,69 @@ async def policy_network_loopback(ctx: CheckContext) -> None:
         ctx.expect(
             interfaces == "lo", f'under network = "loopback" the command sees interfaces {interfaces!r}'
         )
+
+
+#: Through the proxy (whose port the step names in HTTPS_PROXY) a CONNECT to an allowed host, one to a
+#: host the list lacks, and straight to the allowed host, bypassing the proxy; then the outside.
+_THROUGH_PROXY = """
+proxy=${HTTPS_PROXY#http://}; proxy_host=${proxy%:*}; proxy_port=${proxy##*:}; proxy_port=${proxy_port%/}
+ask() {  # ask HOST:PORT: the proxy's status line, then the first line the host sent
+  exec 3<>"/dev/tcp/$proxy_host/$proxy_port" || { echo "no proxy at $HTTPS_PROXY"; return; }
+  printf 'CONNECT %s HTTP/1.1\\r\\nHost: %s\\r\\n\\r\\n' "$1" "$1" >&3
+  IFS= read -r status <&3; echo "status ${status%$'\\r'}"
+  if [[ $status == *" 200 "* ]]; then IFS= read -r _ <&3; IFS= read -r line <&3; echo "said $line"; fi
+  exec 3<&-
+}
+ask "127.0.0.1:$1"; ask "127.0.0.1:$2"
+(exec 4<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && echo direct-reached
+echo x > /dev/udp/198.51.100.1/9 && echo outside
+"""
+
+
+@check(
+    "policy-network-allow-list",
+    kind="contract",
+    clause="R-policy-network",
+    rule='Under `network = "allow-list"` a command reaches the hosts of `allow_hosts` through the proxy '
+    "that `HTTPS_PROXY` names, and nothing else: another host gets 403 from the proxy, and the allowed "
+    "one cannot be reached past it.",
+)
+async def policy_network_allow_list(ctx: CheckContext) -> None:
+    async def answer(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            await stream.send(b"kit-allowed\n")
+
+    # The allowed host: a server of the kit's, on this machine (where a backend that can run the
+    # proxy here serves it); a second port that the list lacks.
+    async with (
+        await anyio.create_tcp_listener(local_host="127.0.0.1") as allowed,
+        await anyio.create_tcp_listener(local_host="127.0.0.1") as other,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(allowed.serve, answer)
+        tg.start_soon(other.serve, answer)
+        ports = [each.extra(anyio.abc.SocketAttribute.local_port) for each in (allowed, other)]
+        policy = SandboxPolicy(network="allow-list", allow_hosts=(f"127.0.0.1:{ports[0]}",))
+        script = f"set -- {ports[0]} {ports[1]}\n{_THROUGH_PROXY}"
+        # Its refusal is taken out of the task group first (which would wrap it in a group).
+        try:
+            async with ctx.executor() as ex:
+                done: BashRunResult | BashInfrastructureError = await ex.exec(script, policy=policy)
+        except BashInfrastructureError as exc:
+            done = exc
+        tg.cancel_scope.cancel()
+    if isinstance(done, BashInfrastructureError):
+        if done.reason == "policy_unenforceable":
+            ctx.not_applicable(f"the target cannot apply a network allow-list: {done}")
+        raise done
+    lines = done.stdout.text.splitlines()
+    ctx.expect(
+        lines == [
+            "status HTTP/1.1 200 Connection established", "said kit-allowed", "status HTTP/1.1 403 Forbidden"
+        ],
+        f"through the proxy to an allowed host, then another; then past it: {lines}, stderr "
+        f"{done.stderr.text[-300:]!r}",
+    )  # fmt: skip
 
 
 @check(

@@ -1,0 +1,186 @@
+"""The egress proxy of ``network = "allow-list"`` (``docs/design/policy.md``): an HTTP proxy on a unix
+socket, which the confinement step's forwarder reaches from the command's own network (where it listens
+on ``127.0.0.1:``:data:`PROXY_PORT`, named by ``HTTP(S)_PROXY``). It lets ``CONNECT host:port`` and
+absolute-form ``http://`` requests through to the policy's ``allow_hosts`` only; anything else gets a
+status and a line the model can read. One proxy serves one allow-list; the executor runs it in its
+task group (:meth:`EgressProxy.serve`)."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+import socket
+from urllib.parse import urlsplit
+
+import anyio
+import anyio.abc
+
+from ._policy import host_allowed
+
+__all__ = ["PROXY_PORT", "EgressProxy"]
+
+log = logging.getLogger("dsh_bash.egress")
+
+#: Where the command's forwarder listens in its own network (the step sets the proxy variables to it).
+PROXY_PORT = 3128
+#: The longest request head the proxy reads before it refuses (431), and how long it waits for it.
+_HEAD_LIMIT = 16 * 1024
+_HEAD_TIMEOUT_S = 30.0
+_CONNECT_TIMEOUT_S = 30.0
+_CHUNK = 64 * 1024
+
+
+class _Refused(Exception):
+    def __init__(self, status: str, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+class EgressProxy:
+    """An HTTP proxy for the hosts of ``allow_hosts`` (:func:`dsh_bash._policy.host_allowed`'s rule).
+
+    A name that resolves to a loopback or link-local address (this machine, a cloud's metadata
+    service) is refused unless the allow-list names that address itself: an allowed name must not
+    lead back into the harness's own network."""
+
+    def __init__(self, allow_hosts: tuple[str, ...]) -> None:
+        self.allow_hosts = allow_hosts
+
+    def allows(self, host: str, port: int) -> bool:
+        """Whether ``host:port`` may be reached (the allow-list's rule)."""
+        return host_allowed(self.allow_hosts, host, port)
+
+    @staticmethod
+    async def listen(path: str) -> anyio.abc.Listener[anyio.abc.SocketStream]:
+        """A listener on the unix socket ``path`` (made here, mode 0600: the harness's user only), for
+        :meth:`serve`: connections made before it serves wait in its backlog."""
+        listener = await anyio.create_unix_listener(path)
+        os.chmod(path, 0o600)
+        return listener
+
+    async def serve(self, listener: anyio.abc.Listener[anyio.abc.SocketStream]) -> None:
+        """Serve every connection to ``listener`` until cancelled; the listener is closed then."""
+        async with listener:
+            await listener.serve(self._handle)
+
+    async def _handle(self, client: anyio.abc.ByteStream) -> None:
+        async with client:
+            try:
+                await self._proxy(client)
+            except _Refused as refused:
+                await _answer(client, refused.status, refused.reason)
+            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                pass
+            except Exception:  # one connection's bug must not end the proxy of every command
+                log.exception("egress proxy: a connection failed")
+
+    async def _proxy(self, client: anyio.abc.ByteStream) -> None:
+        with anyio.fail_after(_HEAD_TIMEOUT_S):
+            head, extra = await _read_head(client)
+        first, _, headers = head.partition(b"\r\n")
+        words = first.decode("latin-1").split(" ")
+        if len(words) != 3 or not words[2].startswith("HTTP/"):
+            raise _Refused("400 Bad Request", "not an HTTP proxy request")
+        method, target, version = words
+        if method == "CONNECT":
+            host, _, port_text = target.rpartition(":")
+            host = host.strip("[]")
+            forward = b""
+        else:
+            url = urlsplit(target)
+            if url.scheme != "http" or not url.hostname:
+                raise _Refused(
+                    "400 Bad Request", "only CONNECT and absolute http:// URLs go through this proxy"
+                )
+            host, port_text = url.hostname, str(url.port or 80)
+            path = (url.path or "/") + (f"?{url.query}" if url.query else "")
+            kept = b"".join(
+                line + b"\r\n"
+                for line in headers.split(b"\r\n")
+                if line and not line.lower().startswith(b"proxy-")
+            )
+            forward = f"{method} {path} {version}\r\n".encode("latin-1") + kept + b"\r\n" + extra
+            extra = b""
+        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            raise _Refused("400 Bad Request", f"no port in {target!r}")
+        port = int(port_text)
+        if not self.allows(host, port):
+            raise _Refused(
+                "403 Forbidden",
+                f"{host}:{port} is not in the sandbox policy's network allow-list "
+                f"({', '.join(self.allow_hosts) or 'empty'}); nothing in the command can change that",
+            )
+        upstream = await self._connect(host, port)
+        async with upstream:
+            if method == "CONNECT":
+                await client.send(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            if forward or extra:
+                await upstream.send(forward or extra)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_copy, client, upstream)
+                tg.start_soon(_copy, upstream, client)
+
+    async def _connect(self, host: str, port: int) -> anyio.abc.SocketStream:
+        try:
+            literal = ipaddress.ip_address(host)
+        except ValueError:
+            literal = None
+        try:
+            found = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise _Refused("502 Bad Gateway", f"cannot resolve {host}: {exc}") from None
+        addresses = [str(info[4][0]) for info in found]
+        if literal is None:
+            inward = [a for a in addresses if (ip := ipaddress.ip_address(a)).is_loopback or ip.is_link_local]
+            if inward:
+                raise _Refused(
+                    "403 Forbidden",
+                    f"{host} resolves to {inward[0]}, this machine's own or link-local network",
+                )
+        last: OSError | None = None
+        for address in addresses:
+            try:
+                with anyio.fail_after(_CONNECT_TIMEOUT_S):
+                    return await anyio.connect_tcp(address, port)
+            except (OSError, TimeoutError) as exc:
+                last = (
+                    exc if isinstance(exc, OSError) else OSError(f"timed out after {_CONNECT_TIMEOUT_S:g} s")
+                )
+        raise _Refused("502 Bad Gateway", f"cannot reach {host}:{port}: {last}")
+
+
+async def _read_head(stream: anyio.abc.ByteStream) -> tuple[bytes, bytes]:
+    """The request head (to its blank line, exclusive) and what came after it in the same reads."""
+    buffer = b""
+    while b"\r\n\r\n" not in buffer:
+        if len(buffer) > _HEAD_LIMIT:
+            raise _Refused("431 Request Header Fields Too Large", f"a request head over {_HEAD_LIMIT} bytes")
+        buffer += await stream.receive(_CHUNK)
+    head, _, extra = buffer.partition(b"\r\n\r\n")
+    return head + b"\r\n", extra
+
+
+async def _copy(source: anyio.abc.ByteStream, sink: anyio.abc.ByteStream) -> None:
+    """Bytes from ``source`` to ``sink`` until ``source`` ends; then ``sink`` is told (half-close)."""
+    try:
+        while True:
+            await sink.send(await source.receive(_CHUNK))
+    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        pass
+    try:
+        await sink.send_eof()
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        await sink.aclose()
+
+
+async def _answer(client: anyio.abc.ByteStream, status: str, reason: str) -> None:
+    body = f"dsh-bash sandbox policy: {reason}\n".encode()
+    head = (
+        f"HTTP/1.1 {status}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
+    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        await client.send(head + body)

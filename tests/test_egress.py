@@ -1,0 +1,140 @@
+"""The egress proxy of network = "allow-list" (dsh_bash._egress), on real sockets: a unix listener as
+the executor runs it, a TCP server on this host as the allowed host. The whole way (the step's
+forwarder in the command's own network, the proxy variables, the executor serving the proxy) is the
+kit's policy-network-allow-list check; the forwarder alone is in test_supervise_confine.py."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+import anyio.abc
+import pytest
+
+from dsh_bash.backend import EgressProxy
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@asynccontextmanager
+async def _world(allow: tuple[str, ...] = ()) -> AsyncIterator[tuple[str, int, list[bytes]]]:
+    """A proxy for ``allow`` (``{port}`` in an entry: the server's) on a unix socket, and a server on
+    127.0.0.1 that greets, then echoes; what it received, per connection."""
+    received: list[bytes] = []
+
+    async def serve(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            await stream.send(b"hello\n")
+            got = b""
+            try:
+                while True:
+                    chunk = await stream.receive()
+                    got += chunk
+                    await stream.send(chunk)
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                pass
+            received.append(got)
+
+    where = tempfile.mkdtemp(prefix="dsh-egress-test-")
+    try:
+        async with await anyio.create_tcp_listener(local_host="127.0.0.1") as server:
+            port = server.extra(anyio.abc.SocketAttribute.local_port)
+            proxy = EgressProxy(tuple(entry.format(port=port) for entry in allow))
+            listener = await EgressProxy.listen(f"{where}/proxy.sock")
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(server.serve, serve)
+                tg.start_soon(proxy.serve, listener)
+                yield f"{where}/proxy.sock", port, received
+                tg.cancel_scope.cancel()
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+async def _ask(socket: str, request: bytes, then: bytes = b"") -> bytes:
+    """``request`` to the proxy, then ``then``; everything until the proxy or the host closes."""
+    async with await anyio.connect_unix(socket) as stream:
+        await stream.send(request)
+        if then:
+            await anyio.sleep(0.05)
+            await stream.send(then)
+        await stream.send_eof()
+        got = b""
+        with anyio.fail_after(10):
+            try:
+                while True:
+                    got += await stream.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                return got
+
+
+async def test_connect_to_an_allowed_host_is_a_tunnel_both_ways() -> None:
+    async with _world(("127.0.0.1:{port}",)) as (socket, port, received):
+        got = await _ask(socket, f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\n\r\n".encode(), b"ping")
+        assert got == b"HTTP/1.1 200 Connection established\r\n\r\nhello\nping"
+    assert received == [b"ping"]
+
+
+async def test_a_host_the_list_lacks_gets_403_and_a_line_the_model_can_read() -> None:
+    async with _world(("127.0.0.1:{port}", "*.example.com")) as (socket, port, received):
+        got = await _ask(
+            socket, f"CONNECT 127.0.0.1:{port + 1 if port < 65535 else 1} HTTP/1.1\r\n\r\n".encode()
+        )
+        assert got.startswith(b"HTTP/1.1 403 Forbidden\r\n"), got
+        assert b"is not in the sandbox policy's network allow-list (127.0.0.1:" in got
+        assert b"*.example.com); nothing in the command can change that\n" in got
+        denied = await _ask(socket, b"CONNECT example.com:443 HTTP/1.1\r\n\r\n")  # *. is subdomains only
+        assert denied.startswith(b"HTTP/1.1 403 Forbidden\r\n"), denied
+    assert received == []
+
+
+async def test_an_absolute_http_url_is_sent_on_in_origin_form_without_proxy_headers() -> None:
+    async with _world(("127.0.0.1:{port}",)) as (socket, port, received):
+        request = (
+            f"GET http://127.0.0.1:{port}/path?q=1 HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            "Proxy-Authorization: secret\r\nProxy-Connection: keep-alive\r\nAccept: */*\r\n\r\n"
+        ).encode()
+        got = await _ask(socket, request)
+    assert got.startswith(b"hello\n")
+    assert received == [f"GET /path?q=1 HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAccept: */*\r\n\r\n".encode()]
+
+
+async def test_a_name_that_leads_back_to_this_machine_is_refused() -> None:
+    """Allowed by name, ``localhost`` resolves to loopback: the harness's own network is not egress."""
+    async with _world(("localhost:{port}",)) as (socket, port, received):
+        got = await _ask(socket, f"CONNECT localhost:{port} HTTP/1.1\r\n\r\n".encode())
+    assert got.startswith(b"HTTP/1.1 403 Forbidden\r\n") and b"this machine's own" in got, got
+    assert received == []
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"hello there\r\n\r\n", b"400 Bad Request"),
+        (b"GET /relative HTTP/1.1\r\n\r\n", b"400 Bad Request"),
+        (b"CONNECT 127.0.0.1 HTTP/1.1\r\n\r\n", b"400 Bad Request"),
+        (b"CONNECT 127.0.0.1:1 HTTP/1.1\r\nX: " + b"y" * 20000, b"431 Request Header Fields Too Large"),
+    ],
+)
+async def test_what_is_not_a_proxy_request_is_answered_not_followed(
+    request_bytes: bytes, status: bytes
+) -> None:
+    async with _world(("127.0.0.1:{port}",)) as (socket, _port, received):
+        got = await _ask(socket, request_bytes)
+    assert got.startswith(b"HTTP/1.1 " + status + b"\r\n"), got
+    assert received == []
+
+
+async def test_an_allowed_host_that_does_not_answer_is_502() -> None:
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as closed:
+        port = closed.extra(anyio.abc.SocketAttribute.local_port)
+    async with _world((f"127.0.0.1:{port}",)) as (socket, _port, _received):
+        got = await _ask(socket, f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\n\r\n".encode())
+    assert got.startswith(b"HTTP/1.1 502 Bad Gateway\r\n") and b"cannot reach" in got, got
