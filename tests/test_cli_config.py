@@ -291,7 +291,7 @@ def test_doctor_local_ok(local_toml: str, tmp_path: Path) -> None:
     # Every rule can hold on this host (Landlock, seccomp, user namespaces: MECHANICS.md).
     assert lines[7].split(None, 2)[2] == (
         "configured: unrestricted; can hold here: workspace-write: yes, network none: yes, "
-        "network loopback: yes, network allow-list: yes, processes: yes"
+        "network loopback: yes, processes: yes"
     )
     assert lines[-1] == "dsh-bash doctor: all ok"
 

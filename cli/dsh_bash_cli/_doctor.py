@@ -58,7 +58,6 @@ _POLICY_RULES: tuple[tuple[str, dict[str, object]], ...] = (
     ("workspace-write", {"filesystem": "workspace-write"}),
     ("network none", {"network": "none"}),
     ("network loopback", {"network": "loopback"}),
-    ("network allow-list", {"network": "allow-list", "allow_hosts": ("example.com",)}),
     ("processes", {"limits": {"processes": 64}}),
 )
 

@@ -269,7 +269,7 @@ echo x > /dev/udp/198.51.100.1/9 && echo outside
     clause="R-policy-network",
     rule='Under `network = "allow-list"` a command reaches the hosts of `allow_hosts` through the proxy '
     "that `HTTPS_PROXY` names, and nothing else: another host gets 403 from the proxy, and the allowed "
-    "one cannot be reached past it.",
+    "one cannot be reached past it. The list is the executor's: a request naming other hosts is refused.",
 )
 async def policy_network_allow_list(ctx: CheckContext) -> None:
     async def answer(stream: anyio.abc.SocketStream) -> None:
@@ -286,12 +286,25 @@ async def policy_network_allow_list(ctx: CheckContext) -> None:
         tg.start_soon(allowed.serve, answer)
         tg.start_soon(other.serve, answer)
         ports = [each.extra(anyio.abc.SocketAttribute.local_port) for each in (allowed, other)]
-        policy = SandboxPolicy(network="allow-list", allow_hosts=(f"127.0.0.1:{ports[0]}",))
+        # The executor's own policy (the list is the executor's); a request under it names no hosts.
+        allowed_host = f"127.0.0.1:{ports[0]}"
+        policy = SandboxPolicy(network="allow-list", allow_hosts=(allowed_host, "kit-unused.invalid"))
         script = f"set -- {ports[0]} {ports[1]}\n{_THROUGH_PROXY}"
         # Its refusal is taken out of the task group first (which would wrap it in a group).
         try:
-            async with ctx.executor() as ex:
-                done: BashRunResult | BashInfrastructureError = await ex.exec(script, policy=policy)
+            async with ctx.executor(policy=policy) as ex:
+                done: BashRunResult | BashInfrastructureError = await ex.exec(script)
+                own_list = SandboxPolicy(network="allow-list", allow_hosts=(allowed_host,))  # narrower
+                refused = await expect_raises(
+                    BashInfrastructureError,
+                    partial(ex.exec, script, policy=own_list),
+                    "a request naming a list of its own (narrower)",
+                )
+                reason = getattr(refused, "reason", None)
+                ctx.expect(
+                    reason == "policy_unenforceable",
+                    f"a request naming hosts of its own was refused with {reason}: {refused}",
+                )
         except BashInfrastructureError as exc:
             done = exc
         tg.cancel_scope.cancel()
