@@ -431,11 +431,11 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         return ConfinementProbe()
 
     async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> str | None:
-        """Where commands run, the path of a unix socket that serves the egress proxy of
-        ``network = "allow-list"`` for ``allow_hosts`` (:class:`dsh_bash.backend.EgressProxy`, run
-        in the executor's task group; started at the first call, the same path after). Only ever
-        asked for the executor's own list. None (the default): this backend serves none, and the
-        allow-list is refused (``policy_unenforceable``)."""
+        """The abstract unix socket (``@NAME``), in the network namespace where commands start, of
+        the egress proxy of ``network = "allow-list"`` for ``allow_hosts``
+        (:class:`dsh_bash.backend.EgressProxy`, run in the executor's task group; started at the
+        first call for a list, the same name after). None (the default): this backend serves none,
+        and the allow-list is refused (``policy_unenforceable``)."""
         return None
 
     async def _read_file(self, path: str, *, user: str | None, max_bytes: int) -> bytes:
@@ -1128,17 +1128,9 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         if self._confinement_probe is None:
             self._confinement_probe = await self._probe_confinement()
         problem = self._confinement_probe.problem(policy)
-        if problem is None and policy.network == "allow-list":
-            if policy.allow_hosts != self._config.policy.allow_hosts:
-                # One proxy per executor: a second one's socket would be a path the command could
-                # reach past its own (the filesystem rules cannot see a connect).
-                problem = (
-                    'network = "allow-list" holds the executor\'s own list only (a request may narrow '
-                    "the network to loopback or none, not name other hosts): set allow_hosts in the "
-                    "executor's policy"
-                )
-            elif await self._egress_socket(policy.allow_hosts) is None:
-                problem = 'network = "allow-list": this backend serves no egress proxy where its commands run'
+        allow_list = problem is None and policy.network == "allow-list"
+        if allow_list and await self._egress_socket(policy.allow_hosts) is None:
+            problem = 'network = "allow-list": this backend serves no egress proxy where its commands run'
         return problem
 
     async def _supervise(self, command: _Command, timeout_s: float | None) -> None:

@@ -1,6 +1,7 @@
-"""The egress proxy of ``network = "allow-list"`` (``docs/design/policy.md``): an HTTP proxy on a unix
-socket, which the confinement step's forwarder reaches from the command's own network (where it listens
-on ``127.0.0.1:``:data:`PROXY_PORT`, named by ``HTTP(S)_PROXY``). It lets ``CONNECT host:port`` and
+"""The egress proxy of ``network = "allow-list"`` (``docs/design/policy.md``): an HTTP proxy behind an
+abstract unix socket, which the confinement step connects to before it makes the command's own
+network; its forwarder there (on ``127.0.0.1:``:data:`PROXY_PORT`, named by ``HTTP(S)_PROXY``) hands
+each connection it accepts over that one connection. It lets ``CONNECT host:port`` and
 absolute-form ``http://`` requests through to the policy's ``allow_hosts`` only; anything else gets a
 status and a line the model can read. One proxy serves one allow-list; the executor runs it in its
 task group (:meth:`EgressProxy.serve`)."""
@@ -11,7 +12,9 @@ import contextlib
 import ipaddress
 import logging
 import os
+import secrets
 import socket
+import struct
 from urllib.parse import urlsplit
 
 import anyio
@@ -54,17 +57,39 @@ class EgressProxy:
         return host_allowed(self.allow_hosts, host, port)
 
     @staticmethod
-    async def listen(path: str) -> anyio.abc.Listener[anyio.abc.SocketStream]:
-        """A listener on the unix socket ``path`` (made here, mode 0600: the harness's user only), for
-        :meth:`serve`: connections made before it serves wait in its backlog."""
-        listener = await anyio.create_unix_listener(path)
-        os.chmod(path, 0o600)
-        return listener
+    async def listen() -> tuple[anyio.abc.Listener[anyio.abc.SocketStream], str]:
+        """A listener on a fresh abstract unix socket, and its name for the step's ``--proxy``
+        (``@NAME``). Abstract: it exists in this network namespace only, so a command in its own
+        network cannot reach it but through the forwarder the step connects before it makes that
+        network; a connection from another user is refused."""
+        name = f"dsh-egress-{secrets.token_hex(12)}"
+        listener = await anyio.create_unix_listener(f"\0{name}")
+        return listener, f"@{name}"
 
     async def serve(self, listener: anyio.abc.Listener[anyio.abc.SocketStream]) -> None:
-        """Serve every connection to ``listener`` until cancelled; the listener is closed then."""
+        """Serve every command's forwarder that connects to ``listener`` until cancelled (the
+        listener is closed then)."""
         async with listener:
-            await listener.serve(self._handle)
+            await listener.serve(self._forwarder)
+
+    async def _forwarder(self, control: anyio.abc.SocketStream) -> None:
+        """One command's forwarder: each connection it accepted comes as a descriptor (SCM_RIGHTS)."""
+        async with control:
+            raw = control.extra(anyio.abc.SocketAttribute.raw_socket)
+            uid = struct.unpack("3i", raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+            if uid != os.geteuid() or not isinstance(control, anyio.abc.UNIXSocketStream):
+                return
+            async with anyio.create_task_group() as tg:
+                while True:
+                    try:
+                        message, fds = await control.receive_fds(1, 1)
+                    except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                        break
+                    if not message and not fds:
+                        break
+                    for fd in fds:
+                        stream = await anyio.abc.SocketStream.from_socket(socket.socket(fileno=fd))
+                        tg.start_soon(self._handle, stream)
 
     async def _handle(self, client: anyio.abc.ByteStream) -> None:
         async with client:

@@ -73,9 +73,10 @@ executor's):
   (:func:`dsh_bash.supervisor.confinement_from_probe` reads it from ``dsh-supervise --confine
   --probe``).
 - :class:`EgressProxy` and :data:`PROXY_PORT`: the HTTP proxy of ``network = "allow-list"``, which a
-  backend runs (``EgressProxy.listen(path)``, then ``serve`` as a helper of the executor) where the
-  confinement step's forwarder can reach its unix socket, and names in ``_egress_socket``; the
-  forwarder listens on ``127.0.0.1:PROXY_PORT`` in the command's own network.
+  backend runs (``EgressProxy.listen()``, then ``serve`` as a helper of the executor) in the network
+  namespace where its commands start, and names in ``_egress_socket``; the confinement step connects
+  to it before it makes the command's own network, whose forwarder on ``127.0.0.1:PROXY_PORT``
+  hands it each connection.
 
 Errors and configuration:
 

@@ -5,7 +5,7 @@
  *
  *   dsh-supervise --confine [--write PATH]... [--deny-read PATH]... [--cpu-seconds N] [--file-bytes N]
  *                 [--memory-bytes N] [--open-files N] [--processes N]
- *                 [--network none|loopback|allow-list --proxy PATH] -- PROGRAM [ARGS...]
+ *                 [--network none|loopback|allow-list --proxy @NAME] -- PROGRAM [ARGS...]
  *   dsh-supervise --confine --probe      (prints "landlock ABI" (0 where the kernel has none) and
  *                                         "loopback 1|0": whether --network loopback can hold here,
  *                                         "processes 1|0": whether --processes can)
@@ -32,10 +32,12 @@
  *   the user's ids map to themselves (root: every id, so root's rights on files stay root's).
  *   Where no user namespace can be made (Docker's default seccomp profile), a namespace that has no
  *   interface but loopback already (a container without a network) holds the rule as it is; else
- *   the rule cannot be applied. allow-list: loopback's network, and in it a forwarder (a child
- *   of the command's, ended by its parent's death) from 127.0.0.1:3128 to the unix socket --proxy
- *   PATH, the harness's egress proxy, which lets the allowed hosts through; HTTP_PROXY and its kin
- *   name the forwarder.
+ *   the rule cannot be applied. allow-list: first a connection to the harness's egress proxy (the
+ *   abstract unix socket --proxy @NAME, which exists in the harness's network namespace only), then
+ *   loopback's network, and in it a forwarder (a child of the command's, ended by its parent's
+ *   death) on 127.0.0.1:3128 that hands each connection it accepts to the proxy over that one
+ *   connection (SCM_RIGHTS); HTTP_PROXY and its kin name the forwarder. Nothing in the command's
+ *   network can reach the proxy but through it.
  * - Processes (version 11): a pids cgroup of the command's own (cgroup v1's pids hierarchy, or v2
  *   with the pids controller), made beneath "dsh-bash" at the hierarchy's root, its pids.max N; the
  *   process moves itself in before anything else. Writable as root on a host; not inside a container
@@ -555,51 +557,29 @@ static int processes_possible(void)
 #define PROXY_PORT 3128 /* dsh_bash._egress.PROXY_PORT */
 #define PROXY_URL "http://127.0.0.1:3128"
 
-/* Bytes both ways between A and B until both ends are done (each direction half-closed on its EOF). */
-static void relay(int a, int b)
+/* The harness's egress proxy, reached before the command's network is made: NAME is an abstract unix
+ * socket ("@..."), which exists in the harness's network namespace only, so no process in the
+ * command's own network can reach it later; this one connection (one per command) is all it gets. */
+static int connect_proxy(const char *name)
 {
-    char buf[65536];
-    int open_a = 1, open_b = 1;
-    while (open_a || open_b) {
-        struct pollfd fds[2] = {{a, open_a ? POLLIN : 0, 0}, {b, open_b ? POLLIN : 0, 0}};
-        if (poll(fds, 2, -1) < 0) {
-            if (errno == EINTR)
-                continue;
-            return;
-        }
-        for (int k = 0; k < 2; k++) {
-            int from = k == 0 ? a : b, to = k == 0 ? b : a;
-            int *still = k == 0 ? &open_a : &open_b;
-            if (!*still || !(fds[k].revents & (POLLIN | POLLHUP | POLLERR)))
-                continue;
-            ssize_t n = read(from, buf, sizeof buf);
-            if (n <= 0) {
-                *still = 0;
-                shutdown(to, SHUT_WR);
-                continue;
-            }
-            for (ssize_t off = 0; off < n;) {
-                ssize_t w = write(to, buf + off, (size_t)(n - off));
-                if (w < 0 && errno == EINTR)
-                    continue;
-                if (w <= 0)
-                    return;
-                off += w;
-            }
-        }
-    }
+    struct sockaddr_un proxy = {.sun_family = AF_UNIX};
+    size_t length = strlen(name);
+    if (name[0] != '@' || length < 2 || length > sizeof proxy.sun_path)
+        die("--confine: --proxy wants an abstract unix socket's name (@NAME), not '%s'", name);
+    memcpy(proxy.sun_path + 1, name + 1, length - 1); /* sun_path[0] stays 0: abstract */
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    socklen_t size = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + length);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&proxy, size) < 0)
+        die("--confine: --proxy %s: cannot reach the egress proxy: %s", name, strerror(errno));
+    return fd;
 }
 
 /* A process of the command's (its parent's death ends it) that listens on 127.0.0.1:PROXY_PORT in the
- * command's own network and carries each connection to the unix socket PATH, the harness's egress
- * proxy: the command's one way out. Holds none of the command's descriptors (its output pipes least
- * of all: a background task's end must not wait for it). */
-static void start_forwarder(const char *path)
+ * command's own network and hands each connection it accepts to the egress proxy over CONTROL (the
+ * descriptor itself, SCM_RIGHTS): the command's one way out. Holds none of the command's descriptors
+ * (its output pipes least of all: a background task's end must not wait for it). */
+static void start_forwarder(int control)
 {
-    struct sockaddr_un proxy = {.sun_family = AF_UNIX};
-    if (strlen(path) >= sizeof proxy.sun_path)
-        die("--confine: --proxy %s: a unix socket path that long cannot be reached", path);
-    strcpy(proxy.sun_path, path);
     int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     struct sockaddr_in here = {.sin_family = AF_INET, .sin_port = htons(PROXY_PORT),
                                .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
@@ -613,6 +593,7 @@ static void start_forwarder(const char *path)
         die("--confine: --proxy: fork: %s", strerror(errno));
     if (pid > 0) {
         close(listener);
+        close(control);
         return;
     }
     prctl(PR_SET_PDEATHSIG, SIGKILL);
@@ -622,9 +603,8 @@ static void start_forwarder(const char *path)
     for (int fd = 0; fd < 3; fd++)
         dup2(null, fd);
     for (int fd = 3; fd < 1024; fd++)
-        if (fd != listener)
+        if (fd != listener && fd != control)
             close(fd);
-    signal(SIGCHLD, SIG_IGN); /* each connection's process is reaped by the kernel */
     for (;;) {
         int conn = accept4(listener, NULL, NULL, SOCK_CLOEXEC);
         if (conn < 0) {
@@ -632,16 +612,27 @@ static void start_forwarder(const char *path)
                 continue;
             _exit(1);
         }
-        pid_t one_conn = fork();
-        if (one_conn == 0) {
-            prctl(PR_SET_PDEATHSIG, SIGKILL);
-            close(listener);
-            int up = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-            if (up >= 0 && connect(up, (struct sockaddr *)&proxy, sizeof proxy) == 0)
-                relay(conn, up);
-            _exit(0);
-        }
+        char byte = 'c';
+        struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+        union {
+            char buf[CMSG_SPACE(sizeof(int))];
+            struct cmsghdr align;
+        } space;
+        memset(&space, 0, sizeof space);
+        struct msghdr message = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = space.buf,
+                                 .msg_controllen = sizeof space.buf};
+        struct cmsghdr *passed = CMSG_FIRSTHDR(&message);
+        passed->cmsg_level = SOL_SOCKET;
+        passed->cmsg_type = SCM_RIGHTS;
+        passed->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(passed), &conn, sizeof(int));
+        ssize_t sent;
+        do
+            sent = sendmsg(control, &message, MSG_NOSIGNAL);
+        while (sent < 0 && errno == EINTR);
         close(conn);
+        if (sent < 0)
+            _exit(1); /* the proxy is gone (the executor closed): nothing more to forward */
     }
 }
 
@@ -701,8 +692,6 @@ int run_confine(int argc, char **argv)
                 die("--confine: --network wants none, loopback or allow-list, not '%s'", v);
             network = v;
         } else if (strcmp(a, "--proxy") == 0) {
-            if (v[0] != '/')
-                die("--confine: --proxy wants the absolute path of a unix socket, not '%s'", v);
             proxy = v;
         } else {
             die("--confine: %s is not one of its options", a);
@@ -711,14 +700,15 @@ int run_confine(int argc, char **argv)
     if (i >= argc)
         die("usage: dsh-supervise --confine [--write PATH]... [--deny-read PATH]... [--cpu-seconds N] "
             "[--file-bytes N] [--memory-bytes N] [--open-files N] [--processes N] "
-            "[--network none|loopback|allow-list --proxy PATH] -- PROGRAM [ARGS...]\n"
+            "[--network none|loopback|allow-list --proxy @NAME] -- PROGRAM [ARGS...]\n"
             "       dsh-supervise --confine --probe");
     /* The cgroup first: its files are written before a user namespace would make them another's. */
     if (processes != NULL)
         limit_processes(processes);
     int allow_list = network != NULL && strcmp(network, "allow-list") == 0;
     if (allow_list != (proxy != NULL))
-        die("--confine: --network allow-list and --proxy PATH go together");
+        die("--confine: --network allow-list and --proxy @NAME go together");
+    int control = allow_list ? connect_proxy(proxy) : -1; /* still in the harness's network */
     if (network != NULL && (strcmp(network, "loopback") == 0 || allow_list))
         loopback_only();
     int abi = landlock_abi();
@@ -742,7 +732,7 @@ int run_confine(int argc, char **argv)
     if (network != NULL && strcmp(network, "none") == 0)
         refuse_sockets();
     if (allow_list) {
-        start_forwarder(proxy);
+        start_forwarder(control);
         set_proxy_variables();
     }
     execvp(argv[i], argv + i);

@@ -30,7 +30,6 @@ import os
 import shlex
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -2495,9 +2494,8 @@ class ProxyAllowsAnyHost(LocalBashExecutor):
 
     async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> str | None:
         if not hasattr(self, "_any_host_socket"):
-            where = tempfile.mkdtemp(prefix="dsh-kit-any-")
-            self._any_host_socket = f"{where}/proxy.sock"
-            self._start_helper(_AnyHost(()).serve, await EgressProxy.listen(self._any_host_socket))
+            listener, self._any_host_socket = await EgressProxy.listen()
+            self._start_helper(_AnyHost(()).serve, listener)
         return self._any_host_socket
 
 

@@ -1,12 +1,12 @@
-"""The egress proxy of network = "allow-list" (dsh_bash._egress), on real sockets: a unix listener as
-the executor runs it, a TCP server on this host as the allowed host. The whole way (the step's
+"""The egress proxy of network = "allow-list" (dsh_bash._egress), on real sockets: its abstract unix
+listener as the executor runs it, connections handed over as descriptors as the step's forwarder
+does, a TCP server on this host as the allowed host. The whole way (the step's
 forwarder in the command's own network, the proxy variables, the executor serving the proxy) is the
 kit's policy-network-allow-list check; the forwarder alone is in test_supervise_confine.py."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -26,8 +26,8 @@ def anyio_backend() -> str:
 
 @asynccontextmanager
 async def _world(allow: tuple[str, ...] = ()) -> AsyncIterator[tuple[str, int, list[bytes]]]:
-    """A proxy for ``allow`` (``{port}`` in an entry: the server's) on a unix socket, and a server on
-    127.0.0.1 that greets, then echoes; what it received, per connection."""
+    """A proxy for ``allow`` (``{port}`` in an entry: the server's), and a server on 127.0.0.1 that
+    greets, then echoes; what it received, per connection. Yields the proxy's name (``@NAME``)."""
     received: list[bytes] = []
 
     async def serve(stream: anyio.abc.SocketStream) -> None:
@@ -43,36 +43,37 @@ async def _world(allow: tuple[str, ...] = ()) -> AsyncIterator[tuple[str, int, l
                 pass
             received.append(got)
 
-    where = tempfile.mkdtemp(prefix="dsh-egress-test-")
-    try:
-        async with await anyio.create_tcp_listener(local_host="127.0.0.1") as server:
-            port = server.extra(anyio.abc.SocketAttribute.local_port)
-            proxy = EgressProxy(tuple(entry.format(port=port) for entry in allow))
-            listener = await EgressProxy.listen(f"{where}/proxy.sock")
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(server.serve, serve)
-                tg.start_soon(proxy.serve, listener)
-                yield f"{where}/proxy.sock", port, received
-                tg.cancel_scope.cancel()
-    finally:
-        shutil.rmtree(where, ignore_errors=True)
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as server:
+        port = server.extra(anyio.abc.SocketAttribute.local_port)
+        proxy = EgressProxy(tuple(entry.format(port=port) for entry in allow))
+        listener, name = await EgressProxy.listen()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server.serve, serve)
+            tg.start_soon(proxy.serve, listener)
+            yield name, port, received
+            tg.cancel_scope.cancel()
 
 
-async def _ask(socket: str, request: bytes, then: bytes = b"") -> bytes:
-    """``request`` to the proxy, then ``then``; everything until the proxy or the host closes."""
-    async with await anyio.connect_unix(socket) as stream:
-        await stream.send(request)
-        if then:
-            await anyio.sleep(0.05)
-            await stream.send(then)
-        await stream.send_eof()
-        got = b""
-        with anyio.fail_after(10):
-            try:
-                while True:
-                    got += await stream.receive()
-            except (anyio.EndOfStream, anyio.BrokenResourceError):
-                return got
+async def _ask(name: str, request: bytes, then: bytes = b"") -> bytes:
+    """As a command's forwarder does: one end of a socket pair handed to the proxy ``name``, the
+    other sends ``request``, then ``then``; everything until the proxy or the host closes."""
+    async with await anyio.connect_unix(f"\0{name[1:]}") as control:
+        mine, theirs = socket.socketpair()
+        await control.send_fds(b"c", [theirs.fileno()])
+        theirs.close()
+        async with await anyio.abc.SocketStream.from_socket(mine) as stream:
+            await stream.send(request)
+            if then:
+                await anyio.sleep(0.05)
+                await stream.send(then)
+            await stream.send_eof()
+            got = b""
+            with anyio.fail_after(10):
+                try:
+                    while True:
+                        got += await stream.receive()
+                except (anyio.EndOfStream, anyio.BrokenResourceError):
+                    return got
 
 
 async def test_connect_to_an_allowed_host_is_a_tunnel_both_ways() -> None:

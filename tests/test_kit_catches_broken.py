@@ -134,7 +134,11 @@ CAUGHT_BY: list[Row] = [
     Row("policy-network-none", bb.NetworkIgnored, message_contains=("still reached: ['loopback'",)),
     Row("policy-network-none", bb.NoneMeansLoopback, message_contains=("still reached: ['loopback'",)),
     Row("policy-network-loopback", bb.LoopbackMeansNone, message_contains=("reached []",)),
-    Row("policy-network-allow-list", bb.ProxyAllowsAnyHost, message_contains=("'status HTTP/1.1 200",)),
+    Row(
+        "policy-network-allow-list",
+        bb.ProxyAllowsAnyHost,
+        message_contains=("said kit-allowed', 'status HTTP/1.1 502",),
+    ),
     Row("policy-network-allow-list", bb.NetworkIgnored, message_contains=("direct-reached",)),
     Row("task-cap-refused", bb.IgnoresTaskCap),
     Row("kill-running-task", bb.KillWaitsForEnd),

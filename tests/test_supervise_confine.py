@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -362,44 +361,62 @@ exec 3<>/dev/tcp/127.0.0.1/3128 && printf 'hello proxy\\n' >&3 && IFS= read -r l
 """
 
 
-def test_allow_list_forwards_its_port_to_the_proxy_socket_and_leaves_nothing(tmp_path: Path) -> None:
-    """127.0.0.1:3128 in the command's own network reaches the unix socket (here: an echo server
-    that says which it is), the proxy variables name it, and the forwarder ends with the command."""
-    where = Path(tempfile.mkdtemp(prefix="dsh-fwd-"))  # a unix socket's path is short
-    socket_path = str(where / "proxy.sock")
-    server = subprocess.Popen(
-        [sys.executable, "-c", _UNIX_ECHO, socket_path], stdout=subprocess.PIPE, text=True
-    )
+def test_allow_list_hands_each_connection_to_the_proxy_and_leaves_nothing() -> None:
+    """127.0.0.1:3128 in the command's own network: each connection reaches the proxy (here: a
+    server that answers on each descriptor it is handed), the proxy variables name it, and the
+    forwarder ends with the command."""
+    name = f"@dsh-test-{os.getpid()}-{time.monotonic_ns()}"
+    server = subprocess.Popen([sys.executable, "-c", _FD_SERVER, name], stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None and server.stdout.readline() == "listening\n"
-        argv = [BINARY, "--confine", "--write", "/", "--network", "allow-list", "--proxy", socket_path, "--"]
-        done = _run([*argv, "bash", "-c", _VIA_PROXY])
+        argv = [BINARY, "--confine", "--write", "/", "--network", "allow-list", "--proxy", name, "--"]
+        done = _run([*argv, "bash", "-c", _VIA_PROXY + _VIA_PROXY.split("\n", 2)[2]])
         assert done.stdout.splitlines() == [
             "proxy http://127.0.0.1:3128 http://127.0.0.1:3128 localhost,127.0.0.1,::1",
-            "got unix-side: hello proxy",
+            "got proxy-side: hello proxy",
+            "got proxy-side: hello proxy",
         ], done.stderr
         time.sleep(0.2)  # SIGKILL at its parent's death: the kernel's, at once; then reaped by init
-        assert [pid for pid in _pids_with_in_cmdline(socket_path.encode()) if pid != server.pid] == []
+        assert [pid for pid in _pids_with_in_cmdline(name.encode()) if pid != server.pid] == []
     finally:
         server.kill()
         server.wait()
-        shutil.rmtree(where, ignore_errors=True)
 
 
-_UNIX_ECHO = """
-import os, socket, sys, threading
-path = sys.argv[1]
+def test_allow_list_without_its_proxy_runs_nothing() -> None:
+    argv = [
+        BINARY,
+        "--confine",
+        "--write",
+        "/",
+        "--network",
+        "allow-list",
+        "--proxy",
+        "@dsh-test-nobody-listens",
+    ]
+    done = _run([*argv, "--", "echo", "ran"])
+    assert done.returncode == 125 and "cannot reach the egress proxy" in done.stderr and done.stdout == ""
+
+
+#: Answers on every descriptor it is handed (as the egress proxy is), on an abstract socket.
+_FD_SERVER = """
+import array, socket, sys, threading
 listener = socket.socket(socket.AF_UNIX)
-listener.bind(path)
+listener.bind("\\0" + sys.argv[1][1:])
 listener.listen()
 print("listening", flush=True)
-def serve(conn):
+def answer(conn):
     with conn:
-        data = conn.recv(1024)
-        conn.sendall(b"unix-side: " + data)
+        conn.sendall(b"proxy-side: " + conn.recv(1024))
+def control(conn):
+    while True:
+        msg, fds, _, _ = socket.recv_fds(conn, 1, 1)
+        if not msg:
+            return
+        threading.Thread(target=answer, args=(socket.socket(fileno=fds[0]),), daemon=True).start()
 while True:
     conn, _ = listener.accept()
-    threading.Thread(target=serve, args=(conn,), daemon=True).start()
+    threading.Thread(target=control, args=(conn,), daemon=True).start()
 """
 
 

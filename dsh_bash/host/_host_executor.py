@@ -14,7 +14,6 @@ import pwd
 import shutil
 import signal
 import sys
-import tempfile
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
@@ -183,9 +182,8 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         self._confine_binary: str | None = None
         self._supervised: set[SupervisedProcess] = set()
         self._channels = ChannelPool()
-        #: network = "allow-list": each list's egress proxy socket, in a private directory of its own.
+        #: network = "allow-list": each list's egress proxy (the name of its abstract unix socket).
         self._egress_sockets: dict[tuple[str, ...], str] = {}
-        self._egress_dir: str | None = None
         self._egress_lock = anyio.Lock()
         #: Whether processes may exist that no live supervisor holds (a command ran without one, or a
         #: supervisor died before it said that nothing was left): only then do leftovers need a scan.
@@ -239,22 +237,17 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         self._supervisor_path = path if server is not None else None
 
     async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> str | None:
+        # One proxy per list, in this process's network namespace (the host's): the commands'
+        # forwarders connect before they leave it.
         async with self._egress_lock:
-            path = self._egress_sockets.get(allow_hosts)
-            if path is None:
-                if self._egress_dir is None:
-                    # Short (a unix socket's path has 107 bytes), private (0700: this user's commands).
-                    self._egress_dir = tempfile.mkdtemp(prefix="dsh-egress-")
-                path = os.path.join(self._egress_dir, f"{len(self._egress_sockets)}.sock")
-                listener = await EgressProxy.listen(path)
+            name = self._egress_sockets.get(allow_hosts)
+            if name is None:
+                listener, name = await EgressProxy.listen()
                 self._start_helper(EgressProxy(allow_hosts).serve, listener)
-                self._egress_sockets[allow_hosts] = path
-            return path
+                self._egress_sockets[allow_hosts] = name
+            return name
 
     async def _release(self) -> None:
-        if self._egress_dir is not None:  # the proxies ended with the task group's helpers
-            shutil.rmtree(self._egress_dir, ignore_errors=True)
-            self._egress_dir = None
         self._channels.close()
         await self._confirm_nothing_left()
         if self._server is not None:
