@@ -102,12 +102,28 @@ async def in_session(ex: Any) -> Timed:
 POLICY = "`true` under the workspace-write policy (a request's) vs the same executor's plain `true`"
 
 
-def under_policy(ex: Any) -> Timed:
-    """A call of `true` under the ``workspace-write`` preset, asked by the request (the same executor,
-    the same container: only the policy's step differs)."""
+#: Rows of the other rules (local: informational, no target), each beside the plain `true`.
+RULE = "`true` under {rule} (a request's) vs the same executor's plain `true`"
+
+
+def other_rules() -> dict[str, Any]:
+    """The rules beyond the preset, by the words of their row: each one alone."""
+    from dsh_bash import CommandLimits, SandboxPolicy  # noqa: PLC0415
+
+    return {
+        'network = "none"': SandboxPolicy(network="none"),
+        'network = "loopback"': SandboxPolicy(network="loopback"),
+        'network = "allow-list"': SandboxPolicy(network="allow-list", allow_hosts=("example.com",)),
+        "limits.processes": SandboxPolicy(limits=CommandLimits(processes=256)),
+    }
+
+
+def under_policy(ex: Any, policy: Any = None) -> Timed:
+    """A call of `true` under ``policy`` (default: the ``workspace-write`` preset), asked by the
+    request (the same executor, the same container: only the policy's step differs)."""
     from dsh_bash import BashExecRequest, SandboxPolicy  # noqa: PLC0415
 
-    policy = SandboxPolicy.workspace_write()
+    policy = SandboxPolicy.workspace_write() if policy is None else policy
 
     async def call() -> None:
         await ex.run(ex.resolve(BashExecRequest(command="true", policy=policy)))
@@ -156,6 +172,8 @@ async def bench_local(runs: int) -> list[tuple[str, str, float, float]]:
 
         session = await in_session(ex)
         baselines = {"raw": raw, "marker": marker_only, "session": session, "policy": under_policy(ex)}
+        rules = other_rules()
+        baselines.update({rule: under_policy(ex, policy) for rule, policy in rules.items()})
         medians = await _alternate(runs, subject, baselines)
         interactive = await round_trip(ex, runs)
     return [
@@ -165,6 +183,7 @@ async def bench_local(runs: int) -> list[tuple[str, str, float, float]]:
         ("local", ROUND_TRIP, interactive, medians["subject"]),
         ("local", SESSION, medians["session"], medians["subject"]),
         ("local", POLICY, medians["policy"], medians["subject"]),
+        *(("local", RULE.format(rule=rule), medians[rule], medians["subject"]) for rule in rules),
     ]
 
 

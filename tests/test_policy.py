@@ -4,11 +4,13 @@ test_supervise_confine.py, the policy held by every backend in the kit's policy-
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from dsh_bash_local import LocalConfig
 
 from dsh_bash import CommandLimits, ConfigError, PolicyWidened, SandboxPolicy
-from dsh_bash._policy import DEFAULT_DENY_READ, confine_options, narrowed
+from dsh_bash._policy import DEFAULT_DENY_READ, confine_options, host_allowed, narrowed
 
 WORKSPACE = SandboxPolicy.workspace_write()
 
@@ -105,3 +107,30 @@ def test_a_request_never_widens_the_policy(asked: SandboxPolicy, field: str) -> 
     base = SandboxPolicy.workspace_write(limits=CommandLimits(cpu_seconds=60))
     with pytest.raises(PolicyWidened, match=field):
         narrowed(base, asked)
+
+
+def test_an_allow_list_names_hosts_ports_and_subdomains_and_narrows_to_fewer() -> None:
+    policy = SandboxPolicy(network="allow-list", allow_hosts=("PyPI.org", "*.github.com", "10.0.0.5:8080"))
+    assert policy.allow_hosts == ("pypi.org", "*.github.com", "10.0.0.5:8080")
+    hosts = policy.allow_hosts
+    assert host_allowed(hosts, "pypi.org", 443) and host_allowed(hosts, "PYPI.ORG.", 80)
+    assert not host_allowed(hosts, "pypi.org", 22) and not host_allowed(hosts, "evilpypi.org", 443)
+    assert host_allowed(hosts, "api.github.com", 443) and not host_allowed(hosts, "github.com", 443)
+    assert host_allowed(hosts, "10.0.0.5", 8080) and not host_allowed(hosts, "10.0.0.5", 443)
+    assert confine_options(policy, "/w", proxy_socket="@p") == (
+        "--write", "/", "--network", "allow-list", "--proxy", "@p"
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="egress proxy"):
+        confine_options(policy, "/w")
+    fewer = SandboxPolicy(network="allow-list", allow_hosts=("api.github.com", "*.x.github.com"))
+    assert narrowed(policy, fewer).allow_hosts == fewer.allow_hosts
+    assert narrowed(policy, SandboxPolicy(network="loopback")).network == "loopback"
+    for wider in ("github.com", "pypi.org:22", "*.com", "example.org"):
+        asked = SandboxPolicy(network="allow-list", allow_hosts=(wider,))
+        with pytest.raises(PolicyWidened, match=f"policy.allow_hosts: {re.escape(wider)} is not within"):
+            narrowed(policy, asked)
+    for bad in ("http://x", "a b", "x:99999", "*", "-x.org"):
+        with pytest.raises(ValueError, match="allow_hosts"):
+            SandboxPolicy(network="allow-list", allow_hosts=(bad,))
+    with pytest.raises(ValueError, match='only with network = "allow-list"'):
+        SandboxPolicy(allow_hosts=("pypi.org",))
