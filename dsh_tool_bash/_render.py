@@ -125,13 +125,14 @@ _POLICY_ERRORS = ("Permission denied", "Read-only file system", "Network is unre
 _LIMIT_SIGNALS = ("SIGXCPU", "SIGXFSZ")
 
 
-def policy_line(policy: SandboxPolicy | None, workdir: str, result: BashRunResult) -> Line | None:
-    """``[sandbox policy: ...]`` when ``result`` shows what ``policy`` refuses (an error its rules give
-    on stderr, a limit's signal), else None: the model is told the refusal came from outside the
-    command, and that it cannot be lifted from inside."""
+def policy_line(policy: SandboxPolicy | None, workdir: str, said: str, signal: str | None) -> Line | None:
+    """``[sandbox policy: ...]`` when what a command ``said`` (its stderr, or a background task's
+    output) or its end's ``signal`` shows what ``policy`` refuses (an error its rules give, a limit's
+    signal), else None: the model is told the refusal came from outside the command, and that it
+    cannot be lifted from inside."""
     if policy is None or not policy.active:
         return None
-    refused = result.signal in _LIMIT_SIGNALS or any(said in result.stderr.text for said in _POLICY_ERRORS)
+    refused = signal in _LIMIT_SIGNALS or any(error in said for error in _POLICY_ERRORS)
     if not refused:
         return None
     rules: list[str] = []

@@ -26,6 +26,7 @@ from dsh_bash import (
     DshBashError,
     ExecutorClosedError,
     OwnerToken,
+    SandboxPolicy,
     SessionId,
     TaskInputError,
     TerminalSize,
@@ -133,12 +134,14 @@ class ToolResult(BaseModel):
 class _OwnerBook:
     """Background tasks one owner started through toolsets, plus starts in flight."""
 
-    __slots__ = ("cwd", "ended", "reserved", "tasks", "waited_on")
+    __slots__ = ("confined", "cwd", "ended", "reserved", "tasks", "waited_on")
 
     def __init__(self) -> None:
         #: The directory of the owner's session the last result showed (None: none shown yet).
         self.cwd: str | None = None
         self.tasks: dict[BashTaskId, BashTask] = {}
+        #: The sandbox policy and working directory of each task that runs under an active policy.
+        self.confined: dict[BashTaskId, tuple[SandboxPolicy, str]] = {}
         self.reserved = 0
         #: Tasks a ``bash`` call with ``yield_ms`` still waits for: that call reports their end, so
         #: ``on_completion`` and the next result do not.
@@ -638,7 +641,7 @@ class BashToolset:
                 return _error("aborted", ABORTED_TEXT, BASH, **facts)
             return _failure(exc, "the command could not run", BASH, **facts)
         lines, session_facts = self._session_lines(result, spec.workdir)
-        refused = policy_line(spec.policy, spec.workdir, result)
+        refused = policy_line(spec.policy, spec.workdir, result.stderr.text, result.signal)
         if refused is not None:
             lines.append(refused)
             facts["policy_refusal"] = True
@@ -703,7 +706,10 @@ class BashToolset:
             facts["workdir"] = spec.workdir
             if timeout_applies:
                 spec = spec.model_copy(update={"task_timeout_ms": spec.timeout_ms})
-            return await self._executor.start(spec), book
+            task = await self._executor.start(spec)
+            if spec.policy is not None and spec.policy.active:
+                book.confined[task.id] = (spec.policy, spec.workdir)
+            return task, book
         except DshBashError as exc:
             if signal is not None and signal.aborted:
                 return _error("aborted", ABORTED_TEXT, BASH, **facts)
@@ -856,9 +862,14 @@ class BashToolset:
                 end_cause=task.end_cause,
             ),
         )
+        confined = _book(self._executor, self._owner).confined.get(task.id)
+        refused = None if confined is None else policy_line(*confined, read.delta, task.signal)
+        if refused is not None:
+            text = join([text, refused])
         data = {
             "tool": tool,
             **_task_data(task),
+            **({"policy_refusal": True} if refused is not None else {}),
             "waiting_for_input": read.waiting_for_input,
             "new_output": bool(read.delta),
             "lossy": read.lossy,

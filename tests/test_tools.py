@@ -836,6 +836,14 @@ async def test_the_model_is_told_when_its_sandbox_policy_refused_a_command(tmp_p
         ), result.text
         fine = await tools.call("bash", {"command": "echo fine > here && cat here"})
         assert fine.text == "fine\n" and "policy_refusal" not in fine.data
+        # A background task's read says it too, once its output shows the refusal.
+        started = await tools.call("bash", {"command": refused, "run_in_background": True})
+        task_id = started.data["task_id"]
+        reads = await _until_finished(tools, task_id)
+        # (the read whose new output shows the refusal: the last, or one before it while it ran)
+        told = [read for read in reads if read.data.get("policy_refusal") is True]
+        assert told, [read.text for read in reads]
+        assert told[-1].text.endswith("nothing in the command can lift: work within it]"), told[-1].text
     async with _executor(cwd=str(tmp_path)) as ex:  # no policy: the same errors are the machine's own
         result = await BashToolset(ex).call("bash", {"command": "echo 'Permission denied' >&2; exit 1"})
         assert "Permission denied" in result.text
@@ -846,14 +854,13 @@ def test_the_policy_line_names_each_rule_and_only_follows_what_the_policy_refuse
     policy = SandboxPolicy(
         network="allow-list", allow_hosts=("pypi.org", "*.github.com"), limits={"processes": 64}
     )  # type: ignore[arg-type]
-    refused = _result(_out(), _out("curl: (56) CONNECT tunnel failed, response 403\n"), exit_code=56)
-    line = policy_line(policy, "/w", refused)
+    refused = "curl: (56) CONNECT tunnel failed, response 403\n"
+    line = policy_line(policy, "/w", refused, None)
     assert line == Line(
         "[sandbox policy: network: only through its HTTP proxy (HTTPS_PROXY), to pypi.org, *.github.com; "
         "limits: processes 64. An error above may be the policy's, which nothing in the command can lift: "
         "work within it]"
     )
-    assert policy_line(policy, "/w", _result(_out("fine\n"))) is None
-    assert policy_line(None, "/w", refused) is None
-    spun = _result(_out(), signal="SIGXCPU", exit_code=None)
-    assert policy_line(SandboxPolicy(limits={"cpu_seconds": 1}), "/w", spun) is not None  # type: ignore[arg-type]
+    assert policy_line(policy, "/w", "fine\n", None) is None
+    assert policy_line(None, "/w", refused, None) is None
+    assert policy_line(SandboxPolicy(limits={"cpu_seconds": 1}), "/w", "", "SIGXCPU") is not None  # type: ignore[arg-type]
