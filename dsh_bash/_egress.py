@@ -73,7 +73,14 @@ class EgressProxy:
             await listener.serve(self._forwarder)
 
     async def _forwarder(self, control: anyio.abc.SocketStream) -> None:
-        """One command's forwarder: each connection it accepted comes as a descriptor (SCM_RIGHTS)."""
+        """One command's forwarder: each connection it accepted comes as a descriptor (SCM_RIGHTS).
+        Whatever one sends, the proxy of the others goes on."""
+        try:
+            await self._forwarded(control)
+        except Exception:
+            log.exception("egress proxy: a forwarder's connection failed")
+
+    async def _forwarded(self, control: anyio.abc.SocketStream) -> None:
         async with control:
             raw = control.extra(anyio.abc.SocketAttribute.raw_socket)
             uid = struct.unpack("3i", raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
@@ -88,7 +95,16 @@ class EgressProxy:
                     if not message and not fds:
                         break
                     for fd in fds:
-                        stream = await anyio.abc.SocketStream.from_socket(socket.socket(fileno=fd))
+                        try:  # a forwarder hands over TCP sockets; anything else is closed
+                            handed = socket.socket(fileno=fd)
+                        except OSError:
+                            os.close(fd)
+                            continue
+                        try:
+                            stream = await anyio.abc.SocketStream.from_socket(handed)
+                        except (OSError, ValueError):
+                            handed.close()
+                            continue
                         tg.start_soon(self._handle, stream)
 
     async def _handle(self, client: anyio.abc.ByteStream) -> None:
@@ -98,7 +114,7 @@ class EgressProxy:
             except _Refused as refused:
                 await _answer(client, refused.status, refused.reason)
             except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                pass
+                pass  # the client or the host went away (a timed-out head is an OSError: TimeoutError)
             except Exception:  # one connection's bug must not end the proxy of every command
                 log.exception("egress proxy: a connection failed")
 
@@ -120,7 +136,11 @@ class EgressProxy:
                 raise _Refused(
                     "400 Bad Request", "only CONNECT and absolute http:// URLs go through this proxy"
                 )
-            host, port_text = url.hostname, str(url.port or 80)
+            try:
+                port_text = str(url.port or 80)
+            except ValueError:
+                port_text = ""
+            host = url.hostname
             path = (url.path or "/") + (f"?{url.query}" if url.query else "")
             kept = b"".join(
                 line + b"\r\n"

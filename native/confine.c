@@ -299,8 +299,6 @@ static int write_text(const char *path, const char *text)
     return n == (ssize_t)strlen(text) ? 0 : -1;
 }
 
-/* A new user and network namespace, loopback up; -1 (errno set) where none can be made. Dies when one
- * was made but cannot be set up: a half-made namespace never runs the command. */
 /* Root's ids, every one of them, mapped for process TARGET once it has made its namespace: written by
  * a child that stays in the parent namespace (a process may map no more than its own id for itself).
  * Returns the helper's pid; it maps when GO is written to, and does nothing on EOF. */
@@ -336,6 +334,8 @@ static int reaped_status(pid_t pid)
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
 }
 
+/* A new user and network namespace, loopback up; -1 (errno set) where none can be made. Dies when one
+ * was made but cannot be set up: a half-made namespace never runs the command. */
 static int new_loopback_namespace(void)
 {
     uid_t uid = geteuid();

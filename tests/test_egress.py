@@ -6,6 +6,7 @@ kit's policy-network-allow-list check; the forwarder alone is in test_supervise_
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -139,3 +140,19 @@ async def test_an_allowed_host_that_does_not_answer_is_502() -> None:
     async with _world((f"127.0.0.1:{port}",)) as (socket, _port, _received):
         got = await _ask(socket, f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\n\r\n".encode())
     assert got.startswith(b"HTTP/1.1 502 Bad Gateway\r\n") and b"cannot reach" in got, got
+
+
+async def test_what_a_forwarder_should_not_hand_over_is_closed_and_the_proxy_goes_on() -> None:
+    """A descriptor that is no stream socket (a pipe, a datagram socket) is closed; the next
+    connection is served as before."""
+    async with _world(("127.0.0.1:{port}",)) as (name, port, _received):
+        async with await anyio.connect_unix(f"\0{name[1:]}") as control:
+            reading, writing = os.pipe()
+            datagram = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            await control.send_fds(b"c", [reading])
+            await control.send_fds(b"c", [datagram.fileno()])
+            os.close(reading)
+            os.close(writing)
+            datagram.close()
+        got = await _ask(name, f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\n\r\n".encode())
+    assert got.startswith(b"HTTP/1.1 200 Connection established\r\n\r\nhello\n"), got
