@@ -346,7 +346,7 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         #: Background tasks started or starting and not finalized yet, against max_running_tasks.
         self._running_tasks = 0
         self._default_task_cap = default_task_cap()
-        #: The sandbox policy's step where commands run: whether it was checked, and why it cannot run.
+        #: What the sandbox policy's step can apply where commands run (probed once, when needed).
         self._confinement_probe: ConfinementProbe | None = None
         self._policy_gap_said = False
         self._listeners: list[TaskListener] = []
