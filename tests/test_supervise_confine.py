@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from security_support import scan_cmdlines
 
 from dsh_bash.backend import ConfinementProbe
 from dsh_bash.supervisor import confine_probe_argv, confinement_from_probe, supervisor_binary
@@ -377,7 +378,7 @@ def test_allow_list_hands_each_connection_to_the_proxy_and_leaves_nothing() -> N
             "got proxy-side: hello proxy",
         ], done.stderr
         time.sleep(0.2)  # SIGKILL at its parent's death: the kernel's, at once; then reaped by init
-        assert [pid for pid in _pids_with_in_cmdline(name.encode()) if pid != server.pid] == []
+        assert [pid for pid, _, _ in scan_cmdlines([name.encode()]) if pid != server.pid] == []
     finally:
         server.kill()
         server.wait()
@@ -418,18 +419,6 @@ while True:
     conn, _ = listener.accept()
     threading.Thread(target=control, args=(conn,), daemon=True).start()
 """
-
-
-def _pids_with_in_cmdline(needle: bytes) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if needle in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return found
 
 
 @pytest.mark.parametrize(
