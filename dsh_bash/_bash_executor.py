@@ -434,8 +434,10 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         """The abstract unix socket (``@NAME``), in the network namespace where commands start, of
         the egress proxy of ``network = "allow-list"`` for ``allow_hosts``
         (:class:`dsh_bash.backend.EgressProxy`, run in the executor's task group; started at the
-        first call for a list, the same name after). None (the default): this backend serves none,
-        and the allow-list is refused (``policy_unenforceable``)."""
+        first call for a list, the same name after); or the absolute path of a unix socket file where
+        commands run that leads to such a proxy one connection at a time (the step relays each).
+        None (the default): this backend serves none, and the allow-list is refused
+        (``policy_unenforceable``)."""
         return None
 
     async def _read_file(self, path: str, *, user: str | None, max_bytes: int) -> bytes:
@@ -935,8 +937,9 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
 
     async def _helper(self, func: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
         scope = anyio.CancelScope()
-        if self._state != "open":
+        if self._state in ("closing", "closed"):
             # Started while closing: run it cancelled, so it only cleans up (its finally blocks).
+            # (One started while opening runs: an egress proxy the open's policy look started.)
             scope.cancel()
         self._helper_scopes.add(scope)
         try:

@@ -1,10 +1,12 @@
 """The egress proxy of ``network = "allow-list"`` (``docs/design/policy.md``): an HTTP proxy behind an
 abstract unix socket, which the confinement step connects to before it makes the command's own
 network; its forwarder there (on ``127.0.0.1:``:data:`PROXY_PORT`, named by ``HTTP(S)_PROXY``) hands
-each connection it accepts over that one connection. It lets ``CONNECT host:port`` and
-absolute-form ``http://`` requests through to the policy's ``allow_hosts`` only; anything else gets a
-status and a line the model can read. One proxy serves one allow-list; the executor runs it in its
-task group (:meth:`EgressProxy.serve`)."""
+each connection it accepts over that one connection. Or (a remote host's commands) behind a unix
+socket file, to which an SSH server forwards each connection that the forwarder relays. It lets
+``CONNECT host:port`` and absolute-form ``http://`` requests through to the policy's
+``allow_hosts`` only; anything else gets a status and a line the model can read. One proxy serves
+one allow-list; the executor runs it in its task group (:meth:`EgressProxy.serve`,
+:meth:`EgressProxy.serve_clients`)."""
 
 from __future__ import annotations
 
@@ -66,11 +68,33 @@ class EgressProxy:
         listener = await anyio.create_unix_listener(f"\0{name}")
         return listener, f"@{name}"
 
+    @staticmethod
+    async def listen_at(directory: str) -> tuple[anyio.abc.Listener[anyio.abc.SocketStream], str]:
+        """A listener on a fresh unix socket file in ``directory`` (mode 0600), and its path, for
+        :meth:`serve_clients`: where connections come one per client (an SSH server forwards a
+        remote socket's connections to it, and the step's ``--proxy PATH`` relays each of the
+        command's to that remote socket)."""
+        path = os.path.join(directory, f"egress-{secrets.token_hex(8)}.sock")
+        listener = await anyio.create_unix_listener(path, mode=0o600)
+        return listener, path
+
     async def serve(self, listener: anyio.abc.Listener[anyio.abc.SocketStream]) -> None:
-        """Serve every command's forwarder that connects to ``listener`` until cancelled (the
-        listener is closed then)."""
+        """Serve every command's forwarder that connects to ``listener`` (from :meth:`listen`)
+        until cancelled (the listener is closed then)."""
         async with listener:
             await listener.serve(self._forwarder)
+
+    async def serve_clients(self, listener: anyio.abc.Listener[anyio.abc.SocketStream]) -> None:
+        """Serve each connection to ``listener`` (from :meth:`listen_at`) as one client's request,
+        until cancelled (the listener is closed then)."""
+        async with listener:
+            await listener.serve(self._client)
+
+    async def _client(self, client: anyio.abc.SocketStream) -> None:
+        if _from_this_user(client):
+            await self._handle(client)
+        else:
+            await client.aclose()
 
     async def _forwarder(self, control: anyio.abc.SocketStream) -> None:
         """One command's forwarder: each connection it accepted comes as a descriptor (SCM_RIGHTS).
@@ -82,9 +106,7 @@ class EgressProxy:
 
     async def _forwarded(self, control: anyio.abc.SocketStream) -> None:
         async with control:
-            raw = control.extra(anyio.abc.SocketAttribute.raw_socket)
-            uid = struct.unpack("3i", raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
-            if uid != os.geteuid() or not isinstance(control, anyio.abc.UNIXSocketStream):
+            if not (_from_this_user(control) and isinstance(control, anyio.abc.UNIXSocketStream)):
                 return
             async with anyio.create_task_group() as tg:
                 while True:
@@ -195,6 +217,13 @@ class EgressProxy:
                     exc if isinstance(exc, OSError) else OSError(f"timed out after {_CONNECT_TIMEOUT_S:g} s")
                 )
         raise _Refused("502 Bad Gateway", f"cannot reach {host}:{port}: {last}")
+
+
+def _from_this_user(stream: anyio.abc.SocketStream) -> bool:
+    """Whether the unix socket's peer runs as this process's user (``SO_PEERCRED``)."""
+    raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+    uid: int = struct.unpack("3i", raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+    return uid == os.geteuid()
 
 
 async def _read_head(stream: anyio.abc.ByteStream) -> tuple[bytes, bytes]:

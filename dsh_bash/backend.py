@@ -76,7 +76,8 @@ executor's):
   backend runs (``EgressProxy.listen()``, then ``serve`` as a helper of the executor) in the network
   namespace where its commands start, and names in ``_egress_socket``; the confinement step connects
   to it before it makes the command's own network, whose forwarder on ``127.0.0.1:PROXY_PORT``
-  hands it each connection.
+  hands it each connection. Where commands run on another machine: ``EgressProxy.listen_at(dir)``
+  and ``serve_clients``, a socket file there forwarded to it, its path in ``_egress_socket``.
 
 Errors and configuration:
 

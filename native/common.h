@@ -40,7 +40,7 @@
 #define __WALL 0x40000000
 #endif
 
-#define VERSION "11"
+#define VERSION "12"
 #define EXIT_SETUP 125
 #define READ_SIZE 65536 /* one read of a command pipe, or of fd 0; the largest payload sent */
 
@@ -58,6 +58,8 @@ void die_to(int fd);
 void answer_with_pidfd(pid_t pid, int pidfd);
 ssize_t send_with_fd(int fd, struct iovec *iov, int iovcnt, int passfd, int flags);
 int read_exact(int fd, unsigned char *buf, size_t n);
+/* All of BUF to FD (a blocking one): 0, or -1 with errno set. */
+int write_exact(int fd, const void *buf, size_t n);
 long long now_ms(void);
 
 #endif

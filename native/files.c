@@ -76,17 +76,7 @@ static void check_kind(mode_t mode, const char *doing, const char *path)
 /* 0, or the errno of the write that failed. */
 static int write_all(int fd, const char *buf, size_t n)
 {
-    while (n > 0) {
-        ssize_t w = write(fd, buf, n);
-        if (w < 0) {
-            if (errno == EINTR)
-                continue;
-            return errno;
-        }
-        buf += w;
-        n -= (size_t)w;
-    }
-    return 0;
+    return write_exact(fd, buf, n) == 0 ? 0 : errno;
 }
 
 static long long parse_count(const char *s, const char *opt)

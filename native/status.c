@@ -169,6 +169,21 @@ int read_exact(int fd, unsigned char *buf, size_t n)
     return 0;
 }
 
+int write_exact(int fd, const void *buf, size_t n)
+{
+    const char *at = buf;
+    while (n > 0) {
+        ssize_t w = write(fd, at, n);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return -1;
+        at += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
 long long now_ms(void)
 {
     struct timespec ts;

@@ -50,24 +50,9 @@
 #error "memfd_create(2) is needed for --warm"
 #endif
 
-/* All of BUF to FD: 0, or -1 with errno set. */
-static int write_fully(int fd, const char *buf, size_t n)
-{
-    while (n > 0) {
-        ssize_t w = write(fd, buf, n);
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w <= 0)
-            return -1;
-        buf += w;
-        n -= (size_t)w;
-    }
-    return 0;
-}
-
 static void write_all(int fd, const char *buf, size_t n)
 {
-    if (write_fully(fd, buf, n) != 0)
+    if (write_exact(fd, buf, n) != 0)
         die("--warm: cannot write: %s", strerror(errno));
 }
 
@@ -91,7 +76,7 @@ static void seal_a_copy_of_self(void)
             copied = n == 0;
             break;
         }
-        copied = write_fully(fd, buf, (size_t)n) == 0;
+        copied = write_exact(fd, buf, (size_t)n) == 0;
     }
     close(exe);
     if (copied && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) == 0

@@ -7,7 +7,11 @@ kit's policy-network-allow-list check; the forwarder alone is in test_supervise_
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import stat
+import sys
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -156,3 +160,73 @@ async def test_what_a_forwarder_should_not_hand_over_is_closed_and_the_proxy_goe
             datagram.close()
         got = await _ask(name, f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\n\r\n".encode())
     assert got.startswith(b"HTTP/1.1 200 Connection established\r\n\r\nhello\n"), got
+
+
+async def _ask_file(path: str, request: bytes) -> bytes:
+    """As an SSH server forwards a host's connection: one connection to the socket file per client."""
+    async with await anyio.connect_unix(path) as stream:
+        await stream.send(request)
+        await stream.send_eof()
+        got = b""
+        with anyio.fail_after(10):
+            try:
+                while True:
+                    got += await stream.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                return got
+
+
+async def test_a_proxy_behind_a_socket_file_serves_each_connection_as_a_client() -> None:
+    """listen_at and serve_clients (an SSH host's commands): the file is the user's alone (0600), an
+    allowed host is a tunnel, another is refused, and a connection from another user is closed
+    unanswered (the file made reachable to it here, as a careless server might)."""
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as server:
+        port = server.extra(anyio.abc.SocketAttribute.local_port)
+
+        async def greet(stream: anyio.abc.SocketStream) -> None:
+            async with stream:
+                await stream.send(b"hello\n")
+
+        directory = tempfile.mkdtemp(dir="/tmp")  # pytest's tmp_path is beneath a 0700 directory
+        listener, path = await EgressProxy.listen_at(directory)
+        assert os.path.dirname(path) == directory and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server.serve, greet)
+            tg.start_soon(EgressProxy((f"127.0.0.1:{port}",)).serve_clients, listener)
+            allowed = await _ask_file(path, f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\n\r\n".encode())
+            refused = await _ask_file(path, b"CONNECT 127.0.0.1:1 HTTP/1.1\r\n\r\n")
+            if os.geteuid() == 0:
+                os.chmod(directory, 0o755)
+                os.chmod(path, 0o666)
+                as_nobody = await anyio.run_process(
+                    [
+                        "setpriv",
+                        "--reuid=65534",
+                        "--regid=65534",
+                        "--clear-groups",
+                        sys.executable,
+                        "-c",
+                        _ASK_AS_OTHER,
+                        path,
+                    ],
+                    check=False,
+                )
+                assert as_nobody.stdout == b"answered b''\n", as_nobody
+            tg.cancel_scope.cancel()
+        shutil.rmtree(directory)
+    assert allowed == b"HTTP/1.1 200 Connection established\r\n\r\nhello\n", allowed
+    assert refused.startswith(b"HTTP/1.1 403 Forbidden\r\n"), refused
+
+
+_ASK_AS_OTHER = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+s.sendall(b"CONNECT 127.0.0.1:1 HTTP/1.1\\r\\n\\r\\n")
+s.settimeout(10)
+try:
+    got = s.recv(100)
+except ConnectionResetError:  # closed with the request unread
+    got = b""
+print("answered", got)
+"""

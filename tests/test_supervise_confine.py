@@ -399,6 +399,79 @@ def test_allow_list_without_its_proxy_runs_nothing() -> None:
     assert done.returncode == 125 and "cannot reach the egress proxy" in done.stderr and done.stdout == ""
 
 
+# -- network allow-list through a proxy's socket file (protocol 12: an SSH host's) ------------------
+
+#: In the command's network: an exchange through the forwarder that half-closes (what it sent, then
+#: EOF), and one that sends 4 MB while the other end echoes it back (a relay that waits on one
+#: direction at a time would stall there).
+_THROUGH_FILE = """
+import hashlib, socket, threading
+s = socket.create_connection(("127.0.0.1", 3128))
+s.sendall(b"hello")
+s.shutdown(socket.SHUT_WR)
+print(b"".join(iter(lambda: s.recv(65536), b"")).decode())
+big = bytes(range(256)) * (4 * 4096)
+s = socket.create_connection(("127.0.0.1", 3128))
+threading.Thread(target=lambda: (s.sendall(big), s.shutdown(socket.SHUT_WR)), daemon=True).start()
+back = b"".join(iter(lambda: s.recv(65536), b""))
+print(len(back), back == big)
+"""
+
+#: Each connection to the socket file: "half:" and what came before EOF, or (past 1000 bytes) all
+#: of it echoed as it comes.
+_FILE_SERVER = """
+import os, socket, sys, threading
+listener = socket.socket(socket.AF_UNIX)
+listener.bind(sys.argv[1])
+listener.listen()
+print("listening", flush=True)
+def answer(conn):
+    with conn:
+        first = conn.recv(65536)
+        if len(first) < 1000:
+            rest = b"".join(iter(lambda: conn.recv(65536), b""))
+            conn.sendall(b"half:" + first + rest)
+            return
+        while first:
+            conn.sendall(first)
+            first = conn.recv(65536)
+while True:
+    conn, _ = listener.accept()
+    threading.Thread(target=answer, args=(conn,), daemon=True).start()
+"""
+
+
+def test_allow_list_relays_each_connection_to_a_proxy_file(tmp_path: Path) -> None:
+    """--proxy PATH: each connection the forwarder accepts goes through a connection of its own to
+    the socket file, both ways at once, and an EOF is passed on as a half close; nothing is left."""
+    path = str(tmp_path / "egress.sock")
+    server = subprocess.Popen([sys.executable, "-c", _FILE_SERVER, path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None and server.stdout.readline() == "listening\n"
+        argv = [BINARY, "--confine", "--write", "/", "--network", "allow-list", "--proxy", path, "--"]
+        done = _run([*argv, sys.executable, "-c", _THROUGH_FILE])
+        assert done.stdout.splitlines() == ["half:hello", f"{4 * 4096 * 256} True"], done.stderr
+        time.sleep(0.2)  # SIGKILL at its parent's death: the kernel's, at once; then reaped by init
+        assert [pid for pid, _, _ in scan_cmdlines([path.encode()]) if pid != server.pid] == []
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.mark.parametrize("kind", ["missing", "not a socket", "too long"])
+def test_allow_list_without_its_proxy_file_runs_nothing(tmp_path: Path, kind: str) -> None:
+    path = {
+        "missing": str(tmp_path / "nobody.sock"),
+        "not a socket": str(tmp_path),
+        "too long": "/" + "x" * 120,
+    }[kind]
+    argv = [BINARY, "--confine", "--write", "/", "--network", "allow-list", "--proxy", path]
+    done = _run([*argv, "--", "echo", "ran"])
+    assert done.returncode == 125 and done.stdout == "", done
+    expected = "a unix socket's path is at most" if kind == "too long" else "cannot reach the egress proxy"
+    assert expected in done.stderr and (kind != "not a socket" or "not a socket" in done.stderr), done.stderr
+
+
 #: Answers on every descriptor it is handed (as the egress proxy is), on an abstract socket.
 _FD_SERVER = """
 import array, socket, sys, threading

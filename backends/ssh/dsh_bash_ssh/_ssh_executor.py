@@ -50,6 +50,7 @@ from dsh_bash.supervisor import (
 
 from ._connection import ChannelPool
 from ._detached import DetachedProcess, DetachedSpill, DetachedSupervisors, Follower
+from ._egress import RemoteEgress
 from ._files import RemoteFiles
 from ._framed_channel import FramedSshProcess
 from ._hints import INFRA_HINTS
@@ -121,6 +122,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         self._spills = CommandSpills(self._start_helper, _SPILL_FLUSH_BOUND_S)
         self._follower = Follower(self._pool, self._start_helper)
         self._files = RemoteFiles(self._pool)
+        self._egress = RemoteEgress(self._pool, self._start_helper)
         #: Whether background tasks run detached: None until the first one asks the server (SFTP).
         self._detach: bool | None = None
         self._detach_lock = anyio.Lock()
@@ -216,6 +218,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         self._warm.close()
         self._follower.close()
         self._files.close()
+        self._egress.close()
         if self._spill_dir.startswith("/"):  # a failed open may have parsed no path, or a bad one
             try:
                 with anyio.move_on_after(5):
@@ -341,6 +344,11 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         # Exec'd by the command's supervisor as its own image: a warm channel's sealed copy, or the
         # file BOOT checked, never one a command of the login replaced since.
         return None if self._supervisor is None else list(CONFINE_FROM_SUPERVISOR)
+
+    async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> str | None:
+        if not self._spill_dir.startswith("/"):
+            return None
+        return await self._egress.socket(allow_hosts, self._spill_dir)
 
     async def _probe_confinement(self) -> ConfinementProbe:
         if self._supervisor is None:
