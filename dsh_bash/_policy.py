@@ -95,7 +95,8 @@ class PolicyWidened(ValueError):
 
 class CommandLimits(_Frozen):
     """Per-command limits (``setrlimit`` in the command's process, soft and hard; ``processes``: a
-    pids cgroup of the command's own, counting every process it starts); None: no limit."""
+    pids cgroup of the command's own, or ``RLIMIT_NPROC`` counted in a user namespace of its own,
+    either counting every process it starts); None: no limit."""
 
     cpu_seconds: _Count | None = None
     file_bytes: _Count | None = None
@@ -260,7 +261,8 @@ class ConfinementProbe(_Frozen):
     """What the policy's step can apply where commands run (``dsh-supervise --confine --probe``
     there): the kernel's Landlock ABI (0: none), whether ``network = "loopback"`` can hold (a
     network namespace can be made, or the one there has nothing but loopback already), and whether
-    ``limits.processes`` can (a pids cgroup can be made)."""
+    ``limits.processes`` can (a pids cgroup can be made, or for a user other than root a user
+    namespace)."""
 
     landlock_abi: Annotated[int, Strict(), Field(ge=0)] = 0
     loopback: bool = False
@@ -277,7 +279,8 @@ class ConfinementProbe(_Frozen):
             )
         if policy.limits.processes is not None and not self.processes:
             return (
-                "limits.processes: no pids cgroup can be made there (cgroups are writable by root on a "
-                "host, not inside a container nor for other users)"
+                "limits.processes: neither a pids cgroup nor (for a user other than root) a user "
+                "namespace can be made there (cgroups are writable by root on a host, not inside a "
+                "container)"
             )
         return None

@@ -46,9 +46,12 @@
  * - Processes (version 11): a pids cgroup of the command's own (cgroup v1's pids hierarchy, or v2
  *   with the pids controller), made beneath "dsh-bash" at the hierarchy's root, its pids.max N; the
  *   process moves itself in before anything else. Writable as root on a host; not inside a container
- *   (a read-only /sys/fs/cgroup) nor for other users: there the rule cannot be applied. Empty cgroups
- *   that earlier commands left are removed by the next step (and the probe). RLIMIT_NPROC is never
- *   used: it counts every process of the user, the harness's too.
+ *   (a read-only /sys/fs/cgroup). Empty cgroups that earlier commands left are removed by the next
+ *   step (and the probe). A user other than root without a cgroup (version 12): RLIMIT_NPROC in a
+ *   user namespace of the command's own (the network rule's where it makes one), where the kernel
+ *   (5.14 and later) counts this command's processes only, not every process of the user as it
+ *   would outside. Root is exempt from RLIMIT_NPROC: for root no cgroup means the rule cannot be
+ *   applied, as it cannot where no user namespace can be made either.
  * - Limits, by setrlimit, soft and hard alike (raising a hard limit needs CAP_SYS_RESOURCE); CPU time's
  *   hard limit a second past the soft one (SIGXCPU, then SIGKILL).
  *
@@ -339,15 +342,19 @@ static int reaped_status(pid_t pid)
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
 }
 
-/* A new user and network namespace, loopback up; -1 (errno set) where none can be made. Dies when one
- * was made but cannot be set up: a half-made namespace never runs the command. */
-static int new_loopback_namespace(void)
+/* Whether this process made a user namespace of its own (for the network, or to count processes). */
+static int in_own_user_namespace;
+
+/* A new user namespace (and what FLAGS add), this process's ids mapped to themselves (root's: every
+ * id); -1 (errno set) where none can be made. WHAT names the rule in a message. Dies when one was
+ * made but cannot be set up: a half-made namespace never runs the command. */
+static int new_user_namespace(int flags, const char *what)
 {
     uid_t uid = geteuid();
     gid_t gid = getegid();
     int go = -1;
     pid_t mapper = uid == 0 ? root_mapper(&go) : 0;
-    if (unshare(CLONE_NEWUSER | CLONE_NEWNET) < 0) {
+    if (unshare(CLONE_NEWUSER | flags) < 0) {
         int why = errno;
         if (mapper > 0) {
             close(go);
@@ -356,12 +363,13 @@ static int new_loopback_namespace(void)
         errno = why;
         return -1;
     }
+    in_own_user_namespace = 1;
     char map[64];
     if (uid == 0) {
         ssize_t said = write(go, "m", 1);
         close(go);
         if (said != 1 || reaped_status(mapper) != 0)
-            die("--confine: --network loopback: cannot map root's ids in the new user namespace");
+            die("--confine: %s: cannot map root's ids in the new user namespace", what);
     } else {
         /* The maps are files of this process, owned by root while it is not dumpable (supervise.c
          * makes every mode so): dumpable for these three writes, then not again. */
@@ -369,15 +377,23 @@ static int new_loopback_namespace(void)
             die("--confine: prctl(PR_SET_DUMPABLE): %s", strerror(errno));
         snprintf(map, sizeof map, "%u %u 1", (unsigned)uid, (unsigned)uid);
         if (write_text("/proc/self/uid_map", map) < 0)
-            die("--confine: --network loopback: cannot map uid %u: %s", (unsigned)uid, strerror(errno));
+            die("--confine: %s: cannot map uid %u: %s", what, (unsigned)uid, strerror(errno));
         if (write_text("/proc/self/setgroups", "deny") < 0 && errno != ENOENT)
-            die("--confine: --network loopback: cannot deny setgroups: %s", strerror(errno));
+            die("--confine: %s: cannot deny setgroups: %s", what, strerror(errno));
         snprintf(map, sizeof map, "%u %u 1", (unsigned)gid, (unsigned)gid);
         if (write_text("/proc/self/gid_map", map) < 0)
-            die("--confine: --network loopback: cannot map gid %u: %s", (unsigned)gid, strerror(errno));
+            die("--confine: %s: cannot map gid %u: %s", what, (unsigned)gid, strerror(errno));
         if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
             die("--confine: prctl(PR_SET_DUMPABLE): %s", strerror(errno));
     }
+    return 0;
+}
+
+/* A new user and network namespace, loopback up; -1 (errno set) where none can be made. */
+static int new_loopback_namespace(void)
+{
+    if (new_user_namespace(CLONE_NEWNET, "--network loopback") < 0)
+        return -1;
     int sock = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     struct ifreq lo;
     memset(&lo, 0, sizeof lo);
@@ -525,36 +541,72 @@ static int new_pids_cgroup(const char *base, const char *prefix, char *out, size
 
 /* --processes N: this process (and so the command and all it starts) in a pids cgroup of its own
  * whose pids.max is N; fork fails with EAGAIN past it. A sweep by another command's step may remove
- * the fresh cgroup before this one joins it: tried again. */
-static void limit_processes(const char *value)
+ * the fresh cgroup before this one joins it: tried again. Returns 0 then; 1 where no cgroup can be
+ * made but a user other than root can count its processes by a user namespace instead (see
+ * count_processes_in_own_namespace); dies where neither can hold. */
+static int limit_processes(const char *value)
 {
     char base[PATH_MAX], cgroup[PATH_MAX], file[PATH_MAX + 32], pid[32];
-    if (pids_base(base, sizeof base) < 0)
+    if (pids_base(base, sizeof base) < 0) {
+        if (geteuid() != 0)
+            return 1;
         die("--confine: --processes: no pids cgroup can be made here: %s", strerror(errno));
+    }
     snprintf(pid, sizeof pid, "%d", (int)getpid());
     for (int attempt = 0;; attempt++) {
-        if (new_pids_cgroup(base, "cmd", cgroup, sizeof cgroup) < 0)
+        if (new_pids_cgroup(base, "cmd", cgroup, sizeof cgroup) < 0) {
+            if (geteuid() != 0 && attempt == 0)
+                return 1;
             die("--confine: --processes: no pids cgroup can be made here (in %s: %s)", base, strerror(errno));
+        }
         snprintf(file, sizeof file, "%s/pids.max", cgroup);
         int set = write_text(file, value);
         snprintf(file, sizeof file, "%s/cgroup.procs", cgroup);
         if (set == 0 && write_text(file, pid) == 0)
-            return;
+            return 0;
+        if (geteuid() != 0 && attempt == 0 && errno != ENOENT) {
+            rmdir(cgroup);
+            return 1;
+        }
         if (errno != ENOENT || attempt == 4)
             die("--confine: --processes: cannot put this command in %s: %s", cgroup, strerror(errno));
     }
 }
 
-/* Whether --processes can hold here: a cgroup made and removed again. */
+/* --processes N for a user other than root without a cgroup: RLIMIT_NPROC, counted in a user
+ * namespace of the command's own. Since Linux 5.14 the count is kept per user namespace (each level
+ * its own, the limit checked at each), so in a fresh one it holds this command's processes only,
+ * not every process of the user as it would outside; a nested namespace still counts at this one.
+ * Root is never held by RLIMIT_NPROC (the kernel exempts uid 0), nor can the command raise it
+ * (CAP_SYS_RESOURCE in the first namespace). After the network rule, whose namespace serves. */
+static void count_processes_in_own_namespace(const char *value)
+{
+    if (!in_own_user_namespace && new_user_namespace(0, "--processes") < 0)
+        die("--confine: --processes: neither a pids cgroup nor a user namespace can be made here: %s",
+            strerror(errno));
+    set_limit(RLIMIT_NPROC, parse_limit(value, "--processes"), "--processes");
+}
+
+/* Whether --processes can hold here: a cgroup made and removed again; for a user other than root,
+ * else a user namespace (a child tries). */
 static int processes_possible(void)
 {
     char base[PATH_MAX], cgroup[PATH_MAX], limit[PATH_MAX + 32];
-    if (pids_base(base, sizeof base) < 0 || new_pids_cgroup(base, "probe", cgroup, sizeof cgroup) < 0)
+    if (pids_base(base, sizeof base) == 0 && new_pids_cgroup(base, "probe", cgroup, sizeof cgroup) == 0) {
+        snprintf(limit, sizeof limit, "%s/pids.max", cgroup);
+        int ok = access(limit, W_OK) == 0;
+        rmdir(cgroup);
+        if (ok)
+            return 1;
+    }
+    if (geteuid() == 0)
         return 0;
-    snprintf(limit, sizeof limit, "%s/pids.max", cgroup);
-    int ok = access(limit, W_OK) == 0;
-    rmdir(cgroup);
-    return ok;
+    pid_t pid = fork();
+    if (pid < 0)
+        return 0;
+    if (pid == 0)
+        _exit(unshare(CLONE_NEWUSER) == 0 ? 0 : 1);
+    return reaped_status(pid) == 0;
 }
 
 /* --- network allow-list: a forwarder to the harness's egress proxy ----------------------------- */
@@ -808,14 +860,15 @@ int run_confine(int argc, char **argv)
             "[--network none|loopback|allow-list --proxy @NAME|PATH] -- PROGRAM [ARGS...]\n"
             "       dsh-supervise --confine --probe");
     /* The cgroup first: its files are written before a user namespace would make them another's. */
-    if (processes != NULL)
-        limit_processes(processes);
+    int count_in_namespace = processes != NULL && limit_processes(processes);
     int allow_list = network != NULL && strcmp(network, "allow-list") == 0;
     if (allow_list != (proxy != NULL))
         die("--confine: --network allow-list and --proxy @NAME|PATH go together");
     int control = allow_list ? connect_proxy(proxy) : -1; /* still in the harness's network */
     if (network != NULL && (strcmp(network, "loopback") == 0 || allow_list))
         loopback_only();
+    if (count_in_namespace)
+        count_processes_in_own_namespace(processes);
     int abi = landlock_abi();
     if (abi < 1)
         die("--confine: this kernel has no Landlock (or it is disabled): the file rules cannot be applied");

@@ -74,16 +74,17 @@ FILES_NOT_YET: dict[str, frozenset[str]] = {
 #: The checks of the sandbox policy (R-policy-*), and where the kit reports them ``not_applicable``
 #: (the executor refuses an active policy, reason ``policy_unenforceable``): the bwrap example keeps its
 #: own sandbox, whose view of the host the policy's paths do not describe. A processes limit needs a
-#: pids cgroup the command's user can make: root on a host (local); not inside a container (Docker,
-#: the containerized sshd) nor for another user (the SSH login, the harness as another user).
+#: pids cgroup the command's user can make (root on a host: local), or for another user a user
+#: namespace (the SSH login, the harness as another user); root inside a container (Docker) has
+#: neither, nor has the containerized sshd's login.
 POLICY_CHECKS = frozenset(name for name, each in CHECKS.items() if each.clause.startswith("R-policy-"))
 CGROUP_CHECKS = frozenset({"policy-processes"})
-#: The network allow-list's proxy runs in the harness: a backend whose commands run on this host can
-#: serve it (local); Docker and SSH do not yet.
+#: The network allow-list's proxy runs in the harness: local serves it in its own network namespace,
+#: SSH through a socket file its server forwards; Docker does not yet.
 EGRESS_CHECKS = frozenset({"policy-network-allow-list"})
 POLICY_NOT_YET: dict[str, frozenset[str]] = {
     "docker": CGROUP_CHECKS | EGRESS_CHECKS,
-    "ssh": CGROUP_CHECKS,
+    "ssh": frozenset(),
     "bwrap": POLICY_CHECKS,
 }
 
@@ -103,9 +104,10 @@ KNOWN_RACING: dict[str, frozenset[str]] = {
 #: Checks a test target's own environment cannot hold, by target: the executor refuses them (fail
 #: closed, ``policy_unenforceable``) and the kit reports ``not_applicable``. The containerized sshd
 #: (``tests/sshd_container.py``) runs under Docker's default seccomp profile with the host's network:
-#: no user namespace can be made there, and its network is not loopback only.
+#: no user namespace can be made there (the network rules and, for its login, the processes limit), and
+#: its network is not loopback only.
 REFUSED_BY_TARGET: dict[str, frozenset[str]] = {
-    "ssh-container": frozenset({"policy-network-loopback", "policy-network-allow-list"}),
+    "ssh-container": frozenset({"policy-network-loopback", "policy-network-allow-list", "policy-processes"}),
 }
 
 

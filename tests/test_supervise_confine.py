@@ -344,14 +344,39 @@ def test_a_cgroup_left_empty_is_removed_by_the_next_step() -> None:
     assert left not in _pids_cgroups()
 
 
-def test_processes_cannot_be_limited_by_a_user_without_cgroups() -> None:
-    argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", BINARY, "--confine"]
-    refused = _run([*argv, "--write", "/", "--processes", "4", "--", "echo", "ran"])
-    assert refused.returncode == 125 and refused.stdout == "", refused
-    assert "--processes: no pids cgroup can be made here" in refused.stderr
-    probe = confinement_from_probe(0, _run([*argv, "--probe"]).stdout.encode())
-    assert (probe.processes, probe.loopback) == (False, True)
-    assert confinement_from_probe(0, _run([BINARY, "--confine", "--probe"]).stdout.encode()).processes
+_AS_NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+@pytest.mark.parametrize(
+    ("network", "nested"),
+    [([], False), (["--network", "loopback"], False), ([], True)],
+    ids=["alone", "loopback", "nested"],
+)
+def test_processes_of_a_user_without_cgroups_are_counted_in_a_user_namespace_of_their_own(
+    network: list[str], nested: bool
+) -> None:
+    """Protocol 12: RLIMIT_NPROC in a user namespace of the command's own (the network rule's, where
+    it makes one) counts that command's processes only: twenty sleeping processes of the same user
+    outside do not use up its limit, and a namespace nested inside still counts at its own."""
+    assert os.geteuid() == 0, "the test becomes uid 65534 with setpriv"
+    outside = subprocess.Popen(
+        [*_AS_NOBODY, "sh", "-c", "for i in $(seq 20); do sleep 30 & done; echo started; wait"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert outside.stdout is not None and outside.stdout.readline() == "started\n"
+        forks = f"unshare -U sh -c '{_FORKS}'" if nested else _FORKS
+        argv = [*_AS_NOBODY, BINARY, "--confine", "--write", "/", "--processes", "12", *network, "--"]
+        done = _run([*argv, "sh", "-c", forks])
+        counted = [line for line in done.stdout.split() if line.isdigit()]
+        assert "all" not in done.stdout.split() and 6 <= len(counted) < 12, done
+        probe = confinement_from_probe(0, _run([*_AS_NOBODY, BINARY, "--confine", "--probe"]).stdout.encode())
+        assert (probe.processes, probe.loopback) == (True, True)
+    finally:
+        os.killpg(outside.pid, signal.SIGKILL)
+        outside.wait()
 
 
 # -- network allow-list: the forwarder (protocol 11) ------------------------------------------------
