@@ -17,6 +17,7 @@ import os
 import secrets
 import socket
 import struct
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import anyio
@@ -24,7 +25,7 @@ import anyio.abc
 
 from ._policy import host_allowed
 
-__all__ = ["PROXY_PORT", "EgressProxy"]
+__all__ = ["PROXY_PORT", "EgressProxies", "EgressProxy"]
 
 log = logging.getLogger("dsh_bash.egress")
 
@@ -69,13 +70,17 @@ class EgressProxy:
         return listener, f"@{name}"
 
     @staticmethod
-    async def listen_at(directory: str) -> tuple[anyio.abc.Listener[anyio.abc.SocketStream], str]:
-        """A listener on a fresh unix socket file in ``directory`` (mode 0600), and its path, for
+    async def listen_at(
+        directory: str, *, mode: int = 0o600
+    ) -> tuple[anyio.abc.Listener[anyio.abc.SocketStream], str]:
+        """A listener on a fresh unix socket file in ``directory``, and its path, for
         :meth:`serve_clients`: where connections come one per client (an SSH server forwards a
-        remote socket's connections to it, and the step's ``--proxy PATH`` relays each of the
-        command's to that remote socket)."""
+        remote socket's connections to it; a container reaches it through a mount; the step's
+        ``--proxy PATH`` relays each of the command's). Who may connect is the file's ``mode`` and
+        its directory's: the proxy itself asks no peer who it is (a container's processes may be
+        any user)."""
         path = os.path.join(directory, f"egress-{secrets.token_hex(8)}.sock")
-        listener = await anyio.create_unix_listener(path, mode=0o600)
+        listener = await anyio.create_unix_listener(path, mode=mode)
         return listener, path
 
     async def serve(self, listener: anyio.abc.Listener[anyio.abc.SocketStream]) -> None:
@@ -88,13 +93,7 @@ class EgressProxy:
         """Serve each connection to ``listener`` (from :meth:`listen_at`) as one client's request,
         until cancelled (the listener is closed then)."""
         async with listener:
-            await listener.serve(self._client)
-
-    async def _client(self, client: anyio.abc.SocketStream) -> None:
-        if _from_this_user(client):
-            await self._handle(client)
-        else:
-            await client.aclose()
+            await listener.serve(self._handle)
 
     async def _forwarder(self, control: anyio.abc.SocketStream) -> None:
         """One command's forwarder: each connection it accepted comes as a descriptor (SCM_RIGHTS).
@@ -217,6 +216,38 @@ class EgressProxy:
                     exc if isinstance(exc, OSError) else OSError(f"timed out after {_CONNECT_TIMEOUT_S:g} s")
                 )
         raise _Refused("502 Bad Gateway", f"cannot reach {host}:{port}: {last}")
+
+
+class EgressProxies:
+    """An executor's egress proxies: one per allow-list, each started at the first call for its
+    list (as a helper of the executor, by ``start_helper``) and the same after."""
+
+    def __init__(self, start_helper: Callable[..., None]) -> None:
+        self._start_helper = start_helper
+        self._lock = anyio.Lock()
+        self._started: dict[tuple[tuple[str, ...], str | None], str] = {}
+
+    async def abstract(self, allow_hosts: tuple[str, ...]) -> str:
+        """The ``@NAME`` of the list's proxy on an abstract unix socket (:meth:`EgressProxy.listen`)."""
+        return await self._proxy(allow_hosts, None, 0)
+
+    async def in_directory(self, allow_hosts: tuple[str, ...], directory: str, *, mode: int = 0o600) -> str:
+        """The path of the list's proxy's socket file in ``directory`` (:meth:`EgressProxy.listen_at`)."""
+        return await self._proxy(allow_hosts, directory, mode)
+
+    async def _proxy(self, allow_hosts: tuple[str, ...], directory: str | None, mode: int) -> str:
+        async with self._lock:
+            where = self._started.get((allow_hosts, directory))
+            if where is None:
+                proxy = EgressProxy(allow_hosts)
+                if directory is None:
+                    listener, where = await EgressProxy.listen()
+                    self._start_helper(proxy.serve, listener)
+                else:
+                    listener, where = await EgressProxy.listen_at(directory, mode=mode)
+                    self._start_helper(proxy.serve_clients, listener)
+                self._started[allow_hosts, directory] = where
+            return where
 
 
 def _from_this_user(stream: anyio.abc.SocketStream) -> bool:

@@ -72,12 +72,14 @@ executor's):
   Landlock ABI; whether ``network = "loopback"`` can hold), which ``_probe_confinement`` returns
   (:func:`dsh_bash.supervisor.confinement_from_probe` reads it from ``dsh-supervise --confine
   --probe``).
-- :class:`EgressProxy` and :data:`PROXY_PORT`: the HTTP proxy of ``network = "allow-list"``, which a
-  backend runs (``EgressProxy.listen()``, then ``serve`` as a helper of the executor) in the network
-  namespace where its commands start, and names in ``_egress_socket``; the confinement step connects
-  to it before it makes the command's own network, whose forwarder on ``127.0.0.1:PROXY_PORT``
-  hands it each connection. Where commands run on another machine: ``EgressProxy.listen_at(dir)``
-  and ``serve_clients``, a socket file there forwarded to it, its path in ``_egress_socket``.
+- :class:`EgressProxy` and :data:`PROXY_PORT`: the HTTP proxy of ``network = "allow-list"``, and
+  :class:`EgressProxies`, an executor's proxies by list (``EgressProxies(self._start_helper)``):
+  ``abstract(allow_hosts)`` serves one on an abstract unix socket in the network namespace where
+  commands start (the confinement step connects to it before it makes the command's own network,
+  whose forwarder on ``127.0.0.1:PROXY_PORT`` hands it each connection); ``in_directory(allow_hosts,
+  dir)`` serves one on a socket file, for commands on another machine or in a container (a file
+  there that leads to it one connection at a time: the forwarder relays each). Either goes in
+  ``_egress_socket``.
 
 Errors and configuration:
 
@@ -101,7 +103,7 @@ not, and no code outside :mod:`dsh_bash` imports them.
 from __future__ import annotations
 
 from ._config import BUDGET_FIELDS, config_error_from
-from ._egress import PROXY_PORT, EgressProxy
+from ._egress import PROXY_PORT, EgressProxies, EgressProxy
 from ._env import MODEL_FRIENDLY_ENV, RC_FILE_VARIABLES, dropped_names, is_scrubbed
 from ._errors import INFRA_REASONS, InfraReason
 from ._kit_hooks import FIND_PROCESSES, ConformanceHooks, parse_pids, run_in_fresh_loop
@@ -148,6 +150,7 @@ __all__ = [
     "ConformanceHooks",
     "Containment",
     "ContainmentSetting",
+    "EgressProxies",
     "EgressProxy",
     "ExitStatus",
     "InfraReason",

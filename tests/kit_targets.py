@@ -80,10 +80,12 @@ FILES_NOT_YET: dict[str, frozenset[str]] = {
 POLICY_CHECKS = frozenset(name for name, each in CHECKS.items() if each.clause.startswith("R-policy-"))
 CGROUP_CHECKS = frozenset({"policy-processes"})
 #: The network allow-list's proxy runs in the harness: local serves it in its own network namespace,
-#: SSH through a socket file its server forwards; Docker does not yet.
+#: SSH through a socket file its server forwards, Docker through a socket file in a directory that a
+#: container of its own (image mode) on an engine on this host has mounted; an attached container
+#: and a remote engine's are refused (REFUSED_BY_TARGET).
 EGRESS_CHECKS = frozenset({"policy-network-allow-list"})
 POLICY_NOT_YET: dict[str, frozenset[str]] = {
-    "docker": CGROUP_CHECKS | EGRESS_CHECKS,
+    "docker": CGROUP_CHECKS,
     "ssh": frozenset(),
     "bwrap": POLICY_CHECKS,
 }
@@ -101,13 +103,16 @@ KNOWN_RACING: dict[str, frozenset[str]] = {
 }
 
 
-#: Checks a test target's own environment cannot hold, by target: the executor refuses them (fail
-#: closed, ``policy_unenforceable``) and the kit reports ``not_applicable``. The containerized sshd
+#: Checks a test target cannot hold, by target: the executor refuses them (fail closed,
+#: ``policy_unenforceable``) and the kit reports ``not_applicable``. The containerized sshd
 #: (``tests/sshd_container.py``) runs under Docker's default seccomp profile with the host's network:
 #: no user namespace can be made there (the network rules and, for its login, the processes limit), and
-#: its network is not loopback only.
+#: its network is not loopback only. Docker's attached container (``container`` mode) and a remote
+#: engine's have no mount of the egress proxies' directory.
 REFUSED_BY_TARGET: dict[str, frozenset[str]] = {
     "ssh-container": frozenset({"policy-network-loopback", "policy-network-allow-list", "policy-processes"}),
+    "docker-container": EGRESS_CHECKS,
+    "docker-remote": EGRESS_CHECKS,
 }
 
 

@@ -291,9 +291,17 @@ def test_doctor_local_ok(local_toml: str, tmp_path: Path) -> None:
     # Every rule can hold on this host (Landlock, seccomp, user namespaces: MECHANICS.md).
     assert lines[7].split(None, 2)[2] == (
         "configured: unrestricted; can hold here: workspace-write: yes, network none: yes, "
-        "network loopback: yes, processes: yes"
+        "network loopback: yes, network allow-list: yes, processes: yes"
     )
     assert lines[-1] == "dsh-bash doctor: all ok"
+
+
+def test_doctor_tries_a_configured_allow_list_with_its_own_hosts(tmp_path: Path) -> None:
+    table = '[policy]\nnetwork = "allow-list"\nallow_hosts = ["a.example"]\n'
+    result = dsh("doctor", "--config", config(tmp_path, f'backend = "local"\n{table}'))
+    [line] = [each for each in _lines(result) if each.split()[1:2] == ["policy"]]
+    assert "network allow-list: yes" in line and "network loopback: yes" in line, line
+    assert result.code == 0, result
 
 
 def test_doctor_fails_a_policy_that_does_not_hold_where_commands_run(tmp_path: Path) -> None:

@@ -111,7 +111,7 @@ def test_check(
     print(f"{target.name} {result.name} ({result.kind}) {result.outcome} in {result.duration_s:.2f}s")
     if result.message:
         print(result.message)
-    expected = expected_outcome("docker", name)
+    expected = expected_outcome("docker", name, "docker-container" if mode == "container" else "")
     if image == "busybox" and name in BUSYBOX_NOT_APPLICABLE:
         expected = "not_applicable"
     assert result.outcome == expected, f"{result.name} ({result.kind}) {result.outcome}: {result.message}"

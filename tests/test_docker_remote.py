@@ -107,7 +107,7 @@ def test_check(name: str, mode: DockerMode, kind: RemoteKind, request: pytest.Fi
     print(f"{target.name} {result.name} ({result.kind}) {result.outcome} in {result.duration_s:.2f}s")
     if result.message:
         print(result.message)
-    expected = expected_outcome("docker", name)
+    expected = expected_outcome("docker", name, "docker-remote")
     assert result.outcome == expected, f"{result.name} ({result.kind}) {result.outcome}: {result.message}"
 
 

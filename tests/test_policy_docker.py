@@ -5,10 +5,12 @@ so an active policy is refused at open, and best_effort runs without it."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 from docker_support import docker_config
 from dsh_bash_docker import DockerBashExecutor
+from dsh_bash_docker._docker_executor import EGRESS_MOUNT
 
 from dsh_bash import BashInfrastructureError, SandboxPolicy
 
@@ -37,3 +39,26 @@ async def test_without_the_supervisor_a_policy_is_refused_or_run_without(
             done = await ex.exec("echo x > /etc/written && cat /etc/written", workdir="/tmp")
     assert done.stdout.text == "x\n"  # unconfined, as it said
     assert any("without their sandbox policy" in record.getMessage() for record in caplog.records)
+
+
+async def test_the_egress_directory_is_mounted_read_only_and_removed_at_close(docker_test_image: str) -> None:
+    """Image mode on an engine on this host: the proxies' directory is in the container read-only
+    and unlistable to a user other than root; the allow-list's proxy file works for that user too;
+    the host directory is gone after aclose."""
+    policy = SandboxPolicy(network="allow-list", allow_hosts=("127.0.0.1:1",))
+    async with DockerBashExecutor(docker_config(docker_test_image)) as ex:
+        egress_dir = ex._egress_dir  # the host side of the mount is what is checked
+        assert egress_dir is not None and os.path.isdir(egress_dir)
+        looked = await ex.exec(
+            f"ls {EGRESS_MOUNT} >/dev/null 2>&1 && echo listed; "
+            f"touch {EGRESS_MOUNT}/x 2>/dev/null && echo wrote; echo done",
+            user="65534",
+        )
+        confined = await ex.exec(
+            'printf "CONNECT 10.0.0.1:80 HTTP/1.1\\r\\n\\r\\n" | nc 127.0.0.1 3128 | head -n 1',
+            user="65534",
+            policy=policy,
+        )
+    assert looked.stdout.text == "done\n", looked
+    assert confined.stdout.text.startswith("HTTP/1.1 403 Forbidden"), confined
+    assert not os.path.exists(egress_dir)

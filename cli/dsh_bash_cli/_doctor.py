@@ -58,6 +58,8 @@ _POLICY_RULES: tuple[tuple[str, dict[str, object]], ...] = (
     ("workspace-write", {"filesystem": "workspace-write"}),
     ("network none", {"network": "none"}),
     ("network loopback", {"network": "loopback"}),
+    # A configured allow-list keeps its own hosts (another list would be wider than it).
+    ("network allow-list", {"network": "allow-list", "allow_hosts": ["example.com"]}),
     ("processes", {"limits": {"processes": 64}}),
 )
 
@@ -354,8 +356,13 @@ class _Doctor:
                 )
         holds: list[str] = []
         for name, fields in _POLICY_RULES:
+            merged = {**configured.model_dump(), **fields}
+            if merged["network"] != "allow-list":
+                merged["allow_hosts"] = []  # a list goes with network = "allow-list" only
+            elif configured.network == "allow-list":
+                merged["allow_hosts"] = list(configured.allow_hosts)
             try:
-                asked = SandboxPolicy.model_validate({**configured.model_dump(), **fields})
+                asked = SandboxPolicy.model_validate(merged)
                 problem = await self._policy_problem(ex, asked)
             except PolicyWidened:
                 holds.append(f"{name}: wider than configured")

@@ -27,7 +27,7 @@ from .._bash_executor import (
     ConfigT_co,
 )
 from .._config import BudgetConfig
-from .._egress import EgressProxy
+from .._egress import EgressProxies
 from .._errors import BashInfrastructureError
 from .._output import SpillFile
 from .._policy import ConfinementProbe
@@ -182,9 +182,8 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         self._confine_binary: str | None = None
         self._supervised: set[SupervisedProcess] = set()
         self._channels = ChannelPool()
-        #: network = "allow-list": each list's egress proxy (the name of its abstract unix socket).
-        self._egress_sockets: dict[tuple[str, ...], str] = {}
-        self._egress_lock = anyio.Lock()
+        #: network = "allow-list": each list's egress proxy, on an abstract unix socket.
+        self._egress = EgressProxies(self._start_helper)
         #: Whether processes may exist that no live supervisor holds (a command ran without one, or a
         #: supervisor died before it said that nothing was left): only then do leftovers need a scan.
         self._unheld = False
@@ -237,15 +236,9 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         self._supervisor_path = path if server is not None else None
 
     async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> str | None:
-        # One proxy per list, in this process's network namespace (the host's): the commands'
-        # forwarders connect before they leave it.
-        async with self._egress_lock:
-            name = self._egress_sockets.get(allow_hosts)
-            if name is None:
-                listener, name = await EgressProxy.listen()
-                self._start_helper(EgressProxy(allow_hosts).serve, listener)
-                self._egress_sockets[allow_hosts] = name
-            return name
+        # In this process's network namespace (the host's): the commands' forwarders connect
+        # before they leave it.
+        return await self._egress.abstract(allow_hosts)
 
     async def _release(self) -> None:
         self._channels.close()

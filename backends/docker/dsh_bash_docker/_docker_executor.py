@@ -6,6 +6,8 @@ import contextlib
 import logging
 import os
 import secrets
+import shutil
+import tempfile
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from functools import partial
@@ -24,6 +26,7 @@ from dsh_bash.backend import (
     CommandProcess,
     ConfinementProbe,
     Containment,
+    EgressProxies,
     InfraReason,
     Killable,
     Launch,
@@ -72,6 +75,8 @@ log = logging.getLogger("dsh_bash.docker")
 #: A long command of a spec's own user (who cannot enter the executor's private spill directory): a
 #: fresh file of that user's, readable by it alone; its path on stdout.
 _USER_SCRIPT_WRITER = 'umask 077; f=$(mktemp) && cat > "$f" && printf %s "$f"'
+#: Where a container of the executor's own has the egress proxies' directory (read-only).
+EGRESS_MOUNT = "/run/dsh-bash-egress"
 
 
 #: Label on every container an executor creates; its value is the creating executor's token.
@@ -145,6 +150,10 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         self._supervised: set[FramedDockerProcess] = set()
         #: Per user: the continues of stopped supervisors, one exec at a time for all commands.
         self._continues: dict[str | None, CoalescedRuns] = {}
+        #: network = "allow-list" (image mode, an engine on this host): each list's egress proxy on a
+        #: socket file in this directory, which the container has mounted at EGRESS_MOUNT.
+        self._egress = EgressProxies(self._start_helper)
+        self._egress_dir: str | None = None
 
     @property
     def containment(self) -> Containment:
@@ -248,6 +257,9 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             tmpfs = {INSTALL_DIR: INSTALL_TMPFS}
             if config.read_only:
                 tmpfs["/tmp"] = "rw,nosuid,nodev,mode=1777"
+            binds = list(config.mounts)
+            if self._engine.endpoint.on_this_host:
+                binds.append(f"{self._egress_directory()}:{EGRESS_MOUNT}:ro")
             host_config: dict[str, Any] = {
                 "Init": True,
                 "NetworkMode": config.network,
@@ -256,7 +268,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
                 "SecurityOpt": ["no-new-privileges"],
                 "CapDrop": ["ALL"],
                 "CapAdd": list(config.cap_add) or None,
-                "Binds": list(config.mounts) or None,
+                "Binds": binds or None,
                 "Tmpfs": tmpfs,
             }
             if config.mem_limit is not None:
@@ -287,6 +299,25 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             raise BashInfrastructureError(
                 f"cannot create a container from {config.image!r}: {exc}", reason=reason
             ) from exc
+
+    def _egress_directory(self) -> str:
+        """The host directory of the egress proxies' socket files (made at the first call).
+
+        0711: the container's processes, of whatever user, reach a file whose name they know (the
+        step's ``--proxy``), and no one lists them; the files are 0666. A user of this host who
+        learns a name reaches the allowed hosts through the proxy, as it can without it."""
+        if self._egress_dir is None:
+            self._egress_dir = tempfile.mkdtemp(prefix="dsh-bash-egress-")
+            os.chmod(self._egress_dir, 0o711)
+        return self._egress_dir
+
+    async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> str | None:
+        # Only a container of the executor's own has the directory mounted (image mode, an engine on
+        # this host: a remote engine would mount its own host's directory of that name).
+        if self._egress_dir is None:
+            return None
+        path = await self._egress.in_directory(allow_hosts, self._egress_dir, mode=0o666)
+        return f"{EGRESS_MOUNT}/{os.path.basename(path)}"
 
     async def _still_running(self) -> bool:
         """Whether the executor's container runs (False when the engine cannot say)."""
@@ -392,6 +423,9 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             await self._release_container()
         finally:
             await self._engine.aclose()
+            if self._egress_dir is not None:
+                shutil.rmtree(self._egress_dir, ignore_errors=True)
+                self._egress_dir = None
 
     async def _release_container(self) -> None:
         config = self._docker_config

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import anyio
 import asyncssh
 
-from dsh_bash.backend import EgressProxy
+from dsh_bash.backend import EgressProxies
 
 from ._connection import ChannelPool
 
@@ -37,11 +37,9 @@ class RemoteEgress:
 
     def __init__(self, pool: ChannelPool, start_helper: Callable[..., None]) -> None:
         self._pool = pool
-        self._start_helper = start_helper
+        self._proxies = EgressProxies(start_helper)
         self._lock = anyio.Lock()
         self._directory: str | None = None
-        #: The proxy's local socket file, by allow-list.
-        self._local: dict[tuple[str, ...], str] = {}
         #: The forwarded file on the host, by allow-list, and the connection that forwards it.
         self._remote: dict[tuple[str, ...], tuple[asyncssh.SSHClientConnection, str]] = {}
 
@@ -62,13 +60,10 @@ class RemoteEgress:
                     _SOCKET_PATH_MAX,
                 )
                 return None
-            local = self._local.get(allow_hosts)
-            if local is None:
-                if self._directory is None:
-                    self._directory = tempfile.mkdtemp(prefix="dsh-bash-egress-")
-                listener, local = await EgressProxy.listen_at(self._directory)
-                self._start_helper(EgressProxy(allow_hosts).serve_clients, listener)
-                self._local[allow_hosts] = local
+            if self._directory is None:
+                self._directory = tempfile.mkdtemp(prefix="dsh-bash-egress-")
+            # 0600 in a 0700 directory: only this process's user (asyncssh, forwarding) connects.
+            local = await self._proxies.in_directory(allow_hosts, self._directory)
             try:
                 await conn.forward_remote_path(remote, local)
             except (asyncssh.ChannelListenError, asyncssh.Error, OSError) as exc:
