@@ -15,6 +15,7 @@ import importlib
 import os
 import re
 import subprocess
+import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from urllib.parse import unquote
 import pytest
 from dsh_bash_conformance import CHECKS
 
-from dsh_bash import INFRA_REASONS
+from dsh_bash import INFRA_REASONS, load_executor
 
 REPO = Path(__file__).resolve().parent.parent
 CONTRACT = REPO / "docs" / "contract.md"
@@ -367,3 +368,34 @@ def test_the_documentation_check_catches_a_name_left_out(monkeypatch: pytest.Mon
     module = importlib.import_module("dsh_bash.remote")
     monkeypatch.setattr(module, "__all__", [*module.__all__, "UNDOCUMENTED_NAME"])
     assert undocumented_names("dsh_bash.remote") == ["UNDOCUMENTED_NAME"]
+
+
+# -- the README's example configs ---------------------------------------------------------------------
+
+
+def readme_configs(text: str) -> dict[str, str]:
+    """The side-by-side TOML files of the README's block that starts ``# local.toml``, by file name:
+    each column starts where its ``# NAME.toml`` heading does."""
+    lines = text.split("```toml\n# local.toml", 1)[1].split("```", 1)[0].splitlines()
+    header = "# local.toml" + lines[0]
+    starts = [match.start() for match in re.finditer(r"# \S+\.toml", header)]
+    names = [header[start + 2 :].split()[0] for start in starts]
+    bounds = [*starts[1:], None]
+    return {
+        name: "\n".join(line[start:end].strip() for line in lines[1:] if line[start:end].strip())
+        for name, start, end in zip(names, starts, bounds, strict=True)
+    }
+
+
+def test_the_readme_example_configs_load_and_confine() -> None:
+    """What new configs start from: each loads as its backend's config, with workspace-write."""
+    configs = readme_configs((REPO / "README.md").read_text(encoding="utf-8"))
+    assert sorted(configs) == ["docker.toml", "local.toml", "ssh.toml"], configs
+    for name, text in configs.items():
+        executor = load_executor(tomllib.loads(text))
+        assert executor.config.policy.filesystem == "workspace-write", (name, text)
+
+
+def test_the_readme_config_reader_splits_columns() -> None:
+    text = "```toml\n# local.toml   # b.toml\nbackend = 1    x = 2\n               y = 3\n```\n"
+    assert readme_configs(text) == {"local.toml": "backend = 1", "b.toml": "x = 2\ny = 3"}
