@@ -31,6 +31,8 @@ log = logging.getLogger("dsh_bash.egress")
 
 #: Where the command's forwarder listens in its own network (the step sets the proxy variables to it).
 PROXY_PORT = 3128
+#: How many connections one proxy (one allow-list of one executor) serves at once.
+MAX_CONNECTIONS = 256
 #: The longest request head the proxy reads before it refuses (431), and how long it waits for it.
 _HEAD_LIMIT = 16 * 1024
 _HEAD_TIMEOUT_S = 30.0
@@ -52,8 +54,13 @@ class EgressProxy:
     service) is refused unless the allow-list names that address itself: an allowed name must not
     lead back into the harness's own network."""
 
-    def __init__(self, allow_hosts: tuple[str, ...]) -> None:
+    def __init__(self, allow_hosts: tuple[str, ...], *, max_connections: int = MAX_CONNECTIONS) -> None:
         self.allow_hosts = allow_hosts
+        #: Connections served at once (each holds descriptors and a task of the harness's): past it a
+        #: new one gets 503 at once, so that a command that opens thousands cannot exhaust the
+        #: harness's descriptors for every other command.
+        self.max_connections = max_connections
+        self._serving = 0
 
     def allows(self, host: str, port: int) -> bool:
         """Whether ``host:port`` may be reached (the allow-list's rule)."""
@@ -130,6 +137,11 @@ class EgressProxy:
 
     async def _handle(self, client: anyio.abc.ByteStream) -> None:
         async with client:
+            if self._serving >= self.max_connections:
+                reason = f"more than {self.max_connections} connections through it at once; close some first"
+                await _answer(client, "503 Service Unavailable", reason)
+                return
+            self._serving += 1
             try:
                 await self._proxy(client)
             except _Refused as refused:
@@ -138,6 +150,8 @@ class EgressProxy:
                 pass  # the client or the host went away (a timed-out head is an OSError: TimeoutError)
             except Exception:  # one connection's bug must not end the proxy of every command
                 log.exception("egress proxy: a connection failed")
+            finally:
+                self._serving -= 1
 
     async def _proxy(self, client: anyio.abc.ByteStream) -> None:
         with anyio.fail_after(_HEAD_TIMEOUT_S):

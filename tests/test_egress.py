@@ -6,6 +6,7 @@ kit's policy-network-allow-list check; the forwarder alone is in test_supervise_
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -230,3 +231,43 @@ s.sendall(b"CONNECT 127.0.0.1:1 HTTP/1.1\\r\\n\\r\\n")
 s.settimeout(10)
 print("answered", s.recv(100).decode().splitlines()[0])
 """
+
+
+async def test_past_its_connections_at_once_a_proxy_answers_503_until_one_ends() -> None:
+    """A command that opens connection after connection cannot take the harness's descriptors: past
+    ``max_connections`` held at once, a new one gets 503 and a line; once one ends, one is served."""
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as server:
+        port = server.extra(anyio.abc.SocketAttribute.local_port)
+
+        async def hold(stream: anyio.abc.SocketStream) -> None:
+            async with stream:
+                await stream.send(b"hello\n")
+                with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+                    await stream.receive()
+
+        directory = tempfile.mkdtemp()
+        try:
+            listener, path = await EgressProxy.listen_at(directory)
+            proxy = EgressProxy((f"127.0.0.1:{port}",), max_connections=2)
+            request = f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\n\r\n".encode()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(server.serve, hold)
+                tg.start_soon(proxy.serve_clients, listener)
+                held = []
+                for _ in range(2):
+                    stream = await anyio.connect_unix(path)
+                    await stream.send(request)
+                    assert (await stream.receive()).startswith(b"HTTP/1.1 200 ")
+                    held.append(stream)
+                turned_away = await _ask_file(path, request)
+                await held.pop().aclose()
+                await anyio.sleep(0.1)  # the proxy sees the end
+                served = await _ask_file(path, request)
+                for stream in held:
+                    await stream.aclose()
+                tg.cancel_scope.cancel()
+        finally:
+            shutil.rmtree(directory)
+    assert turned_away.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), turned_away
+    assert b"more than 2 connections through it at once" in turned_away, turned_away
+    assert served.startswith(b"HTTP/1.1 200 Connection established\r\n\r\nhello\n"), served
