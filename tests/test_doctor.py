@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
+import dsh_bash_cli._doctor as doctor_module
 import pytest
 from cli_config_backends import FixedAmbientConfig, FixedAmbientExecutor
 from dsh_bash_cli._doctor import GENERIC_HINTS, Finding, hint, run_doctor
@@ -101,6 +102,17 @@ def test_the_reason_beats_the_step() -> None:
     assert failed == dict.fromkeys(
         ["bash", "workdir", "spill", "setsid", "policy"], GENERIC_HINTS["workdir_missing"]
     )
+
+
+def test_an_error_no_step_expects_is_that_steps_not_the_closes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step that breaks in a way it does not expect (here a rule the policy model refuses, as a
+    configured allow-list once made it) is reported as that step, not as the close."""
+    monkeypatch.setattr(doctor_module, "_POLICY_RULES", (("bogus", {"network": "bogus"}),))
+    findings = doctor("does_not_need_setsid")
+    assert [(f.step, f.ok) for f in findings][-1:] == [("policy", False)], findings
+    assert "network" in findings[-1].detail
 
 
 @pytest.mark.parametrize(("backend", "ok"), [("needs_setsid", False), ("does_not_need_setsid", True)])

@@ -234,6 +234,8 @@ class _Doctor:
         started = time.monotonic()
         opened = False
         closing_at = 0.0
+        #: The step under way: an error no step expected is that step's (else the close's).
+        current = "close"
         try:
             # The bound covers opening only: the executor's task group lives from its __aenter__
             # to its __aexit__, so the scope must enclose both and is lifted once it is open.
@@ -250,14 +252,16 @@ class _Doctor:
                         ("setsid", self._setsid),
                         ("policy", self._policy),
                     ):
+                        current = step
                         try:
                             self.put(step, True, await probe(ex))
                         except _StepFailed as exc:
                             self.put(step, False, exc.detail, exc.fix)
+                    current = "close"
                     closing_at = time.monotonic()
         except Exception as exc:
             if opened:
-                self.put("close", False, one_line(exc), "see the message above")
+                self.put(current, False, one_line(exc), "see the message above")
             else:
                 self.put("open", False, one_line(exc), hint(cls, "open", exc))
             return
