@@ -102,20 +102,23 @@ async def in_session(ex: Any) -> Timed:
 POLICY = "`true` under the workspace-write policy (a request's) vs the same executor's plain `true`"
 
 
-#: Rows of the other rules (local: informational, no target), each beside the plain `true`.
+#: Rows of the other rules (informational, no target), each beside the plain `true`.
 RULE = "`true` under {rule} (a request's) vs the same executor's plain `true`"
 
 
-def other_rules() -> dict[str, Any]:
-    """The rules beyond the preset, by the words of their row: each one alone."""
+def other_rules(*, processes: bool = True) -> dict[str, Any]:
+    """The rules beyond the preset, by the words of their row: each one alone (``processes``:
+    with the processes limit, which Docker refuses)."""
     from dsh_bash import CommandLimits, SandboxPolicy  # noqa: PLC0415
 
-    return {
+    rules = {
         'network = "none"': SandboxPolicy(network="none"),
         'network = "loopback"': SandboxPolicy(network="loopback"),
         'network = "allow-list"': SandboxPolicy(network="allow-list", allow_hosts=("example.com",)),
-        "limits.processes": SandboxPolicy(limits=CommandLimits(processes=256)),
     }
+    if processes:
+        rules["limits.processes"] = SandboxPolicy(limits=CommandLimits(processes=256))
+    return rules
 
 
 def under_policy(ex: Any, policy: Any = None) -> Timed:
@@ -224,6 +227,8 @@ async def bench_docker(runs: int, image: str) -> list[tuple[str, str, float, flo
             "cli": cli, "sdk": sdk, "marker": marker_only, "session": await in_session(ex),
             "policy": under_policy(ex),
         }  # fmt: skip
+        rules = other_rules(processes=False)  # image mode's network: loopback only, as the rules need
+        baselines.update({rule: under_policy(ex, policy) for rule, policy in rules.items()})
         medians = await _alternate(runs, subject, baselines, settle=settle)
         burst = await _back_to_back(runs, subject, cli)
         await settle()
@@ -252,6 +257,7 @@ async def bench_docker(runs: int, image: str) -> list[tuple[str, str, float, flo
         ("docker", ROUND_TRIP, interactive, medians["subject"]),
         ("docker", SESSION, medians["session"], medians["subject"]),
         ("docker", POLICY, medians["policy"], medians["subject"]),
+        *(("docker", RULE.format(rule=rule), medians[rule], medians["subject"]) for rule in rules),
     ]
 
 
@@ -307,6 +313,8 @@ async def bench_ssh(runs: int, server: Any = None) -> list[tuple[str, str, float
             session = await in_session(ex)
             await settle()
             baselines = {"raw": raw, "marker": marker_only, "session": session, "policy": under_policy(ex)}
+            rules = other_rules()  # the login is not root: processes by a user namespace's count
+            baselines.update({rule: under_policy(ex, policy) for rule, policy in rules.items()})
             medians = await _alternate(runs, subject, baselines, settle=settle)
             burst = await _back_to_back(runs, subject, raw)
 
@@ -342,6 +350,7 @@ async def bench_ssh(runs: int, server: Any = None) -> list[tuple[str, str, float
         ("ssh", ROUND_TRIP, interactive, medians["subject"]),
         ("ssh", SESSION, medians["session"], medians["subject"]),
         ("ssh", POLICY, medians["policy"], medians["subject"]),
+        *(("ssh", RULE.format(rule=rule), medians[rule], medians["subject"]) for rule in rules),
     ]
 
 
