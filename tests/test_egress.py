@@ -68,18 +68,23 @@ async def _ask(name: str, request: bytes, then: bytes = b"") -> bytes:
         await control.send_fds(b"c", [theirs.fileno()])
         theirs.close()
         async with await anyio.abc.SocketStream.from_socket(mine) as stream:
-            await stream.send(request)
-            if then:
-                await anyio.sleep(0.05)
-                await stream.send(then)
-            await stream.send_eof()
-            got = b""
-            with anyio.fail_after(10):
-                try:
-                    while True:
-                        got += await stream.receive()
-                except (anyio.EndOfStream, anyio.BrokenResourceError):
-                    return got
+            return await _exchange(stream, request, then)
+
+
+async def _exchange(stream: anyio.abc.SocketStream, request: bytes, then: bytes = b"") -> bytes:
+    """Send ``request``, then ``then``, then EOF; everything until the other end closes."""
+    await stream.send(request)
+    if then:
+        await anyio.sleep(0.05)
+        await stream.send(then)
+    await stream.send_eof()
+    got = b""
+    with anyio.fail_after(10):
+        try:
+            while True:
+                got += await stream.receive()
+        except (anyio.EndOfStream, anyio.BrokenResourceError):
+            return got
 
 
 async def test_connect_to_an_allowed_host_is_a_tunnel_both_ways() -> None:
@@ -166,15 +171,7 @@ async def test_what_a_forwarder_should_not_hand_over_is_closed_and_the_proxy_goe
 async def _ask_file(path: str, request: bytes) -> bytes:
     """As an SSH server forwards a host's connection: one connection to the socket file per client."""
     async with await anyio.connect_unix(path) as stream:
-        await stream.send(request)
-        await stream.send_eof()
-        got = b""
-        with anyio.fail_after(10):
-            try:
-                while True:
-                    got += await stream.receive()
-            except (anyio.EndOfStream, anyio.BrokenResourceError):
-                return got
+        return await _exchange(stream, request)
 
 
 async def test_a_proxy_behind_a_socket_file_serves_each_connection_as_a_client() -> None:
