@@ -349,6 +349,8 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         #: What the sandbox policy's step can apply where commands run (probed once, when needed).
         self._confinement_probe: ConfinementProbe | None = None
         self._policy_gap_said = False
+        #: Whether the warning that workspace-write with / writable confines no writes was logged.
+        self._root_writable_said = False
         self._listeners: list[TaskListener] = []
         self._spill_budget = SpillBudget(config.max_spill_total_bytes)
         self._helper_scopes: set[anyio.CancelScope] = set()
@@ -1111,6 +1113,7 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             proxy = await self._egress_socket(policy.allow_hosts) if policy.network == "allow-list" else None
             options = confine_options(policy, spec.workdir, also_writable=also_writable, proxy_socket=proxy)
             if options is not None:
+                self._say_if_nothing_is_kept_from_writes(policy, spec.workdir)
                 return (*prefix, *options, "--")
         if policy.enforcement == "best_effort":
             if not self._policy_gap_said:
@@ -1123,6 +1126,20 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             'nothing was started (enforcement = "best_effort" runs without it)',
             reason="policy_unenforceable",
         )
+
+    def _say_if_nothing_is_kept_from_writes(self, policy: SandboxPolicy, workdir: str) -> None:
+        """A warning, once: workspace-write with ``/`` writable (a container's working directory is
+        ``/`` where its image names none) writes everywhere, as asked, and should not do so silently."""
+        if self._root_writable_said or policy.filesystem != "workspace-write":
+            return
+        if "/" in (workdir, *policy.writable):
+            self._root_writable_said = True
+            log.warning(
+                '%s: filesystem = "workspace-write" with / writable (%s) confines no writes; give the '
+                "commands a working directory (cwd) other than /",
+                type(self).__name__,
+                "the working directory" if workdir == "/" else "in writable",
+            )
 
     async def _confinement_problem(self, policy: SandboxPolicy) -> str | None:
         """Why ``policy`` cannot be applied where commands run (None: it can); the backend is probed once."""

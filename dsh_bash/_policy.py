@@ -234,7 +234,8 @@ def confine_options(
     ``workdir`` (before ``--``); None when the policy confines nothing. A ``~/`` path goes as it is:
     the step expands it with the command's ``HOME`` where it runs. ``also_writable``: files the
     backend's own machinery has the command write (a session's capture file). ``proxy_socket``: the
-    abstract unix socket (``@NAME``) of the egress proxy that serves ``allow-list`` (required for it)."""
+    abstract unix socket (``@NAME``) or socket file of the egress proxy that serves ``allow-list``
+    (required for it)."""
     if not policy.active:
         return None
     options: list[str] = []

@@ -1,13 +1,16 @@
 """The sandbox policy's model (dsh_bash._policy): presets, the config's spellings, narrowing, and the
-options of the supervisor's --confine step. Pure: the step itself is tested in
-test_supervise_confine.py, the policy held by every backend in the kit's policy-* checks."""
+options of the supervisor's --confine step; pure but for the executor's warning about a writable /.
+The step itself is tested in test_supervise_confine.py, the policy held by every backend in the
+kit's policy-* checks."""
 
 from __future__ import annotations
 
+import logging
 import re
+from pathlib import Path
 
 import pytest
-from dsh_bash_local import LocalConfig
+from dsh_bash_local import LocalBashExecutor, LocalConfig
 
 from dsh_bash import CommandLimits, ConfigError, PolicyWidened, SandboxPolicy
 from dsh_bash._policy import DEFAULT_DENY_READ, confine_options, host_allowed, narrowed
@@ -134,3 +137,21 @@ def test_an_allow_list_names_hosts_ports_and_subdomains_and_narrows_to_fewer() -
             SandboxPolicy(network="allow-list", allow_hosts=(bad,))
     with pytest.raises(ValueError, match='only with network = "allow-list"'):
         SandboxPolicy(allow_hosts=("pypi.org",))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_workspace_write_with_root_writable_is_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, anyio_backend: str
+) -> None:
+    """A working directory of / (a container's, where its image names none) makes workspace-write
+    write everywhere, as asked: the executor says so, once; in a working directory it says nothing."""
+    async with LocalBashExecutor(LocalConfig(cwd=str(tmp_path), policy=WORKSPACE)) as ex:
+        with caplog.at_level(logging.WARNING, logger="dsh_bash"):
+            await ex.exec("true")
+            quiet = [r.getMessage() for r in caplog.records if "confines no writes" in r.getMessage()]
+            await ex.exec("true", workdir="/")
+            await ex.exec("true", workdir="/")
+    said = [r.getMessage() for r in caplog.records if "confines no writes" in r.getMessage()]
+    assert quiet == [] and len(said) == 1, said
+    assert "with / writable (the working directory)" in said[0]
