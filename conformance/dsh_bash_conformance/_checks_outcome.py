@@ -543,11 +543,15 @@ async def _cancel_run(
     "propagates.",
 )
 async def cancel_kills(ctx: CheckContext) -> None:
-    async with ctx.executor() as ex:
+    # A grace of at least a second, as in aclose-during-run-raises-closed: killing a child that traps
+    # SIGTERM costs the backend's own signals and looks (on Docker an exec each) on top of the grace,
+    # and that cost grows with the machine's load.
+    grace_s = max(1.0, ctx.allowance_s)
+    async with ctx.executor(grace_ms=grace_s * 1000) as ex:
         mark, (a, b) = await marked_flags(ctx, ex, 2)
         command = f"{loop(mark, prelude=touch(a))} & {loop(mark, trap_term=True, prelude=touch(b))} & wait"
         await _cancel_run(
-            ctx, ex, command, ready=[a, b], mark=mark, grace_s=GRACE_S, what="a running command"
+            ctx, ex, command, ready=[a, b], mark=mark, grace_s=grace_s, what="a running command"
         )
     # Cancelled while the result waits (a long grace) for what the shell left: a child that holds the
     # output pipe and traps SIGTERM, so that killing it (R-proc-foreground-leftovers) or draining it
