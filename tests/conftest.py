@@ -77,7 +77,7 @@ TestRunner._exception_handler = _exception_handler  # type: ignore[method-assign
 QUICK_LEAVES_OUT = {
     "test_example_bwrap.py": "the whole kit again, on the example backend through bwrap",
     "test_inspect_provider.py": "inspect_ai's own self-check and an offline eval, through the provider",
-    "test_cli_catches_broken.py": "the broken-backend table again, through `dsh-bash conformance`",
+    "test_cli_catches_broken.py": "a sample of the broken-backend table, through `dsh-bash conformance`",
 }
 #: The markers of tests that need more than this machine's Python and bash, or build more than a
 #: commit's check should (``wheel``: the wheel and a venv to install it in).
@@ -102,6 +102,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _is_quick(item):
             item.add_marker(pytest.mark.quick)
+    # The tests that run alone go first, in one run (see "tests that run alone" below): pytest-xdist
+    # hands each worker a contiguous block of the list, so the first worker takes them all at the
+    # start and keeps its turn from one to the next, and the others wait once, behind their first
+    # tests. Where they fell before, each of them waited for the tests under way on the other
+    # workers to end, the two-minute ones among them.
+    items.sort(key=lambda item: not _serial(item))
 
 
 # -- tests that run alone ----------------------------------------------------------------------------

@@ -258,3 +258,26 @@ DEBIAN_CHECKS: tuple[str, ...] = (
     "utf8-split-never-mangled",
     "long-command-runs",
 )
+
+#: Of DEBIAN_CHECKS, those the mode can change on that userland, run in container mode too (the image
+#: mode row runs all of them): what comes from a running container the executor did not make (its
+#: users and environment, its directories, its spill directory, an open that fails beside it, a close
+#: that cannot remove it), and the hostile terminal. The rest (terminals, waiting, kills and the GNU
+#: tools they meet, bytes) run the same scripts through the same exec in both modes: the busybox rows
+#: run them in both modes, the Debian image mode row on this userland.
+DEBIAN_CONTAINER_CHECKS: tuple[str, ...] = (
+    "terminal-injection-refused",
+    "command-user",
+    "env-default-scrub",
+    "env-ambient-passes-through",
+    "env-allow-readmits",
+    "env-spec-wins",
+    "no-rc-files",
+    "workdir-and-cwd-used",
+    "unusable-workdir-refused",
+    "infra-error-reasons",
+    "nothing-left-by-failed-open",
+    "spill-file-private",
+    "aclose-removes-spill-files",
+    "escapee-killed-on-aclose",
+)

@@ -6,7 +6,8 @@ mode (executors attach to an existing container) on asyncio, with the busybox te
 (``docker_debian_image``: coreutils, GNU grep, procps, python3; ``tests/debian_image.py``), whose
 test ids start with ``debian-``: the whole kit on busybox in both modes, on trio the checks of the
 backend's own async I/O (``TRIO_CHECKS``), on Debian those the userland can change
-(``kit_targets.DEBIAN_CHECKS``; ``DSH_TEST_DEBIAN_KIT=all`` runs the whole kit there too). Without a
+(``kit_targets.DEBIAN_CHECKS`` in image mode, ``DEBIAN_CONTAINER_CHECKS`` of them in container mode;
+``DSH_TEST_DEBIAN_KIT=all`` runs the whole kit there too). Without a
 Docker engine every test skips with ``backend unavailable: ...`` (a failure in CI); so do the Debian
 rows when the Debian image is missing and cannot be built here (no ``mmdebstrap``, not root).
 """
@@ -23,6 +24,7 @@ from dsh_bash_conformance import CHECKS, run_kit
 from kit_targets import (
     BUSYBOX_NOT_APPLICABLE,
     DEBIAN_CHECKS,
+    DEBIAN_CONTAINER_CHECKS,
     FILE_CHECKS,
     MARKER_CONTAINMENT_FAILS,
     MARKER_CONTAINMENT_RACES,
@@ -66,15 +68,18 @@ _CONTAINER_FIXTURE = {"busybox": "docker_session_container", "debian": "docker_d
 #: The Debian image builds once (28-43 s here) in the first test that needs it when
 #: ``.ci/run`` has not built it beforehand: the Debian rows allow for that on top of the suite's 120 s.
 _DEBIAN_TIMEOUT_S = 120 + 300
-_DEBIAN = list(CHECKS) if os.environ.get("DSH_TEST_DEBIAN_KIT") == "all" else list(DEBIAN_CHECKS)
+_DEBIAN_ALL = os.environ.get("DSH_TEST_DEBIAN_KIT") == "all"
+_DEBIAN = list(CHECKS) if _DEBIAN_ALL else list(DEBIAN_CHECKS)
+_DEBIAN_CONTAINER = list(CHECKS) if _DEBIAN_ALL else list(DEBIAN_CONTAINER_CHECKS)
 CASES: list[tuple[str, DockerMode, str, ImageKind]] = [
     *((name, "image", "asyncio", "busybox") for name in CHECKS),
     *((name, "container", "asyncio", "busybox") for name in CHECKS),
     *((name, "image", "trio", "busybox") for name in TRIO_CHECKS),
     # On a real Debian userland, the checks the userland can change (asyncio only: trio changes nothing
-    # the image reaches); DSH_TEST_DEBIAN_KIT=all runs the whole kit there.
+    # the image reaches), in container mode those of them the mode can change too;
+    # DSH_TEST_DEBIAN_KIT=all runs the whole kit in both modes there.
     *((name, "image", "asyncio", "debian") for name in _DEBIAN),
-    *((name, "container", "asyncio", "debian") for name in _DEBIAN),
+    *((name, "container", "asyncio", "debian") for name in _DEBIAN_CONTAINER),
 ]
 
 
@@ -87,6 +92,8 @@ def test_subsets_name_real_checks() -> None:
     assert set(TRIO_CHECKS) <= set(CHECKS)
     assert set(DEBIAN_CHECKS) <= set(CHECKS)
     assert len(set(DEBIAN_CHECKS)) == len(DEBIAN_CHECKS)
+    assert set(DEBIAN_CONTAINER_CHECKS) <= set(DEBIAN_CHECKS)
+    assert len(set(DEBIAN_CONTAINER_CHECKS)) == len(DEBIAN_CONTAINER_CHECKS)
 
 
 @pytest.mark.parametrize(
