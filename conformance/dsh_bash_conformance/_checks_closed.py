@@ -163,14 +163,16 @@ async def aclose_bounded(ctx: CheckContext) -> None:
     ex = ctx.executor(grace_ms=grace_s * 1000)
     marks = [ctx.marker() for _ in range(6)]
     async with ex:
-        for mark in marks[:5]:
+        tasks = [
             await ex.start(ex.resolve(BashExecRequest(command=f"{loop(mark, trap_term=True)} & wait")))
+            for mark in marks[:5]
+        ]
         leftover = await ex.start(
             ex.resolve(BashExecRequest(command=f"{loop(marks[5], trap_term=True)} >/dev/null 2>&1 &"))
         )
         await wait_task(leftover, SETUP_S, "a task that leaves a TERM-ignoring process")
-        for mark in marks:
-            await started(ctx, mark, "before aclose, a TERM-ignoring process")
+        for mark, task in zip(marks, [*tasks, leftover], strict=True):
+            await started(ctx, mark, "before aclose, a TERM-ignoring process", task=task)
         await anyio.sleep(0.2)  # past the trap: a SIGTERM that kills them would hide a serial close
         closing_at = time.monotonic()
         await ex.aclose()

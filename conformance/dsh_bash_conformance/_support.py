@@ -243,18 +243,22 @@ async def alive(ctx: CheckContext, mark: str, what: str) -> None:
     ctx.expect(found, f"{what}: no live process carries {mark}")
 
 
-async def started(ctx: CheckContext, mark: str, what: str, within_s: float | None = None) -> None:
+async def started(
+    ctx: CheckContext, mark: str, what: str, within_s: float | None = None, task: BashTask | None = None
+) -> None:
     """A process carrying ``mark`` must show up within ``within_s`` (default: :data:`SETUP_S`).
 
     For a process just sent to the background (``cmd &``): the shell that forked it may have exited
     before the child exec'd and took ``mark`` into its command line, so a look at once could miss it.
     The default bound is a setup bound, not a measurement: a loaded machine may take more than the
     latency allowance to fork and exec (a CI run once did), and the look ends as soon as it is seen.
+    ``task``: the task that should have started it, whose state a failure says (a task that ended
+    early tells a command that failed to start from a process that is there but unseen).
     """
     deadline = time.monotonic() + (SETUP_S if within_s is None else within_s)
     while not await ctx.processes(mark) and time.monotonic() < deadline:  # noqa: ASYNC110 - processes are polled
         await anyio.sleep(0.02)
-    await alive(ctx, mark, what)
+    await alive(ctx, mark, what if task is None else f"{what} (task {task.id}: {show_task(task)})")
 
 
 def differing_chars(a: str, b: str) -> int:
