@@ -49,7 +49,7 @@ from ._output import (
     StreamName,
     merge_streams,
 )
-from ._policy import ConfinementProbe, SandboxPolicy, confine_options, narrowed
+from ._policy import PROXY_KEY_VAR, ConfinementProbe, EgressRoute, SandboxPolicy, confine_options, narrowed
 from ._protocol import (
     MARKER_VAR,
     UNKNOWN_PREFIX,
@@ -432,12 +432,14 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         when the first active policy needs it."""
         return ConfinementProbe()
 
-    async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> str | None:
-        """The abstract unix socket (``@NAME``), in the network namespace where commands start, of
-        the egress proxy of ``network = "allow-list"`` for ``allow_hosts``
+    async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> EgressRoute | None:
+        """The way to the egress proxy of ``network = "allow-list"`` for ``allow_hosts``
         (:class:`dsh_bash.backend.EgressProxy`, run in the executor's task group; started at the
-        first call for a list, the same name after); or the absolute path of a unix socket file where
-        commands run that leads to such a proxy one connection at a time (the step relays each).
+        first call for a list, the same after): an abstract unix socket (``@NAME``) in the network
+        namespace where commands start (``key`` None); or the absolute path of a unix socket file
+        where commands run that leads to such a proxy one connection at a time (the step relays
+        each), with the proxy's key (a name is no secret among one user's processes: the key, which
+        the step takes out of the command's environment, is what lets a relay through).
         None (the default): this backend serves none, and the allow-list is refused
         (``policy_unenforceable``)."""
         return None
@@ -1047,7 +1049,8 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
                 spec.command, replay, capture=not background, capture_id=capture_id, capture_file=capture_file
             )
             launch_spec = spec.model_copy(update={"command": wrapped})
-        confine = await self._confine_argv(spec, () if capture_file is None else (capture_file,))
+        confine, step_env = await self._confine_argv(spec, () if capture_file is None else (capture_file,))
+        env.update(step_env)
         launch = Launch(
             spec=launch_spec,
             env=env,
@@ -1100,27 +1103,29 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
 
     async def _confine_argv(
         self, spec: BashExecSpec, also_writable: tuple[str, ...]
-    ) -> tuple[str, ...] | None:
+    ) -> tuple[tuple[str, ...] | None, dict[str, str]]:
         """The policy's step for ``spec`` (``launch.confine``): the executor's policy narrowed by the
-        spec's (a spec made by hand cannot widen it either); None when it confines nothing."""
+        spec's (a spec made by hand cannot widen it either), None when it confines nothing; and what
+        the step takes from the command's environment before the command runs (a proxy's key)."""
         policy = narrowed(self._config.policy, spec.policy)
         if not policy.active:
-            return None
+            return None, {}
         problem = await self._confinement_problem(policy)
         prefix = self._confine_prefix()
         if problem is None and prefix is not None:
             # Asked again: the same list's proxy is already serving (the problem's look started it).
             proxy = await self._egress_socket(policy.allow_hosts) if policy.network == "allow-list" else None
-            options = confine_options(policy, spec.workdir, also_writable=also_writable, proxy_socket=proxy)
+            options = confine_options(policy, spec.workdir, also_writable=also_writable, proxy=proxy)
             if options is not None:
                 self._say_if_nothing_is_kept_from_writes(policy, spec.workdir)
-                return (*prefix, *options, "--")
+                step_env = {} if proxy is None or proxy.key is None else {PROXY_KEY_VAR: proxy.key}
+                return (*prefix, *options, "--"), step_env
         if policy.enforcement == "best_effort":
             if not self._policy_gap_said:
                 self._policy_gap_said = True
                 name = type(self).__name__
                 log.warning("%s runs commands without their sandbox policy (best_effort): %s", name, problem)
-            return None
+            return None, {}
         raise BashInfrastructureError(
             f"{type(self).__name__} cannot apply the sandbox policy where its commands run: {problem}; "
             'nothing was started (enforcement = "best_effort" runs without it)',

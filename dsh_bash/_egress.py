@@ -6,11 +6,14 @@ socket file, to which an SSH server forwards each connection that the forwarder 
 ``CONNECT host:port`` and absolute-form ``http://`` requests through to the policy's
 ``allow_hosts`` only; anything else gets a status and a line the model can read. One proxy serves
 one allow-list; the executor runs it in its task group (:meth:`EgressProxy.serve`,
-:meth:`EgressProxy.serve_clients`)."""
+:meth:`EgressProxy.serve_clients`). Behind a socket file it has a key: a connection must begin with
+it and a newline (the step's relays send it, read from ``--proxy-key FILE``), so that a confined
+command that learns another list's file name cannot use that list (``docs/design/policy.md``)."""
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import ipaddress
 import logging
 import os
@@ -54,8 +57,18 @@ class EgressProxy:
     service) is refused unless the allow-list names that address itself: an allowed name must not
     lead back into the harness's own network."""
 
-    def __init__(self, allow_hosts: tuple[str, ...], *, max_connections: int = MAX_CONNECTIONS) -> None:
+    def __init__(
+        self,
+        allow_hosts: tuple[str, ...],
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        key: str | None = None,
+    ) -> None:
         self.allow_hosts = allow_hosts
+        #: What a client's connection must begin with (and a newline) to be served (hex; see
+        #: :func:`new_key`), or None: every connection is served (an abstract socket's forwarder,
+        #: which only the command's own step could reach).
+        self.key = key
         #: Connections served at once (each holds descriptors and a task of the harness's): past it a
         #: new one gets 503 at once, so that a command that opens thousands cannot exhaust the
         #: harness's descriptors for every other command.
@@ -155,7 +168,8 @@ class EgressProxy:
 
     async def _proxy(self, client: anyio.abc.ByteStream) -> None:
         with anyio.fail_after(_HEAD_TIMEOUT_S):
-            head, extra = await _read_head(client)
+            rest = await self._check_key(client)
+            head, extra = await _read_head(client, rest)
         first, _, headers = head.partition(b"\r\n")
         words = first.decode("latin-1").split(" ")
         if len(words) != 3 or not words[2].startswith("HTTP/"):
@@ -203,6 +217,23 @@ class EgressProxy:
                 tg.start_soon(_copy, client, upstream)
                 tg.start_soon(_copy, upstream, client)
 
+    async def _check_key(self, client: anyio.abc.ByteStream) -> bytes:
+        """Read the key line a keyed proxy's client must begin with; what came after it in the same
+        reads is returned. A connection without the key is refused (403): whoever it is, it is no
+        relay of a command that this list serves."""
+        if self.key is None:
+            return b""
+        expected = self.key.encode("ascii") + b"\n"
+        buffer = b""
+        while len(buffer) < len(expected):
+            buffer += await client.receive(_CHUNK)
+        if not hmac.compare_digest(buffer[: len(expected)], expected):
+            raise _Refused(
+                "403 Forbidden",
+                "this connection is not from a command whose sandbox policy allows this list of hosts",
+            )
+        return buffer[len(expected) :]
+
     async def _connect(self, host: str, port: int) -> anyio.abc.SocketStream:
         try:
             literal = ipaddress.ip_address(host)
@@ -232,6 +263,12 @@ class EgressProxy:
         raise _Refused("502 Bad Gateway", f"cannot reach {host}:{port}: {last}")
 
 
+def new_key() -> str:
+    """A fresh key for a proxy behind a socket file (32 hex digits: the step's ``--proxy-key``
+    takes 16 to 128)."""
+    return secrets.token_hex(16)
+
+
 class EgressProxies:
     """An executor's egress proxies: one per allow-list, each started at the first call for its
     list (as a helper of the executor, by ``start_helper``) and the same after."""
@@ -239,29 +276,38 @@ class EgressProxies:
     def __init__(self, start_helper: Callable[..., None]) -> None:
         self._start_helper = start_helper
         self._lock = anyio.Lock()
-        self._started: dict[tuple[tuple[str, ...], str | None], str] = {}
+        self._started: dict[tuple[tuple[str, ...], str | None], tuple[str, str | None]] = {}
 
     async def abstract(self, allow_hosts: tuple[str, ...]) -> str:
         """The ``@NAME`` of the list's proxy on an abstract unix socket (:meth:`EgressProxy.listen`)."""
-        return await self._proxy(allow_hosts, None, 0)
+        where, _ = await self._proxy(allow_hosts, None, 0)
+        return where
 
-    async def in_directory(self, allow_hosts: tuple[str, ...], directory: str, *, mode: int = 0o600) -> str:
-        """The path of the list's proxy's socket file in ``directory`` (:meth:`EgressProxy.listen_at`)."""
-        return await self._proxy(allow_hosts, directory, mode)
+    async def in_directory(
+        self, allow_hosts: tuple[str, ...], directory: str, *, mode: int = 0o600
+    ) -> tuple[str, str]:
+        """The path of the list's proxy's socket file in ``directory`` (:meth:`EgressProxy.listen_at`)
+        and the proxy's key (:attr:`EgressProxy.key`), for ``EgressRoute.key``."""
+        where, key = await self._proxy(allow_hosts, directory, mode)
+        assert key is not None
+        return where, key
 
-    async def _proxy(self, allow_hosts: tuple[str, ...], directory: str | None, mode: int) -> str:
+    async def _proxy(
+        self, allow_hosts: tuple[str, ...], directory: str | None, mode: int
+    ) -> tuple[str, str | None]:
         async with self._lock:
-            where = self._started.get((allow_hosts, directory))
-            if where is None:
-                proxy = EgressProxy(allow_hosts)
+            started = self._started.get((allow_hosts, directory))
+            if started is None:
                 if directory is None:
+                    proxy = EgressProxy(allow_hosts)
                     listener, where = await EgressProxy.listen()
                     self._start_helper(proxy.serve, listener)
                 else:
+                    proxy = EgressProxy(allow_hosts, key=new_key())
                     listener, where = await EgressProxy.listen_at(directory, mode=mode)
                     self._start_helper(proxy.serve_clients, listener)
-                self._started[allow_hosts, directory] = where
-            return where
+                started = self._started[allow_hosts, directory] = (where, proxy.key)
+            return started
 
 
 def _from_this_user(stream: anyio.abc.SocketStream) -> bool:
@@ -271,9 +317,9 @@ def _from_this_user(stream: anyio.abc.SocketStream) -> bool:
     return uid == os.geteuid()
 
 
-async def _read_head(stream: anyio.abc.ByteStream) -> tuple[bytes, bytes]:
-    """The request head (to its blank line, exclusive) and what came after it in the same reads."""
-    buffer = b""
+async def _read_head(stream: anyio.abc.ByteStream, buffer: bytes = b"") -> tuple[bytes, bytes]:
+    """The request head (to its blank line, exclusive) and what came after it in the same reads;
+    ``buffer``: what was read of it already."""
     while b"\r\n\r\n" not in buffer:
         if len(buffer) > _HEAD_LIMIT:
             raise _Refused("431 Request Header Fields Too Large", f"a request head over {_HEAD_LIMIT} bytes")

@@ -12,9 +12,11 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, mode
 
 __all__ = [
     "DEFAULT_DENY_READ",
+    "PROXY_KEY_VAR",
     "WORKSPACE_WRITABLE",
     "CommandLimits",
     "ConfinementProbe",
+    "EgressRoute",
     "NetworkRule",
     "PolicyWidened",
     "SandboxPolicy",
@@ -87,6 +89,22 @@ def _within_allowed(entry: str, base: tuple[str, ...]) -> bool:
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
+
+
+#: The variable of the command's environment that carries its proxy's key to the step (which takes
+#: it out before the command runs: ``dsh-supervise --confine --proxy-key-env``).
+PROXY_KEY_VAR = "DSH_BASH_PROXY_KEY"
+
+
+class EgressRoute(_Frozen):
+    """How a command's step reaches the egress proxy of its allow-list, in the names of the place
+    where commands run (a backend's ``_egress_socket``): ``socket``, an abstract unix socket
+    (``@NAME``) or a socket file's absolute path; ``key``, for a socket file, the proxy's key
+    (``EgressProxies.in_directory``), which the step takes from the command's environment
+    (:data:`PROXY_KEY_VAR`) and its relays send first; None for an abstract socket, which needs none."""
+
+    socket: str
+    key: str | None
 
 
 class PolicyWidened(ValueError):
@@ -228,14 +246,14 @@ def confine_options(
     workdir: str,
     *,
     also_writable: tuple[str, ...] = (),
-    proxy_socket: str | None = None,
+    proxy: EgressRoute | None = None,
 ) -> tuple[str, ...] | None:
     """The options of ``dsh-supervise --confine`` that apply ``policy`` to a command that runs in
     ``workdir`` (before ``--``); None when the policy confines nothing. A ``~/`` path goes as it is:
     the step expands it with the command's ``HOME`` where it runs. ``also_writable``: files the
-    backend's own machinery has the command write (a session's capture file). ``proxy_socket``: the
-    abstract unix socket (``@NAME``) or socket file of the egress proxy that serves ``allow-list``
-    (required for it)."""
+    backend's own machinery has the command write (a session's capture file). ``proxy``: the way to
+    the egress proxy that serves ``allow-list`` (required for it; its key, when it has one, goes in
+    the command's environment as :data:`PROXY_KEY_VAR`, which the executor adds)."""
     if not policy.active:
         return None
     options: list[str] = []
@@ -250,9 +268,11 @@ def confine_options(
         if value is not None:
             options += [names[name], str(value)]
     if policy.network == "allow-list":
-        if proxy_socket is None:
+        if proxy is None:
             raise ValueError('network = "allow-list" needs the egress proxy\'s socket')
-        options += ["--network", policy.network, "--proxy", proxy_socket]
+        options += ["--network", policy.network, "--proxy", proxy.socket]
+        if proxy.key is not None:
+            options += ["--proxy-key-env", PROXY_KEY_VAR]
     elif policy.network != "all":
         options += ["--network", policy.network]
     return tuple(options)

@@ -78,8 +78,11 @@ executor's):
   commands start (the confinement step connects to it before it makes the command's own network,
   whose forwarder on ``127.0.0.1:PROXY_PORT`` hands it each connection); ``in_directory(allow_hosts,
   dir)`` serves one on a socket file, for commands on another machine or in a container (a file
-  there that leads to it one connection at a time: the forwarder relays each). Either goes in
-  ``_egress_socket``.
+  there that leads to it one connection at a time: the forwarder relays each), and returns the
+  file's path with the proxy's key. Either goes in ``_egress_socket`` as an :class:`EgressRoute`
+  (a socket file's route carries the key: the executor puts it in the command's environment as
+  :data:`PROXY_KEY_VAR`, from which the step takes it out before the command runs, and the step's
+  relays send it first, so no confined command uses another list's proxy by its file's name).
 
 Errors and configuration:
 
@@ -108,7 +111,7 @@ from ._env import MODEL_FRIENDLY_ENV, RC_FILE_VARIABLES, dropped_names, is_scrub
 from ._errors import INFRA_REASONS, InfraReason
 from ._kit_hooks import FIND_PROCESSES, ConformanceHooks, parse_pids, run_in_fresh_loop
 from ._output import OutputStream, SpillFile, StreamName, prepay_spills
-from ._policy import ConfinementProbe
+from ._policy import PROXY_KEY_VAR, ConfinementProbe, EgressRoute
 from ._protocol import (
     MARKER_VAR,
     MAX_INLINE_COMMAND,
@@ -140,6 +143,7 @@ __all__ = [
     "MARKER_VAR",
     "MAX_INLINE_COMMAND",
     "MODEL_FRIENDLY_ENV",
+    "PROXY_KEY_VAR",
     "PROXY_PORT",
     "RC_FILE_VARIABLES",
     "SESSION_FD",
@@ -152,6 +156,7 @@ __all__ = [
     "ContainmentSetting",
     "EgressProxies",
     "EgressProxy",
+    "EgressRoute",
     "ExitStatus",
     "InfraReason",
     "Killable",

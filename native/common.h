@@ -40,7 +40,7 @@
 #define __WALL 0x40000000
 #endif
 
-#define VERSION "12"
+#define VERSION "13"
 #define EXIT_SETUP 125
 #define READ_SIZE 65536 /* one read of a command pipe, or of fd 0; the largest payload sent */
 

@@ -1,11 +1,12 @@
 /*
- * --confine (version 10; --network: 11; --proxy PATH: 12): the sandbox policy's step (docs/design/policy.md). Exec'd in the command's own
+ * --confine (version 10; --network: 11; --proxy PATH: 12; --proxy-key-env: 13): the sandbox policy's step (docs/design/policy.md). Exec'd in the command's own
  * process, before the command, it restricts itself and execs PROGRAM; what it applies is irreversible
  * and inherited by every child, and the supervisor that started it stays unconfined.
  *
  *   dsh-supervise --confine [--write PATH]... [--deny-read PATH]... [--cpu-seconds N] [--file-bytes N]
  *                 [--memory-bytes N] [--open-files N] [--processes N]
- *                 [--network none|loopback|allow-list --proxy @NAME|PATH] -- PROGRAM [ARGS...]
+ *                 [--network none|loopback|allow-list --proxy @NAME|PATH [--proxy-key-env NAME]]
+ *                 -- PROGRAM [ARGS...]
  *   dsh-supervise --confine --probe      (prints "landlock ABI" (0 where the kernel has none) and
  *                                         "loopback 1|0": whether --network loopback can hold here,
  *                                         "processes 1|0": whether --processes can)
@@ -37,12 +38,24 @@
  *   loopback's network, and in it a forwarder (a child of the command's, ended by its parent's
  *   death) on 127.0.0.1:3128 that hands each connection it accepts to the proxy over that one
  *   connection (SCM_RIGHTS); HTTP_PROXY and its kin name the forwarder. Nothing in the command's
- *   network can reach the proxy but through it. --proxy PATH (version 12; an absolute path: a unix
+ *   network can reach the proxy but through it. In a network shared with other commands (version
+ *   13: where none can be made) the forwarder takes another port when 3128 is taken and serves only
+ *   this command's processes (egress.c). --proxy PATH (version 12; an absolute path: a unix
  *   socket's file, which an SSH server forwards to the harness's proxy one connection at a time, so
  *   no descriptor can be handed over): the forwarder copies each connection both ways through a
  *   connection of its own to PATH, in a process per connection (a child of the forwarder's, ended by
  *   its parent's death). PATH is reachable from the command's network as well (a file): it leads to
  *   the same proxy, and the file's mode (the SSH server's 0600) keeps other users out.
+ *   --proxy-key-env NAME (version 13): the proxy's key (hex, 16-128 digits) is the environment
+ *   variable NAME, removed from the environment before the network is made; each relay sends it,
+ *   and a newline, before the first byte of its connection, and the proxy refuses a connection that
+ *   does not begin with it. So a confined command that learns another list's PATH (a forwarder's
+ *   command line shows it) cannot use that list: the key is in no file and no argument, the command
+ *   never has it in its environment, and the processes whose memory or initial environment holds it
+ *   (its supervisor, this step's forwarder and relays, which are not dumpable) are out of reach of
+ *   a confined command (Landlock's ptrace scoping; a non-dumpable process needs CAP_SYS_PTRACE in
+ *   the first user namespace). Not a file: denying a command a directory of keys would cost it
+ *   making new entries in each directory on the way (/tmp on an SSH host).
  * - Processes (version 11): a pids cgroup of the command's own (cgroup v1's pids hierarchy, or v2
  *   with the pids controller), made beneath "dsh-bash" at the hierarchy's root, its pids.max N; the
  *   process moves itself in before anything else. Writable as root on a host; not inside a container
@@ -62,6 +75,7 @@
  */
 #include "common.h"
 #include "confine.h"
+#include "egress.h"
 #include <dirent.h>
 #include <limits.h>
 #include <linux/audit.h>
@@ -407,15 +421,17 @@ static int new_loopback_namespace(void)
     return 0;
 }
 
-static void loopback_only(void)
+/* Returns 1 where the network is the command's own, 0 where it shares one that has only loopback. */
+static int loopback_only(void)
 {
     if (new_loopback_namespace() == 0)
-        return;
+        return 1;
     int why = errno;
     if (!only_loopback())
         die("--confine: --network loopback: no network namespace can be made here (%s) and this one "
             "has interfaces besides loopback",
             strerror(why));
+    return 0;
 }
 
 /* Whether --network loopback can hold here: a child tries (the probe itself stays as it was). */
@@ -609,205 +625,11 @@ static int processes_possible(void)
     return reaped_status(pid) == 0;
 }
 
-/* --- network allow-list: a forwarder to the harness's egress proxy ----------------------------- */
-
-#define PROXY_PORT 3128 /* dsh_bash._egress.PROXY_PORT */
-#define PROXY_URL "http://127.0.0.1:3128"
-
-/* The harness's egress proxy, reached before the command's network is made. @NAME: an abstract unix
- * socket, which exists in the harness's network namespace only, so no process in the command's own
- * network can reach it later; this one connection (one per command) is all it gets (returned). PATH:
- * a unix socket's file, connected to per connection by the forwarder's relays; only looked at here
- * (-1 is returned), so that a proxy that is not there fails the step, not each connection later. */
-static int connect_proxy(const char *name)
-{
-    struct sockaddr_un proxy = {.sun_family = AF_UNIX};
-    size_t length = strlen(name);
-    if (name[0] == '/') {
-        struct stat seen;
-        if (length >= sizeof proxy.sun_path)
-            die("--confine: --proxy %s: a unix socket's path is at most %zu bytes", name, sizeof proxy.sun_path - 1);
-        if (stat(name, &seen) < 0)
-            die("--confine: --proxy %s: cannot reach the egress proxy: %s", name, strerror(errno));
-        if (!S_ISSOCK(seen.st_mode))
-            die("--confine: --proxy %s: cannot reach the egress proxy: not a socket", name);
-        return -1;
-    }
-    if (name[0] != '@' || length < 2 || length > sizeof proxy.sun_path)
-        die("--confine: --proxy wants an abstract unix socket's name (@NAME) or a socket's absolute path, not '%s'",
-            name);
-    memcpy(proxy.sun_path + 1, name + 1, length - 1); /* sun_path[0] stays 0: abstract */
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    socklen_t size = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + length);
-    if (fd < 0 || connect(fd, (struct sockaddr *)&proxy, size) < 0)
-        die("--confine: --proxy %s: cannot reach the egress proxy: %s", name, strerror(errno));
-    return fd;
-}
-
-/* One direction of a relay: what was read from FROM and is not yet written to TO. */
-struct relay_direction {
-    int from, to;
-    size_t length, offset;
-    int ended; /* FROM's EOF was read (and passed on as a half close once the buffer is empty) */
-    char buffer[64 * 1024];
-};
-
-/* Copies CLIENT to a new connection to the proxy's file PATH and back until both directions ended
- * (each end's EOF passed on as a half close); in the relay's own process. Non-blocking both ways: a
- * tunnel whose two ends both send a lot at once must not wait on each other. */
-static void relay(int client, const char *path)
-{
-    struct sockaddr_un there = {.sun_family = AF_UNIX};
-    memcpy(there.sun_path, path, strlen(path) + 1); /* connect_proxy checked its length */
-    int upstream = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (upstream < 0 || connect(upstream, (struct sockaddr *)&there, sizeof there) < 0)
-        _exit(1); /* the client sees its connection closed: the proxy is gone */
-    static struct relay_direction way[2];
-    way[0] = (struct relay_direction){.from = client, .to = upstream};
-    way[1] = (struct relay_direction){.from = upstream, .to = client};
-    for (int k = 0; k < 2; k++)
-        if (fcntl(way[k].from, F_SETFL, fcntl(way[k].from, F_GETFL) | O_NONBLOCK) < 0)
-            _exit(1);
-    for (;;) {
-        struct pollfd wanted[2];
-        for (int k = 0; k < 2; k++) {
-            struct relay_direction *d = &way[k];
-            short events = d->length > 0 ? POLLOUT : d->ended ? 0 : POLLIN;
-            wanted[k] = (struct pollfd){.fd = events ? (d->length > 0 ? d->to : d->from) : -1, .events = events};
-        }
-        if (wanted[0].fd < 0 && wanted[1].fd < 0)
-            _exit(0); /* both ended, everything passed on */
-        if (poll(wanted, 2, -1) < 0) {
-            if (errno == EINTR)
-                continue;
-            _exit(1);
-        }
-        for (int k = 0; k < 2; k++) {
-            struct relay_direction *d = &way[k];
-            if (wanted[k].fd < 0 || wanted[k].revents == 0)
-                continue;
-            if (d->length > 0) {
-                ssize_t put = write(d->to, d->buffer + d->offset, d->length - d->offset);
-                if (put < 0 && (errno == EINTR || errno == EAGAIN))
-                    continue;
-                if (put <= 0)
-                    _exit(0); /* the other end went away */
-                d->offset += (size_t)put;
-                if (d->offset == d->length) {
-                    d->length = d->offset = 0;
-                    if (d->ended)
-                        shutdown(d->to, SHUT_WR);
-                }
-                continue;
-            }
-            ssize_t got = read(d->from, d->buffer, sizeof d->buffer);
-            if (got < 0 && (errno == EINTR || errno == EAGAIN))
-                continue;
-            if (got < 0)
-                _exit(0);
-            if (got == 0) {
-                d->ended = 1;
-                shutdown(d->to, SHUT_WR);
-            } else {
-                d->length = (size_t)got;
-                d->offset = 0;
-            }
-        }
-    }
-}
-
-/* A process of the command's (its parent's death ends it) that listens on 127.0.0.1:PROXY_PORT in the
- * command's own network and hands each connection it accepts to the egress proxy over CONTROL (the
- * descriptor itself, SCM_RIGHTS), or (CONTROL -1) to a relay to the proxy's file PATH: the command's
- * one way out. Holds none of the command's descriptors (its output pipes least of all: a background
- * task's end must not wait for it). */
-static void start_forwarder(int control, const char *path)
-{
-    int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_in here = {.sin_family = AF_INET, .sin_port = htons(PROXY_PORT),
-                               .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    int one = 1;
-    if (listener < 0 || setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) < 0 ||
-        bind(listener, (struct sockaddr *)&here, sizeof here) < 0 || listen(listener, 64) < 0)
-        die("--confine: --proxy: cannot listen on 127.0.0.1:%d: %s", PROXY_PORT, strerror(errno));
-    pid_t parent = getpid();
-    pid_t pid = fork();
-    if (pid < 0)
-        die("--confine: --proxy: fork: %s", strerror(errno));
-    if (pid > 0) {
-        close(listener);
-        close(control);
-        return;
-    }
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (getppid() != parent)
-        _exit(0);
-    int null = open("/dev/null", O_RDWR | O_CLOEXEC);
-    for (int fd = 0; fd < 3; fd++)
-        dup2(null, fd);
-    for (int fd = 3; fd < 1024; fd++)
-        if (fd != listener && fd != control)
-            close(fd);
-    signal(SIGCHLD, SIG_IGN); /* the relays reap themselves */
-    pid_t forwarder = getpid();
-    for (;;) {
-        int conn = accept4(listener, NULL, NULL, SOCK_CLOEXEC);
-        if (conn < 0) {
-            if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE)
-                continue;
-            _exit(1);
-        }
-        if (control < 0) {
-            pid_t relay_pid = fork(); /* refused past a processes limit: that connection is closed */
-            if (relay_pid == 0) {
-                close(listener);
-                prctl(PR_SET_PDEATHSIG, SIGKILL);
-                if (getppid() != forwarder)
-                    _exit(0);
-                relay(conn, path);
-            }
-            close(conn);
-            continue;
-        }
-        char byte = 'c';
-        struct iovec iov = {.iov_base = &byte, .iov_len = 1};
-        union {
-            char buf[CMSG_SPACE(sizeof(int))];
-            struct cmsghdr align;
-        } space;
-        memset(&space, 0, sizeof space);
-        struct msghdr message = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = space.buf,
-                                 .msg_controllen = sizeof space.buf};
-        struct cmsghdr *passed = CMSG_FIRSTHDR(&message);
-        passed->cmsg_level = SOL_SOCKET;
-        passed->cmsg_type = SCM_RIGHTS;
-        passed->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(passed), &conn, sizeof(int));
-        ssize_t sent;
-        do
-            sent = sendmsg(control, &message, MSG_NOSIGNAL);
-        while (sent < 0 && errno == EINTR);
-        close(conn);
-        if (sent < 0)
-            _exit(1); /* the proxy is gone (the executor closed): nothing more to forward */
-    }
-}
-
-/* The variables that send a command's HTTP clients to the forwarder (and their own loopback past it). */
-static void set_proxy_variables(void)
-{
-    const char *names[] = {"HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"};
-    for (size_t k = 0; k < sizeof names / sizeof names[0]; k++)
-        setenv(names[k], PROXY_URL, 1);
-    setenv("NO_PROXY", "localhost,127.0.0.1,::1", 1);
-    setenv("no_proxy", "localhost,127.0.0.1,::1", 1);
-}
-
 int run_confine(int argc, char **argv)
 {
     char *writable[MAX_PATHS];
     int writable_count = 0, i = 2; /* argv[1] is --confine */
-    const char *network = NULL, *processes = NULL, *proxy = NULL;
+    const char *network = NULL, *processes = NULL, *proxy = NULL, *key_name = NULL;
     for (; i < argc; i++) {
         const char *a = argv[i];
         if (strcmp(a, "--") == 0) {
@@ -850,6 +672,8 @@ int run_confine(int argc, char **argv)
             network = v;
         } else if (strcmp(a, "--proxy") == 0) {
             proxy = v;
+        } else if (strcmp(a, "--proxy-key-env") == 0) {
+            key_name = v;
         } else {
             die("--confine: %s is not one of its options", a);
         }
@@ -857,16 +681,21 @@ int run_confine(int argc, char **argv)
     if (i >= argc)
         die("usage: dsh-supervise --confine [--write PATH]... [--deny-read PATH]... [--cpu-seconds N] "
             "[--file-bytes N] [--memory-bytes N] [--open-files N] [--processes N] "
-            "[--network none|loopback|allow-list --proxy @NAME|PATH] -- PROGRAM [ARGS...]\n"
+            "[--network none|loopback|allow-list --proxy @NAME|PATH [--proxy-key-env NAME]] -- PROGRAM [ARGS...]\n"
             "       dsh-supervise --confine --probe");
     /* The cgroup first: its files are written before a user namespace would make them another's. */
     int count_in_namespace = processes != NULL && limit_processes(processes);
     int allow_list = network != NULL && strcmp(network, "allow-list") == 0;
     if (allow_list != (proxy != NULL))
         die("--confine: --network allow-list and --proxy @NAME|PATH go together");
+    if (key_name != NULL && (proxy == NULL || proxy[0] != '/'))
+        die("--confine: --proxy-key-env goes with --proxy PATH (a socket file; an abstract socket needs none)");
+    if (key_name != NULL)
+        take_proxy_key(key_name);
     int control = allow_list ? connect_proxy(proxy) : -1; /* still in the harness's network */
+    int own_network = 1;
     if (network != NULL && (strcmp(network, "loopback") == 0 || allow_list))
-        loopback_only();
+        own_network = loopback_only();
     if (count_in_namespace)
         count_processes_in_own_namespace(processes);
     int abi = landlock_abi();
@@ -890,8 +719,7 @@ int run_confine(int argc, char **argv)
     if (network != NULL && strcmp(network, "none") == 0)
         refuse_sockets();
     if (allow_list) {
-        start_forwarder(control, proxy);
-        set_proxy_variables();
+        set_proxy_variables(start_forwarder(control, proxy, own_network));
     }
     execvp(argv[i], argv + i);
     die("--confine: cannot run %s: %s", argv[i], strerror(errno));

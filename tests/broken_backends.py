@@ -28,8 +28,10 @@ import itertools
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -73,6 +75,7 @@ from dsh_bash.backend import (
     MODEL_FRIENDLY_ENV,
     CommandProcess,
     EgressProxy,
+    EgressRoute,
     ExitStatus,
     Killable,
     Launch,
@@ -2492,11 +2495,34 @@ class ProxyAllowsAnyHost(LocalBashExecutor):
     The command's network is its own and the proxy its one way out, but the proxy lets every host
     through."""
 
-    async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> str | None:
+    async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> EgressRoute | None:
         if not hasattr(self, "_any_host_socket"):
             listener, self._any_host_socket = await EgressProxy.listen()
             self._start_helper(_AnyHost(()).serve, listener)
-        return self._any_host_socket
+        return EgressRoute(socket=self._any_host_socket, key=None)
+
+
+class ProxyFilesWithoutKeys(LocalBashExecutor):
+    """Breaks: a command under a narrower policy cannot use a wider list's proxy.
+
+    Each list's proxy is behind a socket file (as for an SSH host's commands), without a key: a
+    command that finds another list's file by its name in a forwarder's command line goes through
+    it."""
+
+    async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> EgressRoute | None:
+        if not hasattr(self, "_keyless"):
+            self._keyless: dict[tuple[str, ...], str] = {}
+            self._keyless_dir = tempfile.mkdtemp(prefix="dsh-bash-broken-egress-")
+        if allow_hosts not in self._keyless:
+            listener, path = await EgressProxy.listen_at(self._keyless_dir)
+            self._start_helper(EgressProxy(allow_hosts).serve_clients, listener)
+            self._keyless[allow_hosts] = path
+        return EgressRoute(socket=self._keyless[allow_hosts], key=None)
+
+    async def _release(self) -> None:
+        await super()._release()
+        if hasattr(self, "_keyless_dir"):
+            shutil.rmtree(self._keyless_dir, ignore_errors=True)
 
 
 class LoopbackMeansNone(LocalBashExecutor):
@@ -2529,9 +2555,9 @@ class WideningAccepted(LocalBashExecutor):
 
     async def _confine_argv(
         self, spec: BashExecSpec, also_writable: tuple[str, ...]
-    ) -> tuple[str, ...] | None:
+    ) -> tuple[tuple[str, ...] | None, dict[str, str]]:
         if spec.policy is None:
             return await super()._confine_argv(spec, also_writable)
         options = confine_options(spec.policy, spec.workdir, also_writable=also_writable)
         prefix = self._confine_prefix()
-        return None if options is None or prefix is None else (*prefix, *options, "--")
+        return (None if options is None or prefix is None else (*prefix, *options, "--")), {}

@@ -83,7 +83,7 @@ CGROUP_CHECKS = frozenset({"policy-processes"})
 #: SSH through a socket file its server forwards, Docker through a socket file in a directory that a
 #: container of its own (image mode) on an engine on this host has mounted; an attached container
 #: and a remote engine's are refused (REFUSED_BY_TARGET).
-EGRESS_CHECKS = frozenset({"policy-network-allow-list"})
+EGRESS_CHECKS = frozenset({"policy-network-allow-list", "policy-allow-list-not-borrowed"})
 POLICY_NOT_YET: dict[str, frozenset[str]] = {
     "docker": CGROUP_CHECKS,
     "ssh": frozenset(),
@@ -110,7 +110,7 @@ KNOWN_RACING: dict[str, frozenset[str]] = {
 #: its network is not loopback only. Docker's attached container (``container`` mode) and a remote
 #: engine's have no mount of the egress proxies' directory.
 REFUSED_BY_TARGET: dict[str, frozenset[str]] = {
-    "ssh-container": frozenset({"policy-network-loopback", "policy-network-allow-list", "policy-processes"}),
+    "ssh-container": frozenset({"policy-network-loopback", "policy-processes"}) | EGRESS_CHECKS,
     "docker-container": EGRESS_CHECKS,
     "docker-remote": EGRESS_CHECKS,
 }
@@ -211,11 +211,13 @@ REMOTE_ENGINE_CHECKS: tuple[str, ...] = (
 #: busybox one: what changes is the userland the backend's scripts and the kit's commands meet.
 #: Checks that need a tool the busybox test image lacks (perl or python3): ``not_applicable`` there,
 #: run on the Debian image instead (they are in DEBIAN_CHECKS).
-BUSYBOX_NOT_APPLICABLE = frozenset({"terminal-injection-refused"})
+BUSYBOX_NOT_APPLICABLE = frozenset({"terminal-injection-refused", "policy-allow-list-not-borrowed"})
 
 DEBIAN_CHECKS: tuple[str, ...] = (
     # a terminal's input, pushed with perl's ioctl (TIOCSTI): refused by the supervisor's filter
     "terminal-injection-refused",
+    # another list's proxy, found and asked with python3: refused without its key
+    "policy-allow-list-not-borrowed",
     # the container's users, environment, rc files and directories
     "command-user",
     "env-default-scrub",

@@ -20,7 +20,7 @@ import anyio
 import anyio.abc
 import pytest
 
-from dsh_bash.backend import EgressProxy
+from dsh_bash.backend import EgressProxies, EgressProxy
 
 pytestmark = pytest.mark.anyio
 
@@ -168,10 +168,10 @@ async def test_what_a_forwarder_should_not_hand_over_is_closed_and_the_proxy_goe
     assert got.startswith(b"HTTP/1.1 200 Connection established\r\n\r\nhello\n"), got
 
 
-async def _ask_file(path: str, request: bytes) -> bytes:
+async def _ask_file(path: str, request: bytes, then: bytes = b"") -> bytes:
     """As an SSH server forwards a host's connection: one connection to the socket file per client."""
     async with await anyio.connect_unix(path) as stream:
-        return await _exchange(stream, request)
+        return await _exchange(stream, request, then)
 
 
 async def test_a_proxy_behind_a_socket_file_serves_each_connection_as_a_client() -> None:
@@ -268,3 +268,42 @@ async def test_past_its_connections_at_once_a_proxy_answers_503_until_one_ends()
     assert turned_away.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), turned_away
     assert b"more than 2 connections through it at once" in turned_away, turned_away
     assert served.startswith(b"HTTP/1.1 200 Connection established\r\n\r\nhello\n"), served
+
+
+async def test_a_keyed_proxy_serves_only_connections_that_begin_with_its_key() -> None:
+    """Behind a socket file (a name any of the user's processes may learn) a proxy has a key: the
+    step's relays send it and a newline first; a connection without it, or with another key, gets
+    403 and is not tunnelled, however its bytes are split; the request after a right key is served
+    even when it came in the key's own read."""
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as server:
+        port = server.extra(anyio.abc.SocketAttribute.local_port)
+
+        async def greet(stream: anyio.abc.SocketStream) -> None:
+            async with stream:
+                await stream.send(b"hello\n")
+
+        directory = tempfile.mkdtemp()
+        try:
+            request = f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\n\r\n".encode()
+            async with anyio.create_task_group() as tg:
+                proxies = EgressProxies(tg.start_soon)
+                tg.start_soon(server.serve, greet)
+                path, key = await proxies.in_directory((f"127.0.0.1:{port}",), directory)
+                again = await proxies.in_directory((f"127.0.0.1:{port}",), directory)
+                other = await proxies.in_directory(("127.0.0.1:1",), directory)
+                line = key.encode() + b"\n"
+                keyless = await _ask_file(path, request)
+                wrong = await _ask_file(path, other[1].encode() + b"\n" + request)
+                together = await _ask_file(path, line + request)
+                split = await _ask_file(path, line[:5], line[5:] + request)
+                tg.cancel_scope.cancel()
+        finally:
+            shutil.rmtree(directory)
+    assert again == (path, key) and other[0] != path and other[1] != key
+    assert len(key) == 32 and set(key) <= set("0123456789abcdef")
+    for refused in (keyless, wrong):
+        assert refused.startswith(b"HTTP/1.1 403 Forbidden\r\n"), refused
+        assert b"not from a command whose sandbox policy allows this list" in refused, refused
+        assert b"hello" not in refused
+    for served in (together, split):
+        assert served == b"HTTP/1.1 200 Connection established\r\n\r\nhello\n", served

@@ -140,6 +140,7 @@ CAUGHT_BY: list[Row] = [
         message_contains=("said kit-allowed', 'status HTTP/1.1 502",),
     ),
     Row("policy-network-allow-list", bb.NetworkIgnored, message_contains=("direct-reached",)),
+    Row("policy-allow-list-not-borrowed", bb.ProxyFilesWithoutKeys, message_contains=("reached unix '/",)),
     Row("task-cap-refused", bb.IgnoresTaskCap),
     Row("kill-running-task", bb.KillWaitsForEnd),
     Row("kill-ended-task-kills-leftovers", bb.KillOfEndedTaskNoop),

@@ -13,7 +13,14 @@ import pytest
 from dsh_bash_local import LocalBashExecutor, LocalConfig
 
 from dsh_bash import CommandLimits, ConfigError, PolicyWidened, SandboxPolicy
-from dsh_bash._policy import DEFAULT_DENY_READ, confine_options, host_allowed, narrowed
+from dsh_bash._policy import (
+    DEFAULT_DENY_READ,
+    PROXY_KEY_VAR,
+    EgressRoute,
+    confine_options,
+    host_allowed,
+    narrowed,
+)
 
 WORKSPACE = SandboxPolicy.workspace_write()
 
@@ -120,8 +127,14 @@ def test_an_allow_list_names_hosts_ports_and_subdomains_and_narrows_to_fewer() -
     assert not host_allowed(hosts, "pypi.org", 22) and not host_allowed(hosts, "evilpypi.org", 443)
     assert host_allowed(hosts, "api.github.com", 443) and not host_allowed(hosts, "github.com", 443)
     assert host_allowed(hosts, "10.0.0.5", 8080) and not host_allowed(hosts, "10.0.0.5", 443)
-    assert confine_options(policy, "/w", proxy_socket="@p") == (
+    assert confine_options(policy, "/w", proxy=EgressRoute(socket="@p", key=None)) == (
         "--write", "/", "--network", "allow-list", "--proxy", "@p"
+    )  # fmt: skip
+    # A socket file's key: the step takes it from the command's environment, never an argument.
+    keyed = EgressRoute(socket="/e/x.sock", key="ab" * 16)
+    assert confine_options(policy, "/w", proxy=keyed) == (
+        "--write", "/", "--network", "allow-list", "--proxy", "/e/x.sock",
+        "--proxy-key-env", PROXY_KEY_VAR,
     )  # fmt: skip
     with pytest.raises(ValueError, match="egress proxy"):
         confine_options(policy, "/w")

@@ -752,7 +752,7 @@ def test_self_fd_goes_with_a_commands_supervisor_only(args: list[str], said: str
 
 def test_version() -> None:
     done = subprocess.run([SUPERVISE, "--version"], capture_output=True, text=True, timeout=10, check=True)
-    assert done.stdout == "dsh-supervise 12\n"
+    assert done.stdout == "dsh-supervise 13\n"
     assert done.stdout == f"dsh-supervise {PROTOCOL_VERSION}\n"  # what the backends expect of it
 
 

@@ -5,9 +5,12 @@ rules hold for root too."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -530,3 +533,125 @@ while True:
 def test_allow_list_and_its_proxy_go_together(options: list[str]) -> None:
     done = _run([BINARY, "--confine", "--write", "/", *options, "--", "echo", "ran"])
     assert done.returncode == 125 and "go together" in done.stderr and done.stdout == "", done
+
+
+# -- the proxy's key (protocol 13): a confined command cannot use another list's socket file ---------
+
+#: One connection to the socket file: prints what came before the first request byte (the relay's
+#: key line), then answers "ok".
+_KEY_SERVER = """
+import socket, sys
+listener = socket.socket(socket.AF_UNIX)
+listener.bind(sys.argv[1])
+listener.listen()
+print("listening", flush=True)
+conn, _ = listener.accept()
+seen = b""
+while not seen.endswith(b"REQUEST"):
+    got = conn.recv(65536)
+    if not got:
+        break
+    seen += got
+print(repr(seen), flush=True)
+conn.sendall(b"ok")
+conn.close()
+"""
+
+#: In the command's network, through the forwarder: whether the key is in its environment, a
+#: request, and whether the forwarder's initial environment (which held the key) can be read.
+_SEND_REQUEST = """
+import os, socket
+print("key in environment" if "DSH_TEST_KEY" in os.environ else "no key in environment")
+s = socket.create_connection(("127.0.0.1", 3128))
+s.sendall(b"REQUEST")
+print(s.recv(100).decode())
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        continue
+    if b"--proxy-key-env" in cmdline and int(pid) != os.getpid():
+        try:
+            open(f"/proc/{pid}/environ", "rb").read()
+            print("forwarder readable")
+        except OSError as exc:
+            print("forwarder unreadable", exc.errno)
+"""
+
+
+def test_each_relay_sends_the_proxy_key_first_and_the_command_never_has_it(tmp_path: Path) -> None:
+    """--proxy-key-env NAME: the key is taken out of the environment (the command never sees it)
+    and sent with a newline before the first byte of each relayed connection; the forwarder's initial
+    environment (which /proc shows, a copy of the step's) has it zeroed."""
+    key = "0123456789abcdef" * 2
+    path = str(tmp_path / "egress.sock")
+    server = subprocess.Popen([sys.executable, "-c", _KEY_SERVER, path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None and server.stdout.readline() == "listening\n"
+        argv = [BINARY, "--confine", "--write", "/", "--network", "allow-list", "--proxy", path]
+        argv += ["--proxy-key-env", "DSH_TEST_KEY", "--", sys.executable, "-c", _SEND_REQUEST]
+        env = {**os.environ, "DSH_TEST_KEY": key}
+        # The command waits on its stdin until this process has looked at its forwarder's initial
+        # environment (as root: whatever the forwarder's dumpability) for the key's bytes.
+        step = subprocess.Popen(
+            [*argv[:-1], "import sys; sys.stdin.readline()\n" + _SEND_REQUEST],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        forwarders_environ: list[bytes] = []
+        deadline = time.monotonic() + 10
+        while not forwarders_environ and time.monotonic() < deadline:
+            time.sleep(0.05)
+            for pid, _, _ in scan_cmdlines([b"--proxy-key-env"]):
+                if pid != step.pid:
+                    with contextlib.suppress(OSError):
+                        entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                        named = [entry for entry in entries if entry.startswith(b"DSH_TEST_KEY=")]
+                        forwarders_environ += [entry.removeprefix(b"DSH_TEST_KEY=") for entry in named]
+        out, err = step.communicate("go\n", timeout=30)
+        done = subprocess.CompletedProcess(argv, step.returncode, out, err)
+        lines = done.stdout.splitlines()
+        assert lines[:2] == ["no key in environment", "ok"], done.stderr
+        assert forwarders_environ == [b""], forwarders_environ
+        # The forwarder and a relay still ending: root of its own user namespace here, the command
+        # holds no capability over their memory, which belongs to the first namespace.
+        assert lines[2:] and set(lines[2:]) == {f"forwarder unreadable {errno.EACCES}"}, done.stdout
+        assert server.stdout.readline() == repr(f"{key}\nREQUEST".encode()) + "\n"
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        (None, "the environment has no such variable"),
+        ("short", "not a key"),
+        ("0123456789ABCDEF0123", "not a key"),  # lowercase only
+        ("0123456789abcdef" * 9, "not a key"),  # 144 digits
+        ("", "not a key"),
+    ],
+)
+def test_a_key_that_is_missing_or_no_key_runs_nothing(tmp_path: Path, value: str | None, said: str) -> None:
+    path = tmp_path / "egress.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    env = {name: v for name, v in os.environ.items() if name != "DSH_TEST_KEY"}
+    if value is not None:
+        env["DSH_TEST_KEY"] = value
+    try:
+        argv = [BINARY, "--confine", "--write", "/", "--network", "allow-list", "--proxy", str(path)]
+        argv += ["--proxy-key-env", "DSH_TEST_KEY", "--", "echo", "ran"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=env, check=False)
+    finally:
+        listener.close()
+    assert done.returncode == 125 and done.stdout == "" and said in done.stderr, done
+
+
+def test_a_key_goes_only_with_a_proxy_file() -> None:
+    argv = [BINARY, "--confine", "--write", "/", "--network", "allow-list", "--proxy", "@abstract"]
+    done = _run([*argv, "--proxy-key-env", "DSH_TEST_KEY", "--", "echo", "ran"])
+    assert done.returncode == 125 and "goes with --proxy PATH" in done.stderr and done.stdout == "", done

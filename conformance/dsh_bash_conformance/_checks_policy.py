@@ -5,6 +5,7 @@ where it runs whatever the command does. A target that cannot apply a policy ref
 from __future__ import annotations
 
 import secrets
+import shlex
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -24,7 +25,7 @@ from dsh_bash import (
 )
 
 from ._harness import CheckContext, check
-from ._support import expect_raises, expect_raises_sync, show
+from ._support import SETUP_S, expect_raises, expect_raises_sync, show, show_task
 
 #: Nothing writable but the working directory (and what a request adds): not /tmp, where the kit's
 #: trees are.
@@ -311,6 +312,121 @@ async def policy_network_allow_list(ctx: CheckContext) -> None:
         lines = result.stdout.text.splitlines()
         said = f"{what}; then past the proxy: {lines}, stderr {result.stderr.text[-300:]!r}"
         ctx.expect(lines == expected, said)
+
+
+#: Where a command looks for other lists' proxies: every ``--proxy`` in the command lines of the
+#: processes it can see (a forwarder keeps its step's), every TCP listener on loopback in its network
+#: (another command's forwarder, where commands share a network), and any key in an environment it
+#: can read; it asks each way for its first argument through a CONNECT. Prints ``found N``, then
+#: ``key-seen PID`` or ``reached WHERE`` for each way that worked.
+_BORROW_PROXY = r"""
+import os, socket, sys
+target = sys.argv[1]
+ways = set()
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        args = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+    except OSError:
+        continue
+    for flag, value in zip(args, args[1:]):
+        if flag == b"--proxy":
+            value = value.decode("utf-8", "replace")
+            ways.add(("unix", "\0" + value[1:] if value.startswith("@") else value))
+    try:
+        if b"DSH_BASH_PROXY_KEY=" in open(f"/proc/{pid}/environ", "rb").read():
+            print("key-seen", pid)
+    except OSError:
+        pass
+try:
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        fields = line.split()
+        address, port = fields[1].split(":")
+        if fields[3] == "0A" and address in ("0100007F", "00000000"):
+            ways.add(("tcp", int(port, 16)))
+except OSError:
+    pass
+print("found", len(ways))
+for kind, where in sorted(ways, key=repr):
+    s = socket.socket(socket.AF_UNIX if kind == "unix" else socket.AF_INET)
+    s.settimeout(5)
+    try:
+        s.connect(where if kind == "unix" else ("127.0.0.1", where))
+        s.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+        got = b""
+        while b"kit-allowed" not in got:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+        if b"kit-allowed" in got:
+            print("reached", kind, repr(where))
+    except OSError:
+        pass
+    finally:
+        s.close()
+"""
+
+
+@check(
+    "policy-allow-list-not-borrowed",
+    kind="contract",
+    clause="R-policy-network",
+    rule="A command under a narrower network rule than another command's (a request's shorter "
+    "allow-list, or loopback) cannot use that command's allow-list, even when it finds the way to "
+    "its proxy (a socket's name in a process's command line, another command's forwarder in a network "
+    "they share): it reaches no host of the other list, and no process's environment it can read "
+    "holds a proxy's key.",
+)
+async def policy_allow_list_not_borrowed(ctx: CheckContext) -> None:
+    async def answer(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            await stream.send(b"kit-allowed\n")
+
+    async with (
+        await anyio.create_tcp_listener(local_host="127.0.0.1") as first,
+        await anyio.create_tcp_listener(local_host="127.0.0.1") as second,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(first.serve, answer)
+        tg.start_soon(second.serve, answer)
+        a, b = (f"127.0.0.1:{each.extra(anyio.abc.SocketAttribute.local_port)}" for each in (first, second))
+        policy = SandboxPolicy(network="allow-list", allow_hosts=(a, b))
+        narrower = SandboxPolicy(network="allow-list", allow_hosts=(a,))
+        loopback = SandboxPolicy(network="loopback")
+        probe = (
+            "command -v python3 >/dev/null || { echo no-python3; exit; }\n"
+            f"exec python3 -c {shlex.quote(_BORROW_PROXY)} {b}"
+        )
+        try:
+            async with ctx.executor(policy=policy) as ex:
+                # A command of the whole list that stays: its forwarder, with its step's command
+                # line, is there while the others look.
+                holder = await ex.start(ex.resolve(BashExecRequest(command="echo up; exec sleep 60")))
+                deadline = anyio.current_time() + SETUP_S
+                while "up" not in (await ex.read_output(holder.id)).delta:
+                    if anyio.current_time() > deadline:
+                        ctx.fail(f"the holding command never said it was up: {show_task(holder)}")
+                    await anyio.sleep(0.05)
+                done: list[BashRunResult] | BashInfrastructureError = [
+                    await ex.exec(probe, policy=narrower),
+                    await ex.exec(probe, policy=loopback),
+                ]
+                await ex.kill(holder.id)
+        except BashInfrastructureError as exc:
+            done = exc
+        tg.cancel_scope.cancel()
+    if isinstance(done, BashInfrastructureError):
+        if done.reason == "policy_unenforceable":
+            ctx.not_applicable(f"the target cannot apply a network allow-list: {done}")
+        raise done
+    if any(result.stdout.text.startswith("no-python3") for result in done):
+        ctx.not_applicable("needs python3 where commands run, to look for and talk to the proxies")
+    for result, what in ((done[0], f"under a request's narrower list ({a})"), (done[1], "under loopback")):
+        lines = result.stdout.text.splitlines()
+        borrowed = [line for line in lines if line.startswith(("reached ", "key-seen "))]
+        said = f"{what}, asking for {b} of the executor's list: {lines}, stderr {result.stderr.text[-300:]!r}"
+        ctx.expect(result.exit_code == 0 and lines[:1] != [] and lines[0].startswith("found "), said)
+        ctx.expect(borrowed == [], said)
 
 
 @check(

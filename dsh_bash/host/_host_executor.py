@@ -30,7 +30,7 @@ from .._config import BudgetConfig
 from .._egress import EgressProxies
 from .._errors import BashInfrastructureError
 from .._output import SpillFile
-from .._policy import ConfinementProbe
+from .._policy import ConfinementProbe, EgressRoute
 from .._protocol import (
     CommandProcess,
     Containment,
@@ -235,10 +235,10 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         choose_containment(config.containment, path, why, type(self).__name__)
         self._supervisor_path = path if server is not None else None
 
-    async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> str | None:
+    async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> EgressRoute | None:
         # In this process's network namespace (the host's): the commands' forwarders connect
-        # before they leave it.
-        return await self._egress.abstract(allow_hosts)
+        # before they leave it, and nothing in a command's own network reaches it: no key.
+        return EgressRoute(socket=await self._egress.abstract(allow_hosts), key=None)
 
     async def _release(self) -> None:
         self._channels.close()

@@ -27,6 +27,7 @@ from dsh_bash.backend import (
     ConfinementProbe,
     Containment,
     EgressProxies,
+    EgressRoute,
     InfraReason,
     Killable,
     Launch,
@@ -311,13 +312,13 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             os.chmod(self._egress_dir, 0o711)
         return self._egress_dir
 
-    async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> str | None:
+    async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> EgressRoute | None:
         # Only a container of the executor's own has the directory mounted (image mode, an engine on
         # this host: a remote engine would mount its own host's directory of that name).
         if self._egress_dir is None:
             return None
-        path = await self._egress.in_directory(allow_hosts, self._egress_dir, mode=0o666)
-        return f"{EGRESS_MOUNT}/{os.path.basename(path)}"
+        path, key = await self._egress.in_directory(allow_hosts, self._egress_dir, mode=0o666)
+        return EgressRoute(socket=f"{EGRESS_MOUNT}/{os.path.basename(path)}", key=key)
 
     async def _still_running(self) -> bool:
         """Whether the executor's container runs (False when the engine cannot say)."""

@@ -5,8 +5,11 @@ unix socket file in a private local directory. On the host, a socket file in the
 directory is forwarded to it by the server (``streamlocal-forward@openssh.com``, which OpenSSH's
 ``AllowStreamLocalForwarding`` allows by default), one connection at a time; the confinement step's
 ``--proxy PATH`` names that file, and its forwarder relays each of the command's connections
-through it. The server makes the file 0600 (``StreamLocalBindMask``): other users of the host
-cannot use the proxy. A reconnect loses the forwarding: the next command forwards a new file.
+through it, each after the proxy's key (which the step takes from the command's environment, where
+the header on the channel's stdin put it: ``--proxy-key-env``), without which the proxy refuses a
+connection: a confined command that finds another list's file cannot use it. The server makes the
+file 0600 (``StreamLocalBindMask``): other users of the host cannot use the proxy. A reconnect
+loses the forwarding: the next command forwards a new file.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Callable
 import anyio
 import asyncssh
 
-from dsh_bash.backend import EgressProxies
+from dsh_bash.backend import EgressProxies, EgressRoute
 
 from ._connection import ChannelPool
 
@@ -41,12 +44,12 @@ class RemoteEgress:
         self._lock = anyio.Lock()
         self._directory: str | None = None
         #: The forwarded file on the host, by allow-list, and the connection that forwards it.
-        self._remote: dict[tuple[str, ...], tuple[asyncssh.SSHClientConnection, str]] = {}
+        self._remote: dict[tuple[str, ...], tuple[asyncssh.SSHClientConnection, EgressRoute]] = {}
 
-    async def socket(self, allow_hosts: tuple[str, ...], remote_directory: str) -> str | None:
+    async def socket(self, allow_hosts: tuple[str, ...], remote_directory: str) -> EgressRoute | None:
         """The host's socket file that leads to the proxy for ``allow_hosts`` (started at the first
-        call for a list, forwarded again after a reconnect); None when the server refuses to forward
-        one (the reason is logged)."""
+        call for a list, forwarded again after a reconnect), with the proxy's key; None when the
+        server refuses to forward one (the reason is logged)."""
         async with self._lock:
             conn = await self._pool.connection()
             held = self._remote.get(allow_hosts)
@@ -63,7 +66,7 @@ class RemoteEgress:
             if self._directory is None:
                 self._directory = tempfile.mkdtemp(prefix="dsh-bash-egress-")
             # 0600 in a 0700 directory: only this process's user (asyncssh, forwarding) connects.
-            local = await self._proxies.in_directory(allow_hosts, self._directory)
+            local, key = await self._proxies.in_directory(allow_hosts, self._directory)
             try:
                 await conn.forward_remote_path(remote, local)
             except (asyncssh.ChannelListenError, asyncssh.Error, OSError) as exc:
@@ -74,8 +77,9 @@ class RemoteEgress:
                     exc,
                 )
                 return None
-            self._remote[allow_hosts] = (conn, remote)
-            return remote
+            route = EgressRoute(socket=remote, key=key)
+            self._remote[allow_hosts] = (conn, route)
+            return route
 
     def close(self) -> None:
         """Remove the local socket files (their listeners end with the executor's helpers)."""

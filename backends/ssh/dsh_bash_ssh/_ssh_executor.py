@@ -22,6 +22,7 @@ from dsh_bash.backend import (
     CommandProcess,
     ConfinementProbe,
     Containment,
+    EgressRoute,
     InfraReason,
     Killable,
     Launch,
@@ -345,7 +346,7 @@ class SshBashExecutor(BashExecutor[SshConfig]):
         # file BOOT checked, never one a command of the login replaced since.
         return None if self._supervisor is None else list(CONFINE_FROM_SUPERVISOR)
 
-    async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> str | None:
+    async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> EgressRoute | None:
         if not self._spill_dir.startswith("/"):
             return None
         return await self._egress.socket(allow_hosts, self._spill_dir)

@@ -33,7 +33,7 @@ __all__ = [
 #: The architectures a binary is built for, named as ``uname -m`` names them on Linux.
 ARCHITECTURES = ("x86_64", "aarch64")
 #: What ``dsh-supervise --version`` prints after its name.
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 _DIR = Path(__file__).resolve().parent
 _ALIASES = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}
