@@ -7,7 +7,7 @@ socket file, to which an SSH server forwards each connection that the forwarder 
 ``allow_hosts`` only; anything else gets a status and a line the model can read. One proxy serves
 one allow-list; the executor runs it in its task group (:meth:`EgressProxy.serve`,
 :meth:`EgressProxy.serve_clients`). Behind a socket file it has a key: a connection must begin with
-it and a newline (the step's relays send it, read from ``--proxy-key FILE``), so that a confined
+it and a newline (the step's relays send it, taken from ``--proxy-key-env``), so that a confined
 command that learns another list's file name cannot use that list (``docs/design/policy.md``)."""
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ class EgressProxy:
 
 
 def new_key() -> str:
-    """A fresh key for a proxy behind a socket file (32 hex digits: the step's ``--proxy-key``
+    """A fresh key for a proxy behind a socket file (32 hex digits: the step's ``--proxy-key-env``
     takes 16 to 128)."""
     return secrets.token_hex(16)
 
