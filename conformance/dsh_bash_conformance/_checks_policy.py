@@ -263,6 +263,43 @@ for each in "$@"; do ask "$each"; done
 echo x > /dev/udp/198.51.100.1/9 && echo outside
 """
 _ALLOWED = ["status HTTP/1.1 200 Connection established", "said kit-allowed"]
+
+
+def _ran_or_refused(
+    ctx: CheckContext, done: list[BashRunResult] | BashInfrastructureError
+) -> list[BashRunResult]:
+    """The results; N/A where the target refused the allow-list (``policy_unenforceable``)."""
+    if isinstance(done, BashInfrastructureError):
+        if done.reason == "policy_unenforceable":
+            ctx.not_applicable(f"the target cannot apply a network allow-list: {done}")
+        raise done
+    return done
+
+
+@asynccontextmanager
+async def _allowed_hosts() -> AsyncIterator[tuple[str, str]]:
+    """The allowed hosts: two servers of the kit's on this machine (where a backend that can run the
+    proxy here serves it) that say ``kit-allowed``, as ``host:port``; stopped afterwards. Port 1 is
+    in no list. The body catches what it expects: an exception out of it would come wrapped in the
+    servers' task group's exception group."""
+
+    async def answer(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            await stream.send(b"kit-allowed\n")
+
+    async with (
+        await anyio.create_tcp_listener(local_host="127.0.0.1") as first,
+        await anyio.create_tcp_listener(local_host="127.0.0.1") as second,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(first.serve, answer)
+        tg.start_soon(second.serve, answer)
+        ports = (each.extra(anyio.abc.SocketAttribute.local_port) for each in (first, second))
+        a, b = (f"127.0.0.1:{port}" for port in ports)
+        yield a, b
+        tg.cancel_scope.cancel()
+
+
 _REFUSED = ["status HTTP/1.1 403 Forbidden"]
 
 
@@ -275,24 +312,10 @@ _REFUSED = ["status HTTP/1.1 403 Forbidden"]
     "one cannot be reached past it; a request's narrower list holds as well.",
 )
 async def policy_network_allow_list(ctx: CheckContext) -> None:
-    async def answer(stream: anyio.abc.SocketStream) -> None:
-        async with stream:
-            await stream.send(b"kit-allowed\n")
-
-    # The allowed hosts: servers of the kit's, on this machine (where a backend that can run the
-    # proxy here serves it). Port 1 is in no list.
-    async with (
-        await anyio.create_tcp_listener(local_host="127.0.0.1") as first,
-        await anyio.create_tcp_listener(local_host="127.0.0.1") as second,
-        anyio.create_task_group() as tg,
-    ):
-        tg.start_soon(first.serve, answer)
-        tg.start_soon(second.serve, answer)
-        a, b = (f"127.0.0.1:{each.extra(anyio.abc.SocketAttribute.local_port)}" for each in (first, second))
+    async with _allowed_hosts() as (a, b):
         policy = SandboxPolicy(network="allow-list", allow_hosts=(a, b))
         narrower = SandboxPolicy(network="allow-list", allow_hosts=(a,))
-        # A refusal is taken out of the task group first (which would wrap it in a group).
-        try:
+        try:  # a refusal is taken out of the servers' task group first
             async with ctx.executor(policy=policy) as ex:
                 done: list[BashRunResult] | BashInfrastructureError = [
                     await ex.exec(f"set -- {a} 127.0.0.1:1 {b}\n{_THROUGH_PROXY}"),
@@ -300,11 +323,7 @@ async def policy_network_allow_list(ctx: CheckContext) -> None:
                 ]
         except BashInfrastructureError as exc:
             done = exc
-        tg.cancel_scope.cancel()
-    if isinstance(done, BashInfrastructureError):
-        if done.reason == "policy_unenforceable":
-            ctx.not_applicable(f"the target cannot apply a network allow-list: {done}")
-        raise done
+    done = _ran_or_refused(ctx, done)
     for result, expected, what in (
         (done[0], [*_ALLOWED, *_REFUSED, *_ALLOWED], f"the executor's list ({a}, {b}): to {a}, port 1, {b}"),
         (done[1], _REFUSED, f"a request's narrower list ({a}): to {b}"),
@@ -378,18 +397,7 @@ for kind, where in sorted(ways, key=repr):
     "holds a proxy's key.",
 )
 async def policy_allow_list_not_borrowed(ctx: CheckContext) -> None:
-    async def answer(stream: anyio.abc.SocketStream) -> None:
-        async with stream:
-            await stream.send(b"kit-allowed\n")
-
-    async with (
-        await anyio.create_tcp_listener(local_host="127.0.0.1") as first,
-        await anyio.create_tcp_listener(local_host="127.0.0.1") as second,
-        anyio.create_task_group() as tg,
-    ):
-        tg.start_soon(first.serve, answer)
-        tg.start_soon(second.serve, answer)
-        a, b = (f"127.0.0.1:{each.extra(anyio.abc.SocketAttribute.local_port)}" for each in (first, second))
+    async with _allowed_hosts() as (a, b):
         policy = SandboxPolicy(network="allow-list", allow_hosts=(a, b))
         narrower = SandboxPolicy(network="allow-list", allow_hosts=(a,))
         loopback = SandboxPolicy(network="loopback")
@@ -402,11 +410,12 @@ async def policy_allow_list_not_borrowed(ctx: CheckContext) -> None:
                 # A command of the whole list that stays: its forwarder, with its step's command
                 # line, is there while the others look.
                 holder = await ex.start(ex.resolve(BashExecRequest(command="echo up; exec sleep 60")))
-                deadline = anyio.current_time() + SETUP_S
-                while "up" not in (await ex.read_output(holder.id)).delta:
-                    if anyio.current_time() > deadline:
-                        ctx.fail(f"the holding command never said it was up: {show_task(holder)}")
-                    await anyio.sleep(0.05)
+                said = ""
+                with anyio.move_on_after(SETUP_S):
+                    while "up" not in said:
+                        said += (await ex.read_output(holder.id)).delta
+                        await anyio.sleep(0.05)
+                held = f"said {said!r}, {show_task(holder)}"
                 done: list[BashRunResult] | BashInfrastructureError = [
                     await ex.exec(probe, policy=narrower),
                     await ex.exec(probe, policy=loopback),
@@ -414,13 +423,12 @@ async def policy_allow_list_not_borrowed(ctx: CheckContext) -> None:
                 await ex.kill(holder.id)
         except BashInfrastructureError as exc:
             done = exc
-        tg.cancel_scope.cancel()
-    if isinstance(done, BashInfrastructureError):
-        if done.reason == "policy_unenforceable":
-            ctx.not_applicable(f"the target cannot apply a network allow-list: {done}")
-        raise done
+    done = _ran_or_refused(ctx, done)
     if any(result.stdout.text.startswith("no-python3") for result in done):
         ctx.not_applicable("needs python3 where commands run, to look for and talk to the proxies")
+    ctx.expect(
+        "up" in held and "status='running'" in held, f"the command of the whole list was not up: {held}"
+    )
     for result, what in ((done[0], f"under a request's narrower list ({a})"), (done[1], "under loopback")):
         lines = result.stdout.text.splitlines()
         borrowed = [line for line in lines if line.startswith(("reached ", "key-seen "))]
