@@ -79,6 +79,8 @@ QUICK_LEAVES_OUT = {
     "test_inspect_provider.py": "inspect_ai's own self-check and an offline eval, through the provider",
     "test_cli_catches_broken.py": "a sample of the broken-backend table, through `dsh-bash conformance`",
 }
+#: Files of the suite's longest tests (30-90 s each under a whole run's load): started first.
+LONG_FIRST = frozenset({"test_wheel.py", "test_conformance_ssh_container.py"})
 #: The markers of tests that need more than this machine's Python and bash, or build more than a
 #: commit's check should (``wheel``: the wheel and a venv to install it in).
 _NOT_QUICK_MARKERS = ("docker", "ssh", "faults", "wheel")
@@ -106,8 +108,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # hands each worker a contiguous block of the list, so the first worker takes them all at the
     # start and keeps its turn from one to the next, and the others wait once, behind their first
     # tests. Where they fell before, each of them waited for the tests under way on the other
-    # workers to end, the two-minute ones among them.
-    items.sort(key=lambda item: not _serial(item))
+    # workers to end, the two-minute ones among them. The longest tests follow them: the first
+    # worker runs them while the others take the rest of its block from its end (a late long test
+    # is a run's tail, three workers idle behind it).
+    items.sort(key=lambda item: (not _serial(item), item.path.name not in LONG_FIRST))
 
 
 # -- tests that run alone ----------------------------------------------------------------------------
