@@ -49,7 +49,15 @@ from ._output import (
     StreamName,
     merge_streams,
 )
-from ._policy import PROXY_KEY_VAR, ConfinementProbe, EgressRoute, SandboxPolicy, confine_options, narrowed
+from ._policy import (
+    PROXY_KEY_VAR,
+    ConfinementProbe,
+    EgressRoute,
+    SandboxPolicy,
+    confine_options,
+    narrowed,
+    step_variables,
+)
 from ._protocol import (
     MARKER_VAR,
     UNKNOWN_PREFIX,
@@ -1450,12 +1458,17 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
                     # The request's workdir held for this command alone, as its env does: a command
                     # that did not leave it leaves the session's directory as it was.
                     captured = dataclasses.replace(captured, cwd=command.session_start.cwd)
+                # What the allow-list's step set held for this command alone, as the request's env
+                # does (a later command of the session may run under another rule), unless the
+                # command changed it itself; and the step took the proxy's key out itself.
+                confine = command.launch.confine or ()
+                by_step = step_variables(captured.env) if "allow-list" in confine else {}
                 session.state = state_after(
                     captured,
-                    command.launch.env,
+                    {**command.launch.env, **by_step},
                     previous=command.session_start,
-                    explicit=spec.env or (),
-                    scrub=(*config.env_scrub, MARKER_VAR),
+                    explicit=(*(spec.env or ()), *by_step),
+                    scrub=(*config.env_scrub, MARKER_VAR, PROXY_KEY_VAR),
                     allow=config.env_allow,
                 )
         return SessionReport.model_construct(id=spec.session, cwd=session.state.cwd, kept_previous=kept)

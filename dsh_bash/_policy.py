@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import posixpath
 import re
+from collections.abc import Mapping
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
@@ -23,6 +24,7 @@ __all__ = [
     "confine_options",
     "host_allowed",
     "narrowed",
+    "step_variables",
 ]
 
 #: Never readable under the ``workspace-write`` preset: the credentials a steered command would go
@@ -94,6 +96,22 @@ class _Frozen(BaseModel):
 #: The variable of the command's environment that carries its proxy's key to the step (which takes
 #: it out before the command runs: ``dsh-supervise --confine --proxy-key-env``).
 PROXY_KEY_VAR = "DSH_BASH_PROXY_KEY"
+
+
+#: What the allow-list's step sets in the command's environment (``dsh-supervise --confine``,
+#: ``set_proxy_variables``): each of these names the forwarder on loopback...
+_STEP_PROXY_NAMES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
+_STEP_PROXY_URL = re.compile(r"http://127\.0\.0\.1:[0-9]{1,5}\Z")
+#: ... and these leave the command's own loopback out of the proxy.
+_STEP_NO_PROXY = {"NO_PROXY": "localhost,127.0.0.1,::1", "no_proxy": "localhost,127.0.0.1,::1"}
+
+
+def step_variables(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``env`` (a command's, as it ended) that hold what the allow-list's step set
+    in them: a session does not take them for the command's own changes."""
+    found = {name: env[name] for name in _STEP_PROXY_NAMES if _STEP_PROXY_URL.match(env.get(name, ""))}
+    found.update({name: value for name, value in _STEP_NO_PROXY.items() if env.get(name) == value})
+    return found
 
 
 class EgressRoute(_Frozen):

@@ -20,6 +20,7 @@ from dsh_bash._policy import (
     confine_options,
     host_allowed,
     narrowed,
+    step_variables,
 )
 
 WORKSPACE = SandboxPolicy.workspace_write()
@@ -168,3 +169,20 @@ async def test_workspace_write_with_root_writable_is_said_once(
     said = [r.getMessage() for r in caplog.records if "confines no writes" in r.getMessage()]
     assert quiet == [] and len(said) == 1, said
     assert "with / writable (the working directory)" in said[0]
+
+
+def test_what_the_allow_list_step_sets_is_told_apart_from_a_commands_own_values() -> None:
+    ended = {
+        "HTTPS_PROXY": "http://127.0.0.1:3128",
+        "http_proxy": "http://127.0.0.1:40211",
+        "ALL_PROXY": "http://corp.example:8080",  # the command's own
+        "NO_PROXY": "localhost,127.0.0.1,::1",
+        "no_proxy": "localhost,example.org",  # the command's own
+        "HTTP_PROXY": "http://127.0.0.1:3128/",  # not the step's form
+    }
+    assert step_variables(ended) == {
+        "HTTPS_PROXY": "http://127.0.0.1:3128",
+        "http_proxy": "http://127.0.0.1:40211",
+        "NO_PROXY": "localhost,127.0.0.1,::1",
+    }
+    assert step_variables({}) == {}

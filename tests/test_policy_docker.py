@@ -12,7 +12,8 @@ from docker_support import docker_config
 from dsh_bash_docker import DockerBashExecutor
 from dsh_bash_docker._docker_executor import EGRESS_MOUNT
 
-from dsh_bash import BashInfrastructureError, SandboxPolicy
+from dsh_bash import BashExecRequest, BashInfrastructureError, SandboxPolicy
+from dsh_bash.backend import PROXY_KEY_VAR
 
 pytestmark = [pytest.mark.docker, pytest.mark.anyio, pytest.mark.timeout(90)]
 
@@ -62,3 +63,27 @@ async def test_the_egress_directory_is_mounted_read_only_and_removed_at_close(do
     assert looked.stdout.text == "done\n", looked
     assert confined.stdout.text.startswith("HTTP/1.1 403 Forbidden"), confined
     assert not os.path.exists(egress_dir)
+
+
+async def test_a_session_keeps_nothing_of_what_the_allow_list_step_set(docker_test_image: str) -> None:
+    """The session compares what a command ends with against what it started with. The allow-list's
+    step takes the proxy's key out of the environment and sets the proxy variables to its forwarder:
+    neither is the command's change (the next command of the session may run under another rule, or
+    in it the key's name would be replayed as unset), unless the command changed a variable itself."""
+    policy = SandboxPolicy(network="allow-list", allow_hosts=("127.0.0.1:1",))
+    async with DockerBashExecutor(docker_config(docker_test_image)) as ex:
+        session = ex.session()
+        states = []
+        for command in ("export KEPT=1", "export NO_PROXY=corp.example"):
+            done = await ex.run(ex.resolve(BashExecRequest(command=command, session=session, policy=policy)))
+            assert done.exit_code == 0 and done.session is not None and not done.session.kept_previous, done
+            states.append(ex._session_for(session, None).state)
+        after = await ex.exec("echo ${HTTPS_PROXY-unset} $NO_PROXY", session=session)
+    ambient = {"HOME", "HOSTNAME"}  # the image's, which the container's commands start with
+    assert {k: v for k, v in states[0].env.items() if k not in ambient} == {"KEPT": "1"}, states[0]
+    assert {k: v for k, v in states[1].env.items() if k not in ambient} == {
+        "KEPT": "1",
+        "NO_PROXY": "corp.example",
+    }, states[1]
+    assert all(PROXY_KEY_VAR not in state.unset for state in states), states
+    assert after.stdout.text == "unset corp.example\n", after
