@@ -165,16 +165,38 @@ def build_test_image() -> str:
             client.close()
 
 
+#: A directory of this host that each idle container has mounted (read-only, at
+#: ``EGRESS_TEST_MOUNT``), by container id: container mode's ``egress_directory``, for the network
+#: allow-list. All of them beneath one directory of the session's, removed at its end.
+EGRESS_DIRECTORIES: dict[str, str] = {}
+EGRESS_TEST_MOUNT = "/run/dsh-test-egress"
+_egress_root: list[str] = []
+
+
+def _egress_directory() -> str:
+    if not _egress_root:
+        _egress_root.append(tempfile.mkdtemp(prefix="dsh-test-egress-"))
+        os.chmod(_egress_root[0], 0o711)
+    directory = tempfile.mkdtemp(dir=_egress_root[0])
+    os.chmod(directory, 0o711)  # the container's users reach a file by its name, and list none
+    return directory
+
+
 def start_idle_container(image: str, environment: Mapping[str, str] | None = None) -> DockerContainer:
-    """Start a long-lived container of ``image`` with testcontainers (tini as PID 1, no network)."""
+    """Start a long-lived container of ``image`` with testcontainers (tini as PID 1, no network), with
+    a directory of its own mounted for the network allow-list (:data:`EGRESS_DIRECTORIES`)."""
     from testcontainers.core.container import DockerContainer  # noqa: PLC0415
 
+    egress = _egress_directory()
     container = (
         DockerContainer(image, env=dict(environment or {}))
         .with_command(IDLE_COMMAND)
+        .with_volume_mapping(egress, EGRESS_TEST_MOUNT, "ro")
         .with_kwargs(init=True, network="none", labels={SESSION_LABEL: SESSION_ID})
     )
-    return container.start()
+    started = container.start()
+    EGRESS_DIRECTORIES[started.get_container_id()] = egress
+    return started
 
 
 def remove_session_containers() -> list[str]:
@@ -333,10 +355,13 @@ def docker_target(
     def make_container_executor(**overrides: Any) -> DockerBashExecutor:
         with current_lock:
             target_container = current[-1]
+        # A container started here has a directory mounted for the allow-list's proxies (one on a
+        # remote engine, started by ``start_container``, has none: the allow-list is refused there).
+        egress = {} if connection else {"egress_directory": EGRESS_DIRECTORIES.get(target_container)}
         return DockerBashExecutor(
             DockerConfig(
                 container=target_container,
-                **{"containment": containment, **(connection or {}), **overrides},
+                **{"containment": containment, **egress, **(connection or {}), **overrides},
             )
         )
 
@@ -386,6 +411,8 @@ def _docker_session_cleanup() -> Iterator[None]:
         yield
     finally:
         remove_session_containers()
+        if _egress_root:
+            shutil.rmtree(_egress_root.pop(), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

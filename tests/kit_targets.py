@@ -80,9 +80,10 @@ FILES_NOT_YET: dict[str, frozenset[str]] = {
 POLICY_CHECKS = frozenset(name for name, each in CHECKS.items() if each.clause.startswith("R-policy-"))
 CGROUP_CHECKS = frozenset({"policy-processes"})
 #: The network allow-list's proxy runs in the harness: local serves it in its own network namespace,
-#: SSH through a socket file its server forwards, Docker through a socket file in a directory that a
-#: container of its own (image mode) on an engine on this host has mounted; an attached container
-#: and a remote engine's are refused (REFUSED_BY_TARGET).
+#: SSH through a socket file its server forwards, Docker through a socket file in a directory that
+#: the container has mounted (image mode: one of the executor's own; an attached container: the
+#: config's ``egress_directory``, which the test containers have), on an engine on this host; a
+#: remote engine's are refused (REFUSED_BY_TARGET).
 EGRESS_CHECKS = frozenset({"policy-network-allow-list", "policy-allow-list-not-borrowed"})
 POLICY_NOT_YET: dict[str, frozenset[str]] = {
     "docker": CGROUP_CHECKS,
@@ -107,11 +108,10 @@ KNOWN_RACING: dict[str, frozenset[str]] = {
 #: ``policy_unenforceable``) and the kit reports ``not_applicable``. The containerized sshd
 #: (``tests/sshd_container.py``) runs under Docker's default seccomp profile with the host's network:
 #: no user namespace can be made there (the network rules and, for its login, the processes limit), and
-#: its network is not loopback only. Docker's attached container (``container`` mode) and a remote
-#: engine's have no mount of the egress proxies' directory.
+#: its network is not loopback only. A remote engine's container has no mount of this host's
+#: directory of the egress proxies.
 REFUSED_BY_TARGET: dict[str, frozenset[str]] = {
     "ssh-container": frozenset({"policy-network-loopback", "policy-processes"}) | EGRESS_CHECKS,
-    "docker-container": EGRESS_CHECKS,
     "docker-remote": EGRESS_CHECKS,
 }
 
@@ -269,6 +269,7 @@ DEBIAN_CHECKS: tuple[str, ...] = (
 #: run them in both modes, the Debian image mode row on this userland.
 DEBIAN_CONTAINER_CHECKS: tuple[str, ...] = (
     "terminal-injection-refused",
+    "policy-allow-list-not-borrowed",
     "command-user",
     "env-default-scrub",
     "env-ambient-passes-through",

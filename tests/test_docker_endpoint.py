@@ -11,6 +11,7 @@ import anyio
 import pytest
 from dsh_bash_docker import DockerConfig
 from dsh_bash_docker._docker_config import memory_bytes
+from dsh_bash_docker._docker_executor import mounted_at
 from dsh_bash_docker._engine import EngineClient
 from dsh_bash_docker._transport import Endpoint, TlsFiles
 
@@ -148,3 +149,26 @@ async def test_an_exit_never_recorded_is_none_within_the_bound() -> None:
     with anyio.fail_after(2):
         assert await engine.exec_exit_code("e", within_s=0.3) is None
     assert engine.inspected > 1
+
+
+def test_egress_directory_is_for_an_attached_container_and_absolute() -> None:
+    with pytest.raises(ValueError, match="egress_directory only applies to an attached container"):
+        DockerConfig(image="x", egress_directory="/srv/egress")
+    with pytest.raises(ValueError, match="egress_directory must be an absolute path"):
+        DockerConfig(container="c", egress_directory="srv/egress")
+    assert DockerConfig(container="c", egress_directory="/srv/egress").egress_directory == "/srv/egress"
+
+
+def test_the_egress_directory_is_found_beneath_the_mount_that_holds_it(tmp_path: Any) -> None:
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    mounts = [
+        {"Source": "/elsewhere", "Destination": "/x"},
+        {"Source": str(tmp_path / "a"), "Destination": "/mnt/a"},
+    ]
+    assert mounted_at(str(tmp_path / "a"), mounts, "c1") == "/mnt/a"
+    assert mounted_at(str(tmp_path / "a" / "b"), mounts, "c1") == "/mnt/a/b"
+    (tmp_path / "ab").mkdir()  # a sibling whose name begins with the mount's: not beneath it
+    with pytest.raises(ValueError, match=r"is not mounted in container c1: start it with -v "):
+        mounted_at(str(tmp_path / "ab"), mounts, "c1")
+    with pytest.raises(ValueError, match="is no directory of this host"):
+        mounted_at(str(tmp_path / "missing"), mounts, "c1")

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import pytest
-from docker_support import docker_config
-from dsh_bash_docker import DockerBashExecutor
+from docker_support import EGRESS_DIRECTORIES, docker_config, start_idle_container
+from dsh_bash_docker import DockerBashExecutor, DockerConfig
 from dsh_bash_docker._docker_executor import EGRESS_MOUNT
 
 from dsh_bash import BashExecRequest, BashInfrastructureError, SandboxPolicy
@@ -87,3 +88,42 @@ async def test_a_session_keeps_nothing_of_what_the_allow_list_step_set(docker_te
     }, states[1]
     assert all(PROXY_KEY_VAR not in state.unset for state in states), states
     assert after.stdout.text == "unset corp.example\n", after
+
+
+async def test_an_attached_container_serves_the_allow_list_through_its_egress_directory(
+    docker_test_image: str, tmp_path: Path
+) -> None:
+    """Container mode: the proxies' files go to the config's ``egress_directory``, which the container
+    has mounted; a container without it mounted is refused at open, saying what to mount; aclose
+    removes the files it made there and nothing else of the user's directory."""
+    policy = SandboxPolicy(network="allow-list", allow_hosts=("127.0.0.1:1",))
+    unmounted = start_idle_container(docker_test_image)
+    try:
+        elsewhere = tmp_path / "not-mounted"
+        elsewhere.mkdir()
+        config = DockerConfig(container=unmounted.get_container_id(), egress_directory=str(elsewhere))
+        with pytest.raises(BashInfrastructureError) as refused:
+            async with DockerBashExecutor(config):
+                pass
+    finally:
+        unmounted.stop()
+    assert refused.value.reason == "policy_unenforceable" and "is not mounted in container" in str(
+        refused.value
+    )
+
+    attached = start_idle_container(docker_test_image)
+    try:
+        directory = EGRESS_DIRECTORIES[attached.get_container_id()]
+        Path(directory, "users-own").write_text("kept")
+        config = DockerConfig(container=attached.get_container_id(), egress_directory=directory, grace_ms=300)
+        async with DockerBashExecutor(config) as ex:
+            asked = await ex.exec(
+                'printf "CONNECT 10.0.0.1:80 HTTP/1.1\\r\\n\\r\\n" | nc 127.0.0.1 3128 | head -n 1',
+                policy=policy,
+            )
+            made = sorted(os.listdir(directory))
+        left = sorted(os.listdir(directory))
+    finally:
+        attached.stop()
+    assert asked.stdout.text.startswith("HTTP/1.1 403 Forbidden"), asked
+    assert len(made) == 2 and "users-own" in made and left == ["users-own"], (made, left)

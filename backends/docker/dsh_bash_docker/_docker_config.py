@@ -70,6 +70,11 @@ class DockerConfig(BudgetConfig):
     #: that finds one skips the engine's exec create and start. Each is one waiting process in the
     #: container (counted by ``pids_limit``) and one open connection to the engine.
     warm_execs: int = Field(default=2, ge=0, le=16)
+    #: Only for an attached container (``container`` mode), on an engine on this host: a directory of
+    #: this host that the container has mounted (``docker run -v DIR:/some/path``), where the network
+    #: allow-list's proxies put their socket files (image mode mounts one of its own). None: the
+    #: allow-list is refused there (``policy_unenforceable``).
+    egress_directory: str | None = None
     # Only for a container the executor creates (image mode):
     environment: dict[str, str] = Field(default_factory=dict)
     network: str = "none"
@@ -110,6 +115,14 @@ class DockerConfig(BudgetConfig):
             raise ValueError(
                 "give exactly one of 'image' (a container is created) or 'container' (an existing one)"
             )
+        if self.egress_directory is not None:
+            if self.container is None:
+                raise ValueError(
+                    "egress_directory only applies to an attached container ('container' mode): "
+                    "image mode mounts a directory of its own"
+                )
+            if not self.egress_directory.startswith("/"):
+                raise ValueError(f"egress_directory must be an absolute path, not {self.egress_directory!r}")
         if self.container is not None:
             defaults = type(self).model_fields
             changed = [

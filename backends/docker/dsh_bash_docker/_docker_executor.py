@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import posixpath
 import secrets
 import shutil
 import tempfile
@@ -116,6 +117,23 @@ async def sweep_orphaned_containers(config: DockerConfig | None = None) -> list[
     return removed
 
 
+def mounted_at(directory: str, mounts: list[dict[str, Any]], container: str) -> str:
+    """The path in a container (its ``Mounts``, as the engine inspects them) of ``directory`` of this
+    host: beneath the destination of the mount whose source holds it. ValueError when none does."""
+    wanted = os.path.realpath(directory)
+    if not os.path.isdir(wanted):
+        raise ValueError(f"egress_directory {directory!r} is no directory of this host")
+    for mount in mounts:
+        source, destination = str(mount.get("Source") or ""), str(mount.get("Destination") or "")
+        if source and destination.startswith("/") and (wanted + "/").startswith(source.rstrip("/") + "/"):
+            below = os.path.relpath(wanted, source)
+            return destination if below == "." else posixpath.join(destination, below)
+    raise ValueError(
+        f"egress_directory {directory!r} is not mounted in container {container}: start it with "
+        f"-v {wanted}:/run/dsh-bash-egress (any path there), or leave egress_directory out"
+    )
+
+
 class DockerBashExecutor(BashExecutor[DockerConfig]):
     """Runs each command as ``bash --noprofile --norc -c -- COMMAND`` exec'd in a container."""
 
@@ -151,10 +169,14 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         self._supervised: set[FramedDockerProcess] = set()
         #: Per user: the continues of stopped supervisors, one exec at a time for all commands.
         self._continues: dict[str | None, CoalescedRuns] = {}
-        #: network = "allow-list" (image mode, an engine on this host): each list's egress proxy on a
-        #: socket file in this directory, which the container has mounted at EGRESS_MOUNT.
+        #: network = "allow-list" (an engine on this host): each list's egress proxy on a socket file
+        #: in this directory, which the container has mounted at _egress_mounted_at (image mode: a
+        #: directory of the executor's own, at EGRESS_MOUNT; container mode: the config's
+        #: egress_directory, where the container mounted it, and only the files made there removed).
         self._egress = EgressProxies(self._start_helper)
         self._egress_dir: str | None = None
+        self._egress_mounted_at = EGRESS_MOUNT
+        self._egress_files: set[str] = set()
 
     @property
     def containment(self) -> Containment:
@@ -195,6 +217,24 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         assert config.container is not None
         self._container_id = config.container
         await self._learn_container()
+        if config.egress_directory is not None:
+            self._egress_mounted_at = await self._find_egress_mount(config.egress_directory)
+            self._egress_dir = config.egress_directory
+
+    async def _find_egress_mount(self, directory: str) -> str:
+        """Where the attached container has ``directory`` of this host (the config's
+        ``egress_directory``): the path there, or an error that says what to mount."""
+        if not self._engine.endpoint.on_this_host:
+            raise BashInfrastructureError(
+                f"egress_directory {directory!r}: the engine is on another host, whose directories "
+                "its containers mount",
+                reason="policy_unenforceable",
+            )
+        info = await self._engine.container_inspect(self._container_id)
+        try:
+            return mounted_at(directory, info.get("Mounts") or [], self._container_id[:12])
+        except ValueError as exc:
+            raise BashInfrastructureError(str(exc), reason="policy_unenforceable") from exc
 
     async def _start_container(self) -> str:
         """Image mode: create a container and start it; a container that cannot start is removed."""
@@ -313,12 +353,14 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         return self._egress_dir
 
     async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> EgressRoute | None:
-        # Only a container of the executor's own has the directory mounted (image mode, an engine on
-        # this host: a remote engine would mount its own host's directory of that name).
+        # Only a container with the directory mounted: the executor's own (image mode, an engine on
+        # this host: a remote engine would mount its own host's directory of that name), or an
+        # attached one that has the config's egress_directory.
         if self._egress_dir is None:
             return None
         path, key = await self._egress.in_directory(allow_hosts, self._egress_dir, mode=0o666)
-        return EgressRoute(socket=f"{EGRESS_MOUNT}/{os.path.basename(path)}", key=key)
+        self._egress_files.add(path)
+        return EgressRoute(socket=posixpath.join(self._egress_mounted_at, os.path.basename(path)), key=key)
 
     async def _still_running(self) -> bool:
         """Whether the executor's container runs (False when the engine cannot say)."""
@@ -424,9 +466,14 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             await self._release_container()
         finally:
             await self._engine.aclose()
-            if self._egress_dir is not None:
+            if self._egress_dir is not None and self._docker_config.image is not None:
                 shutil.rmtree(self._egress_dir, ignore_errors=True)
-                self._egress_dir = None
+            else:  # the user's directory: only the files made in it go
+                for path in self._egress_files:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+            self._egress_dir = None
+            self._egress_files.clear()
 
     async def _release_container(self) -> None:
         config = self._docker_config
