@@ -1461,8 +1461,13 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
                 # What the allow-list's step set held for this command alone, as the request's env
                 # does (a later command of the session may run under another rule), unless the
                 # command changed it itself; and the step took the proxy's key out itself.
+                # What the step was given decides (a reconfigure since cannot change it).
                 confine = command.launch.confine or ()
-                by_step = step_variables(captured.env) if "allow-list" in confine else {}
+                allow_list = any(
+                    option == "--network" and value == "allow-list"
+                    for option, value in itertools.pairwise(confine)
+                )
+                by_step = step_variables(captured.env) if allow_list else {}
                 session.state = state_after(
                     captured,
                     {**command.launch.env, **by_step},

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import signal
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 from security_support import scan_cmdlines
 
+from dsh_bash._policy import step_variables
 from dsh_bash.backend import ConfinementProbe
 from dsh_bash.supervisor import confine_probe_argv, confinement_from_probe, supervisor_binary
 
@@ -655,3 +657,28 @@ def test_a_key_goes_only_with_a_proxy_file() -> None:
     argv = [BINARY, "--confine", "--write", "/", "--network", "allow-list", "--proxy", "@abstract"]
     done = _run([*argv, "--proxy-key-env", "DSH_TEST_KEY", "--", "echo", "ran"])
     assert done.returncode == 125 and "goes with --proxy PATH" in done.stderr and done.stdout == "", done
+
+
+def test_the_variables_the_step_sets_are_those_a_session_knows_as_its(tmp_path: Path) -> None:
+    """The step sets the proxy variables (native/egress.c); dsh_bash._policy.step_variables says
+    which of a command's variables hold what it set, so that a session does not keep them: the two
+    lists of names must be one. In a network of its own the step listens on 3128."""
+    path = tmp_path / "egress.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    try:
+        argv = [BINARY, "--confine", "--write", "/", "--network", "allow-list", "--proxy", str(path)]
+        done = _run(
+            [*argv, "--", sys.executable, "-c", "import os, json; print(json.dumps(dict(os.environ)))"]
+        )
+    finally:
+        listener.close()
+    assert done.returncode == 0, done.stderr
+    env = json.loads(done.stdout)
+    set_by_step = {
+        name: value
+        for name, value in env.items()
+        if "proxy" in name.lower() and os.environ.get(name) != value
+    }
+    assert set_by_step and step_variables(env) == set_by_step, set_by_step
+    assert env["HTTPS_PROXY"] == "http://127.0.0.1:3128"
