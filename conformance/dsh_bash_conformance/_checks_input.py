@@ -359,19 +359,26 @@ async def terminal_output_incremental(ctx: CheckContext) -> None:
     "session and ignores SIGHUP and SIGTERM.",
 )
 async def terminal_kill_leaves_nothing(ctx: CheckContext) -> None:
-    marks = [ctx.marker(), ctx.marker()]
+    # Each task: a process that left the terminal's session (its own mark) and one in the foreground.
+    # The kill waits until the one that left runs as itself: until ``setsid`` exec'd, the child is
+    # still in the foreground group, where a kill of that group alone would end it too.
+    marks = [(ctx.marker(), ctx.marker()) for _ in range(2)]
+    bound = 2 * 0.3 + 2 + ctx.allowance_s
     async with ctx.executor() as ex:
         tasks = []
-        for mark in marks:
-            body = loop(mark, trap_term=True, prelude="trap '' HUP")
+        for hidden, foreground in marks:
+            body = loop(hidden, trap_term=True, prelude="trap '' HUP")
             hiding = f"setsid {body} >/dev/null 2>&1 &"
-            tasks.append(await _start_terminal(ctx, ex, f"{hiding} {loop(mark, trap_term=True)}"))
-        for mark in marks:
-            await started(ctx, mark, "a terminal task's processes")
+            tasks.append(await _start_terminal(ctx, ex, f"{hiding} {loop(foreground, trap_term=True)}"))
+        for pair in marks:
+            for mark in pair:
+                await started(ctx, mark, "a terminal task's processes")
         await ex.kill(tasks[0].id)
-        await wait_task(tasks[0], 2 * 0.3 + 2 + ctx.allowance_s, "a killed terminal task")
-        await gone(ctx, marks[0], 2 * 0.3 + 2 + ctx.allowance_s, "after kill of a terminal task")
-    await gone(ctx, marks[1], 2 * 0.3 + 2 + ctx.allowance_s, "after aclose with a terminal task running")
+        await wait_task(tasks[0], bound, "a killed terminal task")
+        for mark, what in zip(marks[0], ("that left its session", "in the foreground"), strict=True):
+            await gone(ctx, mark, bound, f"after kill of a terminal task, its process {what}")
+    for mark, what in zip(marks[1], ("that left its session", "in the foreground"), strict=True):
+        await gone(ctx, mark, bound, f"after aclose with a terminal task running, its process {what}")
 
 
 # -- waiting for input ------------------------------------------------------------------------------
