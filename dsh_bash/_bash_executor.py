@@ -490,6 +490,12 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         return None
 
     @property
+    def where(self) -> str | None:
+        """Where this executor's commands run, in words for people (a node of a cluster), once
+        open; None: the backend does not say. ``dsh-bash doctor`` reports it."""
+        return None
+
+    @property
     def config(self) -> ConfigT_co:
         return self._config
 

@@ -47,10 +47,13 @@ InfraReason = Literal[
     "host_unreachable",  # the SSH host cannot be reached (DNS, refused, timed out)
     "auth_failed",  # the SSH server refused every credential
     "host_key_rejected",  # the SSH host key did not verify
+    "cluster_unreachable",  # the Ray cluster cannot be reached
+    "no_node_fits",  # no live node of the Ray cluster fits the placement in time
     # The backend failed under a command that was running.
     "container_gone",  # the container stopped or was removed
     "connection_lost",  # the connection to the engine or host dropped
     "command_lost",  # the backend lost track of the command (its supervisor died, its status is gone)
+    "node_lost",  # the Ray node the commands ran on (or its node host) died
     # Anything else; the message says what.
     "unclassified",
 ]

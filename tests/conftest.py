@@ -31,6 +31,7 @@ pytest_plugins = [
     "sshd_container",
     "fault_support",
     "remote_engines",
+    "ray_support",
     "soak",
 ]
 
@@ -82,8 +83,8 @@ QUICK_LEAVES_OUT = {
 #: Files of the suite's longest tests (30-90 s each under a whole run's load): started first.
 LONG_FIRST = frozenset({"test_wheel.py", "test_conformance_ssh_container.py"})
 #: The markers of tests that need more than this machine's Python and bash, or build more than a
-#: commit's check should (``wheel``: the wheel and a venv to install it in).
-_NOT_QUICK_MARKERS = ("docker", "ssh", "faults", "wheel")
+#: commit's check should (``wheel``: the wheel and a venv to install it in; ``ray``: a Ray cluster).
+_NOT_QUICK_MARKERS = ("docker", "ssh", "ray", "faults", "wheel")
 
 
 def _is_quick(item: pytest.Item) -> bool:

@@ -56,6 +56,7 @@ TERMINAL_CHECKS = frozenset(name for name, each in CHECKS.items() if each.clause
 INPUT_NOT_YET: dict[str, frozenset[str]] = {
     "docker": frozenset(),
     "ssh": frozenset(),
+    "ray": frozenset(),
     "bwrap": INPUT_CHECKS | TERMINAL_CHECKS,
 }
 
@@ -67,6 +68,7 @@ FILE_CHECKS = frozenset(name for name, each in CHECKS.items() if each.clause.sta
 FILES_NOT_YET: dict[str, frozenset[str]] = {
     "docker": frozenset(),
     "ssh": frozenset(),
+    "ray": frozenset(),
     "bwrap": FILE_CHECKS,
 }
 
@@ -88,6 +90,7 @@ EGRESS_CHECKS = frozenset({"policy-network-allow-list", "policy-allow-list-not-b
 POLICY_NOT_YET: dict[str, frozenset[str]] = {
     "docker": CGROUP_CHECKS,
     "ssh": frozenset(),
+    "ray": frozenset(),
     "bwrap": POLICY_CHECKS,
 }
 
@@ -100,6 +103,7 @@ POLICY_NOT_YET: dict[str, frozenset[str]] = {
 KNOWN_RACING: dict[str, frozenset[str]] = {
     "docker": frozenset(),
     "ssh": frozenset(),
+    "ray": frozenset(),
     "bwrap": frozenset({"stopped-spares-next-command-on-time"}),
 }
 
@@ -118,7 +122,7 @@ REFUSED_BY_TARGET: dict[str, frozenset[str]] = {
 
 def expected_outcome(backend: str, name: str, target: str = "") -> CheckOutcome:
     """What check ``name`` must report against this repository's ``backend`` (``docker``, ``ssh``,
-    ``bwrap``), on the test ``target`` (a key of :data:`REFUSED_BY_TARGET`, or none)."""
+    ``ray``, ``bwrap``), on the test ``target`` (a key of :data:`REFUSED_BY_TARGET`, or none)."""
     not_yet = INPUT_NOT_YET[backend] | FILES_NOT_YET[backend] | POLICY_NOT_YET[backend]
     not_yet |= REFUSED_BY_TARGET.get(target, frozenset())
     return "not_applicable" if name in not_yet else "passed"

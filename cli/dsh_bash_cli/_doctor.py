@@ -143,9 +143,13 @@ GENERIC_HINTS: Mapping[InfraReason, str] = {
     "host_unreachable": "check the host, the port and that the network reaches it; raise the connect timeout",
     "auth_failed": "check the user name and credentials in the config: the server must accept one",
     "host_key_rejected": "add the host's key to the known hosts file the config names",
+    "cluster_unreachable": "start the Ray cluster, or set the config's address to one that answers "
+    "(ray status tells)",
+    "no_node_fits": "add a node with the config's resources or labels, or loosen the placement",
     "container_gone": _BACKEND_FAILED,
     "connection_lost": _BACKEND_FAILED,
     "command_lost": _BACKEND_FAILED,
+    "node_lost": "open a new executor: the node and everything of the old one on it are gone",
 }
 
 #: The reason a failed step stands for when no error says better (no error, or an unclassified one).
@@ -243,7 +247,8 @@ class _Doctor:
                 async with ex:
                     opened = True
                     bound.deadline = math.inf
-                    self.put("open", True, f"opened in {time.monotonic() - started:.2f} s")
+                    where = f"; commands run on {ex.where}" if ex.where else ""
+                    self.put("open", True, f"opened in {time.monotonic() - started:.2f} s{where}")
                     self._containment(ex)
                     for step, probe in (
                         ("bash", self._bash),

@@ -15,6 +15,12 @@ on this machine), uses the process scanning alone. Imports the seam (:mod:`dsh_b
   :func:`boot_ticks` (now, on the clock of a process's start time: a scan for one command skips
   what started before it), :func:`input_waiters` (which of some pids block reading the input
   an :class:`InputIdentity` names: the look behind ``sample_input_waiting``).
+- ``R-file-*`` on this host: :func:`read_host_file` and :func:`write_host_file` (blocking system
+  calls as this process's user, refusals as :class:`dsh_bash.FileOperationError`; run them in a
+  worker thread).
+- :func:`workdir_problem`: why a directory of this host cannot be a command's working directory
+  (what, and the contract's reason), for a backend that starts commands here by other means (the
+  Ray backend's node host).
 - The conformance kit's view of this host: :func:`find_host_processes` (pids whose command line
   carries a marker) and :func:`plant_in_os_environ` (a variable in this process's environment for a
   block), the fallbacks the kit uses and the hooks of a backend whose commands inherit this
@@ -23,8 +29,9 @@ on this machine), uses the process scanning alone. Imports the seam (:mod:`dsh_b
 
 from __future__ import annotations
 
+from ._files import read_host_file, write_host_file
 from ._host_executor import HostBashExecutor, HostConfig
-from ._host_process import StartHelper, WrapCommand
+from ._host_process import StartHelper, WrapCommand, workdir_problem
 from ._kit_finders import find_host_processes, plant_in_os_environ
 from ._proc_scan import (
     InputIdentity,
@@ -49,7 +56,10 @@ __all__ = [
     "find_host_processes",
     "input_waiters",
     "plant_in_os_environ",
+    "read_host_file",
     "read_proc_stat",
     "scan_processes",
     "signal_marked",
+    "workdir_problem",
+    "write_host_file",
 ]

@@ -63,6 +63,7 @@ __all__ = [
     "WrapCommand",
     "spawn_host_process",
     "unknown_leftovers",
+    "workdir_problem",
 ]
 
 _FIRST_READ = 64 * 1024
@@ -766,7 +767,9 @@ async def _discard_until_eof(fd: int) -> None:
         os.close(fd)
 
 
-def _workdir_problem(workdir: str) -> tuple[str, InfraReason] | None:
+def workdir_problem(workdir: str) -> tuple[str, InfraReason] | None:
+    """Why ``workdir`` cannot be a command's working directory on this host (what, and the reason
+    of the contract), or None when it can."""
     try:
         st = os.stat(workdir)
     except FileNotFoundError:
@@ -874,7 +877,7 @@ def _wrapped(argv: list[str], launch: Launch, wrap: WrapCommand | None) -> tuple
     host_workdir = launch.spec.workdir
     if wrap is not None:
         argv, host_workdir = wrap(argv, launch)
-    problem = _workdir_problem(host_workdir)
+    problem = workdir_problem(host_workdir)
     if problem is not None:
         what, why = problem
         raise BashInfrastructureError(f"workdir {launch.spec.workdir!r} {what}", reason=why)

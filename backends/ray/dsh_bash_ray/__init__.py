@@ -1,0 +1,12 @@
+"""The Ray backend: an executor whose commands run on one node of a Ray cluster.
+
+See ``README.md`` beside this package. Install with the ``ray`` extra; entry point ``ray``.
+"""
+
+from __future__ import annotations
+
+from ._node_host import NodeInfo
+from ._ray_config import RayConfig
+from ._ray_executor import RayBashExecutor
+
+__all__ = ["NodeInfo", "RayBashExecutor", "RayConfig"]

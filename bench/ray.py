@@ -1,0 +1,173 @@
+"""The Ray backend (issue 34) beside the local one, in one run, on a two-node local Ray cluster.
+
+- Latency: ``await ex.exec("true")`` through a Ray executor whose node is the cluster's second node
+  (every command crosses from this driver to another raylet's worker), alternating with the same on a
+  local executor, median of ``--runs``; reported as the milliseconds Ray adds (target: at most 3 ms)
+  and as a ratio.
+- Scale: ``--sandboxes`` (200) Ray executors opened at once, spread over both nodes, then a ``true``
+  in each at once; beside ``--sandboxes`` local executors doing the same, and one local executor
+  running as many ``true`` at once. The open and the commands are timed apart (an executor's open is
+  its sandbox's start; the commands, what a harness then waits for).
+
+    python bench/ray.py [--runs N] [--sandboxes N] [--json]
+
+Needs the ``ray`` extra; starts and stops its own cluster (a head and one more node, 3-15 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+import anyio
+
+from dsh_bash import BashExecutor
+
+#: The custom resource only the second node has.
+SECOND = "dsh_bench_second"
+
+
+def _local(**fields: Any) -> BashExecutor:
+    from dsh_bash_local import LocalBashExecutor  # noqa: PLC0415
+
+    return LocalBashExecutor.from_fields(**fields)
+
+
+def _ray(**fields: Any) -> BashExecutor:
+    from dsh_bash_ray import RayBashExecutor  # noqa: PLC0415
+
+    return RayBashExecutor.from_fields(**fields)
+
+
+async def latency(runs: int) -> dict[str, Any]:
+    async with _ray(resources={SECOND: 1}) as through_ray, _local() as local:
+        for ex in (through_ray, local):  # warm: first commands pay imports and spares
+            for _ in range(10):
+                await ex.exec("true")
+        times: dict[str, list[float]] = {"ray": [], "local": []}
+        for _ in range(runs):
+            for name, ex in (("ray", through_ray), ("local", local)):
+                started = time.perf_counter()
+                result = await ex.exec("true")
+                times[name].append((time.perf_counter() - started) * 1000)
+                assert result.exit_code == 0, result
+    ray_ms, local_ms = (statistics.median(times[name]) for name in ("ray", "local"))
+    return {
+        "runs": runs,
+        "ray_ms": ray_ms,
+        "local_ms": local_ms,
+        "added_ms": ray_ms - local_ms,
+        "ratio": ray_ms / local_ms,
+        "target_added_ms": 3.0,
+        "verdict": "pass" if ray_ms - local_ms <= 3.0 else "miss",
+    }
+
+
+async def scale(count: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for name, make in (("ray", _ray), ("local", _local)):
+        results[f"{name}_executors"] = await _many(make, count)
+    async with _local() as ex:
+        await ex.exec("true")
+        started = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for _ in range(count):
+                tg.start_soon(ex.exec, "true")
+        results["local_one_executor"] = {"commands_s": time.perf_counter() - started}
+    return results
+
+
+async def _many(make: Any, count: int) -> dict[str, Any]:
+    """``count`` executors opened at once; once all are open, ``true`` in each at once."""
+    stack_opened: list[BashExecutor] = []
+    where: Counter[str] = Counter()
+    all_open = anyio.Event()
+    go = anyio.Event()
+    finish = anyio.Event()
+    ended: list[float] = []
+
+    async def one() -> None:
+        async with make() as ex:
+            stack_opened.append(ex)
+            node = getattr(ex, "node", None)
+            where[str(getattr(node, "node_id", "this host"))[:12]] += 1
+            if len(stack_opened) == count:
+                all_open.set()
+            await go.wait()
+            result = await ex.exec("true")
+            assert result.exit_code == 0, result
+            ended.append(time.perf_counter())
+            if len(ended) == count:
+                finish.set()
+            await finish.wait()
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for _ in range(count):
+            tg.start_soon(one)
+        await all_open.wait()
+        open_s = time.perf_counter() - started
+        go_at = time.perf_counter()
+        go.set()
+        await finish.wait()
+        commands_s = max(ended) - go_at
+    return {"open_s": open_s, "commands_s": commands_s, "per_node": dict(where)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--sandboxes", type=int, default=200)
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = parser.parse_args()
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray  # noqa: PLC0415
+    from ray.cluster_utils import Cluster  # noqa: PLC0415
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1, resources={SECOND: 1})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        figures = {
+            "latency": anyio.run(latency, args.runs),
+            "scale": anyio.run(scale, args.sandboxes),
+            "load": os.getloadavg()[0],
+        }
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    if args.json:
+        json.dump(figures, sys.stdout, indent=2)
+        print()
+        return
+    lat = figures["latency"]
+    print(
+        f"latency of true, median of {lat['runs']}: "
+        f"Ray {lat['ray_ms']:.2f} ms, local {lat['local_ms']:.2f} ms: "
+        f"{lat['added_ms']:+.2f} ms ({lat['ratio']:.2f}x); target at most +3 ms: {lat['verdict']}"
+    )
+    sc = figures["scale"]
+    for name in ("ray_executors", "local_executors"):
+        row = sc[name]
+        print(
+            f"{args.sandboxes} {name.replace('_', ' ')}: open {row['open_s']:.2f} s, "
+            "then true in each at once "
+            f"{row['commands_s']:.2f} s; per node {row['per_node']}"
+        )
+    print(
+        f"one local executor, {args.sandboxes} true at once: {sc['local_one_executor']['commands_s']:.2f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()
