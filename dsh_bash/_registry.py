@@ -34,7 +34,7 @@ ENV_PREFIX = "DSH_BASH_"
 ExecutorFactory = Callable[..., BashExecutor]
 
 # Backends this distribution ships behind an extra: naming one without it installed says which.
-_EXTRAS = {"docker": "docker", "ssh": "ssh"}
+_EXTRAS = {"docker": "docker", "ssh": "ssh", "ray": "ray"}
 
 #: The backends this distribution ships, as its own entry points name them (pyproject.toml's
 #: ``[project.entry-points."dsh_bash.backends"]``; tests/test_registry.py holds the two equal). Their
@@ -44,6 +44,7 @@ _BUILT_IN_BACKENDS: Mapping[str, str] = {
     "local": "dsh_bash_local:LocalBashExecutor.from_fields",
     "docker": "dsh_bash_docker:DockerBashExecutor.from_fields",
     "ssh": "dsh_bash_ssh:SshBashExecutor.from_fields",
+    "ray": "dsh_bash_ray:RayBashExecutor.from_fields",
 }
 
 

@@ -165,3 +165,20 @@ def test_doctor_names_the_node_and_an_unreachable_cluster(ray_cluster: RayCluste
     assert done.returncode != 0
     assert "cluster_unreachable" in done.stdout + done.stderr or "cannot reach the Ray cluster" in done.stdout
     assert time.monotonic() - started < 30
+
+
+async def test_a_supervisor_has_a_parent_of_its_own(ray_cluster: RayCluster) -> None:
+    """Each supervisor's parent is a keeper of its own, a child of the node host: not the node host
+    (a Ray worker that exits SIGKILLs its children, which would leave the command running), and not
+    init (a command may stop every process that shares its supervisor's parent: the kit's
+    stopped-spares check did, and froze the machine's Docker engine while the supervisors were
+    orphaned at their start)."""
+    probe = (
+        "read -r s < /proc/$PPID/stat; f=(${s##*) }); keeper=${f[1]}; "
+        'read -r s < /proc/$keeper/stat; name=${s#*(}; f=(${s##*) }); echo "$keeper ${name%%)*} ${f[1]}"'
+    )
+    async with ray_cluster.executor() as ex:
+        result = await ex.exec(probe)
+        keeper, name, keeper_parent = result.stdout.text.split()
+        assert int(keeper) not in (1, ex.node.pid), result.stdout.text
+        assert (name, int(keeper_parent)) == ("bash", ex.node.pid), result.stdout.text

@@ -23,13 +23,14 @@ PACKAGES = (
     "dsh_bash_local",
     "dsh_bash_docker",
     "dsh_bash_ssh",
+    "dsh_bash_ray",
     "dsh_bash_bwrap",
     "dsh_bash_conformance",
     "dsh_tool_bash",
     "dsh_bash_inspect",
     "dsh_bash_cli",
 )
-BACKENDS = ("dsh_bash_local", "dsh_bash_docker", "dsh_bash_ssh", "dsh_bash_bwrap")
+BACKENDS = ("dsh_bash_local", "dsh_bash_docker", "dsh_bash_ssh", "dsh_bash_ray", "dsh_bash_bwrap")
 
 # dsh_bash's kits: subpackages on the seam (the host kit also on the supervisor kit).
 KITS = ("dsh_bash.host", "dsh_bash.remote", "dsh_bash.supervisor")

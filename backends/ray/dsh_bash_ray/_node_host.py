@@ -31,7 +31,7 @@ from functools import partial
 from typing import Any
 
 from dsh_bash import FileOperationError
-from dsh_bash.backend import MARKER_VAR, EgressProxies
+from dsh_bash.backend import EgressProxies
 from dsh_bash.host import read_host_file, scan_processes, signal_marked, workdir_problem, write_host_file
 from dsh_bash.supervisor import command_payload, encode_frame, supervisor_binary, supervisor_problem
 
@@ -41,6 +41,20 @@ __all__ = ["NodeHost", "NodeInfo", "StartRequest", "ray_worker_variable"]
 _HELD = 256 * 1024
 #: The most one read returns.
 _READ_MAX = 256 * 1024
+#: The parent of one supervisor: it starts it with its own stdin (an asynchronous command's stdin
+#: would be /dev/null), lets go of the three pipes, and waits for it.
+_KEEPER = '"$@" 0<&0 & exec 0<&- 1>&- 2>&-; wait $!'
+#: How long a read waits for the rest of a burst of the supervisor's (see ``NodeHost._linger``).
+_LINGER_S = 0.0005
+_LINGER_MAX_S = 0.003
+_LINGER = (_LINGER_S, _LINGER_MAX_S)
+#: Supervisors kept started ahead for each of the last ``_SPARE_KEYS`` (options, directory) pairs.
+_SPARES = 2
+_SPARE_KEYS = 4
+#: How long a start waits for the rest of what the supervisor says (its start's records and, for a
+#: short command, its end), after each burst, and at most: a short command's start and end in one call.
+_START_LINGER_S = 0.0025
+_START_LINGER_MAX_S = 0.010
 #: What is kept of a supervisor's own stderr (its usage errors; the command's go in frames).
 _STDERR_KEPT = 4096
 #: How long a helper command may run at most.
@@ -139,12 +153,20 @@ class NodeHost:
         #: command's connections leave from its own node, and its step reaches them by a file here.
         self._egress: dict[str, EgressProxies] = {}
         self._owner_tasks: dict[str, list[asyncio.Task[Any]]] = {}
-        # Each supervisor is started by ``setsid --fork``, so that it is not this worker's child:
-        # a Ray worker that exits (its raylet died, the node went away) SIGKILLs its children
-        # first, and a supervisor killed so cannot kill its command. A supervisor that is not its
-        # child sees its input close instead, and kills everything of its command.
-        setsid = shutil.which("setsid")
-        self._detach = [] if setsid is None else [setsid, "--fork"]
+        # Each supervisor is started by a bash of its own that waits for it (``_KEEPER``), so that
+        # it is not this worker's child: a Ray worker that exits (its raylet died, the node went
+        # away) SIGKILLs its children first, and a supervisor killed so could not kill its
+        # command. Orphaned by its keeper's death, it sees its input close instead, and kills
+        # everything of its command. Not orphaned at the start (``setsid --fork``): a command may
+        # stop every process that shares its supervisor's parent (the spares), and init's children
+        # are the whole machine's daemons.
+        self._spares: dict[tuple[tuple[str, ...], str], list[asyncio.subprocess.Process]] = {}
+        self._refilling: set[tuple[tuple[str, ...], str]] = set()
+        self._spare_tasks: set[asyncio.Task[None]] = set()
+        bash = shutil.which("bash")
+        self._detach = (
+            [] if bash is None else [bash, "--noprofile", "--norc", "-c", _KEEPER, "dsh-bash-keeper"]
+        )
         self._spills: dict[str, int] = {}
 
     # -- the node ------------------------------------------------------------------------------------
@@ -187,9 +209,19 @@ class NodeHost:
 
     # -- commands under a supervisor ----------------------------------------------------------------
 
-    async def start(self, stream_id: str, request: StartRequest) -> tuple[str, str]:
-        """Start one supervisor as the stream ``stream_id`` and send it the command. ("", "") once
-        it runs; (reason, message) when nothing could start (the reason one of the contract's)."""
+    async def start(
+        self, stream_id: str, request: StartRequest, wait_s: float
+    ) -> tuple[str, str, bytes, bool, bytes]:
+        """Start one supervisor as the stream ``stream_id``, send it the command, and return what it
+        said first (:meth:`read` from offset 0 within ``wait_s``: its start's records, most often,
+        so that a command's start costs one call): ("", "", bytes, ended, stderr). (reason,
+        message, ...) when nothing could start (the reason one of the contract's)."""
+        reason, message = await self._start(stream_id, request)
+        if reason:
+            return reason, message, b"", True, b""
+        return ("", "", *await self.read(stream_id, 0, wait_s, (_START_LINGER_S, _START_LINGER_MAX_S)))
+
+    async def _start(self, stream_id: str, request: StartRequest) -> tuple[str, str]:
         if stream_id in self._closed_early or stream_id in self._streams:
             self._closed_early.discard(stream_id)
             return "start_failed", "the start was given up (its stream was closed before it)"
@@ -211,17 +243,9 @@ class NodeHost:
             status_in_program=-1 if request.capture_fd is None else request.capture_fd,
             terminal=request.terminal,
         )
+        key = (tuple(request.supervisor_args), request.cwd)
         try:
-            process = await asyncio.create_subprocess_exec(
-                *self._detach,
-                *request.supervisor_args,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
-                cwd=request.cwd,
-                env={MARKER_VAR + "_FOR": request.env.get(MARKER_VAR, "")},
-            )
+            process = self._take_spare(key) or await self._spawn(key)
         except OSError as exc:
             if script is not None:
                 with contextlib.suppress(OSError):
@@ -239,7 +263,63 @@ class NodeHost:
             process.stdin.write(encode_frame(b"x", payload))
         stream.tasks.append(asyncio.ensure_future(self._pump(stream)))
         stream.tasks.append(asyncio.ensure_future(self._pump_stderr(stream)))
+        self._refill(key)
         return "", ""
+
+    # -- spares: supervisors started ahead ------------------------------------------------------------
+
+    async def _spawn(self, key: tuple[tuple[str, ...], str]) -> asyncio.subprocess.Process:
+        """A supervisor waiting for its command (``--spec``: it holds nothing of any command yet)."""
+        argv, cwd = key
+        return await asyncio.create_subprocess_exec(
+            *self._detach,
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            cwd=cwd,
+            env={},
+        )
+
+    def _take_spare(self, key: tuple[tuple[str, ...], str]) -> asyncio.subprocess.Process | None:
+        spares = self._spares.get(key, [])
+        while spares:
+            spare = spares.pop(0)
+            assert spare.stdout is not None and spare.stdin is not None
+            if not spare.stdout.at_eof() and not spare.stdin.is_closing():
+                return spare
+            spare.stdin.close()  # it died waiting (a command of the same user may kill it)
+        return None
+
+    def _refill(self, key: tuple[tuple[str, ...], str]) -> None:
+        """Keep ``_SPARES`` supervisors ready for the next commands of ``key`` (the directory and the
+        supervisor's options: a command of another starts the usual way), for the ``_SPARE_KEYS``
+        keys used last."""
+        self._spares[key] = self._spares.pop(key, [])  # the last used goes last
+        while len(self._spares) > _SPARE_KEYS:
+            for spare in self._spares.pop(next(iter(self._spares))):
+                if spare.stdin is not None:
+                    spare.stdin.close()  # EOF before its command: it exits at once
+        if key in self._refilling:
+            return
+        self._refilling.add(key)
+
+        async def refill() -> None:
+            try:
+                while key in self._spares and len(self._spares[key]) < _SPARES:
+                    spare = await self._spawn(key)
+                    if key in self._spares:
+                        self._spares[key].append(spare)
+                    elif spare.stdin is not None:
+                        spare.stdin.close()
+            except OSError:
+                pass  # the next start makes its own, and says what fails
+            finally:
+                self._refilling.discard(key)
+
+        self._spare_tasks.add(task := asyncio.ensure_future(refill()))
+        task.add_done_callback(self._spare_tasks.discard)
 
     async def _pump(self, stream: _Stream) -> None:
         reader = stream.process.stdout
@@ -271,7 +351,13 @@ class NodeHost:
             if len(stream.stderr) < _STDERR_KEPT:
                 stream.stderr += data[: _STDERR_KEPT - len(stream.stderr)]
 
-    async def read(self, stream_id: str, offset: int, wait_s: float) -> tuple[bytes, bool, bytes]:
+    async def read(
+        self,
+        stream_id: str,
+        offset: int,
+        wait_s: float,
+        linger: tuple[float, float] = (_LINGER_S, _LINGER_MAX_S),
+    ) -> tuple[bytes, bool, bytes]:
         """The stream's bytes from ``offset`` (everything before it is acknowledged and dropped),
         waiting up to ``wait_s`` for some. (bytes, ended, the supervisor's stderr once ended):
         ``ended`` once nothing follows the bytes returned."""
@@ -286,6 +372,7 @@ class NodeHost:
             stream.changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stream.changed.wait(), wait_s)
+        await self._linger(stream, *linger)
         start = max(0, offset - stream.base)
         data = bytes(stream.held[start : start + _READ_MAX])
         ended = stream.ended and start + len(data) >= len(stream.held)
@@ -293,6 +380,25 @@ class NodeHost:
             self._streams.pop(stream_id, None)
             return data, True, bytes(stream.stderr)
         return data, False, b""
+
+    @staticmethod
+    async def _linger(stream: _Stream, gap_s: float, most_s: float) -> None:
+        """A supervisor writes in bursts (a command's start: two records; its end: its exit, both
+        ends of file, ``empty``, then its own end): one reply for a burst, not one a record. Waits
+        while bytes keep coming within ``gap_s`` of each other, ``most_s`` at most."""
+        if not stream.held:
+            return
+        loop = asyncio.get_running_loop()
+        until = loop.time() + most_s
+        while not stream.ended and len(stream.held) < _READ_MAX:
+            left = until - loop.time()
+            if left <= 0:
+                return
+            stream.changed.clear()
+            try:
+                await asyncio.wait_for(stream.changed.wait(), min(left, gap_s))
+            except TimeoutError:
+                return
 
     async def write(self, stream_id: str, data: bytes) -> bool:
         """Send whole frames to the supervisor (written before the first await, so that the frames

@@ -21,10 +21,12 @@ from dsh_bash.supervisor import FramedCommand
 
 from ._node import Node
 
-__all__ = ["NodeMarked", "NodeSpillFile", "RayFramedProcess"]
+__all__ = ["START_WAIT_S", "NodeMarked", "NodeSpillFile", "RayFramedProcess"]
 
 log = logging.getLogger("dsh_bash.ray")
 
+#: How long the start's call waits for the supervisor's first words (its start's records).
+START_WAIT_S = 2.0
 #: How long one read of the stream waits on the node for bytes before it returns empty (a long
 #: poll: it returns as soon as there are some).
 _POLL_WAIT_S = 5.0
@@ -130,11 +132,27 @@ class RayFramedProcess(FramedCommand):
         self._on_release = on_release
         self._stderr = b""
         self._send_lock = anyio.Lock()
+        #: Where :meth:`follow` goes on reading (after what the start returned).
+        self._offset = 0
+        #: The supervisor was told that the command's stdin is /dev/null: no ``c`` frame is due.
+        self.stdin_null = False
+
+    def first(self, data: bytes, ended: bool, stderr: bytes) -> bool:
+        """What the node host's start returned of the stream; True when that was all of it."""
+        self._offset = len(data)
+        if data:
+            self.feed(data)
+        if ended:
+            self._stderr = stderr
+            self.stream_ended()
+        return ended
 
     async def follow(self) -> None:
         """Read the supervisor's stream to its end (helper task: the stream is read, and its output
         dropped once released, until the supervisor exits: leftovers may hold it until ``aclose``)."""
-        offset = 0
+        offset = self._offset
+        if not self._discard:
+            await self._wait_writable()
         try:
             while True:
                 try:
@@ -219,7 +237,8 @@ class RayFramedProcess(FramedCommand):
     async def pump_output(self) -> None:
         try:
             if self._launch.spec.stdin is None:
-                await self.send_stdin()
+                if not self.stdin_null:  # with /dev/null as stdin there is nothing to close
+                    await self.send_stdin()
                 await self._output_done.wait()
                 return
             async with anyio.create_task_group() as tg:

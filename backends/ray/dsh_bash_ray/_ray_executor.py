@@ -34,7 +34,7 @@ from dsh_bash.supervisor import (
 
 from ._node import Node, NodeLease, lease_every_node, lease_node
 from ._node_host import NodeInfo, StartRequest
-from ._process import NodeMarked, NodeSpillFile, RayFramedProcess
+from ._process import START_WAIT_S, NodeMarked, NodeSpillFile, RayFramedProcess
 from ._ray_config import RayConfig
 
 __all__ = ["RayBashExecutor"]
@@ -207,6 +207,7 @@ class RayBashExecutor(BashExecutor[RayConfig]):
             wait_writable=partial(self._spills.wait_writable, marker),
             on_release=partial(self._spills.wait_complete, marker),
         )
+        process.stdin_null = no_input
         request = StartRequest(
             owner=self._token,
             supervisor_args=[info.supervisor, "--frame", "--spec", *stdin_null],
@@ -219,10 +220,11 @@ class RayBashExecutor(BashExecutor[RayConfig]):
             script_dir=self._spill_dir,
         )
         try:
-            reason, message = await node.call("start", marker, request)
+            reason, message, data, ended, stderr = await node.call("start", marker, request, START_WAIT_S)
             if reason:
                 raise BashInfrastructureError(f"{message} on {node.where}", reason=reason)
-            self._start_helper(process.follow)
+            if not process.first(data, ended, stderr):
+                self._start_helper(process.follow)
             await process.read_preamble()
         except BaseException:
             # Also when the start's reply never came (a cancellation): the node host closes the

@@ -9,7 +9,7 @@
   running as many ``true`` at once. The open and the commands are timed apart (an executor's open is
   its sandbox's start; the commands, what a harness then waits for).
 
-    python bench/ray.py [--runs N] [--sandboxes N] [--json]
+    python bench/cluster.py [--runs N] [--sandboxes N] [--json]
 
 Needs the ``ray`` extra; starts and stops its own cluster (a head and one more node, 3-15 s).
 """
