@@ -395,6 +395,19 @@ class FramedCommand(CommandProcess):
             )
         return None
 
+    async def wait_started(self) -> bool:
+        """Wait (continuing the supervisor from outside meanwhile: the command may stop it before it
+        reported the start) until the supervisor started the command: True; said why it could not:
+        that :meth:`start_failure` is raised; or its stream ended first: False (the transport says
+        why)."""
+        await self._continued_until(self._decided.wait)
+        if self._records.child is not None:
+            return True
+        failure = self.start_failure()
+        if failure is not None:
+            raise failure
+        return False
+
     def running(self) -> None:
         """The command runs: its supervisor is one the executor's leftovers must reach until it is empty."""
         if not self._records.empty and not self._stream_done:

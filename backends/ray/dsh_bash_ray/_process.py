@@ -209,12 +209,8 @@ class RayFramedProcess(FramedCommand):
 
     async def read_preamble(self) -> None:
         """Wait until the supervisor started the command; raise BashInfrastructureError when it did not."""
-        await self._continued_until(self._decided.wait)
-        if self._records.child is not None:
+        if await self.wait_started():
             return
-        failure = self.start_failure()
-        if failure is not None:
-            raise failure
         if self._node.lost is not None:
             raise await self._lost()
         said = self._stderr.decode("utf-8", "replace").strip()

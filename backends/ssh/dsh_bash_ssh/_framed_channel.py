@@ -122,12 +122,8 @@ class FramedSshProcess(FramedCommand):
         # Continued meanwhile from outside: the command before may have stopped the warm channel's
         # shell, which would leave the boot script (and so this start) waiting for ever.
         await self._continued_until(lambda: boot_verdict(session, self._pool, self._launch))
-        await self._continued_until(self._decided.wait)
-        if self._records.child is not None:
+        if await self.wait_started():
             return
-        failure = self.start_failure()
-        if failure is not None:
-            raise failure
         if session.lost is not None or not self._pool.connected():
             raise BashInfrastructureError(
                 f"the connection to {self._pool.where} failed while starting the command",
