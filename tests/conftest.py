@@ -81,7 +81,7 @@ QUICK_LEAVES_OUT = {
     "test_cli_catches_broken.py": "a sample of the broken-backend table, through `dsh-bash conformance`",
 }
 #: Files of the suite's longest tests (30-90 s each under a whole run's load): started first.
-LONG_FIRST = frozenset({"test_wheel.py", "test_conformance_ssh_container.py"})
+LONG_FIRST = frozenset({"test_wheel.py", "test_conformance_ssh_container.py", "test_conformance_ray.py"})
 #: The markers of tests that need more than this machine's Python and bash, or build more than a
 #: commit's check should (``wheel``: the wheel and a venv to install it in; ``ray``: a Ray cluster).
 _NOT_QUICK_MARKERS = ("docker", "ssh", "ray", "faults", "wheel")

@@ -1,11 +1,12 @@
 """Ray test support: a two-node local Ray cluster in this process, and kit targets on it.
 
 The cluster (``ray.cluster_utils.Cluster``: a head node and one more, each a raylet of its own on
-this machine) starts once per test process, on first use (3-15 s), and this process connects to it
-as its driver. The Ray backend's executors of ``second_node_config()`` run their commands on the
-second node (the resource ``dsh_second`` only it has), so every command crosses from the driver to
-another node's worker. Without the ``ray`` package the fixture skips with a reason starting
-``backend unavailable:`` (a failure in CI).
+this machine) starts for a test module in each test process that runs its tests (3-15 s), and this
+process connects to it as its driver; it is shut down after the module's last test there. The
+executors of :meth:`RayCluster.executor` run their commands on the second node (the resource
+``dsh_second`` only it has), so every command crosses from the driver to another node's worker.
+Without the ``ray`` package the fixture skips with a reason starting ``backend unavailable:`` (a
+failure in CI).
 """
 
 from __future__ import annotations
@@ -44,13 +45,7 @@ class RayCluster:
         return node
 
 
-_started: RayCluster | None = None
-
-
 def start_cluster() -> RayCluster:
-    global _started
-    if _started is not None:
-        return _started
     try:
         import ray  # noqa: PLC0415
         from ray.cluster_utils import Cluster  # noqa: PLC0415
@@ -65,15 +60,26 @@ def start_cluster() -> RayCluster:
     cluster.add_node(num_cpus=1, resources={SECOND: 1})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
-    _started = RayCluster(cluster=cluster, address=cluster.address)
-    return _started
+    return RayCluster(cluster=cluster, address=cluster.address)
 
 
-@pytest.fixture(scope="session")
+def stop_cluster(started: RayCluster) -> None:
+    import ray  # noqa: PLC0415
+
+    ray.shutdown()
+    started.cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[RayCluster]:
-    """The two-node cluster of this test process (started on first use, shut down at its end)."""
+    """A two-node cluster for the module's tests in this test process, shut down after its last
+    one: a cluster's raylets, GCS and workers keep a share of the two cores busy while they live,
+    which stretched a whole run of the suite from 10 to 22 minutes when each worker kept its own."""
     started = start_cluster()
-    yield started
+    try:
+        yield started
+    finally:
+        stop_cluster(started)
 
 
 def ray_target(cluster: RayCluster, *, check_timeout_s: float = 30.0) -> KitTarget:

@@ -78,6 +78,15 @@ def _user_name() -> str:
         return str(os.getuid())
 
 
+def _children(pid: int) -> list[int]:
+    """The children of ``pid`` (``/proc/PID/task/PID/children``; none when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as fh:
+            return [int(word) for word in fh.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
 def _home() -> str:
     """The user's home from the password database (``HOME`` is the environment's to say)."""
     try:
@@ -446,6 +455,19 @@ class NodeHost:
 
     def _owner_helper(self, owner: str, func: Callable[..., Awaitable[Any]], *args: Any) -> None:
         self._owner_tasks.setdefault(owner, []).append(asyncio.ensure_future(func(*args)))
+
+    async def continue_supervisors(self) -> None:
+        """SIGCONT to every supervisor this node host started (its streams' and its spares') and
+        their keepers: a command may stop its own supervisor (same user), which then hears no
+        request. Only these: a script that continued every stopped supervisor of the user would, as
+        root, rescue other harnesses' on the machine (and did, in a test run, for a backend meant
+        to be caught leaving them stopped)."""
+        keepers = [stream.process.pid for stream in self._streams.values()]
+        keepers += [spare.pid for spares in self._spares.values() for spare in spares]
+        for keeper in keepers:
+            for pid in (keeper, *_children(keeper)):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGCONT)
 
     # -- processes by marker -------------------------------------------------------------------------
 

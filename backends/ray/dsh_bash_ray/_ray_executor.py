@@ -26,7 +26,6 @@ from dsh_bash.backend import (
 )
 from dsh_bash.remote import CommandSpills, spill_file_path
 from dsh_bash.supervisor import (
-    CONTINUE_SUPERVISOR,
     confine_probe_argv,
     confinement_from_probe,
     continue_runs,
@@ -235,7 +234,7 @@ class RayBashExecutor(BashExecutor[RayConfig]):
         return process
 
     async def _continue_supervisors(self) -> None:
-        await self._node.call("run", ["bash", "--noprofile", "--norc", "-c", CONTINUE_SUPERVISOR], b"", {})
+        await self._node.call("continue_supervisors")
 
     def _open_spill(self, command_marker: str, stream: StreamName) -> SpillFile:
         if not self._spill_dir:
