@@ -496,11 +496,6 @@ class NodeHost:
 
         return find_host_processes(needle)
 
-    async def signal_pids(self, pids: list[int], sig: int) -> None:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-
     # -- helper commands -----------------------------------------------------------------------------
 
     async def run(self, argv: list[str], stdin: bytes, env: dict[str, str]) -> tuple[int, bytes, bytes]:
@@ -577,11 +572,5 @@ class NodeHost:
             return exc.reason, str(exc)
         return "", ""
 
-    async def workdir_problem(self, path: str) -> tuple[str, str] | None:
-        return workdir_problem(path)
-
     async def exists(self, path: str) -> bool:
         return await asyncio.to_thread(os.path.lexists, path)
-
-    async def ping(self) -> int:
-        return os.getpid()
