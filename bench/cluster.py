@@ -8,8 +8,11 @@
   in each at once; beside ``--sandboxes`` local executors doing the same, and one local executor
   running as many ``true`` at once. The open and the commands are timed apart (an executor's open is
   its sandbox's start; the commands, what a harness then waits for).
+- With ``--docker IMAGE``: the latency of ``true`` in a container of IMAGE through Ray (``inner =
+  "docker"``: the engine's connections relayed by the second node) beside the Docker backend on
+  the same engine directly, alternating, median of ``--runs``.
 
-    python bench/cluster.py [--runs N] [--sandboxes N] [--json]
+    python bench/cluster.py [--runs N] [--sandboxes N] [--docker IMAGE] [--json]
 
 Needs the ``ray`` extra; starts and stops its own cluster (a head and one more node, 3-15 s).
 """
@@ -69,6 +72,28 @@ async def latency(runs: int) -> dict[str, Any]:
     }
 
 
+async def docker_latency(runs: int, image: str) -> dict[str, Any]:
+    from dsh_bash import load_executor  # noqa: PLC0415
+
+    through_ray = load_executor(
+        {"backend": "ray", "inner": "docker", "image": image, "resources": {SECOND: 1}}
+    )
+    direct = load_executor({"backend": "docker", "image": image})
+    async with through_ray, direct:
+        for ex in (through_ray, direct):
+            for _ in range(10):
+                await ex.exec("true")
+        times: dict[str, list[float]] = {"ray": [], "direct": []}
+        for _ in range(runs):
+            for name, ex in (("ray", through_ray), ("direct", direct)):
+                started = time.perf_counter()
+                result = await ex.exec("true")
+                times[name].append((time.perf_counter() - started) * 1000)
+                assert result.exit_code == 0, result
+    ray_ms, direct_ms = (statistics.median(times[name]) for name in ("ray", "direct"))
+    return {"runs": runs, "ray_ms": ray_ms, "direct_ms": direct_ms, "added_ms": ray_ms - direct_ms}
+
+
 async def scale(count: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, make in (("ray", _ray), ("local", _local)):
@@ -126,6 +151,7 @@ def main() -> None:
     )
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--sandboxes", type=int, default=200)
+    parser.add_argument("--docker", metavar="IMAGE", help="also Docker through Ray beside Docker directly")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
 
@@ -141,6 +167,7 @@ def main() -> None:
         figures = {
             "latency": anyio.run(latency, args.runs),
             "scale": anyio.run(scale, args.sandboxes),
+            **({"docker": anyio.run(docker_latency, args.runs, args.docker)} if args.docker else {}),
             "load": os.getloadavg()[0],
         }
     finally:
@@ -156,6 +183,12 @@ def main() -> None:
         f"Ray {lat['ray_ms']:.2f} ms, local {lat['local_ms']:.2f} ms: "
         f"{lat['added_ms']:+.2f} ms ({lat['ratio']:.2f}x); target at most +3 ms: {lat['verdict']}"
     )
+    if "docker" in figures:
+        dock = figures["docker"]
+        print(
+            f"latency of true in a container, median of {dock['runs']}: through Ray {dock['ray_ms']:.2f} ms, "
+            f"Docker directly {dock['direct_ms']:.2f} ms: {dock['added_ms']:+.2f} ms"
+        )
     sc = figures["scale"]
     for name in ("ray_executors", "local_executors"):
         row = sc[name]

@@ -44,7 +44,7 @@ _BUILT_IN_BACKENDS: Mapping[str, str] = {
     "local": "dsh_bash_local:LocalBashExecutor.from_fields",
     "docker": "dsh_bash_docker:DockerBashExecutor.from_fields",
     "ssh": "dsh_bash_ssh:SshBashExecutor.from_fields",
-    "ray": "dsh_bash_ray:RayBashExecutor.from_fields",
+    "ray": "dsh_bash_ray:ray_executor",
 }
 
 

@@ -92,6 +92,11 @@ Errors and configuration:
   naming the field (subclass :class:`dsh_bash.BudgetConfig` for the config model itself);
   :data:`BUDGET_FIELDS`: the fields of it ``reconfigure`` may change.
 
+Composing backends:
+
+- :class:`Dialer`: connections an outer backend makes for an inner one (the Ray backend relays the
+  Docker backend's connections to a node's engine: the Docker config's ``engine_dialer``).
+
 Telling the conformance kit where the commands run (all optional):
 
 - :class:`ConformanceHooks`: the ``kit_*`` methods a backend may implement;
@@ -106,6 +111,7 @@ not, and no code outside :mod:`dsh_bash` imports them.
 from __future__ import annotations
 
 from ._config import BUDGET_FIELDS, config_error_from
+from ._dialer import Dialer
 from ._egress import PROXY_PORT, EgressProxies, EgressProxy
 from ._env import MODEL_FRIENDLY_ENV, RC_FILE_VARIABLES, dropped_names, is_scrubbed
 from ._errors import INFRA_REASONS, InfraReason
@@ -154,6 +160,7 @@ __all__ = [
     "ConformanceHooks",
     "Containment",
     "ContainmentSetting",
+    "Dialer",
     "EgressProxies",
     "EgressProxy",
     "EgressRoute",

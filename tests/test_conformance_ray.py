@@ -22,7 +22,7 @@ import pytest
 from cli_support import console_script
 from dsh_bash_conformance import CHECKS
 from fault_support import eventually_gone, wait_for_processes
-from kit_targets import expected_outcome
+from kit_targets import BUSYBOX_NOT_APPLICABLE, RAY_DOCKER_CHECKS, expected_outcome
 from ray_support import SECOND, RayCluster
 
 from dsh_bash import BashExecRequest, BashInfrastructureError
@@ -93,40 +93,107 @@ def test_cli_conformance_passes_every_check(ray_cluster: RayCluster, tmp_path: P
     assert len(notes) == 1 and "every node that fits" in notes[0], done.stderr
 
 
+def _docker_toml(path: Path, cluster: RayCluster, image: str) -> Path:
+    path.write_text(
+        f'backend = "ray"\naddress = "{cluster.address}"\ninner = "docker"\nimage = "{image}"\n'
+        f"[resources]\n{SECOND} = 1\n"
+    )
+    return path
+
+
+#: With Docker inside: the checks the relay can break in one run (about 2 min), or with
+#: DSH_TEST_REMOTE_KIT=all the whole kit in three (each about 6 min: kit_targets.RAY_DOCKER_CHECKS).
+DOCKER_PARTS = KIT_PARTS if os.environ.get("DSH_TEST_REMOTE_KIT") == "all" else [list(RAY_DOCKER_CHECKS)]
+
+
+@pytest.mark.kit
+@pytest.mark.docker
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("part", range(len(DOCKER_PARTS)), ids=lambda index: f"part{index + 1}")
+def test_cli_conformance_with_docker_inside(
+    ray_cluster: RayCluster, docker_test_image: str, tmp_path: Path, part: int
+) -> None:
+    """``inner = "docker"``: the Docker backend's executor on the second node's engine, every
+    connection to it relayed by that node. What a remote engine cannot have (the allow-list's
+    proxy, a pids cgroup for a processes limit) is refused, and the kit says not applicable; so
+    are the checks the busybox image has no tool for."""
+    checks = DOCKER_PARTS[part]
+    config = _docker_toml(tmp_path / "ray-docker.toml", ray_cluster, docker_test_image)
+    done = _cli("conformance", "--config", str(config), "--json", "--check", *checks, timeout=880)
+    try:
+        report: dict[str, Any] = json.loads(done.stdout)
+    except ValueError:
+        pytest.fail(f"no JSON report (exit {done.returncode}): {done.stdout!r} {done.stderr[-3000:]!r}")
+    failed = [
+        (r["name"], r["outcome"], r["message"])
+        for r in report["results"]
+        if r["outcome"]
+        != (
+            "not_applicable"
+            if r["name"] in BUSYBOX_NOT_APPLICABLE
+            else expected_outcome("docker", r["name"], "docker-remote")
+        )
+    ]
+    assert failed == []
+    assert [r["name"] for r in report["results"]] == checks
+    assert (done.returncode, report["contract_ok"]) == (0, True)
+
+
+@pytest.mark.docker
 @pytest.mark.timeout(180)
-async def test_a_node_that_dies_ends_its_commands_once_as_lost(ray_cluster: RayCluster) -> None:
-    """Killing the node under a running command and a running task: each ends once, as lost
-    (``node_lost``); a later call says so; ``aclose`` is quick; nothing of theirs runs on."""
-    node = ray_cluster.add_node(dsh_doomed=1)
+async def test_a_node_that_dies_ends_its_container_commands_once_as_lost(
+    ray_cluster: RayCluster, docker_test_image: str
+) -> None:
+    """``inner = "docker"``: killing the node that relays the engine under a running command and a
+    running task ends each once, as lost; a later call says ``node_lost``; the commands in the
+    container die (their execs' input closed with the node host's connections). ``aclose`` cannot
+    reach the engine any more to remove the container (which outlives the node host here, where
+    the engine is this machine's): it says so."""
+    from dsh_bash import load_executor  # noqa: PLC0415
+
+    node = ray_cluster.add_node(dsh_doomed_docker=1)
+    fields = {"backend": "ray", "inner": "docker", "image": docker_test_image}
     ended: list[str] = []
-    async with ray_cluster.executor(resources={"dsh_doomed": 1}) as ex:
-        ex.on_task_done(lambda task: ended.append(task.id))
-        task = await ex.start(ex.resolve(BashExecRequest(command="sleep 3131")))
-        failure: list[BaseException] = []
-
-        async def foreground() -> None:
-            try:
-                await ex.exec("sleep 3132")
-            except BashInfrastructureError as exc:
-                failure.append(exc)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(foreground)
-            await wait_for_processes("3131", within_s=20)
-            await wait_for_processes("3132", within_s=20)
-            await anyio.to_thread.run_sync(ray_cluster.cluster.remove_node, node, False)
-        assert [getattr(exc, "reason", None) for exc in failure] == ["node_lost"], failure
-        with anyio.fail_after(30):
-            await task.wait()
-        assert (task.status, task.end_cause) == ("killed", "lost"), task
-        with pytest.raises(BashInfrastructureError) as raised:
-            await ex.exec("true")
-        assert raised.value.reason == "node_lost"
+    ex = load_executor({**fields, "resources": {"dsh_doomed_docker": 1}})
+    await ex.__aenter__()
+    try:
+        await _doomed(ex, ended, ray_cluster, node)
+    finally:
         closing = time.monotonic()
+        with pytest.raises(BashInfrastructureError, match="could not kill") as at_close:
+            await ex.aclose()
+    assert "is gone" in str(at_close.value), at_close.value
     assert time.monotonic() - closing < 15
+    assert len(ended) == 1
+    assert await eventually_gone("3133", within_s=20) == []
+    assert await eventually_gone("3134", within_s=20) == []
+
+
+async def _doomed(ex: Any, ended: list[str], ray_cluster: RayCluster, node: Any) -> None:
+    """The body of the test above: a task and a run, then the node killed under them."""
+    ex.on_task_done(lambda task: ended.append(task.id))
+    task = await ex.start(ex.resolve(BashExecRequest(command="sleep 3133")))
+    failure: list[BaseException] = []
+
+    async def foreground() -> None:
+        try:
+            await ex.exec("sleep 3134")
+        except BashInfrastructureError as exc:
+            failure.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(foreground)
+        await wait_for_processes("3133", within_s=20)
+        await wait_for_processes("3134", within_s=20)
+        await anyio.to_thread.run_sync(ray_cluster.cluster.remove_node, node, False)
+    assert len(failure) == 1, failure
+    with anyio.fail_after(30):
+        await task.wait()
+    assert (task.status, task.end_cause) == ("killed", "lost"), task
+    with pytest.raises(BashInfrastructureError) as raised:
+        await ex.exec("true")
+    assert raised.value.reason == "node_lost", raised.value
     assert ended == [task.id]
-    assert await eventually_gone("3131", within_s=20) == []
-    assert await eventually_gone("3132", within_s=20) == []
 
 
 async def test_executors_spread_over_the_nodes(ray_cluster: RayCluster) -> None:
@@ -213,3 +280,43 @@ async def test_continuing_supervisors_reaches_only_the_node_hosts_own(
         await ex._continue_supervisors()  # what a kill runs when the supervisor does not answer
     state = Path(f"/proc/{stopped_stranger}/stat").read_text().rsplit(")", 1)[1].split()[0]
     assert state == "T", "the node host continued a supervisor of another harness"
+
+
+# -- inner = "docker": what the config says (no cluster) --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ({"docker_host": "tcp://10.0.0.5:2375"}, "docker_host: with inner = 'docker' the node's own engine"),
+        ({"spill_parent": "/tmp"}, "spill_parent"),
+        ({"image": None}, "give exactly one of 'image'"),
+        ({"placement_timeout_ms": 0}, "placement_timeout_ms must be positive"),
+    ],
+)
+def test_docker_inside_config_errors_name_the_field(fields: dict[str, Any], said: str) -> None:
+    from dsh_bash import ConfigError, load_executor  # noqa: PLC0415
+
+    base = {"backend": "ray", "inner": "docker", "image": "debian"}
+    with pytest.raises(ConfigError) as raised:
+        load_executor({**base, **fields})
+    assert said in str(raised.value)
+
+
+def test_docker_inside_is_the_docker_backends_executor() -> None:
+    """The Ray fields place it; every other field reaches the Docker backend's config, whose
+    connections the dialer makes (no ``docker_host`` of its own)."""
+    from dsh_bash_ray import RayBashExecutor, RayDialer  # noqa: PLC0415
+
+    from dsh_bash import ConfigError, load_executor  # noqa: PLC0415
+
+    ex = load_executor(
+        {"backend": "ray", "inner": "docker", "image": "debian", "user": "nobody", "resources": {"x": 1}}
+    )
+    assert type(ex).__name__ == "DockerBashExecutor"
+    config: Any = ex.config
+    assert (config.image, config.user, config.docker_host) == ("debian", "nobody", None)
+    assert isinstance(config.engine_dialer, RayDialer)
+    assert "chosen at open" in config.engine_dialer.describe()
+    with pytest.raises(ConfigError, match="inner = 'local'"):
+        RayBashExecutor.from_fields(inner="docker")

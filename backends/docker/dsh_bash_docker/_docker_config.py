@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Literal, Self
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from dsh_bash import BudgetConfig
-from dsh_bash.backend import ContainmentSetting
+from dsh_bash.backend import ContainmentSetting, Dialer
 
 __all__ = ["DockerConfig", "memory_bytes"]
 
@@ -38,6 +38,8 @@ class DockerConfig(BudgetConfig):
     ``cwd`` defaults to the container's working directory (``/`` when the image sets none).
     """
 
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
     image: str | None = None
     container: str | None = None
     #: The engine: ``unix:///path``, ``tcp://host:port`` (TLS when ``tls_*`` below, or
@@ -55,6 +57,10 @@ class DockerConfig(BudgetConfig):
     #: agent) and a known_hosts file (None: ~/.ssh/known_hosts). The host key is always checked.
     ssh_client_keys: list[str] | None = None
     ssh_known_hosts: str | None = None
+    #: Not for a config file: given by a backend that composes this one (the Ray backend's
+    #: ``inner = "docker"`` relays each connection to the engine of the node it chose). Every
+    #: connection to the engine is made by it, and the engine is never taken to be on this host.
+    engine_dialer: Dialer | None = Field(default=None, exclude=True, repr=False)
     pull: Literal["never", "missing", "always"] = "never"
     user: str | None = None
     #: ``auto``: each command under dsh-supervise (installed into the container at open) when it
@@ -109,6 +115,10 @@ class DockerConfig(BudgetConfig):
 
     @model_validator(mode="after")
     def _one_mode(self) -> Self:
+        if self.engine_dialer is not None and (
+            self.docker_host is not None or self.tls_ca_cert or self.tls_client_cert or self.ssh_client_keys
+        ):
+            raise ValueError("engine_dialer makes the connections: docker_host, tls_* and ssh_* do not apply")
         if (self.tls_client_cert is None) != (self.tls_client_key is None):
             raise ValueError("give both 'tls_client_cert' and 'tls_client_key', or neither")
         if (self.image is None) == (self.container is None):

@@ -184,6 +184,13 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         return "subreaper" if self._supervisor is not None else "marker"
 
     @property
+    def where(self) -> str | None:
+        """The container and its engine (``doctor`` says it), once open."""
+        if not self._container_id:
+            return None
+        return f"container {self._container_id[:12]} on {self._engine.endpoint.describe()}"
+
+    @property
     def container_id(self) -> str:
         """The container commands run in (a new one after image mode recreated it)."""
         return self._container_id

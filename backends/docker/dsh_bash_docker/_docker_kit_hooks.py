@@ -52,8 +52,12 @@ def find_container_processes(
         raise ValueError("a marker is one non-empty line")
 
     async def scan() -> list[int]:
-        async with EngineClient(Endpoint.from_config(config)) as engine:
-            return await scan_with(engine)
+        found: list[int] = []
+        # A dialer placed by another backend (Ray) may lead to any of several engines: all of them.
+        for endpoint in await Endpoint.from_config(config).every_place():
+            async with EngineClient(endpoint) as engine:
+                found += await scan_with(engine)
+        return sorted(found)
 
     async def scan_with(engine: EngineClient) -> list[int]:
         found: list[int] = []

@@ -65,6 +65,13 @@ _CONNECTION_ERRORS = (
 
 
 def _lost(endpoint: Endpoint, exc: BaseException) -> EngineError:
+    # Only a dialer's connections carry another backend's reason.
+    cause: BaseException | None = exc if endpoint.dialer is not None else None
+    while cause is not None and not isinstance(cause, BashInfrastructureError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None:
+        # A dialer's own reason (the Ray node that relays the engine is gone: node_lost).
+        return EngineError(f"Docker engine at {endpoint.describe()}: {cause}", reason=cause.reason)
     if isinstance(exc, httpcore2.ConnectError):
         return EngineError(
             f"Docker engine at {endpoint.describe()} is unreachable: {exc}", reason="engine_unreachable"

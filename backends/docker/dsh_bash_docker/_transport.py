@@ -28,7 +28,8 @@ import anyio.abc
 import httpcore2
 import sniffio
 
-from dsh_bash import ConfigError
+from dsh_bash import BashInfrastructureError, ConfigError
+from dsh_bash.backend import Dialer
 
 if TYPE_CHECKING:
     import asyncssh
@@ -67,7 +68,7 @@ class TlsFiles:
 class Endpoint:
     """The engine's address, resolved from the config and (for what the config leaves out) the environment."""
 
-    scheme: Literal["unix", "tcp", "ssh"]
+    scheme: Literal["unix", "tcp", "ssh", "dialed"]
     path: str = ""
     host: str = ""
     port: int = 0
@@ -75,6 +76,8 @@ class Endpoint:
     tls: TlsFiles | None = None
     ssh_client_keys: tuple[str, ...] | None = None
     ssh_known_hosts: str | None = None
+    #: ``dialed``: the connections another backend makes (the config's ``engine_dialer``).
+    dialer: Dialer | None = None
 
     @classmethod
     def parse(cls, docker_host: str | None) -> Endpoint:
@@ -83,6 +86,8 @@ class Endpoint:
 
     @classmethod
     def from_config(cls, config: DockerConfig) -> Endpoint:
+        if config.engine_dialer is not None:
+            return cls("dialed", dialer=config.engine_dialer)
         return cls._resolve(
             config.docker_host,
             ca_cert=config.tls_ca_cert,
@@ -157,7 +162,16 @@ class Endpoint:
         """
         return self.scheme == "unix"
 
+    async def every_place(self) -> list[Endpoint]:
+        """Each engine this endpoint may lead to (the conformance kit looks in all): a dialer placed
+        by another backend may reach several; any other endpoint is one engine."""
+        if self.dialer is None:
+            return [self]
+        return [Endpoint("dialed", dialer=each) for each in await self.dialer.every_place()]
+
     def describe(self) -> str:
+        if self.dialer is not None:
+            return self.dialer.describe()
         if self.scheme == "unix":
             return f"unix://{self.path}"
         if self.scheme == "ssh":
@@ -442,6 +456,47 @@ class _DialStdioSession:
         self.writable.set()
 
 
+#: What a dialed connection's failure may be (the dialer's own reasons included).
+_DIALED_ERRORS = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, BashInfrastructureError)
+
+
+class _DialedStream(EngineStream):
+    """A connection another backend made (:class:`dsh_bash.backend.Dialer`): any anyio byte stream."""
+
+    def __init__(self, stream: anyio.abc.ByteStream) -> None:
+        self._stream = stream
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        try:
+            with anyio.fail_after(timeout):
+                return await self._stream.receive(max_bytes)
+        except anyio.EndOfStream:
+            return b""
+        except _DIALED_ERRORS as exc:
+            raise _read_error(exc) from exc
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        if not buffer:
+            return
+        try:
+            with anyio.fail_after(timeout):
+                await self._stream.send(buffer)
+        except _DIALED_ERRORS as exc:
+            raise _write_error(exc) from exc
+
+    async def write_eof(self) -> None:
+        with contextlib.suppress(*_DIALED_ERRORS):
+            await self._stream.send_eof()
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+    async def start_tls(
+        self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore2.AsyncNetworkStream:
+        raise RuntimeError("a dialed engine takes no TLS")
+
+
 class _SshStream(EngineStream):
     def __init__(self, session: _DialStdioSession, where: str) -> None:
         self._session = session
@@ -515,6 +570,8 @@ class EngineNetwork(httpcore2.AsyncNetworkBackend):
 
     def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
+        #: A dialer's hold, given back at :meth:`aclose` (Dialer.hold).
+        self._let_go = endpoint.dialer.hold() if endpoint.dialer is not None else None
         self._ssh_links: list[_SshLink] = []
         self._ssh_lock: asyncio.Lock | None = None
 
@@ -542,7 +599,9 @@ class EngineNetwork(httpcore2.AsyncNetworkBackend):
             return await self._dial(timeout)
         except ConfigError:
             raise
-        except Exception as exc:  # OSError, asyncssh's errors (a refused login, an unknown host key)
+        # OSError, asyncssh's errors (a refused login, an unknown host key), a dialer's own
+        # BashInfrastructureError (kept as the cause: its reason is the engine error's)
+        except Exception as exc:
             raise httpcore2.ConnectError(f"{type(exc).__name__}: {exc}") from exc
 
     async def _dial(self, timeout: float | None) -> EngineStream:
@@ -557,6 +616,8 @@ class EngineNetwork(httpcore2.AsyncNetworkBackend):
                         socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
                     )
                 return _SocketStream(stream)
+            if endpoint.dialer is not None:
+                return _DialedStream(await endpoint.dialer.dial())
             return await self._dial_ssh()
 
     async def _dial_ssh(self) -> EngineStream:
@@ -613,6 +674,9 @@ class EngineNetwork(httpcore2.AsyncNetworkBackend):
             return link
 
     async def aclose(self) -> None:
+        let_go, self._let_go = self._let_go, None
+        if let_go is not None:
+            let_go()
         links, self._ssh_links = self._ssh_links, []
         for link in links:
             link.connection.close()

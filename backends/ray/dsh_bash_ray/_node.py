@@ -22,7 +22,17 @@ from dsh_bash import BashInfrastructureError
 from ._node_host import NodeHost, NodeInfo
 from ._ray_config import RayConfig
 
-__all__ = ["Node", "NodeLease", "connect", "lease_every_node", "lease_node", "node_lost_error"]
+__all__ = [
+    "Node",
+    "NodeLease",
+    "connect",
+    "fitting_node_ids",
+    "lease_again",
+    "lease_every_node",
+    "lease_node",
+    "lease_node_id",
+    "node_lost_error",
+]
 
 log = logging.getLogger("dsh_bash.ray")
 
@@ -161,6 +171,37 @@ class _DiedAtOpen(Exception):
         self.node_id = node_id
 
 
+async def fitting_node_ids(config: RayConfig) -> list[str]:
+    """The ids of the live nodes that fit ``config`` (connected first)."""
+    await anyio.to_thread.run_sync(connect, config)
+    return await anyio.to_thread.run_sync(_fitting_nodes, config)
+
+
+async def lease_node_id(config: RayConfig, node_id: str) -> NodeLease:
+    """A lease of the node host on the node ``node_id`` (a place chosen earlier); ``node_lost`` when
+    the node host cannot start or answer there (the node died)."""
+    await anyio.to_thread.run_sync(connect, config)
+    try:
+        return await _lease([node_id])
+    except _DiedAtOpen as exc:
+        raise node_lost_error(f"node {node_id[:12]}", exc.__cause__) from exc
+
+
+async def lease_again(config: RayConfig, node: Node) -> NodeLease:
+    """Another lease of ``node``'s node host, without asking it anything while it lives (a
+    connection of a dialer placed there); when it was ended meanwhile (its last lease released), a
+    new one on the same node. ``node_lost`` at once when a call found it dead: what it relayed (a
+    container's execs) died with it, and a new node host would hide that."""
+    if node.lost is not None:
+        raise node_lost_error(node.where, node.lost)
+    with _lock:
+        entry = _hosts.get(node.info.node_id)
+        if entry is not None and entry[0] is node.actor:
+            entry[1] += 1
+            return NodeLease(node)
+    return await lease_node_id(config, node.info.node_id)
+
+
 async def lease_every_node(config: RayConfig) -> list[NodeLease]:
     """A lease of the node host of every live node that fits ``config`` (the conformance kit's hooks)."""
     await anyio.to_thread.run_sync(connect, config)
@@ -281,6 +322,14 @@ class Node:
 class NodeLease:
     node: Node
     released: bool = False
+
+    def another(self) -> NodeLease:
+        """One more lease of this lease's node host (which this one keeps alive meanwhile)."""
+        with _lock:
+            entry = _hosts.get(self.node.info.node_id)
+            assert entry is not None and entry[0] is self.node.actor and not self.released
+            entry[1] += 1
+        return NodeLease(self.node)
 
     def release(self) -> None:
         if not self.released:

@@ -135,8 +135,13 @@ class StartRequest:
 
 @dataclass
 class _Stream:
-    process: asyncio.subprocess.Process
+    """A supervisor's stream (``process`` set: its stdout and stdin), or a connection to a socket on
+    the node (an engine's, relayed for an inner backend)."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
     owner: str
+    process: asyncio.subprocess.Process | None = None
     held: bytearray = field(default_factory=bytearray)
     #: The offset of ``held[0]`` in the stream.
     base: int = 0
@@ -260,7 +265,8 @@ class NodeHost:
                 with contextlib.suppress(OSError):
                     os.unlink(script)
             return "start_failed", f"cannot start {request.supervisor_args[0]}: {exc}"
-        stream = _Stream(process=process, owner=request.owner, script=script)
+        assert process.stdout is not None and process.stdin is not None
+        stream = _Stream(process.stdout, process.stdin, request.owner, process=process, script=script)
         stream.room.set()
         self._streams[stream_id] = stream
         assert process.stdin is not None
@@ -331,22 +337,25 @@ class NodeHost:
         task.add_done_callback(self._spare_tasks.discard)
 
     async def _pump(self, stream: _Stream) -> None:
-        reader = stream.process.stdout
-        assert reader is not None
+        reader = stream.reader
         try:
             while True:
                 if len(stream.held) >= _HELD:
                     stream.room.clear()
                     await stream.room.wait()
                     continue
-                data = await reader.read(64 * 1024)
+                try:
+                    data = await reader.read(64 * 1024)
+                except OSError:  # a connection reset: its end, as for a pipe
+                    break
                 if not data:
                     break
                 stream.held += data
                 stream.changed.set()
         finally:
-            with contextlib.suppress(Exception):
-                await stream.process.wait()
+            if stream.process is not None:
+                with contextlib.suppress(Exception):
+                    await stream.process.wait()
             if stream.script is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(stream.script)
@@ -354,6 +363,7 @@ class NodeHost:
             stream.changed.set()
 
     async def _pump_stderr(self, stream: _Stream) -> None:
+        assert stream.process is not None
         reader = stream.process.stderr
         assert reader is not None
         while data := await reader.read(4096):
@@ -413,12 +423,11 @@ class NodeHost:
         """Send whole frames to the supervisor (written before the first await, so that the frames
         of calls taken in order are in order); False once its input is gone."""
         stream = self._streams.get(stream_id)
-        if stream is None or stream.process.stdin is None or stream.process.stdin.is_closing():
+        if stream is None or stream.writer.is_closing():
             return False
-        stdin = stream.process.stdin
         try:
-            stdin.write(data)
-            await stdin.drain()
+            stream.writer.write(data)
+            await stream.writer.drain()
         except (BrokenPipeError, ConnectionResetError, RuntimeError):
             return False
         return True
@@ -429,8 +438,8 @@ class NodeHost:
         stream = self._streams.get(stream_id)
         if stream is None:
             self._closed_early.add(stream_id)
-        elif stream.process.stdin is not None:
-            stream.process.stdin.close()
+        else:
+            stream.writer.close()
 
     async def release_owner(self, owner: str) -> int:
         """Close the input of every supervisor an executor started (its close, or its harness gone):
@@ -441,10 +450,43 @@ class NodeHost:
         self._closed_early = {name for name in self._closed_early if not name.startswith(owner + "-")}
         count = 0
         for stream in self._streams.values():
-            if stream.owner == owner and stream.process.stdin is not None:
-                stream.process.stdin.close()
-                count += 1
+            if stream.owner == owner:
+                stream.writer.close()
+                count += stream.process is not None
         return count
+
+    # -- connections to a socket on the node (an inner backend's engine) ----------------------------
+
+    async def connect(self, stream_id: str, owner: str, path: str) -> str:
+        """Open a connection to the unix socket ``path`` on this node as the stream ``stream_id``
+        (read with :meth:`read`, written with :meth:`write`); why not, or "" once open."""
+        try:
+            reader, writer = await asyncio.open_unix_connection(path, limit=_READ_MAX)
+        except OSError as exc:
+            return f"cannot connect to {path} on {socket.gethostname()}: {exc.strerror or exc}"
+        stream = _Stream(reader, writer, owner)
+        stream.room.set()
+        self._streams[stream_id] = stream
+        stream.tasks.append(asyncio.ensure_future(self._pump(stream)))
+        return ""
+
+    async def write_eof(self, stream_id: str) -> None:
+        """Half-close a connection after what was written (an exec's stdin ends; its output goes on)."""
+        stream = self._streams.get(stream_id)
+        if stream is not None and not stream.writer.is_closing() and stream.writer.can_write_eof():
+            with contextlib.suppress(OSError, RuntimeError):
+                await stream.writer.drain()
+                stream.writer.write_eof()
+
+    async def disconnect(self, stream_id: str) -> None:
+        """Close a connection and forget it (what was not read of it is dropped)."""
+        stream = self._streams.pop(stream_id, None)
+        if stream is not None:
+            stream.writer.close()
+            for task in stream.tasks:
+                task.cancel()
+            stream.ended = True
+            stream.changed.set()  # a read waiting on it returns
 
     async def egress_socket(self, owner: str, allow_hosts: list[str], directory: str) -> tuple[str, str]:
         """The socket file (in ``directory``) of ``owner``'s proxy for ``allow_hosts``, and its key."""
@@ -462,7 +504,7 @@ class NodeHost:
         request. Only these: a script that continued every stopped supervisor of the user would, as
         root, rescue other harnesses' on the machine (and did, in a test run, for a backend meant
         to be caught leaving them stopped)."""
-        keepers = [stream.process.pid for stream in self._streams.values()]
+        keepers = [stream.process.pid for stream in self._streams.values() if stream.process is not None]
         keepers += [spare.pid for spares in self._spares.values() for spare in spares]
         for keeper in keepers:
             for pid in (keeper, *_children(keeper)):

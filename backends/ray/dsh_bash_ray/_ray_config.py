@@ -8,7 +8,23 @@ from pydantic import Field, model_validator
 
 from dsh_bash import BudgetConfig
 
-__all__ = ["RayConfig"]
+__all__ = ["RAY_FIELDS", "RayConfig"]
+
+
+#: The fields that place an executor (with ``inner = "docker"`` every other field is the Docker
+#: backend's).
+RAY_FIELDS = frozenset(
+    {
+        "address",
+        "namespace",
+        "resources",
+        "labels",
+        "placement_group",
+        "bundle_index",
+        "placement_timeout_ms",
+        "inner",
+    }
+)
 
 
 class RayConfig(BudgetConfig):
@@ -39,8 +55,10 @@ class RayConfig(BudgetConfig):
     #: node's temporary directory, ``TMPDIR`` or ``/tmp``).
     spill_parent: str | None = None
     #: What runs the commands on the node: ``local``, the node's own processes (each under the
-    #: node's ``dsh-supervise``, as the local backend does).
-    inner: Literal["local"] = "local"
+    #: node's ``dsh-supervise``, as the local backend does); ``docker``, a container on the node's
+    #: Docker engine, made and run by the Docker backend (every field but the placement fields
+    #: above is then the Docker backend's: ``image``, ``user``, ``policy``, the budgets).
+    inner: Literal["local", "docker"] = "local"
 
     @model_validator(mode="after")
     def _check_placement(self) -> Self:

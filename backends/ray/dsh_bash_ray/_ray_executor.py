@@ -9,7 +9,7 @@ from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Any, TypeVar
 
-from dsh_bash import BashExecutor, BashInfrastructureError, FileOperationError
+from dsh_bash import BashExecutor, BashInfrastructureError, ConfigError, FileOperationError
 from dsh_bash.backend import (
     MAX_INLINE_COMMAND,
     SESSION_FD,
@@ -31,12 +31,13 @@ from dsh_bash.supervisor import (
     continue_runs,
 )
 
+from ._dialer import docker_on_a_node
 from ._node import Node, NodeLease, lease_every_node, lease_node
 from ._node_host import NodeInfo, StartRequest
 from ._process import START_WAIT_S, NodeMarked, NodeSpillFile, RayFramedProcess
 from ._ray_config import RayConfig
 
-__all__ = ["RayBashExecutor"]
+__all__ = ["RayBashExecutor", "ray_executor"]
 
 log = logging.getLogger("dsh_bash.ray")
 
@@ -50,6 +51,11 @@ class RayBashExecutor(BashExecutor[RayConfig]):
     config_class = RayConfig
 
     def __init__(self, config: RayConfig) -> None:
+        if config.inner != "local":
+            raise ConfigError(
+                f"inner: RayBashExecutor runs inner = 'local'; inner = {config.inner!r} is the Docker "
+                "backend's executor on a node: dsh_bash_ray.ray_executor(...) or load_executor makes it"
+            )
         super().__init__(config)
         self._lease: NodeLease | None = None
         self._spill_dir = ""
@@ -332,3 +338,12 @@ def _planted_on_nodes(config: RayConfig, variables: dict[str, str]) -> Iterator[
                     lease.release()
 
         run_in_fresh_loop(restore)
+
+
+def ray_executor(**fields: Any) -> BashExecutor[Any]:
+    """The ``ray`` backend's factory (its entry point): with ``inner = "local"`` (the default) a
+    :class:`RayBashExecutor`; with ``inner = "docker"`` the Docker backend's executor, its engine the
+    chosen node's, reached through that node (``_dialer.py``)."""
+    if fields.get("inner") == "docker":
+        return docker_on_a_node(dict(fields))
+    return RayBashExecutor.from_fields(**fields)
