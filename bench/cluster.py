@@ -48,19 +48,26 @@ def _ray(**fields: Any) -> BashExecutor:
     return RayBashExecutor.from_fields(**fields)
 
 
+async def _medians(runs: int, executors: dict[str, BashExecutor]) -> dict[str, float]:
+    """The median milliseconds of ``true`` on each executor (opened), taken in turn, after a warm-up
+    (the first commands pay imports and spares)."""
+    for ex in executors.values():
+        for _ in range(10):
+            await ex.exec("true")
+    times: dict[str, list[float]] = {name: [] for name in executors}
+    for _ in range(runs):
+        for name, ex in executors.items():
+            started = time.perf_counter()
+            result = await ex.exec("true")
+            times[name].append((time.perf_counter() - started) * 1000)
+            assert result.exit_code == 0, result
+    return {name: statistics.median(each) for name, each in times.items()}
+
+
 async def latency(runs: int) -> dict[str, Any]:
     async with _ray(resources={SECOND: 1}) as through_ray, _local() as local:
-        for ex in (through_ray, local):  # warm: first commands pay imports and spares
-            for _ in range(10):
-                await ex.exec("true")
-        times: dict[str, list[float]] = {"ray": [], "local": []}
-        for _ in range(runs):
-            for name, ex in (("ray", through_ray), ("local", local)):
-                started = time.perf_counter()
-                result = await ex.exec("true")
-                times[name].append((time.perf_counter() - started) * 1000)
-                assert result.exit_code == 0, result
-    ray_ms, local_ms = (statistics.median(times[name]) for name in ("ray", "local"))
+        medians = await _medians(runs, {"ray": through_ray, "local": local})
+    ray_ms, local_ms = medians["ray"], medians["local"]
     return {
         "runs": runs,
         "ray_ms": ray_ms,
@@ -80,17 +87,8 @@ async def docker_latency(runs: int, image: str) -> dict[str, Any]:
     )
     direct = load_executor({"backend": "docker", "image": image})
     async with through_ray, direct:
-        for ex in (through_ray, direct):
-            for _ in range(10):
-                await ex.exec("true")
-        times: dict[str, list[float]] = {"ray": [], "direct": []}
-        for _ in range(runs):
-            for name, ex in (("ray", through_ray), ("direct", direct)):
-                started = time.perf_counter()
-                result = await ex.exec("true")
-                times[name].append((time.perf_counter() - started) * 1000)
-                assert result.exit_code == 0, result
-    ray_ms, direct_ms = (statistics.median(times[name]) for name in ("ray", "direct"))
+        medians = await _medians(runs, {"ray": through_ray, "direct": direct})
+    ray_ms, direct_ms = medians["ray"], medians["direct"]
     return {"runs": runs, "ray_ms": ray_ms, "direct_ms": direct_ms, "added_ms": ray_ms - direct_ms}
 
 

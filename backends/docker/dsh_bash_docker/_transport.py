@@ -20,7 +20,7 @@ import socket
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 from urllib.parse import unquote, urlsplit
 
 import anyio
@@ -227,7 +227,10 @@ def _readable(sock: Any) -> bool:
 
 
 class _SocketStream(EngineStream):
-    def __init__(self, stream: anyio.abc.SocketStream) -> None:
+    #: What a failed read or write may raise (then an httpcore2 error with it as the cause).
+    _ERRORS: tuple[type[BaseException], ...] = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
+
+    def __init__(self, stream: anyio.abc.ByteStream) -> None:
         self._stream = stream
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
@@ -236,7 +239,7 @@ class _SocketStream(EngineStream):
                 return await self._stream.receive(max_bytes)
         except anyio.EndOfStream:
             return b""
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+        except self._ERRORS as exc:
             raise _read_error(exc) from exc
 
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:
@@ -245,11 +248,11 @@ class _SocketStream(EngineStream):
         try:
             with anyio.fail_after(timeout):
                 await self._stream.send(buffer)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+        except self._ERRORS as exc:
             raise _write_error(exc) from exc
 
     async def write_eof(self) -> None:
-        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        with contextlib.suppress(*self._ERRORS):
             await self._stream.send_eof()
 
     async def aclose(self) -> None:
@@ -259,7 +262,9 @@ class _SocketStream(EngineStream):
         self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
     ) -> httpcore2.AsyncNetworkStream:
         with anyio.fail_after(timeout):
-            return await _TlsStream.wrap(self._stream, ssl_context, server_hostname)
+            return await _TlsStream.wrap(
+                cast(anyio.abc.SocketStream, self._stream), ssl_context, server_hostname
+            )
 
     def get_extra_info(self, info: str) -> Any:
         if info == "is_readable":
@@ -456,45 +461,19 @@ class _DialStdioSession:
         self.writable.set()
 
 
-#: What a dialed connection's failure may be (the dialer's own reasons included).
-_DIALED_ERRORS = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, BashInfrastructureError)
+class _DialedStream(_SocketStream):
+    """A connection another backend made (:class:`dsh_bash.backend.Dialer`): any anyio byte stream,
+    whose failures may carry that backend's reason (a Ray node lost); no socket of this host."""
 
-
-class _DialedStream(EngineStream):
-    """A connection another backend made (:class:`dsh_bash.backend.Dialer`): any anyio byte stream."""
-
-    def __init__(self, stream: anyio.abc.ByteStream) -> None:
-        self._stream = stream
-
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        try:
-            with anyio.fail_after(timeout):
-                return await self._stream.receive(max_bytes)
-        except anyio.EndOfStream:
-            return b""
-        except _DIALED_ERRORS as exc:
-            raise _read_error(exc) from exc
-
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        if not buffer:
-            return
-        try:
-            with anyio.fail_after(timeout):
-                await self._stream.send(buffer)
-        except _DIALED_ERRORS as exc:
-            raise _write_error(exc) from exc
-
-    async def write_eof(self) -> None:
-        with contextlib.suppress(*_DIALED_ERRORS):
-            await self._stream.send_eof()
-
-    async def aclose(self) -> None:
-        await self._stream.aclose()
+    _ERRORS = (*_SocketStream._ERRORS, BashInfrastructureError)
 
     async def start_tls(
         self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
     ) -> httpcore2.AsyncNetworkStream:
         raise RuntimeError("a dialed engine takes no TLS")
+
+    def get_extra_info(self, info: str) -> Any:
+        return EngineStream.get_extra_info(self, info)
 
 
 class _SshStream(EngineStream):
