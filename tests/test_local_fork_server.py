@@ -71,6 +71,25 @@ async def test_concurrent_commands() -> None:
     assert results == {i: (i % 7, f"{i}\n") for i in range(20)}
 
 
+async def test_requests_that_fill_the_servers_socket_wait_their_turn() -> None:
+    """Requests too large for the socket's buffer at once (a large environment each, many commands
+    started together): each waits for room in turn, whole, never interleaved with another's bytes
+    (two waits on the socket at once failed one start with anyio's BusyResourceError)."""
+    results: dict[int, tuple[int | None, str]] = {}
+    async with _executor(env_allow=["DSH_BIG_*"]) as ex:
+
+        async def one(i: int) -> None:
+            env = {"DSH_BIG_VALUE": str(i) * 60_000}
+            result = await ex.exec(f"echo {i} ${{#DSH_BIG_VALUE}}", env=env)
+            results[i] = (result.exit_code, result.stdout.text)
+
+        with anyio.fail_after(BOUND_S * 4):
+            async with anyio.create_task_group() as tg:
+                for i in range(1, 41):
+                    tg.start_soon(one, i)
+    assert results == {i: (0, f"{i} {60_000 * len(str(i))}\n") for i in range(1, 41)}
+
+
 async def test_commands_run_under_a_supervisor_of_the_server() -> None:
     async with _executor() as ex:
         with anyio.fail_after(BOUND_S):

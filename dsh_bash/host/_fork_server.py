@@ -56,6 +56,7 @@ class SupervisorServer:
         self._popen: subprocess.Popen[bytes] | None = None
         self._pidfd: int | None = None
         self._socket: socket.socket | None = None
+        self._send_lock = anyio.Lock()
         self._spare_pidfd: int | None = None
         self._null: int | None = None  # /dev/null, the stdin of commands that are given none
         self._watched = False  # whether a watcher runs for the current server
@@ -128,9 +129,15 @@ class SupervisorServer:
         payload = command_payload(argv, env, cwd, status_in_program)
         message = len(payload).to_bytes(4, "big") + payload
         fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _fd_array(status, stdin, stdout, stderr))]
+        # One request at a time, whole: a request that waits for room in the socket (a large
+        # environment, many commands at once) would otherwise let another's bytes in between its
+        # own, and the server would read neither (two waits for room at once also fail).
+        async with self._send_lock:
+            await self._send(message, fds)
+
+    async def _send(self, message: bytes, fds: list[tuple[int, int, bytes]]) -> None:
         # One sendmsg carries the descriptors with the first bytes; the rest (a large environment)
-        # follows as the server's spare reads. Nothing else writes this socket meanwhile: the
-        # caller's event loop runs this whole coroutine before another request can start.
+        # follows as the server's spare reads.
         sent = 0
         sock: socket.socket | None = None
         for attempt in (1, 2):
@@ -167,6 +174,7 @@ class SupervisorServer:
                 try:
                     view = view[sock.send(view) :]
                 except BlockingIOError:
+                    self.nudge()  # a stopped server fills its socket
                     await anyio.wait_writable(sock)
 
     def nudge(self) -> None:
