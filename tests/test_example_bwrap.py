@@ -47,13 +47,15 @@ pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 #: Runs itself again in a mount namespace of its own, drops Docker's mounts (this engine's and the
 #: second engine's of tests/fault_support.py, under /tmp) from that private copy
 #: (bwrap then never remounts one: a copy taken while the engine tore a container's mounts down still
-#: failed its remount once in a rehearsal), then runs bwrap.
+#: failed its remount once in a rehearsal), then runs bwrap. The second engine's directories are
+#: /tmp/dshe-RANDOM/...: until 2026-12-06 the pattern wanted "/tmp/dshe-/", matched none of them, and
+#: a rehearsal failed on a mount of that engine's.
 _PRIVATE_MOUNTS_BWRAP = r"""#!/bin/sh
 if [ "${1-}" != --in-private-copy ]; then
     exec unshare --mount --propagation private -- "$0" --in-private-copy "$@"
 fi
 shift
-awk '$5 ~ "^/(var/lib/docker|run/docker|tmp/dshe-|tmp/dsh-tls-engine-)/" || $0 ~ / - nsfs / { print $5 }' \
+awk '$5 ~ "^/(var/lib/docker/|run/docker/|tmp/dshe-|tmp/dsh-tls-engine-)" || $0 ~ / - nsfs / { print $5 }' \
     /proc/self/mountinfo | sort -r | while read -r mount; do umount -l "$mount" 2>/dev/null; done
 exec bwrap "$@"
 """
