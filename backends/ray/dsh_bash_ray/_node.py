@@ -204,13 +204,7 @@ async def lease_again(config: RayConfig, node: Node) -> NodeLease:
 
 async def lease_every_node(config: RayConfig) -> list[NodeLease]:
     """A lease of the node host of every live node that fits ``config`` (the conformance kit's hooks)."""
-    await anyio.to_thread.run_sync(connect, config)
-    if config.placement_group is not None:
-        node_id = await anyio.to_thread.run_sync(_placement_group_node, config)
-        node_ids = [] if node_id is None else [node_id]
-    else:
-        nodes = await anyio.to_thread.run_sync(_ray().nodes)
-        node_ids = [node["NodeID"] for node in nodes if _fits(node, config)]
+    node_ids = await fitting_node_ids(config)
     leases: list[NodeLease] = []
     try:
         for node_id in node_ids:
