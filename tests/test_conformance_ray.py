@@ -227,6 +227,58 @@ async def test_executors_spread_over_the_nodes(ray_cluster: RayCluster) -> None:
     assert len(nodes) >= 2, nodes
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+async def _gone(pid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        await anyio.sleep(0.1)
+    return True
+
+
+async def test_a_node_host_waits_for_the_next_executor_then_ends_itself(ray_cluster: RayCluster) -> None:
+    """The node host outlives this process's last executor on its node by ``node_host_idle_ms``:
+    the next one opened meanwhile uses it; after it, it is gone, and the next starts another.
+    With 0 it goes with the last executor."""
+    async with ray_cluster.executor(node_host_idle_ms=2000) as ex:
+        first = ex.node.pid
+    async with ray_cluster.executor(node_host_idle_ms=2000) as ex:
+        assert ex.node.pid == first
+        assert (await ex.exec("echo again")).stdout.text == "again\n"
+    assert _alive(first)
+    assert await _gone(first, within_s=20), "the idle node host did not end itself"
+    async with ray_cluster.executor(node_host_idle_ms=0) as ex:
+        second = ex.node.pid
+        assert second != first
+        assert (await ex.exec("echo anew")).stdout.text == "anew\n"
+    assert await _gone(second, within_s=10), "a node host with node_host_idle_ms = 0 outlived its executor"
+
+
+async def test_executors_opened_as_the_idle_node_host_ends_all_open(ray_cluster: RayCluster) -> None:
+    """Opens that meet a node host at the end of its idle wait (ending, or just gone) get a new one
+    on the same node: never an error, never another node (the placement pins the second node, so
+    a node host taken for a dead node would end in ``no_node_fits``)."""
+    for gap_ms in (0, 40, 80, 120, 160, 200, 240, 280):
+        async with ray_cluster.executor(node_host_idle_ms=150, placement_timeout_ms=3000) as ex:
+            assert (await ex.exec("true")).exit_code == 0
+        await anyio.sleep(gap_ms / 1000)
+        async with anyio.create_task_group() as tg:
+            for _ in range(2):
+
+                async def one() -> None:
+                    async with ray_cluster.executor(node_host_idle_ms=150, placement_timeout_ms=3000) as ex:
+                        assert (await ex.exec("true")).exit_code == 0
+
+                tg.start_soon(one)
+
+
 async def test_no_node_fits(ray_cluster: RayCluster) -> None:
     with pytest.raises(BashInfrastructureError) as raised:
         async with ray_cluster.executor(resources={"dsh_no_such_resource": 1}, placement_timeout_ms=300):

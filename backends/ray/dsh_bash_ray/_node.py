@@ -1,9 +1,10 @@
 """The harness's side of a node host: its actor, shared by this process's executors on one node.
 
 One node host per node and per harness process (an actor costs about half a second of a worker's
-start; an executor is an owner id inside one). The first executor placed on a node starts it, the
-last one to close ends it. It is not detached: Ray ends it with the process that owns it, so a
-harness that dies leaves nothing running (its supervisors see their input close and kill all).
+start; an executor is an owner id inside one). The first executor placed on a node starts it; when
+the last one closes, it waits ``node_host_idle_ms`` for the next and then ends itself (0: it is
+ended with the last). It is not detached: Ray ends it with the process that owns it, so a harness
+that dies leaves nothing running (its supervisors see their input close and kill all).
 """
 
 from __future__ import annotations
@@ -36,9 +37,22 @@ __all__ = [
 
 log = logging.getLogger("dsh_bash.ray")
 
+
+@dataclass
+class _Host:
+    """This process's node host on one node."""
+
+    actor: Any
+    leases: int = 0
+    #: Its busy and idle turns, counted: what the node host's idle wait is told apart by.
+    epoch: int = 0
+    #: It was told to wait idle once: its death may be its own end, not its node's.
+    idled: bool = False
+
+
 _lock = threading.Lock()
-#: node id -> [actor handle, leases]
-_hosts: dict[str, list[Any]] = {}
+#: node id -> its node host (one that ended itself while idle stays here until the next lease)
+_hosts: dict[str, _Host] = {}
 
 
 def _ray() -> Any:
@@ -145,7 +159,7 @@ async def lease_node(config: RayConfig) -> NodeLease:
         ]
         if fitting:
             try:
-                return await _lease(fitting)
+                return await _lease(fitting, _idle_s(config))
             except _DiedAtOpen as exc:
                 log.info("the node host on %s died before it answered; trying another node", exc.node_id[:12])
                 dead.add(exc.node_id)
@@ -182,7 +196,7 @@ async def lease_node_id(config: RayConfig, node_id: str) -> NodeLease:
     the node host cannot start or answer there (the node died)."""
     await anyio.to_thread.run_sync(connect, config)
     try:
-        return await _lease([node_id])
+        return await _lease([node_id], _idle_s(config))
     except _DiedAtOpen as exc:
         raise node_lost_error(f"node {node_id[:12]}", exc.__cause__) from exc
 
@@ -195,10 +209,10 @@ async def lease_again(config: RayConfig, node: Node) -> NodeLease:
     if node.lost is not None:
         raise node_lost_error(node.where, node.lost)
     with _lock:
-        entry = _hosts.get(node.info.node_id)
-        if entry is not None and entry[0] is node.actor:
-            entry[1] += 1
-            return NodeLease(node)
+        host = _hosts.get(node.info.node_id)
+        if host is not None and host.actor is node.actor and host.leases > 0:
+            host.leases += 1
+            return NodeLease(node, _idle_s(config))
     return await lease_node_id(config, node.info.node_id)
 
 
@@ -209,7 +223,7 @@ async def lease_every_node(config: RayConfig) -> list[NodeLease]:
     try:
         for node_id in node_ids:
             try:
-                leases.append(await _lease([node_id]))
+                leases.append(await _lease([node_id], _idle_s(config)))
             except _DiedAtOpen:
                 continue  # dead, not yet noticed by the cluster: nothing runs there
     except BaseException:
@@ -219,49 +233,94 @@ async def lease_every_node(config: RayConfig) -> list[NodeLease]:
     return leases
 
 
-async def _lease(node_ids: list[str]) -> NodeLease:
-    """A lease of the node host of whichever of ``node_ids`` this process has the fewest leases on."""
-    node_id, actor = _take(node_ids)
-    try:
-        info: NodeInfo = await actor.describe.remote()
-    except BaseException as exc:
-        _give_back(node_id)
-        if isinstance(exc, Exception) and _is_actor_error(exc):
-            raise _DiedAtOpen(node_id, exc) from exc
-        raise
-    return NodeLease(Node(actor, info))
+def _idle_s(config: RayConfig) -> float:
+    return config.node_host_idle_ms / 1000
 
 
-def _take(node_ids: list[str]) -> tuple[str, Any]:
-    ray = _ray()
+async def _lease(node_ids: list[str], idle_s: float) -> NodeLease:
+    """A lease of the node host of whichever of ``node_ids`` this process has the fewest leases on.
+    One that ended itself while idle is replaced by a new one on its node, once."""
+    node_id, actor, epoch, idled = _take(node_ids)
+    while True:
+        try:
+            info: NodeInfo | None = await actor.lease.remote(epoch)
+        except BaseException as exc:
+            if not (isinstance(exc, Exception) and _is_actor_error(exc)):
+                _give_back(node_id, idle_s)
+                raise
+            if not idled:
+                _give_back(node_id, 0)
+                raise _DiedAtOpen(node_id, exc) from exc
+            info = None
+        if info is not None:
+            return NodeLease(Node(actor, info), idle_s)
+        if not idled:  # a new node host that is ending at once: not its idle wait
+            _give_back(node_id, 0)
+            raise _DiedAtOpen(node_id, RuntimeError("it ended at once"))
+        actor, epoch = _renew(node_id, actor)
+        idled = False
+
+
+def _new_actor(node_id: str) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
 
-    with _lock:  # the choice and the lease at once: executors opened together spread
-        node_id = min(node_ids, key=lambda each: _hosts[each][1] if each in _hosts else 0)
-        entry = _hosts.get(node_id)
-        if entry is None:
-            remote = ray.remote(NodeHost).options(
-                num_cpus=0,
-                max_concurrency=100_000,
-                max_restarts=0,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            )
-            entry = _hosts[node_id] = [remote.remote(), 0]
-        entry[1] += 1
-        return node_id, entry[0]
+    return (
+        _ray()
+        .remote(NodeHost)
+        .options(
+            num_cpus=0,
+            max_concurrency=100_000,
+            max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote()
+    )
 
 
-def _give_back(node_id: str) -> None:
+def _take(node_ids: list[str]) -> tuple[str, Any, int, bool]:
+    """The choice and a lease, at once (executors opened together spread): the node, its node
+    host, the busy turn, and whether the node host was idle once."""
     with _lock:
-        entry = _hosts.get(node_id)
-        if entry is None:
+        node_id = min(node_ids, key=lambda each: _hosts[each].leases if each in _hosts else 0)
+        host = _hosts.get(node_id)
+        if host is None:
+            host = _hosts[node_id] = _Host(_new_actor(node_id))
+        if host.leases == 0:
+            host.epoch += 1
+        host.leases += 1
+        return node_id, host.actor, host.epoch, host.idled
+
+
+def _renew(node_id: str, ended: Any) -> tuple[Any, int]:
+    """A new node host on ``node_id`` in place of ``ended`` (ended by its idle wait), unless a
+    concurrent lease made one already."""
+    with _lock:
+        host = _hosts[node_id]  # this lease's count keeps it
+        if host.actor is ended:
+            host.actor, host.idled = _new_actor(node_id), False
+        return host.actor, host.epoch
+
+
+def _give_back(node_id: str, idle_s: float) -> None:
+    """One lease less; at none, the node host waits ``idle_s`` for the next and ends (0: at once)."""
+    with _lock:
+        host = _hosts.get(node_id)
+        if host is None:
             return
-        entry[1] -= 1
-        if entry[1] > 0:
+        host.leases -= 1
+        if host.leases > 0:
             return
-        del _hosts[node_id]
+        if idle_s > 0:
+            host.epoch += 1
+            host.idled = True
+            epoch = host.epoch
+        else:
+            del _hosts[node_id]
     try:
-        _ray().kill(entry[0], no_restart=True)
+        if idle_s > 0:
+            host.actor.idle.remote(epoch, idle_s)  # its reply is not waited for: nothing to wait for
+        else:
+            _ray().kill(host.actor, no_restart=True)
     except Exception as exc:  # the cluster may be gone already
         log.debug("ending the node host on %s: %s", node_id[:12], exc)
 
@@ -315,17 +374,20 @@ class Node:
 @dataclass
 class NodeLease:
     node: Node
+    #: How long the node host waits for another lease once this process holds none.
+    idle_s: float
     released: bool = False
 
     def another(self) -> NodeLease:
         """One more lease of this lease's node host (which this one keeps alive meanwhile)."""
         with _lock:
-            entry = _hosts.get(self.node.info.node_id)
-            assert entry is not None and entry[0] is self.node.actor and not self.released
-            entry[1] += 1
-        return NodeLease(self.node)
+            host = _hosts.get(self.node.info.node_id)
+            assert host is not None and host.actor is self.node.actor and not self.released
+            host.leases += 1
+        return NodeLease(self.node, self.idle_s)
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            _give_back(self.node.info.node_id)
+            # A node host found dead is ended at once (its replacement starts at the next lease).
+            _give_back(self.node.info.node_id, self.idle_s if self.node.lost is None else 0)

@@ -184,6 +184,12 @@ class NodeHost:
             [] if bash is None else [bash, "--noprofile", "--norc", "-c", _KEEPER, "dsh-bash-keeper"]
         )
         self._spills: dict[str, int] = {}
+        #: The harness's count of its busy and idle turns with this node host, as far as seen: an
+        #: idle wait ends when a later turn began (the calls of one turn may come out of order).
+        self._epoch = 0
+        self._idle_wait: asyncio.Task[None] | None = None
+        #: Set once an idle wait ran out: a lease then gets None, and the harness starts another.
+        self._ending = False
 
     # -- the node ------------------------------------------------------------------------------------
 
@@ -207,6 +213,37 @@ class NodeHost:
             cwd=os.getcwd(),
             environment={name: value for name, value in os.environ.items() if not ray_worker_variable(name)},
         )
+
+    async def lease(self, epoch: int) -> NodeInfo | None:
+        """:meth:`describe`, for an executor's lease in the harness's turn ``epoch`` (which ends an
+        idle wait of an earlier turn); None once an idle wait ran out and this node host is ending."""
+        if self._ending:
+            return None
+        if epoch > self._epoch:
+            self._epoch = epoch
+            if self._idle_wait is not None:
+                self._idle_wait.cancel()
+                self._idle_wait = None
+        return await self.describe()
+
+    async def idle(self, epoch: int, linger_s: float) -> None:
+        """The harness's last executor here closed (its turn ``epoch``): end this node host after
+        ``linger_s`` unless a lease of a later turn comes first. It ends itself, so that no thread
+        of the harness waits for it."""
+        if epoch <= self._epoch:
+            return  # a lease of a later turn came first
+        self._epoch = epoch
+        if self._idle_wait is not None:
+            self._idle_wait.cancel()
+
+        async def wait_then_end() -> None:
+            await asyncio.sleep(linger_s)
+            self._ending = True
+            import ray  # noqa: PLC0415
+
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+        self._idle_wait = asyncio.ensure_future(wait_then_end())
 
     async def plant(self, variables: dict[str, str]) -> dict[str, str | None]:
         """The conformance kit's planting: ``variables`` become part of this node's ambient
