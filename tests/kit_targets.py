@@ -304,26 +304,3 @@ CONTAINER_MODE_CHECKS: tuple[str, ...] = tuple(
     if not each.clause.startswith(_MODE_BLIND)
     and not (each.clause.startswith("R-output-") and not each.clause.startswith("R-output-spill"))
 )
-
-#: The Ray backend with Docker inside: the checks its relay of the engine's connections can break
-#: (bytes of each stream in order and whole, stdin's half-close, a stream cut by a cancel or a
-#: kill, long commands over the long poll, many at once, an open that fails, closing, files moved
-#: over the relay, and the kit's look on every node). The Docker backend itself is held to every
-#: check on this engine directly (test_conformance_docker.py). ``DSH_TEST_REMOTE_KIT=all``: the
-#: whole kit (about 17 min of test time here: each connection crosses two actor calls).
-RAY_DOCKER_CHECKS: tuple[str, ...] = (
-    "exit-code-reported",
-    "streams-separate-exact",
-    "output-bytes-exact",
-    "read-lossy-exact",
-    "stdin-delivered",
-    "stdin-empty-by-default",
-    "kill-running-task",
-    "cancel-kills-before-propagating",
-    "long-command-runs",
-    "concurrent-runs",
-    "env-ambient-passes-through",
-    "nothing-left-by-failed-open",
-    "aclose-bounded",
-    "file-round-trip",
-)
