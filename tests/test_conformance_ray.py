@@ -150,9 +150,10 @@ async def test_a_node_that_dies_ends_its_container_commands_once_as_lost(
 ) -> None:
     """``inner = "docker"``: killing the node that relays the engine under a running command and a
     running task ends each once, as lost; a later call says ``node_lost``; the commands in the
-    container die (their execs' input closed with the node host's connections). ``aclose`` cannot
-    reach the engine any more to remove the container (which outlives the node host here, where
-    the engine is this machine's): it says so."""
+    container die (their execs' input closed with the node host's connections), and so does the
+    container (its stdin, its tie to the executor, was one of them). ``aclose`` cannot reach the
+    engine any more to remove it (the engine outlives the node host here, on this machine): it
+    says so."""
     from dsh_bash import load_executor  # noqa: PLC0415
 
     node = ray_cluster.add_node(dsh_doomed_docker=1)
@@ -162,6 +163,7 @@ async def test_a_node_that_dies_ends_its_container_commands_once_as_lost(
     await ex.__aenter__()
     try:
         await _doomed(ex, ended, ray_cluster, node)
+        assert await _container_ends(getattr(ex, "container_id", ""), within_s=20)
     finally:
         closing = time.monotonic()
         try:
@@ -174,6 +176,19 @@ async def test_a_node_that_dies_ends_its_container_commands_once_as_lost(
     assert len(ended) == 1
     assert await eventually_gone("3133", within_s=20) == []
     assert await eventually_gone("3134", within_s=20) == []
+
+
+async def _container_ends(container_id: str, within_s: float) -> bool:
+    import docker  # noqa: PLC0415
+
+    container = docker.from_env().containers.get(container_id)
+    deadline = time.monotonic() + within_s
+    while container.attrs["State"]["Running"]:
+        if time.monotonic() > deadline:
+            return False
+        await anyio.sleep(0.2)
+        await anyio.to_thread.run_sync(container.reload)
+    return True
 
 
 def _remove_container(container_id: str) -> None:

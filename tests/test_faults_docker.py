@@ -8,6 +8,8 @@ the shared one. See docs/faults.md for each outcome.
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
@@ -102,6 +104,54 @@ async def test_image_mode_container_lost_mid_command_and_mid_task(
     if fault == "kill":  # the killed container is not left behind either
         with pytest.raises(docker.errors.NotFound):
             docker_client.containers.get(first)
+
+
+_DOOMED_HARNESS = """
+import sys, anyio
+from dsh_bash import BashExecRequest
+from dsh_bash_docker import DockerBashExecutor, DockerConfig
+
+async def main():
+    image, label, session, marker = sys.argv[1:5]
+    async with DockerBashExecutor(DockerConfig(image=image, labels={label: session})) as ex:
+        await ex.start(ex.resolve(BashExecRequest(command=f"bash -c 'sleep 300; :' {marker}")))
+        print(ex.container_id, flush=True)
+        await anyio.sleep(300)
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.timeout(90)
+async def test_a_harness_that_dies_leaves_its_container_ended(
+    docker_test_image: str, docker_client: docker.DockerClient, marker: str
+) -> None:
+    """A harness killed with SIGKILL (no close ran): its command dies (the supervisor's stream
+    dropped), and so does its container, whose stdin was its tie to the harness; it is left
+    stopped, for ``sweep_orphaned_containers``."""
+    argv = [sys.executable, "-c", _DOOMED_HARNESS, docker_test_image, SESSION_LABEL, SESSION_ID, marker]
+    harness = await anyio.open_process(argv, stdout=subprocess.PIPE, stderr=None)
+    try:
+        assert harness.stdout is not None
+        said = b""
+        with anyio.fail_after(60):
+            while not said.endswith(b"\n"):
+                said += await harness.stdout.receive()
+        container_id = said.decode().strip()
+        await wait_for_processes(marker)
+    finally:
+        harness.kill()
+        await harness.aclose()
+    container = docker_client.containers.get(container_id)
+    try:
+        deadline = time.monotonic() + 20
+        while container.attrs["State"]["Running"] and time.monotonic() < deadline:
+            await anyio.sleep(0.2)
+            container.reload()
+        assert not container.attrs["State"]["Running"], "the container outlived its harness"
+        assert await eventually_gone(marker, 5) == []
+    finally:
+        container.remove(force=True)
 
 
 @pytest.mark.timeout(90)

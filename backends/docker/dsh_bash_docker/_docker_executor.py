@@ -149,6 +149,8 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         self._docker_config = config
         self._engine = EngineClient(Endpoint.from_config(config))
         self._container_id = ""
+        #: Image mode: this process's connection to its container's stdin (see _start_container).
+        self._tether: ExecStream | None = None
         self._cwd = "/"
         #: The container's configured user (its image's, or the one it was made with): a command's
         #: user when neither the config nor the request names one.
@@ -244,9 +246,17 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             raise BashInfrastructureError(str(exc), reason="policy_unenforceable") from exc
 
     async def _start_container(self) -> str:
-        """Image mode: create a container and start it; a container that cannot start is removed."""
+        """Image mode: create a container, tie it to this process, and start it; a container that
+        cannot start is removed.
+
+        The tie is a connection to the container's stdin, which its main process reads until the
+        end: when the connection ends (this process died, its engine's connection or the node that
+        relayed it was lost) the engine closes the container's stdin (``StdinOnce``), and the
+        container ends. Attached before the start, so no moment has the container running untied."""
         container_id = await self._create_container()
         try:
+            tether = await self._engine.container_attach_stdin(container_id)
+            await self._replace_tether(tether)
             await self._engine.request("POST", f"/containers/{container_id}/start")
         except EngineError as exc:
             with anyio.CancelScope(shield=True):
@@ -262,6 +272,13 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
                 await self._remove_container(container_id)
             raise
         return container_id
+
+    async def _replace_tether(self, tether: ExecStream | None) -> None:
+        old, self._tether = self._tether, tether
+        if old is not None:
+            # Cleanup of a connection that may be broken already: whatever its close raises is moot.
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await old.aclose()
 
     def _withheld_environment(self) -> list[str]:
         """Image mode: the ``environment`` names the env policy scrubs (never given to the container)."""
@@ -326,14 +343,17 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             environment = self._container_environment(image_env)
             body: dict[str, Any] = {
                 "Image": config.image,
+                # Until its stdin ends (_start_container's tie), whatever reaches it.
                 "Cmd": [
                     "bash",
                     "--noprofile",
                     "--norc",
                     "-c",
-                    "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done",
+                    "trap 'exit 0' TERM; while read -r _; do :; done",
                 ],
                 "Entrypoint": [],
+                "OpenStdin": True,
+                "StdinOnce": True,
                 "Env": [f"{name}={value}" for name, value in environment.items()],
                 "Labels": {**config.labels, MANAGED_LABEL: self._token, OWNER_PID_LABEL: str(os.getpid())},
                 "HostConfig": {name: value for name, value in host_config.items() if value is not None},
@@ -488,6 +508,7 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         if config.image is not None:
             if self._container_id:  # empty when opening failed before the container was started
                 await self._remove_container(self._container_id)
+            await self._replace_tether(None)
         elif self._spill_dir:
             # Started, not waited for: it completes in the container all the same, and waiting would
             # cost aclose a stream and an inspect (on an ``ssh://`` engine a channel each). Bounded:

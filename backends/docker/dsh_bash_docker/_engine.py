@@ -374,12 +374,18 @@ class EngineClient:
         return str(result["Id"])
 
     async def exec_start(self, exec_id: str) -> ExecStream:
-        request = self._request(
-            "POST",
-            f"/exec/{exec_id}/start",
-            {"Detach": False, "Tty": False},
-            [(b"Connection", b"Upgrade"), (b"Upgrade", b"tcp")],
-        )
+        return await self._upgraded(f"/exec/{exec_id}/start", {"Detach": False, "Tty": False}, "the exec's")
+
+    async def container_attach_stdin(self, container: str) -> ExecStream:
+        """A connection attached to the container's stdin alone. A container created with
+        ``OpenStdin`` and ``StdinOnce`` keeps its stdin open while this connection is, and the
+        engine closes it when the connection ends, however it ends."""
+        path = f"/containers/{quote(container, safe='')}/attach?stream=1&stdin=1"
+        return await self._upgraded(path, None, "the container's")
+
+    async def _upgraded(self, path: str, body: Any | None, whose: str) -> ExecStream:
+        """A ``POST`` the engine answers by handing over the connection (101), as a stream."""
+        request = self._request("POST", path, body, [(b"Connection", b"Upgrade"), (b"Upgrade", b"tcp")])
         try:
             response = await self._watched(lambda: self._pool.handle_async_request(request))
         except _CONNECTION_ERRORS as exc:
@@ -395,7 +401,7 @@ class EngineClient:
             await response.aclose()
         if response.status >= 400:
             raise EngineError(_error_text(response.status, data), response.status)
-        raise EngineError(f"the Docker engine did not hand over the exec's stream (status {response.status})")
+        raise EngineError(f"the Docker engine did not hand over {whose} stream (status {response.status})")
 
     async def exec_start_detached(self, exec_id: str) -> None:
         """Start the exec and return at once: no stream is handed over (on an ``ssh://`` engine no
