@@ -38,6 +38,20 @@ class Dialer(ABC):
         connection. Default: nothing to keep."""
         return _nothing
 
+    async def egress_directory(self) -> str | None:
+        """A private directory on the place's host (``0711``: names in it are reached, not listed)
+        for the socket files of the egress proxies :meth:`egress_socket` serves there; the same at
+        every call, removed when the last :meth:`hold` lets go. An inner backend mounts it where its
+        commands run. None (the default): the place serves no egress proxy, and the inner backend
+        refuses ``network = "allow-list"`` (``policy_unenforceable``)."""
+        return None
+
+    async def egress_socket(self, allow_hosts: tuple[str, ...]) -> tuple[str, str]:
+        """The path of the socket file (in :meth:`egress_directory`, mode ``0666``) of the place's
+        egress proxy for ``allow_hosts``, started at the first call for that list, and its key (a
+        client sends it first: ``EgressRoute.key``). Only when :meth:`egress_directory` gave one."""
+        raise NotImplementedError(f"{type(self).__name__} serves no egress proxy")
+
     async def every_place(self) -> Sequence[Dialer]:
         """For the conformance kit, which must look everywhere the inner backend's commands may run
         (one dialer may be placed on any of several nodes): a dialer fixed on each such place.

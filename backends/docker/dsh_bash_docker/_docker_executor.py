@@ -179,6 +179,9 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
         self._egress_dir: str | None = None
         self._egress_mounted_at = EGRESS_MOUNT
         self._egress_files: set[str] = set()
+        #: Image mode on a dialed engine: the dialer's directory of proxies on the engine's host,
+        #: mounted at EGRESS_MOUNT (None: the dialer serves none).
+        self._dialed_egress_dir: str | None = None
 
     @property
     def containment(self) -> Containment:
@@ -325,6 +328,11 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             binds = list(config.mounts)
             if self._engine.endpoint.on_this_host:
                 binds.append(f"{self._egress_directory()}:{EGRESS_MOUNT}:ro")
+            elif config.engine_dialer is not None:
+                # The engine's host is the dialer's place: its proxies, in its directory, serve there.
+                self._dialed_egress_dir = await config.engine_dialer.egress_directory()
+                if self._dialed_egress_dir is not None:
+                    binds.append(f"{self._dialed_egress_dir}:{EGRESS_MOUNT}:ro")
             host_config: dict[str, Any] = {
                 "Init": True,
                 "NetworkMode": config.network,
@@ -381,8 +389,13 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
 
     async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> EgressRoute | None:
         # Only a container with the directory mounted: the executor's own (image mode, an engine on
-        # this host: a remote engine would mount its own host's directory of that name), or an
-        # attached one that has the config's egress_directory.
+        # this host: a remote engine would mount its own host's directory of that name; or a dialed
+        # engine, the dialer's directory on its host, its proxies served there), or an attached one
+        # that has the config's egress_directory.
+        dialer = self._docker_config.engine_dialer
+        if self._dialed_egress_dir is not None and dialer is not None:
+            path, key = await dialer.egress_socket(allow_hosts)
+            return EgressRoute(socket=posixpath.join(EGRESS_MOUNT, posixpath.basename(path)), key=key)
         if self._egress_dir is None:
             return None
         path, key = await self._egress.in_directory(allow_hosts, self._egress_dir, mode=0o666)

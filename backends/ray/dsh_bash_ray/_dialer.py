@@ -64,7 +64,9 @@ class RayDialer(Dialer):
 
     The node is chosen at the first connection (the placement of ``config``) and kept: every later
     connection goes to the same engine; when that node is gone they fail with ``node_lost``. Each
-    connection holds a lease of the node host, so the last one closed ends it.
+    connection holds a lease of the node host, which waits idle only once the last one closed. The
+    node host serves the egress proxies of ``network = "allow-list"`` on the node, in a directory
+    there that the Docker backend mounts into its container.
     """
 
     def __init__(self, config: RayConfig, socket_path: str, *, node_id: str | None = None) -> None:
@@ -80,6 +82,8 @@ class RayDialer(Dialer):
         #: (an executor's open makes and ends many; each node host costs a worker's start).
         self._holders = 0
         self._kept: NodeLease | None = None
+        self._egress_lock = anyio.Lock()
+        self._egress_dir: str | None = None
 
     def describe(self) -> str:
         node = self._node
@@ -107,6 +111,11 @@ class RayDialer(Dialer):
                 if kept is not None:
                     self._kept = None
             if kept is not None:
+                if self._egress_dir is not None and kept.node.lost is None:
+                    # Its proxies and their directory end with the last client (not waited for:
+                    # this runs in a close, and the node host does it before it answers the next).
+                    self._egress_dir = None
+                    kept.node.actor.release_owner.remote(self._owner)
                 kept.release()
 
         return let_go
@@ -150,6 +159,28 @@ class RayDialer(Dialer):
             return lease
         lease.release()  # two first connections at once chose two nodes: the first choice holds
         return await lease_again(self._config, chosen)
+
+    async def egress_directory(self) -> str | None:
+        async with self._egress_lock:
+            if self._egress_dir is None:
+                lease = await self._lease()
+                try:
+                    self._egress_dir = await lease.node.call("egress_directory", self._owner)
+                finally:
+                    lease.release()
+            return self._egress_dir
+
+    async def egress_socket(self, allow_hosts: tuple[str, ...]) -> tuple[str, str]:
+        directory = await self.egress_directory()
+        assert directory is not None
+        lease = await self._lease()
+        try:
+            path, key = await lease.node.call(
+                "egress_socket", self._owner, list(allow_hosts), directory, 0o666
+            )
+        finally:
+            lease.release()
+        return path, key
 
     async def every_place(self) -> Sequence[Dialer]:
         if self._node_id is not None:

@@ -168,6 +168,7 @@ class NodeHost:
         #: Each executor's egress proxies (``network = "allow-list"``), served from here: the
         #: command's connections leave from its own node, and its step reaches them by a file here.
         self._egress: dict[str, EgressProxies] = {}
+        self._egress_dirs: dict[str, str] = {}
         self._owner_tasks: dict[str, list[asyncio.Task[Any]]] = {}
         # Each supervisor is started by a bash of its own that waits for it (``_KEEPER``), so that
         # it is not this worker's child: a Ray worker that exits (its raylet died, the node went
@@ -239,6 +240,8 @@ class NodeHost:
         async def wait_then_end() -> None:
             await asyncio.sleep(linger_s)
             self._ending = True
+            for directory in self._egress_dirs.values():  # of owners never released (a harness gone)
+                shutil.rmtree(directory, ignore_errors=True)
             import ray  # noqa: PLC0415
 
             ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
@@ -484,6 +487,9 @@ class NodeHost:
         """Close the input of every supervisor an executor started (its close, or its harness gone):
         each kills what it holds; end its proxies. How many supervisors were still there."""
         self._egress.pop(owner, None)
+        directory = self._egress_dirs.pop(owner, None)
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
         for task in self._owner_tasks.pop(owner, []):
             task.cancel()
         self._closed_early = {name for name in self._closed_early if not name.startswith(owner + "-")}
@@ -527,12 +533,24 @@ class NodeHost:
             stream.ended = True
             stream.changed.set()  # a read waiting on it returns
 
-    async def egress_socket(self, owner: str, allow_hosts: list[str], directory: str) -> tuple[str, str]:
-        """The socket file (in ``directory``) of ``owner``'s proxy for ``allow_hosts``, and its key."""
+    async def egress_socket(
+        self, owner: str, allow_hosts: list[str], directory: str, mode: int = 0o600
+    ) -> tuple[str, str]:
+        """The socket file (in ``directory``, of ``mode``) of ``owner``'s proxy for ``allow_hosts``,
+        and its key."""
         proxies = self._egress.get(owner)
         if proxies is None:
             proxies = self._egress[owner] = EgressProxies(partial(self._owner_helper, owner))
-        return await proxies.in_directory(tuple(allow_hosts), directory)
+        return await proxies.in_directory(tuple(allow_hosts), directory, mode=mode)
+
+    async def egress_directory(self, owner: str) -> str:
+        """A directory (0711) for ``owner``'s proxies' socket files that others mount (a container
+        on this node's engine); removed with ``owner``'s release."""
+        directory = self._egress_dirs.get(owner)
+        if directory is None:
+            directory = self._egress_dirs[owner] = tempfile.mkdtemp(prefix="dsh-bash-egress-")
+            os.chmod(directory, 0o711)
+        return directory
 
     def _owner_helper(self, owner: str, func: Callable[..., Awaitable[Any]], *args: Any) -> None:
         self._owner_tasks.setdefault(owner, []).append(asyncio.ensure_future(func(*args)))
