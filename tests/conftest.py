@@ -109,10 +109,35 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # hands each worker a contiguous block of the list, so the first worker takes them all at the
     # start and keeps its turn from one to the next, and the others wait once, behind their first
     # tests. Where they fell before, each of them waited for the tests under way on the other
-    # workers to end, the two-minute ones among them. The longest tests follow them: the first
-    # worker runs them while the others take the rest of its block from its end (a late long test
-    # is a run's tail, three workers idle behind it).
-    items.sort(key=lambda item: (not _serial(item), item.path.name not in LONG_FIRST))
+    # workers to end, the two-minute ones among them. The longest tests start each worker's block,
+    # dealt in turn: a late long test is a run's tail, three workers idle behind it; and all of
+    # them at the head of the first block were a chain on one worker (others steal from a block's
+    # end), the run's longest path once the Ray kits made them 15 minutes of test time.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    items[:] = _dealt(items, workers)
+
+
+def _dealt(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
+    """``items`` in the order that gives each of ``workers`` a block (as pytest-xdist's worksteal
+    hands them out at the start: contiguous, ``left // workers_left`` each) that starts with its
+    turn of the long tests; the serial tests ahead of all, in the first block."""
+    serial = [item for item in items if _serial(item)]
+    long = [item for item in items if not _serial(item) and item.path.name in LONG_FIRST]
+    rest = [item for item in items if not _serial(item) and item.path.name not in LONG_FIRST]
+    heads: list[list[pytest.Item]] = [[] for _ in range(max(1, workers))]
+    heads[0] += serial
+    for index, item in enumerate(long):
+        heads[index % len(heads)].append(item)
+    dealt: list[pytest.Item] = []
+    left = len(items)
+    for index, head in enumerate(heads):
+        size = left // (len(heads) - index)
+        left -= size
+        dealt += head
+        take = max(0, size - len(head))
+        dealt += rest[:take]
+        del rest[:take]
+    return dealt + rest
 
 
 # -- tests that run alone ----------------------------------------------------------------------------

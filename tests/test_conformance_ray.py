@@ -108,9 +108,8 @@ def test_cli_conformance_with_docker_inside(
     ray_cluster: RayCluster, docker_test_image: str, tmp_path: Path, part: int
 ) -> None:
     """``inner = "docker"``: the Docker backend's executor on the second node's engine, every
-    connection to it relayed by that node. What a remote engine cannot have (the allow-list's
-    proxy, a pids cgroup for a processes limit) is refused, and the kit says not applicable; so
-    are the checks the busybox image has no tool for."""
+    connection to it relayed by that node, the allow-list's proxies served by the node host there.
+    The checks the busybox image has no tool for are not applicable, as on Docker directly."""
     checks = DOCKER_PARTS[part]
     config = _docker_toml(tmp_path / "ray-docker.toml", ray_cluster, docker_test_image)
     done = _cli("conformance", "--config", str(config), "--json", "--check", *checks, timeout=400)
@@ -120,7 +119,7 @@ def test_cli_conformance_with_docker_inside(
         lambda name: (
             "not_applicable"
             if name in BUSYBOX_NOT_APPLICABLE
-            else expected_outcome("docker", name, "docker-remote")
+            else expected_outcome("docker", name)
         ),
     )
 
@@ -232,16 +231,23 @@ async def test_executors_spread_over_the_nodes(ray_cluster: RayCluster) -> None:
     from dsh_bash_ray import RayBashExecutor  # noqa: PLC0415
 
     nodes: set[str] = set()
+    opened = 0
+    all_open = anyio.Event()
+
+    async def one() -> None:
+        nonlocal opened
+        async with RayBashExecutor.from_fields() as ex:
+            result = await ex.exec("echo $$")
+            assert result.exit_code == 0
+            nodes.add(ex.node.node_id)
+            opened += 1
+            if opened == 4:
+                all_open.set()
+            with anyio.fail_after(60):
+                await all_open.wait()  # held until all are open (a second was too short under load)
+
     async with anyio.create_task_group() as tg:
         for _ in range(4):
-
-            async def one() -> None:
-                async with RayBashExecutor.from_fields() as ex:
-                    result = await ex.exec("echo $$")
-                    assert result.exit_code == 0
-                    nodes.add(ex.node.node_id)
-                    await anyio.sleep(1)  # held while the others open
-
             tg.start_soon(one)
     assert len(nodes) >= 2, nodes
 
