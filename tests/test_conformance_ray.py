@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -116,11 +117,7 @@ def test_cli_conformance_with_docker_inside(
     _assert_report(
         done,
         checks,
-        lambda name: (
-            "not_applicable"
-            if name in BUSYBOX_NOT_APPLICABLE
-            else expected_outcome("docker", name)
-        ),
+        lambda name: "not_applicable" if name in BUSYBOX_NOT_APPLICABLE else expected_outcome("docker", name),
     )
 
 
@@ -310,6 +307,34 @@ async def test_no_node_fits(ray_cluster: RayCluster) -> None:
             pass
     assert raised.value.reason == "no_node_fits"
     assert "dsh_no_such_resource" in str(raised.value)
+
+
+#: A driver connected by the backend, then a message of the cluster to every driver (as when a node
+#: is marked dead), and time for Ray's listening thread to print it.
+_CLUSTER_MESSAGE = """
+import logging, sys, time
+import ray
+from ray._private.utils import publish_error_to_driver
+from dsh_bash_ray import RayConfig
+from dsh_bash_ray._node import connect
+logging.basicConfig(stream=sys.stderr, format="%(name)s: %(message)s")
+connect(RayConfig(address=sys.argv[1]))
+publish_error_to_driver("dsh_test", "a node was marked dead", ray._private.worker.global_worker.gcs_client)
+time.sleep(2)
+print("the harness's own line")
+"""
+
+
+def test_the_clusters_messages_stay_out_of_the_harnesss_stdout(ray_cluster: RayCluster) -> None:
+    """Ray prints the cluster's messages on a driver's stdout from a thread, whenever they come: in
+    the middle of a CLI's JSON report (seen in this file's kit runs) or an MCP server's stdio."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CLUSTER_MESSAGE, ray_cluster.address],
+        capture_output=True, text=True, timeout=120, check=False, env=_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "the harness's own line\n"
+    assert "dsh_bash.ray: Ray: a node was marked dead" in done.stderr
 
 
 def test_doctor_names_the_node_and_an_unreachable_cluster(ray_cluster: RayCluster, tmp_path: Path) -> None:

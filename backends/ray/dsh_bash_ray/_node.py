@@ -20,7 +20,8 @@ import anyio
 
 from dsh_bash import BashInfrastructureError
 
-from ._node_host import NodeHost, NodeInfo
+from ._channel import ChannelAddress, ChannelBroken, ChannelClient
+from ._node_host import CHANNEL_METHODS, NodeHost, NodeInfo
 from ._ray_config import RayConfig
 
 __all__ = [
@@ -100,6 +101,31 @@ def connect(config: RayConfig) -> None:
         raise BashInfrastructureError(
             f"cannot connect to the Ray cluster at {config.address!r}: {exc}", reason="cluster_unreachable"
         ) from exc
+    _divert_cluster_messages()
+
+
+def _divert_cluster_messages() -> None:
+    """Ray prints the cluster's messages to a driver (a node marked dead, say) on ``sys.stdout``,
+    from a thread of its own, whenever they come: into the middle of what the harness writes there
+    (a CLI's JSON, an MCP server's stdio). Sent to the ``dsh_bash.ray`` logger instead, for a
+    connection this backend made (a harness that connected itself keeps Ray's ways)."""
+    try:
+        from ray._private import worker  # noqa: PLC0415
+    except ImportError:
+        return
+    printer = getattr(worker, "print_to_stdstream", None)
+    if printer is None or getattr(printer, "dsh_bash_diverted", False):
+        return
+
+    def to_the_log(data: dict[str, Any], ignore_prefix: bool) -> None:
+        if data.get("pid") != "raylet":
+            printer(data, ignore_prefix)
+            return
+        for line in data.get("lines", []):
+            log.warning("Ray: %s", line)
+
+    to_the_log.dsh_bash_diverted = True  # type: ignore[attr-defined]
+    worker.print_to_stdstream = to_the_log
 
 
 def node_lost_error(where: str, cause: object) -> BashInfrastructureError:
@@ -243,7 +269,7 @@ async def _lease(node_ids: list[str], idle_s: float) -> NodeLease:
     node_id, actor, epoch, idled = _take(node_ids)
     while True:
         try:
-            info: NodeInfo | None = await actor.lease.remote(epoch)
+            leased: tuple[NodeInfo, ChannelAddress] | None = await actor.lease.remote(epoch)
         except BaseException as exc:
             if not (isinstance(exc, Exception) and _is_actor_error(exc)):
                 _give_back(node_id, idle_s)
@@ -251,9 +277,9 @@ async def _lease(node_ids: list[str], idle_s: float) -> NodeLease:
             if not idled:
                 _give_back(node_id, 0)
                 raise _DiedAtOpen(node_id, exc) from exc
-            info = None
-        if info is not None:
-            return NodeLease(Node(actor, info), idle_s)
+            leased = None
+        if leased is not None:
+            return NodeLease(Node(actor, *leased), idle_s)
         if not idled:  # a new node host that is ending at once: not its idle wait
             _give_back(node_id, 0)
             raise _DiedAtOpen(node_id, RuntimeError("it ended at once"))
@@ -335,23 +361,46 @@ class Node:
     """A node host's actor and what it said of its node; every call through :meth:`call`, which
     turns the actor's death into ``node_lost`` (and remembers it: :attr:`lost`)."""
 
-    def __init__(self, actor: Any, info: NodeInfo) -> None:
+    def __init__(self, actor: Any, info: NodeInfo, channel: ChannelAddress | None = None) -> None:
         self.actor = actor
         self.info = info
         #: Why the node host is gone, once a call found it so.
         self.lost: BaseException | None = None
+        #: The direct connections to the node host (None: every call over Ray).
+        self._channel = None if channel is None else ChannelClient(channel)
+        #: The leases holding this node (its channel closes with the last).
+        self.holders = 0
 
     @property
     def where(self) -> str:
         return f"node {self.info.node_id[:12]} ({self.info.address})"
 
     async def call(self, method: str, *args: Any, idempotent: bool = False) -> Any:
-        """The node host's ``method(*args)``. An actor Ray calls unavailable (its node may be going,
-        or the network hiccuped) is asked again for up to ``_UNAVAILABLE_S`` when the call may be
-        repeated (``idempotent``: a read from an offset, a look); any other call's failure is the
-        node's loss, as is the actor's death."""
+        """The node host's ``method(*args)``, over the channel when it can be (``_channel``), else
+        over Ray. An actor Ray calls unavailable (its node may be going, or the network hiccuped)
+        is asked again for up to ``_UNAVAILABLE_S`` when the call may be repeated (``idempotent``:
+        a read from an offset, a look); any other call's failure is the node's loss, as is the
+        actor's death."""
         if self.lost is not None:
             raise node_lost_error(self.where, self.lost)
+        channel = self._channel
+        if channel is not None and method in CHANNEL_METHODS:
+            try:
+                return await channel.call(method, args)
+            except ChannelBroken as exc:
+                # Left for Ray from here on: it tells a node host that died from a connection
+                # that broke (which it then carries).
+                self.close_channel()
+                if exc.sent and not idempotent:
+                    await self._ray_call("exists", ("/",), idempotent=True)
+                    self.lost = exc
+                    raise node_lost_error(
+                        self.where, f"the connection to it broke during {method} (its effect is unknown)"
+                    ) from exc
+                log.info("the channel to the node host on %s broke (%s): Ray from here on", self.where, exc)
+        return await self._ray_call(method, args, idempotent=idempotent)
+
+    async def _ray_call(self, method: str, args: tuple[Any, ...], *, idempotent: bool) -> Any:
         from ray.exceptions import ActorUnavailableError  # noqa: PLC0415
 
         deadline = anyio.current_time() + _UNAVAILABLE_S
@@ -370,6 +419,11 @@ class Node:
                     raise node_lost_error(self.where, exc) from exc
                 raise
 
+    def close_channel(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
+
 
 @dataclass
 class NodeLease:
@@ -377,6 +431,9 @@ class NodeLease:
     #: How long the node host waits for another lease once this process holds none.
     idle_s: float
     released: bool = False
+
+    def __post_init__(self) -> None:
+        self.node.holders += 1
 
     def another(self) -> NodeLease:
         """One more lease of this lease's node host (which this one keeps alive meanwhile)."""
@@ -389,5 +446,8 @@ class NodeLease:
     def release(self) -> None:
         if not self.released:
             self.released = True
+            self.node.holders -= 1
+            if self.node.holders == 0:
+                self.node.close_channel()
             # A node host found dead is ended at once (its replacement starts at the next lease).
             _give_back(self.node.info.node_id, self.idle_s if self.node.lost is None else 0)

@@ -35,7 +35,40 @@ from dsh_bash.backend import EgressProxies
 from dsh_bash.host import read_host_file, scan_processes, signal_marked, workdir_problem, write_host_file
 from dsh_bash.supervisor import command_payload, encode_frame, supervisor_binary, supervisor_problem
 
-__all__ = ["NodeHost", "NodeInfo", "StartRequest", "ray_worker_variable"]
+from ._channel import ChannelAddress, ChannelServer
+
+__all__ = ["CHANNEL_METHODS", "NodeHost", "NodeInfo", "StartRequest", "ray_worker_variable"]
+
+#: What the harness may call over the channel (``_channel``) as well as over Ray: all but the
+#: node host's life (its lease and idle wait) and the kit's planting.
+CHANNEL_METHODS = frozenset(
+    {
+        "start",
+        "read",
+        "write",
+        "close_input",
+        "release_owner",
+        "connect",
+        "write_eof",
+        "disconnect",
+        "egress_socket",
+        "egress_directory",
+        "continue_supervisors",
+        "find_marked",
+        "signal_marked",
+        "find_in_command_lines",
+        "run",
+        "make_directory",
+        "remove_directory",
+        "spill_create",
+        "spill_write",
+        "spill_close",
+        "spill_remove",
+        "read_file",
+        "write_file",
+        "exists",
+    }
+)
 
 #: What a node host holds of one stream before it stops reading the supervisor's pipe.
 _HELD = 256 * 1024
@@ -191,6 +224,7 @@ class NodeHost:
         self._idle_wait: asyncio.Task[None] | None = None
         #: Set once an idle wait ran out: a lease then gets None, and the harness starts another.
         self._ending = False
+        self._channel = ChannelServer(self._dispatch, CHANNEL_METHODS)
 
     # -- the node ------------------------------------------------------------------------------------
 
@@ -215,9 +249,10 @@ class NodeHost:
             environment={name: value for name, value in os.environ.items() if not ray_worker_variable(name)},
         )
 
-    async def lease(self, epoch: int) -> NodeInfo | None:
-        """:meth:`describe`, for an executor's lease in the harness's turn ``epoch`` (which ends an
-        idle wait of an earlier turn); None once an idle wait ran out and this node host is ending."""
+    async def lease(self, epoch: int) -> tuple[NodeInfo, ChannelAddress] | None:
+        """:meth:`describe` and the channel's address, for an executor's lease in the harness's turn
+        ``epoch`` (which ends an idle wait of an earlier turn); None once an idle wait ran out and
+        this node host is ending."""
         if self._ending:
             return None
         if epoch > self._epoch:
@@ -225,7 +260,11 @@ class NodeHost:
             if self._idle_wait is not None:
                 self._idle_wait.cancel()
                 self._idle_wait = None
-        return await self.describe()
+        info = await self.describe()
+        return info, await self._channel.start(info.address)
+
+    async def _dispatch(self, method: str, args: tuple[Any, ...]) -> Any:
+        return await getattr(self, method)(*args)
 
     async def idle(self, epoch: int, linger_s: float) -> None:
         """The harness's last executor here closed (its turn ``epoch``): end this node host after
