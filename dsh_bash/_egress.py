@@ -20,6 +20,7 @@ import os
 import secrets
 import socket
 import struct
+import tempfile
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
@@ -277,6 +278,17 @@ class EgressProxies:
         self._start_helper = start_helper
         self._lock = anyio.Lock()
         self._started: dict[tuple[tuple[str, ...], str | None], tuple[str, str | None]] = {}
+
+    @staticmethod
+    def mountable_directory() -> str:
+        """A new directory for socket files that a container mounts (:meth:`in_directory` with mode
+        0o666): 0711, so that the container's processes, of whatever user, reach a file whose name
+        they know (the step's ``--proxy``), and no one lists them. A user of this host who learns a
+        name reaches the allowed hosts through the proxy, as it can without it. The caller removes
+        it."""
+        directory = tempfile.mkdtemp(prefix="dsh-bash-egress-")
+        os.chmod(directory, 0o711)
+        return directory
 
     async def abstract(self, allow_hosts: tuple[str, ...]) -> str:
         """The ``@NAME`` of the list's proxy on an abstract unix socket (:meth:`EgressProxy.listen`)."""

@@ -8,7 +8,6 @@ import os
 import posixpath
 import secrets
 import shutil
-import tempfile
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from functools import partial
@@ -377,14 +376,9 @@ class DockerBashExecutor(BashExecutor[DockerConfig]):
             ) from exc
 
     def _egress_directory(self) -> str:
-        """The host directory of the egress proxies' socket files (made at the first call).
-
-        0711: the container's processes, of whatever user, reach a file whose name they know (the
-        step's ``--proxy``), and no one lists them; the files are 0666. A user of this host who
-        learns a name reaches the allowed hosts through the proxy, as it can without it."""
+        """The host directory of the egress proxies' socket files (made at the first call)."""
         if self._egress_dir is None:
-            self._egress_dir = tempfile.mkdtemp(prefix="dsh-bash-egress-")
-            os.chmod(self._egress_dir, 0o711)
+            self._egress_dir = EgressProxies.mountable_directory()
         return self._egress_dir
 
     async def _egress_socket(self, allow_hosts: tuple[str, ...]) -> EgressRoute | None:

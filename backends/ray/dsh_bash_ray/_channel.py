@@ -50,7 +50,7 @@ _UNPROVEN_MAX = 32
 #: How long the harness waits for a connection to be made and proven.
 _CONNECT_BOUND_S = 5.0
 #: Idle connections kept per lease (more are opened while calls overlap, and closed after).
-_IDLE_KEPT = 8
+_IDLE_KEPT = 4
 _HEADER = struct.Struct("!I")
 #: The classes a message may carry beyond plain values.
 _CLASSES = {("dsh_bash_ray._node_host", "StartRequest"), ("signal", "Signals")}

@@ -587,8 +587,7 @@ class NodeHost:
         on this node's engine); removed with ``owner``'s release."""
         directory = self._egress_dirs.get(owner)
         if directory is None:
-            directory = self._egress_dirs[owner] = tempfile.mkdtemp(prefix="dsh-bash-egress-")
-            os.chmod(directory, 0o711)
+            directory = self._egress_dirs[owner] = EgressProxies.mountable_directory()
         return directory
 
     def _owner_helper(self, owner: str, func: Callable[..., Awaitable[Any]], *args: Any) -> None:
