@@ -105,6 +105,7 @@ async def test_a_harness_that_does_not_know_the_key_calls_nothing() -> None:
     with pytest.raises(ChannelBroken, match="does not know the key") as broken:
         await client.call("echo", ())
     assert not broken.value.sent
+    assert client.reached  # the address is right: a later lease tries again
 
     def skip_the_proof() -> bytes:
         with socket.create_connection((address.host, address.port), timeout=5) as sock:
@@ -188,3 +189,13 @@ async def test_a_cancelled_call_leaves_no_connection_for_the_next() -> None:
     service.release.set()
     assert await client.call("echo", (2,)) == (2,)
     client.close()
+
+
+async def test_an_address_nothing_listens_on_is_told_apart() -> None:
+    with socket.socket() as placeholder:
+        placeholder.bind(("127.0.0.1", 0))
+        port = placeholder.getsockname()[1]  # bound, not listening: refused
+        client = ChannelClient(ChannelAddress("127.0.0.1", port, b"k" * 32))
+        with pytest.raises(ChannelBroken, match="cannot connect") as broken:
+            await client.call("echo", ())
+    assert not broken.value.sent and not client.reached

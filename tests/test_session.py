@@ -251,3 +251,48 @@ async def test_a_name_the_policy_scrubs_after_a_reconfigure_leaves_the_sessions(
             ex.resolve(BashExecRequest(command='echo "${LATER_HIDDEN-none} $KEPT"', session=session))
         )
         assert seen.stdout.text == "none 1\n"
+
+
+def test_capture_files_go_to_a_directory_of_their_own_in_memory_and_leave_with_the_spill_dir(
+    tmp_path: Path,
+) -> None:
+    """On this host a session's capture goes to a file its bash writes a dozen times a command: in
+    memory (``/dev/shm``) where there is one, about 0.2 ms a command less than on ext4."""
+    from dsh_bash.host._spill_dir import HostSpillDir  # noqa: PLC0415
+
+    memory = tmp_path / "memory"
+    memory.mkdir()
+    spill = HostSpillDir(str(tmp_path), capture_parent=str(memory))
+    capture = Path(spill.new_capture_file())
+    captures = spill.capture_directory
+    assert captures is not None and capture.parent == Path(captures) and capture.parent.parent == memory
+    assert capture.stat().st_mode & 0o777 == 0o600 and os.stat(captures).st_mode & 0o777 == 0o700
+    # Full (or gone): the spill directory's own.
+    shutil.rmtree(captures)
+    assert Path(spill.new_capture_file()).parent == Path(spill.path)
+    spill.remove()
+    assert not Path(spill.path).exists()
+
+    spill = HostSpillDir(str(tmp_path), capture_parent=str(tmp_path / "none"))
+    assert Path(spill.new_capture_file()).parent == Path(spill.path) and spill.capture_directory is None
+    spill.remove()
+    spill = HostSpillDir(str(tmp_path), capture_parent=str(memory))
+    spill.new_capture_file()
+    spill.remove()
+    assert list(memory.iterdir()) == []
+
+
+@pytest.mark.anyio
+async def test_a_local_sessions_capture_is_in_memory_where_the_host_has_it(tmp_path: Path) -> None:
+    from dsh_bash_local import LocalBashExecutor  # noqa: PLC0415
+
+    from dsh_bash import BashExecRequest  # noqa: PLC0415
+
+    in_memory = os.path.isdir("/dev/shm")
+    async with LocalBashExecutor.from_fields(cwd=str(tmp_path)) as ex:
+        session = ex.session()
+        seen = await ex.run(ex.resolve(BashExecRequest(command="readlink /proc/$$/fd/19", session=session)))
+        assert seen.stdout.text.startswith("/dev/shm/dsh-bash-") == in_memory, seen.stdout.text
+        captures = os.path.dirname(seen.stdout.text.strip())
+        assert os.path.isdir(captures)
+    assert not os.path.exists(captures)

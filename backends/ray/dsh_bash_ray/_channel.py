@@ -219,9 +219,12 @@ class ChannelClient:
     """The harness's connections to one node host."""
 
     def __init__(self, address: ChannelAddress) -> None:
-        self._address = address
+        self.address = address
         self._idle: list[socket.socket] = []
         self._closed = False
+        #: A connection to the address was ever made (a proof that failed is not the address's
+        #: fault: a command on the node may hold the node host's unproven connections).
+        self.reached = False
 
     async def call(self, method: str, args: tuple[Any, ...]) -> Any:
         """``method(*args)`` on the node host; its exception raised here (:func:`raise_remote`);
@@ -253,7 +256,7 @@ class ChannelClient:
         return value
 
     async def _connect(self) -> socket.socket:
-        host, port, key = self._address
+        host, port, key = self.address
         try:
             infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
             family, _, _, _, sockaddr = infos[0]
@@ -271,6 +274,7 @@ class ChannelClient:
                 error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
                 if error:
                     raise OSError(error, os.strerror(error))
+                self.reached = True
                 ours = os.urandom(_NONCE)
                 await _send_all(sock, ours)
                 reply = await _receive_exactly(sock, _NONCE + _MAC)

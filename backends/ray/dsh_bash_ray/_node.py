@@ -357,6 +357,12 @@ def _is_actor_error(exc: BaseException) -> bool:
     return isinstance(exc, RayActorError | ActorUnavailableError)
 
 
+#: Node hosts' channel addresses (host, port) this process could not connect to at all (a Ray
+#: Client far from the nodes, a firewall): their later leases go over Ray at once, without another
+#: connect's wait.
+_unreachable: set[tuple[str, int]] = set()
+
+
 class Node:
     """A node host's actor and what it said of its node; every call through :meth:`call`, which
     turns the actor's death into ``node_lost`` (and remembers it: :attr:`lost`)."""
@@ -367,7 +373,9 @@ class Node:
         #: Why the node host is gone, once a call found it so.
         self.lost: BaseException | None = None
         #: The direct connections to the node host (None: every call over Ray).
-        self._channel = None if channel is None else ChannelClient(channel)
+        self._channel = None
+        if channel is not None and channel[:2] not in _unreachable:
+            self._channel = ChannelClient(channel)
         #: The leases holding this node (its channel closes with the last).
         self.holders = 0
 
@@ -391,6 +399,8 @@ class Node:
                 # Left for Ray from here on: it tells a node host that died from a connection
                 # that broke (which it then carries).
                 self.close_channel()
+                if not channel.reached:
+                    _unreachable.add(channel.address[:2])
                 if exc.sent and not idempotent:
                     await self._ray_call("exists", ("/",), idempotent=True)
                     self.lost = exc
