@@ -310,17 +310,26 @@ async def test_no_node_fits(ray_cluster: RayCluster) -> None:
 
 
 #: A driver connected by the backend, then a message of the cluster to every driver (as when a node
-#: is marked dead), and time for Ray's listening thread to print it.
+#: is marked dead), waited for where the backend sends it (Ray's listening thread takes seconds to
+#: pass it on under load), then a line of the harness's own.
 _CLUSTER_MESSAGE = """
-import logging, sys, time
+import logging, sys, threading
 import ray
 from ray._private.utils import publish_error_to_driver
 from dsh_bash_ray import RayConfig
 from dsh_bash_ray._node import connect
+
+seen = threading.Event()
+class Seen(logging.Handler):
+    def emit(self, record):
+        if "a node was marked dead" in record.getMessage():
+            seen.set()
 logging.basicConfig(stream=sys.stderr, format="%(name)s: %(message)s")
+logging.getLogger("dsh_bash.ray").addHandler(Seen())
 connect(RayConfig(address=sys.argv[1]))
 publish_error_to_driver("dsh_test", "a node was marked dead", ray._private.worker.global_worker.gcs_client)
-time.sleep(2)
+if not seen.wait(60):
+    sys.exit("the message did not come to the log within 60 s")
 print("the harness's own line")
 """
 
