@@ -395,17 +395,13 @@ class HostBashExecutor(BashExecutor[ConfigT_co]):
         return {"spill_dir": "/nonexistent/dsh-bash-kit-failing-open"}
 
     def kit_open_leftovers(self, executor: Any) -> list[str]:
-        """The spill and capture directories and the fork server that ``executor`` still holds and
-        that still exist."""
+        """The spill directory and the fork server that ``executor`` still holds and that still exist."""
         if not isinstance(executor, HostBashExecutor):
             return [f"not a {HostBashExecutor.__name__}: {type(executor).__name__}"]
         left = []
         spill = executor._spill_dir
         if spill is not None and os.path.exists(spill.path):
             left.append(f"the spill directory {spill.path}")
-        captures = None if spill is None else spill.capture_directory
-        if captures is not None and os.path.exists(captures):
-            left.append(f"the session capture directory {captures}")
         server = executor._server
         if server is not None and server.running:
             left.append("the fork server (dsh-supervise) still runs")
