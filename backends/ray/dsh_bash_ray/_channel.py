@@ -231,11 +231,9 @@ class ChannelClient:
         :class:`ChannelBroken` when the connection failed."""
         if self._closed:
             raise ChannelBroken("the channel was closed", sent=False)
+        request = dumps((method, args))  # before a connection is taken: a failure here holds none
         sock = self._idle.pop() if self._idle else await self._connect()
-        request = dumps((method, args))
-        sent = False
         try:
-            sent = True
             await _send_all(sock, _HEADER.pack(len(request)) + request)
             (size,) = _HEADER.unpack(await _receive_exactly(sock, _HEADER.size))
             if size > MAX_MESSAGE:
@@ -243,7 +241,8 @@ class ChannelClient:
             ok, value = loads(await _receive_exactly(sock, size))
         except (OSError, pickle.UnpicklingError, ValueError, TypeError) as exc:
             sock.close()
-            raise ChannelBroken(f"{method}: {exc}", sent=sent) from exc
+            # Whatever part of the request went, the node host may have taken it.
+            raise ChannelBroken(f"{method}: {exc}", sent=True) from exc
         except BaseException:
             sock.close()  # cancelled mid-call: what is left on it is not the next call's
             raise
