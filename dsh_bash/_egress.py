@@ -28,6 +28,7 @@ import anyio
 import anyio.abc
 
 from ._policy import host_allowed
+from ._sockets import CancelSafeUnixStream
 
 __all__ = ["PROXY_PORT", "EgressProxies", "EgressProxy"]
 
@@ -125,31 +126,33 @@ class EgressProxy:
             log.exception("egress proxy: a forwarder's connection failed")
 
     async def _forwarded(self, control: anyio.abc.SocketStream) -> None:
-        async with control:
-            if not (_from_this_user(control) and isinstance(control, anyio.abc.UNIXSocketStream)):
-                return
-            async with anyio.create_task_group() as tg:
-                while True:
+        if not (isinstance(control, anyio.abc.UNIXSocketStream) and _from_this_user(control)):
+            await control.aclose()
+            return
+        async with CancelSafeUnixStream(control) as handing, anyio.create_task_group() as tg:
+            while True:
+                try:
+                    message, fds = await handing.receive_fds(1, 1)
+                except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                    break
+                if not message and not fds:
+                    break
+                for fd in fds:
+                    try:  # a forwarder hands over TCP sockets; anything else is closed
+                        handed = socket.socket(fileno=fd)
+                    except OSError:
+                        os.close(fd)
+                        continue
                     try:
-                        message, fds = await control.receive_fds(1, 1)
-                    except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
-                        break
-                    if not message and not fds:
-                        break
-                    for fd in fds:
-                        try:  # a forwarder hands over TCP sockets; anything else is closed
-                            handed = socket.socket(fileno=fd)
-                        except OSError:
-                            os.close(fd)
-                            continue
-                        try:
-                            stream = await anyio.abc.SocketStream.from_socket(handed)
-                        except (OSError, ValueError):
-                            handed.close()
-                            continue
-                        tg.start_soon(self._handle, stream)
+                        stream = await anyio.abc.SocketStream.from_socket(handed)
+                    except (OSError, ValueError):
+                        handed.close()
+                        continue
+                    tg.start_soon(self._handle, stream)
 
     async def _handle(self, client: anyio.abc.ByteStream) -> None:
+        if isinstance(client, anyio.abc.UNIXSocketStream):
+            client = CancelSafeUnixStream(client)
         async with client:
             if self._serving >= self.max_connections:
                 reason = f"more than {self.max_connections} connections through it at once; close some first"

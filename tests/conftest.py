@@ -9,19 +9,15 @@ skipped module (``pytest.skip(..., allow_module_level=True)``) is listed at the 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Generator
-from typing import Any
 
 import pluggy
 import pytest
 import turns
-from anyio._backends._asyncio import TestRunner
 
 #: Docker, SSH (host sshd and containerized sshd), fault-suite and remote-engine (TLS, SSH) fixtures
 #: for every test module; ``soak``: the ``hostile`` marker, ``--rounds`` and ``--cpu-hog``.
@@ -39,37 +35,6 @@ pytest_plugins = [
 BACKEND_UNAVAILABLE = "backend unavailable:"
 
 _skipped_modules: list[str] = []
-
-
-def _is_anyio_unix_reader_race(context: dict[str, Any]) -> bool:
-    """The race in anyio 4.16's asyncio UNIX socket streams (the Docker engine client's transport):
-    a read cancelled by a bound leaves ``loop.add_reader(sock, future.set_result)`` registered until
-    the future's done callback runs, so a socket turning readable in that same loop pass sets the
-    result of the already cancelled future. asyncio only logs such a callback error; anyio's test
-    runner re-raises every one in the test. Only exactly this shape is let through (and logged):
-    ``InvalidStateError`` from a callback that is ``set_result`` of a cancelled future.
-    See docs/faults.md ("Found and not fixed")."""
-    callback = getattr(context.get("handle"), "_callback", None)
-    future = getattr(callback, "__self__", None)
-    return (
-        isinstance(context.get("exception"), asyncio.InvalidStateError)
-        and getattr(callback, "__name__", "") == "set_result"
-        and isinstance(future, asyncio.Future)
-        and future.cancelled()
-    )
-
-
-_anyio_exception_handler = TestRunner._exception_handler
-
-
-def _exception_handler(self: TestRunner, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-    if _is_anyio_unix_reader_race(context):
-        logging.getLogger("tests").warning("ignored anyio's UNIX socket reader race: %s", context["message"])
-        return
-    _anyio_exception_handler(self, loop, context)
-
-
-TestRunner._exception_handler = _exception_handler  # type: ignore[method-assign]
 
 
 #: Modules the quick check (``bin/test --quick``, marker ``quick``) leaves out although they need no

@@ -20,6 +20,9 @@ see ``README.md`` beside this file.
   :class:`CommandSpills` (one command's files, waited for before its outcome is reported).
 - Scripts: :func:`ascii_quote` makes one bash word in ASCII of any text (the same quoting the
   sessions' prologue uses for the values it replays).
+- Sockets: :class:`CancelSafeUnixStream` wraps an anyio unix socket stream so that a read or write
+  cancelled on asyncio leaves no reader behind (anyio 4.16's own can set the result of a cancelled
+  future then: an error in a loop callback); the Docker engine client's socket is one.
 - Imports: :func:`quiet_asyncssh_import` keeps the warning asyncssh's import prints under
   cryptography 51 off stderr (the SSH backend, and the Docker backend's ``ssh://`` engines).
 """
@@ -27,6 +30,7 @@ see ``README.md`` beside this file.
 from __future__ import annotations
 
 from .._bash_words import ascii_quote
+from .._sockets import CancelSafeUnixStream
 from ._bash_protocol import (
     BOOT_AT,
     BOOT_FAIL,
@@ -56,6 +60,7 @@ __all__ = [
     "KILL",
     "SPILL_DIR",
     "SPILL_WRITER",
+    "CancelSafeUnixStream",
     "CommandSpills",
     "CommandStart",
     "ExitTrailerFilter",

@@ -1,9 +1,11 @@
 """Where the engine is and how to reach it: one parser of ``DOCKER_HOST``, and httpcore2's network seam.
 
 httpcore2 speaks HTTP/1.1 (keep-alive, chunked bodies, the ``101`` of an exec's start); this module
-only dials. Unix sockets and plain TCP are anyio socket streams; TLS is an ``ssl.SSLObject`` over
-one, because an exec's stdin must be half-closed (TLS ``close_notify``, as the docker CLI's
-``CloseWrite`` does) while its output is still read, which anyio's ``TLSStream`` does not offer;
+only dials. Unix sockets and plain TCP are anyio socket streams (a unix one wrapped so that its
+cancelled reads are safe on asyncio: ``dsh_bash.remote.CancelSafeUnixStream``); TLS is an
+``ssl.SSLObject`` over one, because an exec's stdin must be half-closed (TLS ``close_notify``, as
+the docker CLI's ``CloseWrite`` does) while its output is still read, which anyio's ``TLSStream``
+does not offer;
 ``ssh://`` is one SSH connection per client, with a channel running ``docker system dial-stdio``
 per HTTP connection (the docker CLI starts a new ``ssh`` process for each).
 """
@@ -30,6 +32,7 @@ import sniffio
 
 from dsh_bash import BashInfrastructureError, ConfigError
 from dsh_bash.backend import Dialer
+from dsh_bash.remote import CancelSafeUnixStream
 
 if TYPE_CHECKING:
     import asyncssh
@@ -587,7 +590,7 @@ class EngineNetwork(httpcore2.AsyncNetworkBackend):
         endpoint = self.endpoint
         with anyio.fail_after(timeout):
             if endpoint.scheme == "unix":
-                return _SocketStream(await anyio.connect_unix(endpoint.path))
+                return _SocketStream(await CancelSafeUnixStream.connect(endpoint.path))
             if endpoint.scheme == "tcp":
                 stream = await anyio.connect_tcp(endpoint.host, endpoint.port)
                 with contextlib.suppress(OSError):
