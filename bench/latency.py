@@ -80,12 +80,19 @@ ROUND_TRIP = "interactive round trip (a line to `cat` on a terminal, read back) 
 SESSION = (
     "`true` in a shell session (a directory, 3 variables, a function) vs the same executor's plain `true`"
 )
+#: The row of a session command that may change the state, so that its capture runs (`cd .`, a
+#: builtin that costs what `true` does in a plain bash), beside the same executor's plain `true`.
+#: `true` itself cannot change the state and runs without the capture (docs/design/sessions.md).
+SESSION_CAPTURED = (
+    "`cd .` in a session (a command that may change the state: its capture runs) vs the same "
+    "executor's plain `true`"
+)
 #: What the session holds when it is timed: what an agent's session typically does hold.
 _SESSION_SETUP = "cd /tmp && export SESSION_A=1 SESSION_B=two PATH=$PATH:/opt/bench/bin && f() { echo f; }"
 
 
-async def in_session(ex: Any) -> Timed:
-    """A call of `true` in a session of ``ex`` that holds what :data:`_SESSION_SETUP` leaves."""
+async def in_session(ex: Any, command: str = "true") -> Timed:
+    """A call of ``command`` in a session of ``ex`` that holds what :data:`_SESSION_SETUP` leaves."""
     from dsh_bash import BashExecRequest  # noqa: PLC0415
 
     session = ex.session()
@@ -93,7 +100,7 @@ async def in_session(ex: Any) -> Timed:
     assert result.session is not None and result.session.kept_previous is None, result
 
     async def call() -> None:
-        await ex.run(ex.resolve(BashExecRequest(command="true", session=session)))
+        await ex.run(ex.resolve(BashExecRequest(command=command, session=session)))
 
     return call
 
@@ -174,7 +181,13 @@ async def bench_local(runs: int) -> list[tuple[str, str, float, float]]:
             await marker_ex.exec("true")
 
         session = await in_session(ex)
-        baselines = {"raw": raw, "marker": marker_only, "session": session, "policy": under_policy(ex)}
+        baselines = {
+            "raw": raw,
+            "marker": marker_only,
+            "session": session,
+            "captured": await in_session(ex, "cd ."),
+            "policy": under_policy(ex),
+        }
         rules = other_rules()
         baselines.update({rule: under_policy(ex, policy) for rule, policy in rules.items()})
         medians = await _alternate(runs, subject, baselines)
@@ -185,6 +198,7 @@ async def bench_local(runs: int) -> list[tuple[str, str, float, float]]:
         ("local", "the local executor with containment = marker", medians["subject"], medians["marker"]),
         ("local", ROUND_TRIP, interactive, medians["subject"]),
         ("local", SESSION, medians["session"], medians["subject"]),
+        ("local", SESSION_CAPTURED, medians["captured"], medians["subject"]),
         ("local", POLICY, medians["policy"], medians["subject"]),
         *(("local", RULE.format(rule=rule), medians[rule], medians["subject"]) for rule in rules),
     ]
@@ -225,7 +239,7 @@ async def bench_docker(runs: int, image: str) -> list[tuple[str, str, float, flo
         # case. Back to back, and 50 at once, most commands find no spare and pay a fresh exec.
         baselines = {
             "cli": cli, "sdk": sdk, "marker": marker_only, "session": await in_session(ex),
-            "policy": under_policy(ex),
+            "captured": await in_session(ex, "cd ."), "policy": under_policy(ex),
         }  # fmt: skip
         rules = other_rules(processes=False)  # image mode's network: loopback only, as the rules need
         baselines.update({rule: under_policy(ex, policy) for rule, policy in rules.items()})
@@ -256,6 +270,7 @@ async def bench_docker(runs: int, image: str) -> list[tuple[str, str, float, flo
         ("docker", "the Docker executor with containment = marker", medians["subject"], medians["marker"]),
         ("docker", ROUND_TRIP, interactive, medians["subject"]),
         ("docker", SESSION, medians["session"], medians["subject"]),
+        ("docker", SESSION_CAPTURED, medians["captured"], medians["subject"]),
         ("docker", POLICY, medians["policy"], medians["subject"]),
         *(("docker", RULE.format(rule=rule), medians[rule], medians["subject"]) for rule in rules),
     ]
@@ -311,8 +326,15 @@ async def bench_ssh(runs: int, server: Any = None) -> list[tuple[str, str, float
             # out of the baseline's timing. An agent's commands come seconds apart: warm is the
             # usual case. Back to back, the next command may wait for part of it.
             session = await in_session(ex)
+            captured = await in_session(ex, "cd .")
             await settle()
-            baselines = {"raw": raw, "marker": marker_only, "session": session, "policy": under_policy(ex)}
+            baselines = {
+                "raw": raw,
+                "marker": marker_only,
+                "session": session,
+                "captured": captured,
+                "policy": under_policy(ex),
+            }
             rules = other_rules()  # the login is not root: processes by a user namespace's count
             baselines.update({rule: under_policy(ex, policy) for rule, policy in rules.items()})
             medians = await _alternate(runs, subject, baselines, settle=settle)
@@ -349,6 +371,7 @@ async def bench_ssh(runs: int, server: Any = None) -> list[tuple[str, str, float
         ("ssh", "the SSH executor with containment = marker", medians["subject"], medians["marker"]),
         ("ssh", ROUND_TRIP, interactive, medians["subject"]),
         ("ssh", SESSION, medians["session"], medians["subject"]),
+        ("ssh", SESSION_CAPTURED, medians["captured"], medians["subject"]),
         ("ssh", POLICY, medians["policy"], medians["subject"]),
         *(("ssh", RULE.format(rule=rule), medians[rule], medians["subject"]) for rule in rules),
     ]

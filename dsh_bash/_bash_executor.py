@@ -73,6 +73,8 @@ from ._session import (
     CaptureError,
     SessionCapture,
     SessionState,
+    defined_names,
+    leaves_state_as_is,
     parse_capture,
     session_replay,
     state_after,
@@ -230,7 +232,7 @@ _SPARE_CAPTURE_BYTES = 64 * 1024
 class _Session:
     """One shell session: its owner and the state its next command gets."""
 
-    __slots__ = ("_replay", "last_capture", "last_env", "owner", "spare_file", "state")
+    __slots__ = ("_defined", "_replay", "last_capture", "last_env", "owner", "spare_file", "state")
 
     def __init__(self, owner: OwnerToken | None) -> None:
         self.owner = owner
@@ -243,6 +245,7 @@ class _Session:
         self.last_capture = b""
         self.last_env: dict[str, str] | None = None
         self._replay: tuple[SessionState, str] | None = None
+        self._defined: tuple[SessionState, frozenset[str]] | None = None
 
     def replay(self) -> str:
         """The replay of ``state`` for a request that sets neither env nor workdir, kept while the
@@ -251,6 +254,14 @@ class _Session:
         if cached is None or cached[0] is not self.state:
             cached = self._replay = (self.state, session_replay(self.state))
         return cached[1]
+
+    def leaves_state_as_is(self, command: str) -> bool:
+        """Whether ``command`` cannot change this session's state as it stands (its function and
+        alias names are read once per state)."""
+        cached = self._defined
+        if cached is None or cached[0] is not self.state:
+            cached = self._defined = (self.state, defined_names(self.state))
+        return leaves_state_as_is(command, cached[1])
 
     def reset(self) -> None:
         self.state = SessionState()
@@ -1044,10 +1055,19 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         ]
         capture = capture_file = None
         launch_spec = spec
+        session_start: SessionState | None = None
         if spec.session is not None:
             session = self._session_for(spec.session, spec.owner)
             capture_id = ""
             if not background:
+                session_start = session.state
+            # A command that cannot change the state needs no capture (R-session-carry): it leaves
+            # the state it started from. Not one that may run a function bash imports from its
+            # environment (`BASH_FUNC_name%%`): it is not the session's, and may be named like a program.
+            stateless = session.leaves_state_as_is(spec.command) and not any(
+                name.startswith("BASH_FUNC_") for name in env
+            )
+            if not background and not stateless:
                 capture_file, session.spare_file = session.spare_file, None
                 if capture_file is None:
                     capture_file = self._session_capture_file(marker)
@@ -1060,7 +1080,11 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             else:
                 replay = session.replay()
             wrapped = wrap_in_session(
-                spec.command, replay, capture=not background, capture_id=capture_id, capture_file=capture_file
+                spec.command,
+                replay,
+                capture=capture is not None,
+                capture_id=capture_id,
+                capture_file=capture_file,
             )
             launch_spec = spec.model_copy(update={"command": wrapped})
         confine, step_env = await self._confine_argv(spec, () if capture_file is None else (capture_file,))
@@ -1103,9 +1127,8 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         if background:
             task = BashTask(BashTaskId(f"bash-{next(self._task_numbers)}"), spec.command, spec.owner)
         command = _Command(launch, process, task, started_at)
-        if capture is not None:
-            command.capture_file = capture_file
-            command.session_start = session.state
+        command.capture_file = capture_file
+        command.session_start = session_start
         if self._state != "open":
             # aclose began while the backend was starting it.
             with anyio.CancelScope(shield=True):
@@ -1396,7 +1419,9 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             duration_ms=(time.monotonic() - command.started_at) * 1000,
             stdout=launch.stdout.collected(),
             stderr=launch.stderr.collected(),
-            session=None if launch.session is None else self._settle_session(command, exit_code, signal),
+            session=None
+            if command.session_start is None
+            else self._settle_session(command, exit_code, signal),
         )
 
     def _recycle_capture_file(self, command: _Command) -> None:
@@ -1421,11 +1446,11 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
         exited by itself, else the state it started from (``R-session-killed-keeps``)."""
         spec = command.spec
         capture = command.launch.session
-        assert spec.session is not None and capture is not None and command.session_start is not None
+        assert spec.session is not None and command.session_start is not None
         session = self._sessions.get(spec.session)
         if session is None:  # ended (end_session, aclose) while the command ran
             return SessionReport.model_construct(id=spec.session, cwd=None, kept_previous="the session ended")
-        if command.capture_file is not None:
+        if capture is not None and command.capture_file is not None:
             capture.feed(_read_capture_file(command.capture_file))
         kept: str | None = None
         cause = command.kill_cause
@@ -1435,6 +1460,10 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             kept = "the command was aborted"
         elif exit_code is None:
             kept = f"the command ended by {signal}" if signal else "the command did not exit by itself"
+        elif capture is None:
+            # A command that could not change the state: it leaves the state it started from, as
+            # its capture would have said (the last to end sets it).
+            session.state = command.session_start
         elif capture.overflowed:
             kept = f"its state came back larger than {MAX_SESSION_BYTES} bytes"
         else:

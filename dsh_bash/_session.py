@@ -30,6 +30,8 @@ __all__ = [
     "CaptureError",
     "SessionCapture",
     "SessionState",
+    "defined_names",
+    "leaves_state_as_is",
     "parse_capture",
     "session_replay",
     "state_after",
@@ -239,6 +241,51 @@ def wrap_in_session(
             head = f"exec {SESSION_FD}<>{ascii_quote(capture_file)}\n"
         head += f"{_FRESH}{capture_id}\n{_TRAP}\n"
     return head + replay + command
+
+
+# -- commands that cannot change the state ------------------------------------------------------------
+
+#: Builtins that change nothing a session keeps (directory, exported variables, options, functions,
+#: aliases, umask). Not ``printf`` or ``read`` (``-v``/a name may set an exported variable), not
+#: ``command`` or ``builtin`` (either runs ``cd``).
+_STATELESS_BUILTINS = frozenset({"true", "false", ":", "echo", "pwd", "test", "type", "kill", "exit"})
+#: bash 5.2's builtins (``compgen -b``) and reserved words (``compgen -k``): a command named by one
+#: of them, but the stateless ones, may change the state (``tests/test_session.py`` holds this list
+#: to the bash the tests run with).
+SHELL_WORDS = frozenset(
+    (  # noqa: SIM905 - as `compgen` prints them
+        ". : [ alias bg bind break builtin caller cd command compgen complete compopt continue declare "
+        "dirs disown echo enable eval exec exit export false fc fg getopts hash help history jobs kill "
+        "let local logout mapfile popd printf pushd pwd read readarray readonly return set shift shopt "
+        "source suspend test times trap true type typeset ulimit umask unalias unset wait "
+        "if then else elif fi case esac for select while until do done in function time { } ! [[ ]] coproc"
+    ).split()
+)
+#: One simple command of plain words: no quoting, expansion, redirection, assignment before the
+#: name, list or pipeline, comment or second line (globs only after the name).
+_PLAIN_COMMAND = re.compile(r"[ \t]*([A-Za-z0-9_./:@%+,-]+)(?:[ \t]+[A-Za-z0-9_./:@%+,=*?-]+)*[ \t]*\n?\Z")
+_FUNCTION_NAME = re.compile(r"^(\S+) \(\) $", re.MULTILINE)
+_ALIAS_NAME = re.compile(r"^alias (?:-- )?([^=\s]+)=", re.MULTILINE)
+
+
+def defined_names(state: SessionState) -> frozenset[str]:
+    """The names of the functions and aliases ``state`` defines (a command of such a name runs the
+    session's own code, which may change anything)."""
+    return frozenset(_FUNCTION_NAME.findall(state.functions)) | frozenset(_ALIAS_NAME.findall(state.aliases))
+
+
+def leaves_state_as_is(command: str, defined: frozenset[str]) -> bool:
+    """Whether ``command`` cannot change a session's state, whatever it does: one simple command of
+    plain words that runs a program, or a builtin that changes nothing a session keeps, and is no
+    function or alias of the session (``defined``). Such a command needs no capture: the state it
+    started from is the state it leaves. Conservative: False says only that it might change it."""
+    plain = _PLAIN_COMMAND.match(command)
+    if plain is None:
+        return False
+    name = plain.group(1)
+    if name in defined:
+        return False
+    return name not in SHELL_WORDS or name in _STATELESS_BUILTINS
 
 
 # -- reading a capture back ---------------------------------------------------------------------------

@@ -194,3 +194,36 @@ async def test_a_failed_open_leaves_no_spill_directory_and_no_fork_server() -> N
     while (left := sorted(set(_fork_servers()) - set(before))) and time.monotonic() < deadline:  # noqa: ASYNC110 - a process's end is polled
         await anyio.sleep(0.02)
     assert left == []
+
+
+async def test_a_session_command_that_cannot_change_the_state_runs_without_the_capture() -> None:
+    # `git`-like commands of plain words are most of an agent's: they run with the state replayed
+    # and no capture (dsh_bash._session.leaves_state_as_is), and leave the state as it stood.
+    async with _executor() as ex:
+        session = ex.session()
+
+        async def run(command: str, **fields: object) -> object:
+            return await ex.run(ex.resolve(BashExecRequest(command=command, session=session, **fields)))
+
+        await run("cd /tmp && export KEPT=1")
+        plain = await run("ls -d .")
+        assert plain.stdout.text == ".\n" and plain.session is not None
+        assert plain.session.cwd == "/tmp" and plain.session.kept_previous is None
+        timed_out = await run("sleep 5", timeout_ms=200)
+        assert timed_out.session is not None and timed_out.session.kept_previous == "the command timed out"
+        after = await run('echo "$PWD $KEPT"')
+        assert after.stdout.text == "/tmp 1\n"
+
+
+async def test_a_function_imported_from_the_environment_is_captured(monkeypatch: pytest.MonkeyPatch) -> None:
+    # bash imports `BASH_FUNC_name%%` of its environment (here the harness's, which commands inherit)
+    # as a function `name`: a command `ls` then runs it, not the program, and what it changes is the
+    # session's.
+    monkeypatch.setenv("BASH_FUNC_ls%%", "() {  export FROM_IMPORTED=yes\n}")
+    async with _executor() as ex:
+        session = ex.session()
+        await ex.run(ex.resolve(BashExecRequest(command="ls", session=session)))
+        after = await ex.run(
+            ex.resolve(BashExecRequest(command='echo "${FROM_IMPORTED-unset}"', session=session))
+        )
+        assert after.stdout.text == "yes\n"

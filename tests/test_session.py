@@ -19,8 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsh_bash._session import (
+    SHELL_WORDS,
     CaptureError,
     SessionState,
+    defined_names,
+    leaves_state_as_is,
     parse_capture,
     parse_exports,
     session_replay,
@@ -251,3 +254,96 @@ async def test_a_name_the_policy_scrubs_after_a_reconfigure_leaves_the_sessions(
             ex.resolve(BashExecRequest(command='echo "${LATER_HIDDEN-none} $KEPT"', session=session))
         )
         assert seen.stdout.text == "none 1\n"
+
+
+# -- commands that cannot change the state (run without the capture) ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "true",
+        "ls -la /tmp",
+        "git status",
+        "pytest -x tests/",
+        "python -m http.server 8000",
+        "ls *.py",
+        "make CC=clang",
+        "  echo done  ",
+        "pwd\n",
+        "exit 3",
+        "./run.sh --fast",
+    ],
+)
+def test_a_plain_command_leaves_the_state_as_is(command: str) -> None:
+    assert leaves_state_as_is(command, frozenset())
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "cd /tmp",
+        "export A=1",
+        "A=1 ls",
+        "x=1",
+        "unset A",
+        "set -e",
+        "shopt -s extglob",
+        "umask 077",
+        "alias ll=ls",
+        "f() { :; }",
+        "source env.sh",
+        ". env.sh",
+        "eval ls",
+        "exec ls",
+        "printf -v PATH x",
+        "read A",
+        "command cd /",
+        "builtin cd /",
+        "declare -x A=1",
+        "pushd /",
+        "trap x EXIT",
+        "enable -n cd",
+        "ls; cd /",
+        "ls && cd /",
+        "ls | cd /",
+        "ls\ncd /",
+        "echo $(cd /)",
+        "echo `cd /`",
+        "ls > out",
+        "ls 'a b'",
+        'ls "$HOME"',
+        "echo ${A:=1}",
+        "ls # x",
+        "(cd /)",
+        "{ cd /; }",
+        "if true; then :; fi",
+        "ls\n\n",
+        "",
+    ],
+)
+def test_a_command_that_may_change_the_state_is_captured(command: str) -> None:
+    assert not leaves_state_as_is(command, frozenset())
+
+
+def test_a_command_named_like_a_function_or_alias_of_the_session_is_captured(tmp_path: Path) -> None:
+    _, state = step(
+        tmp_path,
+        "ls() { cd /; }; function my-tool { :; }; shopt -s expand_aliases; alias gs='cd /'; alias -- -x=y",
+        SessionState(),
+    )
+    assert defined_names(state) == {"ls", "my-tool", "gs", "-x"}
+    for command in ("ls", "ls -la", "my-tool x", "gs"):
+        assert not leaves_state_as_is(command, defined_names(state))
+    assert leaves_state_as_is("git status", defined_names(state))
+
+
+def test_the_shell_words_are_this_bashs_builtins_and_reserved_words() -> None:
+    listed = subprocess.run(
+        [BASH, "--noprofile", "--norc", "-c", "compgen -b; compgen -k"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=BASE_ENV,
+    ).stdout.split()
+    assert set(listed) <= SHELL_WORDS, set(listed) - SHELL_WORDS

@@ -54,8 +54,8 @@ def _kept(ctx: CheckContext, result: BashRunResult, what: str) -> None:
     clause="R-session-carry",
     rule="A command run in a session gets the state the session's last command left at its exit: the "
     "directory, exported variables (added, changed, unset), `set -o` and `shopt` options, functions, "
-    "aliases and umask; a request's own `workdir` wins for that command alone; a background task starts "
-    "from the state.",
+    "aliases and umask (a command that runs a function of the session changes it too); a request's own "
+    "`workdir` wins for that command alone; a background task starts from the state.",
 )
 async def session_carries_state(ctx: CheckContext) -> None:
     async with ctx.executor() as ex:
@@ -91,6 +91,17 @@ async def session_carries_state(ctx: CheckContext) -> None:
         ctx.expect(
             _out(third) == "unset changed\n",
             f"after `unset KIT_A; export KIT_B=changed` the next command saw {_out(third)!r}",
+        )
+        # A command of one plain word runs the session's function of that name, not the program:
+        # what the function changes is the session's (a harness that skips the capture of commands
+        # that look like they change nothing must not skip this one).
+        await _run(ctx, ex, session, "ls() { export KIT_FROM_FN=ran; }")
+        await _run(ctx, ex, session, "ls")
+        after_fn = await _run(ctx, ex, session, 'echo "${KIT_FROM_FN-unset}"; unset -f ls')
+        ctx.expect(
+            _out(after_fn) == "ran\n",
+            f"after a command `ls` that ran the session's function `ls` (which exports KIT_FROM_FN), the "
+            f"next command saw {_out(after_fn)!r}: the function's change was lost",
         )
         elsewhere = await _run(ctx, ex, session, "builtin pwd -P", workdir="/")
         ctx.expect(
