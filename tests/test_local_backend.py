@@ -206,9 +206,13 @@ async def test_a_session_command_that_cannot_change_the_state_runs_without_the_c
             return await ex.run(ex.resolve(BashExecRequest(command=command, session=session, **fields)))
 
         await run("cd /tmp && export KEPT=1")
-        plain = await run("ls -d .")
-        assert plain.stdout.text == ".\n" and plain.session is not None
+        # Without the capture no descriptor 19 is opened for the command (with it, `ls` inherits it).
+        plain = await run("ls /proc/self/fd")
+        assert "19" not in plain.stdout.text.split(), plain.stdout.text
+        assert plain.session is not None
         assert plain.session.cwd == "/tmp" and plain.session.kept_previous is None
+        captured = await run("ls /proc/self/fd; cd .")
+        assert "19" in captured.stdout.text.split(), captured.stdout.text
         timed_out = await run("sleep 5", timeout_ms=200)
         assert timed_out.session is not None and timed_out.session.kept_previous == "the command timed out"
         after = await run('echo "$PWD $KEPT"')
