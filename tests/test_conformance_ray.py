@@ -283,6 +283,44 @@ async def test_a_node_host_waits_for_the_next_executor_then_ends_itself(ray_clus
     assert await _gone(second, within_s=10), "a node host with node_host_idle_ms = 0 outlived its executor"
 
 
+@pytest.mark.docker
+async def test_a_node_host_without_an_idle_wait_removes_the_proxies_directory(
+    ray_cluster: RayCluster, docker_test_image: str
+) -> None:
+    """``inner = "docker"`` with ``node_host_idle_ms = 0``: the allow-list's proxies live in a
+    directory of the node host's that the container mounts; the last executor's close releases it,
+    and the node host, ending at once, ends after that release (a kill from the harness could come
+    first and leave the directory on the node). Each round a fresh node host."""
+    from dsh_bash import SandboxPolicy, load_executor  # noqa: PLC0415
+
+    policy = SandboxPolicy(network="allow-list", allow_hosts=("example.com",))
+    for _ in range(3):
+        ex: Any = load_executor(
+            {
+                "backend": "ray",
+                "inner": "docker",
+                "image": docker_test_image,
+                "resources": {SECOND: 1},
+                "node_host_idle_ms": 0,
+            }
+        )
+        async with ex:
+            done = await ex.run(ex.resolve(BashExecRequest(command="true", policy=policy)))
+            assert done.exit_code == 0, done
+            directory = await ex.config.engine_dialer.egress_directory()
+            assert os.path.isdir(directory), directory
+        assert await _removed(directory, within_s=10), f"{directory} outlived its node host"
+
+
+async def _removed(path: str, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        await anyio.sleep(0.1)
+    return True
+
+
 async def test_executors_opened_as_the_idle_node_host_ends_all_open(ray_cluster: RayCluster) -> None:
     """Opens that meet a node host at the end of its idle wait (ending, or just gone) get a new one
     on the same node: never an error, never another node (the placement pins the second node, so

@@ -275,13 +275,13 @@ async def _lease(node_ids: list[str], idle_s: float) -> NodeLease:
                 _give_back(node_id, idle_s)
                 raise
             if not idled:
-                _give_back(node_id, 0)
+                _give_back(node_id, 0, dead=True)
                 raise _DiedAtOpen(node_id, exc) from exc
             leased = None
         if leased is not None:
             return NodeLease(Node(actor, *leased), idle_s)
         if not idled:  # a new node host that is ending at once: not its idle wait
-            _give_back(node_id, 0)
+            _give_back(node_id, 0, dead=True)
             raise _DiedAtOpen(node_id, RuntimeError("it ended at once"))
         actor, epoch = _renew(node_id, actor)
         idled = False
@@ -327,8 +327,13 @@ def _renew(node_id: str, ended: Any) -> tuple[Any, int]:
         return host.actor, host.epoch
 
 
-def _give_back(node_id: str, idle_s: float) -> None:
-    """One lease less; at none, the node host waits ``idle_s`` for the next and ends (0: at once)."""
+def _give_back(node_id: str, idle_s: float, *, dead: bool = False) -> None:
+    """One lease less; at none, the node host waits ``idle_s`` for the next and ends (0: at once).
+
+    A live node host ends itself (its ``idle``), after the calls this process sent it before: the
+    last executor's release of its proxies' directory among them (a ``ray.kill`` sent from here
+    could overtake it and leave the directory on the node). A ``dead`` one (lost, or ending as it
+    was leased) is killed from here."""
     with _lock:
         host = _hosts.get(node_id)
         if host is None:
@@ -336,17 +341,17 @@ def _give_back(node_id: str, idle_s: float) -> None:
         host.leases -= 1
         if host.leases > 0:
             return
-        if idle_s > 0:
-            host.epoch += 1
+        host.epoch += 1
+        epoch = host.epoch
+        if idle_s > 0 and not dead:
             host.idled = True
-            epoch = host.epoch
         else:
             del _hosts[node_id]
     try:
-        if idle_s > 0:
-            host.actor.idle.remote(epoch, idle_s)  # its reply is not waited for: nothing to wait for
-        else:
+        if dead:
             _ray().kill(host.actor, no_restart=True)
+        else:
+            host.actor.idle.remote(epoch, idle_s)  # its reply is not waited for: nothing to wait for
     except Exception as exc:  # the cluster may be gone already
         log.debug("ending the node host on %s: %s", node_id[:12], exc)
 
@@ -460,4 +465,5 @@ class NodeLease:
             if self.node.holders == 0:
                 self.node.close_channel()
             # A node host found dead is ended at once (its replacement starts at the next lease).
-            _give_back(self.node.info.node_id, self.idle_s if self.node.lost is None else 0)
+            lost = self.node.lost is not None
+            _give_back(self.node.info.node_id, 0 if lost else self.idle_s, dead=lost)
