@@ -264,7 +264,7 @@ SHELL_WORDS = frozenset(
 #: One simple command of plain words: no quoting, expansion, redirection, assignment before the
 #: name, list or pipeline, comment or second line (globs only after the name).
 _PLAIN_COMMAND = re.compile(r"[ \t]*([A-Za-z0-9_./:@%+,-]+)(?:[ \t]+[A-Za-z0-9_./:@%+,=*?-]+)*[ \t]*\n?\Z")
-_FUNCTION_NAME = re.compile(r"^(\S+) \(\) $", re.MULTILINE)
+_FUNCTION_NAME = re.compile(r"^(?:function )?(\S+) \(\) $", re.MULTILINE)
 _ALIAS_NAME = re.compile(r"^alias (?:-- )?([^=\s]+)=", re.MULTILINE)
 
 

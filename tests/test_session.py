@@ -329,10 +329,12 @@ def test_a_command_that_may_change_the_state_is_captured(command: str) -> None:
 def test_a_command_named_like_a_function_or_alias_of_the_session_is_captured(tmp_path: Path) -> None:
     _, state = step(
         tmp_path,
-        "ls() { cd /; }; function my-tool { :; }; shopt -s expand_aliases; alias gs='cd /'; alias -- -x=y",
+        "ls() { cd /; }; function my-tool { :; }; function do { :; }; shopt -s expand_aliases; "
+        "alias gs='cd /'; alias -- -x=y",
         SessionState(),
     )
-    assert defined_names(state) == {"ls", "my-tool", "gs", "-x"}
+    # bash prints a function named by a reserved word as `function do () `.
+    assert defined_names(state) == {"ls", "my-tool", "do", "gs", "-x"}
     for command in ("ls", "ls -la", "my-tool x", "gs"):
         assert not leaves_state_as_is(command, defined_names(state))
     assert leaves_state_as_is("git status", defined_names(state))
