@@ -170,8 +170,10 @@ async def test_a_node_that_dies_ends_its_container_commands_once_as_lost(
     assert "is gone" in str(at_close.value), at_close.value
     assert time.monotonic() - closing < 15
     assert len(ended) == 1
-    assert await eventually_gone("3133", within_s=20) == []
-    assert await eventually_gone("3134", within_s=20) == []
+    # Long markers: a short one ("3133") matched the command lines of other tests' Ray processes
+    # (their ports), once.
+    assert await eventually_gone("31339127", within_s=20) == []
+    assert await eventually_gone("31349127", within_s=20) == []
 
 
 async def _container_ends(container_id: str, within_s: float) -> bool:
@@ -199,19 +201,19 @@ def _remove_container(container_id: str) -> None:
 async def _doomed(ex: Any, ended: list[str], ray_cluster: RayCluster, node: Any) -> None:
     """The body of the test above: a task and a run, then the node killed under them."""
     ex.on_task_done(lambda task: ended.append(task.id))
-    task = await ex.start(ex.resolve(BashExecRequest(command="sleep 3133")))
+    task = await ex.start(ex.resolve(BashExecRequest(command="sleep 31339127")))
     failure: list[BaseException] = []
 
     async def foreground() -> None:
         try:
-            await ex.exec("sleep 3134")
+            await ex.exec("sleep 31349127")
         except BashInfrastructureError as exc:
             failure.append(exc)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(foreground)
-        await wait_for_processes("3133", within_s=20)
-        await wait_for_processes("3134", within_s=20)
+        await wait_for_processes("31339127", within_s=20)
+        await wait_for_processes("31349127", within_s=20)
         await anyio.to_thread.run_sync(ray_cluster.cluster.remove_node, node, False)
     assert len(failure) == 1, failure
     with anyio.fail_after(30):
