@@ -1064,10 +1064,11 @@ class BashExecutor(ABC, Generic[ConfigT_co]):
             # A command that cannot change the state needs no capture (R-session-carry): it leaves
             # the state it started from. Not one that may run a function bash imports from its
             # environment (`BASH_FUNC_name%%`): it is not the session's, and may be named like a program.
-            stateless = session.leaves_state_as_is(spec.command) and not any(
-                name.startswith("BASH_FUNC_") for name in env
+            captured = not background and not (
+                session.leaves_state_as_is(spec.command)
+                and not any(name.startswith("BASH_FUNC_") for name in env)
             )
-            if not background and not stateless:
+            if captured:
                 capture_file, session.spare_file = session.spare_file, None
                 if capture_file is None:
                     capture_file = self._session_capture_file(marker)
